@@ -1,0 +1,31 @@
+"""The attention backend protocol: plan once per forward from the batch, then forward per layer."""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+import torch
+
+from blockspec.kv.pool import KVPool
+from blockspec.runner.forward_batch import ForwardBatch
+
+
+class AttentionBackend(Protocol):
+    pool: KVPool
+
+    def plan(self, batch: ForwardBatch) -> Any:
+        """Returns metadata for this batch; the caller stores it in `batch.attn_meta`."""
+        ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] of the new tokens (stored at batch.out_cache_loc first).
+
+        Returns [T, Hq * D]. Causal over prefix + new tokens unless the mode is DRAFT; layers with a
+        sliding window only see keys within the window behind the query.
+        """
+        ...
+
+
+def layer_window(windows: Optional[list[Optional[int]]], layer_id: int) -> Optional[int]:
+    return None if windows is None else windows[layer_id]

@@ -1,0 +1,78 @@
+"""Reference attention in plain torch: gathers each request's paged K/V and runs masked SDPA (CPU or GPU)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.attention.base import layer_window
+from blockspec.kv.pool import KVPool
+from blockspec.runner.forward_batch import ForwardBatch
+
+
+@dataclass
+class TorchAttentionMeta:
+    kv_slots: torch.Tensor  # [bs, max_kv] slot of each key position (dummy slot 0 past seq_len)
+    query_rows: torch.Tensor  # [bs, max_q] row of each query in the flat batch (-1 = padding)
+    query_positions: torch.Tensor  # [bs, max_q]
+    key_valid: torch.Tensor  # [bs, 1, 1, max_kv]
+    key_positions: torch.Tensor  # [max_kv]
+
+
+class TorchAttentionBackend:
+    def __init__(self, pool: KVPool, scale: float, sliding_windows: Optional[list[Optional[int]]] = None) -> None:
+        self.pool = pool
+        self.scale = scale
+        self.sliding_windows = sliding_windows
+
+    def plan(self, batch: ForwardBatch) -> TorchAttentionMeta:
+        device = batch.input_ids.device
+        bs = batch.batch_size
+        max_kv = max(batch.seq_lens_cpu)
+        max_q = max(batch.extend_lens_cpu)
+        key_positions = torch.arange(max_kv, device=device)
+        key_valid = key_positions[None, :] < batch.seq_lens[:, None]
+        kv_slots = batch.req_to_token[batch.req_rows, :max_kv]
+        kv_slots = torch.where(key_valid, kv_slots, torch.zeros_like(kv_slots))
+        query_rows = torch.full((bs, max_q), -1, dtype=torch.int64)
+        start = 0
+        for i, n in enumerate(batch.extend_lens_cpu):
+            query_rows[i, :n] = torch.arange(start, start + n)
+            start += n
+        query_rows = query_rows.to(device)
+        query_positions = torch.where(query_rows >= 0, batch.positions[query_rows.clamp(min=0)], 0)
+        return TorchAttentionMeta(kv_slots, query_rows, query_positions, key_valid[:, None, None, :], key_positions)
+
+    def _mask(self, meta: TorchAttentionMeta, causal: bool, window: Optional[int]) -> torch.Tensor:
+        mask = meta.key_valid.expand(-1, 1, meta.query_rows.shape[1], -1)
+        distance = meta.query_positions[:, None, :, None] - meta.key_positions[None, None, None, :]
+        if causal:
+            mask = mask & (distance >= 0)
+        if window is not None:
+            mask = mask & (distance < window)
+        return mask
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: TorchAttentionMeta = batch.attn_meta
+        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        keys = self.pool.k[layer_id][meta.kv_slots].transpose(1, 2)  # [bs, Hk, max_kv, D]
+        values = self.pool.v[layer_id][meta.kv_slots].transpose(1, 2)
+        queries = q[meta.query_rows.clamp(min=0)].transpose(1, 2)  # [bs, Hq, max_q, D]
+        group = queries.shape[1] // keys.shape[1]
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        mask = self._mask(meta, batch.mode.is_causal, layer_window(self.sliding_windows, layer_id))
+        out = F.scaled_dot_product_attention(
+            queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=mask, scale=self.scale
+        )
+        # NOTE: a padded query row may have no valid key (NaN); those rows are dropped below.
+        out = out.transpose(1, 2)  # [bs, max_q, Hq, D]
+        valid = meta.query_rows >= 0
+        flat = torch.empty_like(q)
+        flat[meta.query_rows[valid]] = out[valid]
+        return flat.reshape(q.shape[0], -1)

@@ -1,0 +1,98 @@
+"""EngineConfig: every engine flag, named as in SGLang, validated once."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+SPECULATIVE_ALGORITHMS = (None, "DFLASH")
+DEFAULT_CUDA_GRAPH_BS = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    tokenizer_path: Optional[str] = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    page_size: int = 1
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.85
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 8192
+    context_length: Optional[int] = None
+    random_seed: int = 0
+    log_level: str = "warning"
+    speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    cuda_graph_bs: list[int] = field(default_factory=lambda: list(DEFAULT_CUDA_GRAPH_BS))
+    disable_cuda_graph: bool = False
+    enforce_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        if "model_path" not in kwargs:
+            raise ValueError("model_path is required")
+        return cls(**kwargs)
+
+    def _validate(self) -> None:
+        def positive(name: str, value: Optional[int]) -> None:
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ValueError("model_path must be a non-empty path")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        positive("page_size", self.page_size)
+        positive("max_total_tokens", self.max_total_tokens)
+        positive("max_running_requests", self.max_running_requests)
+        positive("context_length", self.context_length)
+        positive("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
+        positive("piecewise_cuda_graph_max_tokens", self.piecewise_cuda_graph_max_tokens)
+        if not isinstance(self.chunked_prefill_size, int) or (self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1):
+            raise ValueError(f"chunked_prefill_size must be -1 (off) or a positive integer, got {self.chunked_prefill_size!r}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
+        if isinstance(self.speculative_algorithm, str):
+            self.speculative_algorithm = self.speculative_algorithm.upper()
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be DFLASH or unset, got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm and not self.speculative_draft_model_path:
+            raise ValueError("speculative_draft_model_path is required with speculative_algorithm DFLASH")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
+            raise ValueError("speculative_num_draft_tokens must be >= 2")
+        if not self.cuda_graph_bs or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_bs):
+            raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
+
+    @property
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but CUDA is not available")
+        return device
+
+    @property
+    def chunk_budget(self) -> Optional[int]:
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size

@@ -1,0 +1,160 @@
+"""Engine: the offline API, shaped like SGLang's `sgl.Engine`."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from blockspec.config import EngineConfig
+from blockspec.request import Req, SamplingParams
+from blockspec.runner.model_runner import ModelRunner
+from blockspec.runner.worker import TargetWorker
+from blockspec.scheduler import Scheduler, Worker
+from blockspec.tokenizer import chat_to_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SamplingArg = Union[None, dict[str, Any], Sequence[dict[str, Any]]]
+
+
+class Engine:
+    """`Engine(model_path=..., **flags)`; keywords are the CLI flags in snake_case."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(**kwargs)
+        logging.basicConfig(level=self.config.log_level.upper())
+        self.tokenizer = None
+        if not self.config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(
+                self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code
+            )
+        self.runner, self.worker = self._build_workers()
+        target = self.runner.target_config
+        eos = list(target.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(int(self.tokenizer.eos_token_id))
+        self.scheduler = Scheduler(
+            self.config,
+            self.worker,
+            self.runner.allocator,
+            self.runner.req_to_token,
+            self.runner.context_length,
+            target.vocab_size,
+            eos,
+            self.tokenizer,
+            self.runner.device,
+        )
+
+    def _build_workers(self) -> tuple[ModelRunner, Worker]:
+        if self.config.speculative_algorithm == "DFLASH":
+            from blockspec.spec.dflash import build_dflash_worker
+
+            return build_dflash_worker(self.config)
+        runner = ModelRunner(self.config)
+        return runner, TargetWorker(runner)
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def _prompts_to_ids(
+        self, prompt: Union[None, str, list[str]], input_ids: Union[None, list[int], list[list[int]]]
+    ) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt or input_ids")
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not input_ids:
+                raise ValueError("input_ids must be a non-empty list of token ids or of lists of token ids")
+            single = all(isinstance(t, int) for t in input_ids)
+            batch = [input_ids] if single else input_ids
+            for ids in batch:
+                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("input_ids must contain lists of integers")
+            return [list(ids) for ids in batch], single  # type: ignore[arg-type]
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init=True")
+        single = isinstance(prompt, str)
+        texts = [prompt] if single else prompt
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("prompt must be a string or a list of strings")
+        return [list(self.tokenizer.encode(t)) for t in texts], single
+
+    def chat_input_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("chat messages need a tokenizer; this engine runs with skip_tokenizer_init=True")
+        return chat_to_ids(self.tokenizer, messages)
+
+    def make_requests(
+        self,
+        prompt: Union[None, str, list[str]] = None,
+        input_ids: Union[None, list[int], list[list[int]]] = None,
+        sampling_params: SamplingArg = None,
+        rid: Union[None, str, list[str]] = None,
+    ) -> tuple[list[Req], bool]:
+        """Validates everything first, so a bad request leaves nothing queued."""
+        batch, single = self._prompts_to_ids(prompt, input_ids)
+        if sampling_params is None or isinstance(sampling_params, dict):
+            params = [SamplingParams.from_dict(sampling_params)] * len(batch)
+        else:
+            if len(sampling_params) != len(batch):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts")
+            params = [SamplingParams.from_dict(p) for p in sampling_params]
+        rids = [rid] if isinstance(rid, str) else rid
+        if rids is not None and len(rids) != len(batch):
+            raise ValueError(f"got {len(rids)} rids for {len(batch)} prompts")
+        reqs = [Req(ids, p, rids[i] if rids else None) for i, (ids, p) in enumerate(zip(batch, params))]
+        for req in reqs:
+            self.scheduler.check_request(req)
+        return reqs, single
+
+    # ---- offline API -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Union[None, str, list[str]] = None,
+        sampling_params: SamplingArg = None,
+        input_ids: Union[None, list[int], list[list[int]]] = None,
+        rid: Union[None, str, list[str]] = None,
+    ) -> Union[dict[str, Any], list[dict[str, Any]]]:
+        reqs, single = self.make_requests(prompt, input_ids, sampling_params, rid)
+        for req in reqs:
+            self.scheduler.add_request(req)
+        pending = {req.rid for req in reqs}
+        while pending:
+            for req in self.scheduler.step():
+                pending.discard(req.rid)
+        outputs = [self.output_of(req) for req in reqs]
+        return outputs[0] if single else outputs
+
+    @staticmethod
+    def output_of(req: Req) -> dict[str, Any]:
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
+
+    def get_server_info(self) -> dict[str, Any]:
+        allocator = self.runner.allocator
+        internal: dict[str, Any] = {
+            "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+            "num_retractions": self.scheduler.num_retractions,
+        }
+        internal.update(getattr(self.worker, "stats", lambda: {})())
+        return {
+            "model_path": self.config.model_path,
+            "speculative_algorithm": self.config.speculative_algorithm,
+            "device": str(self.runner.device),
+            "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "context_length": self.runner.context_length,
+            "page_size": self.config.page_size,
+            "kv_cache": {"total_slots": allocator.total_slots, "free_slots": allocator.free_slots},
+            "internal_states": [internal],
+        }
+
+    def shutdown(self) -> None:
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self.scheduler.abort(req.rid)
+        self.scheduler.collect_finished()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,87 @@
+"""Paged slot allocation and the req→token table.
+
+A KV slot is `page * page_size + offset`. Page 0 is reserved as the dummy page: padded rows of a
+batch write there, so it is never handed to a request.
+"""
+from __future__ import annotations
+
+import torch
+
+from blockspec.request import Req
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (one is the dummy page)")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def total_slots(self) -> int:
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def extra_pages_needed(self, req: Req, new_len: int) -> int:
+        return max(0, self.pages_for(new_len) - len(req.pages))
+
+    def can_grow(self, req: Req, new_len: int) -> bool:
+        return self.extra_pages_needed(req, new_len) <= len(self._free_pages)
+
+    def grow(self, req: Req, new_len: int, table: "ReqToTokenTable") -> None:
+        """Give `req` slots for positions [allocated_len, new_len) and write them into its table row."""
+        if new_len <= req.allocated_len:
+            return
+        extra = self.extra_pages_needed(req, new_len)
+        if extra > len(self._free_pages):
+            raise MemoryError("KV pool exhausted")  # callers check can_grow first
+        for _ in range(extra):
+            req.pages.append(self._free_pages.pop())
+        positions = torch.arange(req.allocated_len, new_len)
+        pages = torch.tensor(req.pages, dtype=torch.int64)
+        slots = pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        assert req.pool_row is not None
+        table.write(req.pool_row, req.allocated_len, slots)
+        req.allocated_len = new_len
+
+    def shrink(self, req: Req, new_len: int) -> None:
+        """Release positions >= new_len; pages still holding a kept position stay with the request."""
+        keep = self.pages_for(new_len)
+        for page in reversed(req.pages[keep:]):
+            self._free_pages.append(page)
+        del req.pages[keep:]
+        req.allocated_len = min(req.allocated_len, new_len)
+
+    def release(self, req: Req) -> None:
+        self.shrink(req, 0)
+
+
+class ReqToTokenTable:
+    """Row per admitted request: slot index of each of its positions (on the model's device)."""
+
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device) -> None:
+        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+        self.max_context_len = max_context_len
+        self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def acquire(self) -> int:
+        return self._free_rows.pop()
+
+    def release(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start:start + slots.numel()] = slots.to(self.table.device)

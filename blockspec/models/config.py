@@ -1,0 +1,115 @@
+"""Target model configuration parsed from an HF `config.json` (transformers 4.x and 5.x spellings)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class TargetConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+
+def parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, llama3, linear)")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos_ids(raw: dict[str, Any]) -> list[int]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
+    architectures = raw.get("architectures") or []
+    arch = architectures[0] if architectures else _MODEL_TYPE_TO_ARCH.get(raw.get("model_type", ""), "")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        name = arch or raw.get("model_type") or "<none>"
+        raise ValueError(
+            f"unsupported model architecture {name!r}; blockspec serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        return TargetConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope=parse_rope(raw),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=_eos_ids(raw),
+            raw=raw,
+        )
+    except KeyError as missing:
+        raise ValueError(f"config.json lacks required field {missing.args[0]!r}") from None
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.name} not found in {path.parent}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_target_config(model_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> TargetConfig:
+    raw = load_json(Path(model_dir) / "config.json")
+    raw.update(overrides or {})
+    return parse_target_config(raw)

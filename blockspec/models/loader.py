@@ -1,0 +1,92 @@
+"""Loads HF-style model directories: config.json + *.safetensors (single or sharded with an index)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.models.config import TargetConfig, load_target_config
+from blockspec.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory {root} does not exist")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [str(p.name) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} names shard(s) missing from {root}: {', '.join(missing)}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {root}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights_into(
+    module: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], ignore: tuple[str, ...] = ()
+) -> None:
+    """Copies named tensors into `module`; every parameter must be filled with its exact shape."""
+    params = dict(module.named_parameters())
+    filled: set[str] = set()
+    for name, tensor in weights:
+        if name.startswith(ignore) or name not in params:
+            if not name.startswith(ignore):
+                logger.debug("ignoring checkpoint tensor %s", name)
+            continue
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, the config implies {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+def load_target_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> tuple[CausalLM, TargetConfig]:
+    config = load_target_config(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    ignore = ("lm_head.",) if config.tie_word_embeddings else ()
+    load_weights_into(model, iter_safetensors(model_dir), ignore=ignore)
+    model.eval()
+    return model, config

@@ -1,0 +1,134 @@
+"""Requests, sampling parameters and finish reasons."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+_request_counter = itertools.count()
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, SGLang names. Validated by `validate()`."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: Optional[dict[str, Any]]) -> "SamplingParams":
+        raw = dict(raw or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        if isinstance(raw.get("stop"), str):
+            raw["stop"] = [raw["stop"]]
+        for key in ("stop", "stop_token_ids"):
+            if raw.get(key) is None:
+                raw.pop(key, None)
+        params = cls(**raw)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Finish:
+    reason: FinishReason
+    matched: Optional[int | str] = None
+    message: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.reason.value}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+class Req:
+    """One generation request. `all_ids` = prompt + output; `kv_len` tokens of it have target KV."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, rid: Optional[str] = None) -> None:
+        self.rid = rid if rid is not None else f"req-{next(_request_counter)}"
+        self.prompt_len = len(prompt_ids)
+        self.all_ids: list[int] = list(prompt_ids)
+        self.params = params
+        self.kv_len = 0
+        self.pool_row: Optional[int] = None  # row in the req→token table while admitted
+        self.allocated_len = 0  # positions with a KV slot assigned
+        self.pages: list[int] = []
+        self.finish: Optional[Finish] = None
+        self.text = ""  # detokenised output, stop strings removed
+        self.generator: Optional[torch.Generator] = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: Optional[float] = None
+        self.spec_verify_ct = 0
+        self.spec_accepted_tokens = 0
+        self.spec_accept_lengths: list[int] = []
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.all_ids[self.prompt_len:]
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens whose KV is not computed yet (while decoding: the last committed token)."""
+        return len(self.all_ids) - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    def meta_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_len,
+            "completion_tokens": len(self.output_ids),
+            "finish_reason": self.finish.to_dict() if self.finish else None,
+        }
+        if self.spec_verify_ct:
+            info["spec_verify_ct"] = self.spec_verify_ct
+            info["spec_accept_length"] = self.spec_accepted_tokens / self.spec_verify_ct
+        return info

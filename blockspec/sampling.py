@@ -1,0 +1,55 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p with per-request seeded generators."""
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import torch
+
+from blockspec.request import Req, SamplingParams
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from: softmax(logits / T) restricted by top-k, top-p, min-p.
+
+    logits: [..., V] float32. Greedy params give a one-hot on the argmax.
+    """
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_k > 0 and params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        cumulative = sorted_probs.cumsum(-1)
+        total = cumulative[..., -1:]
+        # NOTE: a token is kept when the mass strictly before it is below top_p (the top token always stays).
+        keep_sorted = (cumulative - sorted_probs) < params.top_p * total
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    if params.min_p > 0.0:
+        threshold = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample_next_tokens(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
+    """One token per row of `logits` [n, V], row i sampled for reqs[i]."""
+    greedy = logits.argmax(-1).tolist()
+    tokens: list[int] = []
+    for i, req in enumerate(reqs):
+        if req.params.is_greedy:
+            tokens.append(int(greedy[i]))
+            continue
+        assert req.generator is not None
+        probs = sampling_probs(logits[i], req.params)
+        tokens.append(int(torch.multinomial(probs, 1, generator=req.generator).item()))
+    return tokens

@@ -1,0 +1,234 @@
+"""Continuous batching: admission by KV budget, chunked prefill, decode, retraction, finish checks."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Optional, Protocol, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from blockspec.config import EngineConfig
+from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+from blockspec.request import Finish, FinishReason, Req
+from blockspec.sampling import make_generator, sample_next_tokens
+from blockspec.tokenizer import IncrementalDetokenizer, find_stop
+
+logger = logging.getLogger(__name__)
+
+
+class Worker(Protocol):
+    @property
+    def decode_slots_per_req(self) -> int: ...
+
+    def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor: ...
+
+    def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        worker: Worker,
+        allocator: PageAllocator,
+        table: ReqToTokenTable,
+        context_length: int,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        tokenizer: Optional[PreTrainedTokenizerBase],
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.worker = worker
+        self.allocator = allocator
+        self.table = table
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.device = device
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_retractions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def check_request(self, req: Req) -> None:
+        """Raises ValueError for a request that can never be served."""
+        if req.prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in req.all_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if req.prompt_len >= self.context_length:
+            raise ValueError(
+                f"the prompt has {req.prompt_len} tokens; the context length is {self.context_length}"
+            )
+        if req.prompt_len + self.worker.decode_slots_per_req > self.allocator.total_slots:
+            raise ValueError(
+                f"the prompt has {req.prompt_len} tokens and can never fit the KV pool "
+                f"({self.allocator.total_slots} slots); raise max_total_tokens"
+            )
+        if req.params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+
+    def add_request(self, req: Req) -> None:
+        self.check_request(req)
+        if not req.params.is_greedy:
+            req.generator = make_generator(req.params, self.device)
+        if self.tokenizer is not None:
+            self.detokenizers[req.rid] = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        if req.params.max_new_tokens == 0:
+            req.finish = Finish(FinishReason.LENGTH, matched=0)
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid and not req.finished:
+                req.finish = Finish(FinishReason.ABORT, message="aborted by the client")
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one engine step -------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Runs one forward (an extend batch if any prompt work can be scheduled, else a decode batch).
+
+        Returns the requests that finished (or were aborted) during this step."""
+        done = self.collect_finished()
+        reqs, lens = self._schedule_extend()
+        if reqs:
+            logits = self.worker.extend(reqs, lens)
+            ready = [i for i, req in enumerate(reqs) if req.pending_len == 0]
+            if ready:
+                tokens = sample_next_tokens(logits[ready], [reqs[i] for i in ready])
+                for i, token in zip(ready, tokens):
+                    self._commit(reqs[i], [token])
+        else:
+            decode_reqs = self._reserve_decode()
+            if decode_reqs:
+                for req, tokens in zip(decode_reqs, self.worker.decode(decode_reqs)):
+                    self._commit(req, tokens)
+                    self.allocator.shrink(req, req.kv_len)
+        return done + self.collect_finished()
+
+    def _decode_headroom(self, num_running: int) -> int:
+        pages = self.allocator.pages_for(self.worker.decode_slots_per_req) + 1
+        return num_running * pages * self.allocator.page_size
+
+    def _schedule_extend(self) -> tuple[list[Req], list[int]]:
+        budget = self.config.chunk_budget or 1 << 62
+        reqs: list[Req] = []
+        lens: list[int] = []
+        for req in self.running:
+            if budget <= 0 or req.pending_len <= 1:
+                continue
+            n = min(req.pending_len, budget)
+            if not self.allocator.can_grow(req, req.kv_len + n):
+                break
+            self.allocator.grow(req, req.kv_len + n, self.table)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests and self.table.free_rows:
+            req = self.waiting[0]
+            if req.pending_len + self.worker.decode_slots_per_req > self.allocator.total_slots:
+                self.waiting.popleft()
+                req.finish = Finish(FinishReason.LENGTH, message="the sequence no longer fits the KV pool")
+                self.running.append(req)  # collected as finished next step
+                continue
+            n = min(req.pending_len, budget)
+            need = self.allocator.pages_for(n) * self.allocator.page_size
+            if self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1) and self.running:
+                break
+            if not self.allocator.can_grow(req, n):
+                break
+            self.waiting.popleft()
+            req.pool_row = self.table.acquire()
+            self.allocator.grow(req, n, self.table)
+            self.running.append(req)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        return reqs, lens
+
+    def _reserve_decode(self) -> list[Req]:
+        """Gives every decoding request slots for its next step, retracting the newest requests if needed."""
+        slots = self.worker.decode_slots_per_req
+        while True:
+            decode_reqs = [r for r in self.running if r.pending_len == 1 and not r.finished]
+            needed = sum(self.allocator.extra_pages_needed(r, r.kv_len + slots) for r in decode_reqs)
+            if needed * self.allocator.page_size <= self.allocator.free_slots:
+                break
+            victim = self.running[-1]
+            if len(self.running) == 1:
+                victim.finish = Finish(FinishReason.LENGTH, message="the sequence no longer fits the KV pool")
+                return []
+            self._retract(victim)
+        for req in decode_reqs:
+            self.allocator.grow(req, req.kv_len + slots, self.table)
+        return decode_reqs
+
+    def _retract(self, req: Req) -> None:
+        logger.info("KV pool full: retracting %s to the waiting queue", req.rid)
+        self.num_retractions += 1
+        self._release(req)
+        req.kv_len = 0
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        if req.pool_row is not None:
+            self.allocator.release(req)
+            self.table.release(req.pool_row)
+            req.pool_row = None
+
+    def collect_finished(self) -> list[Req]:
+        finished = [r for r in self.running if r.finished] + [r for r in self.waiting if r.finished]
+        for req in finished:
+            self._release(req)
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            detok = self.detokenizers.pop(req.rid, None)
+            if detok is not None and req.finish is not None and req.finish.reason != FinishReason.STOP:
+                req.text += detok.flush()
+        return finished
+
+    # ---- committing tokens -----------------------------------------------------------------
+    def _commit(self, req: Req, tokens: list[int]) -> None:
+        """Appends tokens one by one, stopping at the first finish condition."""
+        if req.finished:
+            return
+        for token in tokens:
+            req.all_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            req.finish = self._check_finish(req, token)
+            if req.finish is not None:
+                return
+
+    def _check_finish(self, req: Req, token: int) -> Optional[Finish]:
+        params = req.params
+        detok = self.detokenizers.get(req.rid)
+        if detok is not None:
+            before = len(req.text)
+            req.text += detok.push(token)
+            if params.stop:
+                hit = find_stop(req.text, params.stop, before)
+                if hit is not None:
+                    req.text = req.text[:hit[0]]
+                    return Finish(FinishReason.STOP, matched=hit[1])
+        if len(req.output_ids) >= params.max_new_tokens:
+            return Finish(FinishReason.LENGTH, matched=len(req.output_ids))
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return Finish(FinishReason.STOP, matched=token)
+        if len(req.all_ids) >= self.context_length:
+            return Finish(FinishReason.LENGTH, matched=len(req.output_ids))
+        return None
