@@ -134,7 +134,8 @@ class Engine:
             "num_waiting_reqs": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions,
         }
-        internal.update(getattr(self.worker, "stats", lambda: {})())
+        if self.worker.is_speculative:
+            internal.update(self.scheduler.spec_stats())
         return {
             "model_path": self.config.model_path,
             "speculative_algorithm": self.config.speculative_algorithm,

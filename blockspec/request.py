@@ -105,7 +105,6 @@ class Req:
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.spec_verify_ct = 0
-        self.spec_accepted_tokens = 0
         self.spec_accept_lengths: list[int] = []
 
     @property
@@ -130,5 +129,5 @@ class Req:
         }
         if self.spec_verify_ct:
             info["spec_verify_ct"] = self.spec_verify_ct
-            info["spec_accept_length"] = self.spec_accepted_tokens / self.spec_verify_ct
+            info["spec_accept_length"] = len(self.output_ids) / self.spec_verify_ct  # as SGLang reports it
         return info

@@ -22,6 +22,9 @@ class Worker(Protocol):
     @property
     def decode_slots_per_req(self) -> int: ...
 
+    @property
+    def is_speculative(self) -> bool: ...
+
     def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor: ...
 
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
@@ -53,6 +56,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_retractions = 0
+        self.spec_verify_ct = 0  # (request, verify forward) pairs
+        self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
+        self.spec_accept_histogram = [0] * (worker.decode_slots_per_req + 1)
 
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, req: Req) -> None:
@@ -113,8 +119,10 @@ class Scheduler:
             decode_reqs = self._reserve_decode()
             if decode_reqs:
                 for req, tokens in zip(decode_reqs, self.worker.decode(decode_reqs)):
-                    self._commit(req, tokens)
+                    committed = self._commit(req, tokens)
                     self.allocator.shrink(req, req.kv_len)
+                    if self.worker.is_speculative:
+                        self._record_spec(req, committed)
         return done + self.collect_finished()
 
     def _decode_headroom(self, num_running: int) -> int:
@@ -202,17 +210,33 @@ class Scheduler:
         return finished
 
     # ---- committing tokens -----------------------------------------------------------------
-    def _commit(self, req: Req, tokens: list[int]) -> None:
-        """Appends tokens one by one, stopping at the first finish condition."""
+    def _record_spec(self, req: Req, committed: int) -> None:
+        req.spec_verify_ct += 1
+        req.spec_accept_lengths.append(committed)
+        self.spec_verify_ct += 1
+        self.spec_committed_tokens += committed
+        self.spec_accept_histogram[committed] += 1
+
+    def spec_stats(self) -> dict[str, object]:
+        avg = self.spec_committed_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
+        return {
+            "avg_spec_accept_length": avg,
+            "spec_verify_ct": self.spec_verify_ct,
+            "spec_accept_length_histogram": list(self.spec_accept_histogram),
+        }
+
+    def _commit(self, req: Req, tokens: list[int]) -> int:
+        """Appends tokens one by one, stopping at the first finish condition; returns how many were appended."""
         if req.finished:
-            return
-        for token in tokens:
+            return 0
+        for appended, token in enumerate(tokens, start=1):
             req.all_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             req.finish = self._check_finish(req, token)
             if req.finish is not None:
-                return
+                return appended
+        return len(tokens)
 
     def _check_finish(self, req: Req, token: int) -> Optional[Finish]:
         params = req.params

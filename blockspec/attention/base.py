@@ -6,7 +6,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from blockspec.kv.pool import KVPool
-from blockspec.runner.forward_batch import ForwardBatch
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(Protocol):
@@ -29,3 +29,10 @@ class AttentionBackend(Protocol):
 
 def layer_window(windows: Optional[list[Optional[int]]], layer_id: int) -> Optional[int]:
     return None if windows is None else windows[layer_id]
+
+
+def layer_is_causal(mode: ForwardMode, draft_layer_causal: Optional[list[bool]], layer_id: int) -> bool:
+    """Target forwards are causal; draft layers are non-causal unless the draft marks them causal (sliding)."""
+    if mode is not ForwardMode.DRAFT:
+        return True
+    return bool(draft_layer_causal[layer_id]) if draft_layer_causal is not None else False

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from blockspec.attention.base import layer_window
+from blockspec.attention.base import layer_is_causal, layer_window
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch
 
@@ -22,10 +22,17 @@ class TorchAttentionMeta:
 
 
 class TorchAttentionBackend:
-    def __init__(self, pool: KVPool, scale: float, sliding_windows: Optional[list[Optional[int]]] = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        scale: float,
+        sliding_windows: Optional[list[Optional[int]]] = None,
+        draft_layer_causal: Optional[list[bool]] = None,
+    ) -> None:
         self.pool = pool
         self.scale = scale
         self.sliding_windows = sliding_windows
+        self.draft_layer_causal = draft_layer_causal
 
     def plan(self, batch: ForwardBatch) -> TorchAttentionMeta:
         device = batch.input_ids.device
@@ -51,7 +58,7 @@ class TorchAttentionBackend:
         if causal:
             mask = mask & (distance >= 0)
         if window is not None:
-            mask = mask & (distance < window)
+            mask = mask & (distance < window) & (causal | (-distance < window))
         return mask
 
     def forward(
@@ -66,7 +73,8 @@ class TorchAttentionBackend:
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-        mask = self._mask(meta, batch.mode.is_causal, layer_window(self.sliding_windows, layer_id))
+        causal = layer_is_causal(batch.mode, self.draft_layer_causal, layer_id)
+        mask = self._mask(meta, causal, layer_window(self.sliding_windows, layer_id))
         out = F.scaled_dot_product_attention(
             queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=mask, scale=self.scale
         )

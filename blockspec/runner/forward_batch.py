@@ -14,10 +14,6 @@ class ForwardMode(enum.Enum):
     VERIFY = "verify"  # B block tokens per request, causal, on top of the target KV
     DRAFT = "draft"  # DFlash propose: B queries per request, non-causal over draft context + block
 
-    @property
-    def is_causal(self) -> bool:
-        return self is not ForwardMode.DRAFT
-
 
 @dataclass
 class ForwardBatch:

@@ -22,6 +22,10 @@ class TargetWorker:
     def decode_slots_per_req(self) -> int:
         return 1
 
+    @property
+    def is_speculative(self) -> bool:
+        return False
+
     def build_extend_batch(self, reqs: Sequence[Req], chunk_lens: Sequence[int], capture: tuple[int, ...] = ()) -> ForwardBatch:
         token_ids = [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
         logits_rows = list(torch.tensor(list(chunk_lens)).cumsum(0).sub(1).tolist())

@@ -1,0 +1,109 @@
+"""The DFlash block-diffusion draft: Qwen3-style layers conditioned on projected target hidden states."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from blockspec.attention.base import AttentionBackend
+from blockspec.kv.pool import KVPool
+from blockspec.layers.activation import GatedMLP
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.models.draft_config import DraftConfig
+from blockspec.models.loader import iter_safetensors, load_weights_into
+from blockspec.runner.forward_batch import ForwardBatch
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DraftConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        t = context.shape[0]
+        k = self.k_norm(self.k_proj(context).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(context).view(t, self.num_kv_heads, self.head_dim)
+        return rotary.apply_one(positions, k), v
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q = self.q_norm(self.q_proj(hidden).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(batch.positions, q, k)
+        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DraftConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(config, layer_id)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, batch, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDraftModel(nn.Module):
+    """No embedding and no lm_head: the target's are used (see spec/dflash.py)."""
+
+    def __init__(self, config: DraftConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
+
+    def materialise_context(self, aux_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:
+        """Writes draft K/V of committed tokens: k = rope(k_norm(k_proj(c))), v = v_proj(c), c = hidden_norm(fc(aux)).
+
+        NOTE: context features do not pass input_layernorm (z-lab's reference does the same)."""
+        context = self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+        for layer in self.layers:
+            k, v = layer.self_attn.context_kv(context, positions, self.rotary)
+            pool.store(layer.self_attn.layer_id, slots, k, v)
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Block hidden states [T, H] (final-normed); batch.input_embeds holds the block's target embeddings."""
+        assert batch.input_embeds is not None
+        batch.attn_meta = backend.plan(batch)
+        hidden = batch.input_embeds
+        for layer in self.layers:
+            hidden = layer(hidden, self.rotary, batch, backend)
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        logits = lm_head(hidden).float() * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def load_draft_model(
+    draft_dir: str | Path, config: DraftConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> DFlashDraftModel:
+    with torch.device("meta"):
+        model = DFlashDraftModel(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
+    weights = ((name.removeprefix("model."), tensor) for name, tensor in iter_safetensors(draft_dir))
+    load_weights_into(model, weights)
+    return model.eval()

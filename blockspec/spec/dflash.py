@@ -1,0 +1,135 @@
+"""DFlashWorker: prefill with aux capture, then propose (draft) → verify (target) → commit, batched."""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from blockspec.attention.torch_backend import TorchAttentionBackend
+from blockspec.config import EngineConfig
+from blockspec.kv.pool import KVPool
+from blockspec.models.config import load_target_config
+from blockspec.models.dflash_draft import DFlashDraftModel, load_draft_model
+from blockspec.models.draft_config import DraftConfig, load_draft_config
+from blockspec.request import Req
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+from blockspec.runner.model_runner import ModelRunner, pick_dtype
+from blockspec.runner.worker import TargetWorker
+from blockspec.sampling import sampling_probs
+from blockspec.spec.acceptance import greedy_accept, rejection_accept
+
+logger = logging.getLogger(__name__)
+
+
+class DFlashWorker(TargetWorker):
+    """Each decode step is one spec cycle: a draft forward and a target verify forward over B tokens/request."""
+
+    def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, draft_pool: KVPool, block_size: int) -> None:
+        super().__init__(runner)
+        self.draft = draft
+        self.draft_config: DraftConfig = draft.config
+        self.draft_pool = draft_pool
+        self.block_size = block_size
+        self.capture = tuple(self.draft_config.target_layer_ids)
+        self.draft_attention = TorchAttentionBackend(
+            draft_pool,
+            scale=self.draft_config.head_dim ** -0.5,
+            sliding_windows=self.draft_config.layer_windows,
+            draft_layer_causal=self.draft_config.layer_causal,
+        )
+
+    @property
+    def decode_slots_per_req(self) -> int:
+        return self.block_size
+
+    @property
+    def is_speculative(self) -> bool:
+        return True
+
+    def _materialise(self, aux: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor) -> None:
+        self.draft.materialise_context(aux[rows], batch.positions[rows], batch.out_cache_loc[rows], self.draft_pool)
+
+    @torch.inference_mode()
+    def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor:
+        batch = self.build_extend_batch(reqs, chunk_lens, self.capture)
+        output = self.run_extend(batch, reqs)
+        assert output.aux_hidden is not None
+        self._materialise(output.aux_hidden, batch, torch.arange(batch.num_tokens, device=batch.positions.device))
+        return output.logits
+
+    def _block_batch(self, mode: ForwardMode, blocks: list[list[int]], reqs: Sequence[Req], capture: tuple[int, ...] = ()) -> ForwardBatch:
+        return build_batch(
+            mode,
+            blocks,
+            [req.kv_len for req in reqs],
+            [req.pool_row for req in reqs],  # type: ignore[misc]
+            self.runner.req_to_token.table,
+            list(range(len(blocks) * self.block_size)),
+            capture,
+        )
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Req]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Proposals d_1..d_{B-1} per request, and the draft distributions they were sampled from (None if greedy)."""
+        b = self.block_size
+        blocks = [[req.all_ids[-1]] + [self.draft_config.mask_token_id] * (b - 1) for req in reqs]
+        batch = self._block_batch(ForwardMode.DRAFT, blocks, reqs)
+        batch.input_embeds = self.runner.model.embed(batch.input_ids) * self.draft_config.input_embedding_scale
+        hidden = self.draft(batch, self.draft_attention).view(len(reqs), b, -1)[:, 1:]
+        logits = self.draft.logits(hidden, self.runner.model.lm_head)  # [bs, B-1, V]
+        greedy = logits.argmax(-1).tolist()
+        proposals: list[list[int]] = []
+        draft_probs: list[torch.Tensor | None] = []
+        for i, req in enumerate(reqs):
+            if req.params.is_greedy:
+                proposals.append(greedy[i])
+                draft_probs.append(None)
+                continue
+            probs = sampling_probs(logits[i], req.params)
+            proposals.append(torch.multinomial(probs, 1, generator=req.generator).squeeze(-1).tolist())
+            draft_probs.append(probs)
+        return proposals, draft_probs
+
+    @torch.inference_mode()
+    def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
+        """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
+        b = self.block_size
+        proposals, draft_probs = self.propose(reqs)
+        blocks = [[req.all_ids[-1]] + props for req, props in zip(reqs, proposals)]
+        batch = self._block_batch(ForwardMode.VERIFY, blocks, reqs, self.capture)
+        output = self.runner.forward(batch)
+        logits = output.logits.view(len(reqs), b, -1)
+        target_argmax = logits.argmax(-1).tolist()
+        committed: list[list[int]] = []
+        keep_rows: list[int] = []
+        for i, req in enumerate(reqs):
+            if draft_probs[i] is None:
+                accepted, bonus = greedy_accept(proposals[i], target_argmax[i])
+            else:
+                accepted, bonus = rejection_accept(proposals[i], draft_probs[i], logits[i], req.params, req.generator)
+            # NOTE: the block input tokens 0..accepted now have valid target KV; their features feed the draft.
+            keep_rows.extend(range(i * b, i * b + accepted + 1))
+            req.kv_len += accepted + 1
+            committed.append(proposals[i][:accepted] + [bonus])
+        assert output.aux_hidden is not None
+        self._materialise(output.aux_hidden, batch, torch.tensor(keep_rows, device=batch.positions.device))
+        return committed
+
+
+def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker]:
+    assert config.speculative_draft_model_path is not None
+    target_config = load_target_config(config.model_path)
+    draft_config = load_draft_config(config.speculative_draft_model_path, target_config)
+    block_size = config.speculative_num_draft_tokens or draft_config.block_size
+    device = config.resolved_device
+    dtype = pick_dtype(config, device)
+    draft_bytes = KVPool.bytes_per_slot(draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim, dtype)
+    runner = ModelRunner(config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=block_size)
+    draft = load_draft_model(config.speculative_draft_model_path, draft_config, runner.dtype, runner.device, runner.max_positions)
+    draft_pool = KVPool(
+        runner.kv_pool.num_slots, draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim,
+        runner.dtype, runner.device,
+    )
+    logger.info("DFlash draft: %d layers, block %d, taps %s", draft_config.num_layers, block_size, draft_config.target_layer_ids)
+    return runner, DFlashWorker(runner, draft, draft_pool, block_size)

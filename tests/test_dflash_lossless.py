@@ -1,0 +1,162 @@
+"""DFlash greedy output == target-only greedy output, batched, with chunked prefill, page sizes 1 and 16;
+stops inside an accepted block; pools free afterwards; bad draft configs fail clearly."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from blockspec import Engine
+from draft_training import train_tiny_draft
+from tiny_models import save_tiny_draft, save_tiny_model
+
+pytest.importorskip("dflash.model")
+
+PROMPTS = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33, 5, 9, 26)]
+GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("dflash_lossless")
+    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
+    save_tiny_draft(root / "random_draft", target, [0, 2], 8, num_layers=2, seed=3)
+    trained = save_tiny_draft(root / "trained_draft", target, [0, 2], 8, num_layers=2, seed=4)
+    train_tiny_draft(trained, target, steps=200)
+    trained.save_pretrained(root / "trained_draft")
+    return {"root": root, "target": target}
+
+
+def engine_for(root: Path, draft: str | None, page_size: int, **extra: Any) -> Engine:
+    spec = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(root / draft)} if draft else {}
+    return Engine(
+        model_path=str(root / "target"), device="cpu", dtype="float32", page_size=page_size, max_total_tokens=4096,
+        chunked_prefill_size=16, skip_tokenizer_init=True, **spec, **extra,
+    )
+
+
+def assert_pools_free(engine: Engine) -> None:
+    info = engine.get_server_info()
+    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("draft", ["random_draft", "trained_draft"])
+def test_greedy_lossless(models: dict[str, Any], page_size: int, draft: str) -> None:
+    root = models["root"]
+    expected = [o["output_ids"] for o in engine_for(root, None, page_size).generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    engine = engine_for(root, draft, page_size)
+    outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outputs] == expected
+    stats = engine.get_server_info()["internal_states"][0]
+    assert stats["avg_spec_accept_length"] >= 1.0
+    if draft == "trained_draft":
+        assert stats["avg_spec_accept_length"] > 1.5
+    for o in outputs:
+        assert o["meta_info"]["spec_verify_ct"] >= 1
+    assert_pools_free(engine)
+
+
+def test_small_pool_retracts_and_stays_lossless(models: dict[str, Any]) -> None:
+    root = models["root"]
+    expected = [o["output_ids"] for o in engine_for(root, None, 4).generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    engine = engine_for(root, "trained_draft", 4, max_total_tokens=160)
+    outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outputs] == expected
+    assert_pools_free(engine)
+
+
+@pytest.mark.parametrize("stop_kind", ["eos", "stop_token_ids", "max_new_tokens"])
+def test_stop_inside_accepted_block(models: dict[str, Any], stop_kind: str) -> None:
+    """Pick a stop that lands inside an accepted multi-token block; the result equals target-only decoding."""
+    root = models["root"]
+    baseline = engine_for(root, None, 1)
+    engine = engine_for(root, "trained_draft", 1)
+    probe = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    hits = 0
+    for prompt, out in zip(PROMPTS, probe):
+        reqs, _ = engine.make_requests(input_ids=prompt, sampling_params=GREEDY)
+        tokens = out["output_ids"]
+        # a position k > 1 such that the token there is not its first occurrence-in-output (so stop lands mid-block)
+        for k in range(2, len(tokens) - 1):
+            if tokens[k] not in tokens[:k]:
+                break
+        else:
+            continue
+        params: dict[str, Any] = {"temperature": 0, "max_new_tokens": 48}
+        if stop_kind == "eos":
+            params["ignore_eos"] = False
+            stop_token = tokens[k]
+            baseline_engine = engine_for(root, None, 1, speculative_num_draft_tokens=None)
+            baseline_engine.scheduler.eos_token_ids = {stop_token}
+            engine.scheduler.eos_token_ids = {stop_token}
+            want = baseline_engine.generate(input_ids=prompt, sampling_params=params)
+        elif stop_kind == "stop_token_ids":
+            params.update(ignore_eos=True, stop_token_ids=[tokens[k]])
+            want = baseline.generate(input_ids=prompt, sampling_params=params)
+        else:
+            params.update(ignore_eos=True, max_new_tokens=k + 1)
+            want = baseline.generate(input_ids=prompt, sampling_params=params)
+        got = engine.generate(input_ids=prompt, sampling_params=params)
+        assert got["output_ids"] == want["output_ids"] == tokens[: k + 1]
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        hits += 1
+        del reqs
+    assert hits >= 3
+    engine.scheduler.eos_token_ids = {2}
+    assert_pools_free(engine)
+
+
+def write_draft_config(root: Path, name: str, **changes: Any) -> Path:
+    source = root / "trained_draft"
+    target = root / name
+    target.mkdir(exist_ok=True)
+    raw = json.loads((source / "config.json").read_text())
+    for key, value in changes.items():
+        if key.startswith("dflash_config."):
+            raw["dflash_config"][key.split(".", 1)[1]] = value
+        elif value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    (target / "config.json").write_text(json.dumps(raw))
+    for weights in source.glob("*.safetensors"):
+        (target / weights.name).write_bytes(weights.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"dflash_config.mask_token_id": 5000}, "mask_token_id"),
+        ({"dflash_config.target_layer_ids": [0, 9]}, "target_layer_ids"),
+        ({"hidden_size": 48}, "hidden_size"),
+        ({"conv_kernel_size": 4}, "DFlash2"),
+        ({"architectures": ["DFlash2DraftModel"]}, "not supported"),
+    ],
+)
+def test_bad_draft_config_fails_clearly(models: dict[str, Any], changes: dict[str, Any], message: str) -> None:
+    root = models["root"]
+    name = "bad_" + "_".join(k.replace(".", "_") for k in changes)
+    write_draft_config(root, name, **changes)
+    with pytest.raises(ValueError, match=message):
+        engine_for(root, name, 1)
+
+
+def test_missing_layer_ids_use_default_spread(models: dict[str, Any]) -> None:
+    from blockspec.models.draft_config import default_target_layer_ids
+
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert default_target_layer_ids(8, 1) == [4]
+    root = models["root"]
+    write_draft_config(root, "no_layer_ids", **{"dflash_config.target_layer_ids": None})
+    raw = json.loads((root / "no_layer_ids" / "config.json").read_text())
+    raw["dflash_config"].pop("target_layer_ids")
+    (root / "no_layer_ids" / "config.json").write_text(json.dumps(raw))
+    engine = engine_for(root, "no_layer_ids", 1)
+    assert engine.worker.capture == (1, 1) or len(engine.worker.capture) == 2  # type: ignore[attr-defined]
