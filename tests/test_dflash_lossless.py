@@ -31,11 +31,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def engine_for(root: Path, draft: str | None, page_size: int, **extra: Any) -> Engine:
-    spec = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(root / draft)} if draft else {}
-    return Engine(
+    args: dict[str, Any] = dict(
         model_path=str(root / "target"), device="cpu", dtype="float32", page_size=page_size, max_total_tokens=4096,
-        chunked_prefill_size=16, skip_tokenizer_init=True, **spec, **extra,
+        chunked_prefill_size=16, skip_tokenizer_init=True,
     )
+    if draft:
+        args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / draft))
+    args.update(extra)
+    return Engine(**args)
 
 
 def assert_pools_free(engine: Engine) -> None:
@@ -67,47 +70,53 @@ def test_small_pool_retracts_and_stays_lossless(models: dict[str, Any]) -> None:
     engine = engine_for(root, "trained_draft", 4, max_total_tokens=160)
     outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outputs] == expected
+    assert engine.get_server_info()["internal_states"][0]["num_retractions"] > 0
     assert_pools_free(engine)
+
+
+def mid_block_stop(output: list[int], cycle_lengths: list[int], unique: bool) -> int | None:
+    """An output index of an accepted draft token that is not its cycle's last (the stop cuts an accepted block)."""
+    start = 1  # output[0] comes from prefill
+    for n in cycle_lengths:
+        for k in range(start, start + n - 1):  # every committed token but the cycle's bonus
+            if not unique or output[k] not in output[:k]:
+                return k
+        start += n
+    return None
 
 
 @pytest.mark.parametrize("stop_kind", ["eos", "stop_token_ids", "max_new_tokens"])
 def test_stop_inside_accepted_block(models: dict[str, Any], stop_kind: str) -> None:
-    """Pick a stop that lands inside an accepted multi-token block; the result equals target-only decoding."""
     root = models["root"]
-    baseline = engine_for(root, None, 1)
     engine = engine_for(root, "trained_draft", 1)
-    probe = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    reqs, _ = engine.make_requests(input_ids=PROMPTS, sampling_params=GREEDY)
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    while engine.scheduler.has_work:
+        engine.scheduler.step()
     hits = 0
-    for prompt, out in zip(PROMPTS, probe):
-        reqs, _ = engine.make_requests(input_ids=prompt, sampling_params=GREEDY)
-        tokens = out["output_ids"]
-        # a position k > 1 such that the token there is not its first occurrence-in-output (so stop lands mid-block)
-        for k in range(2, len(tokens) - 1):
-            if tokens[k] not in tokens[:k]:
-                break
-        else:
+    for prompt, req in zip(PROMPTS, reqs):
+        k = mid_block_stop(req.output_ids, req.spec_accept_lengths, unique=stop_kind != "max_new_tokens")
+        if k is None:
             continue
-        params: dict[str, Any] = {"temperature": 0, "max_new_tokens": 48}
+        stop_token = req.output_ids[k]
+        params: dict[str, Any] = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+        baseline = engine_for(root, None, 1)
         if stop_kind == "eos":
             params["ignore_eos"] = False
-            stop_token = tokens[k]
-            baseline_engine = engine_for(root, None, 1, speculative_num_draft_tokens=None)
-            baseline_engine.scheduler.eos_token_ids = {stop_token}
-            engine.scheduler.eos_token_ids = {stop_token}
-            want = baseline_engine.generate(input_ids=prompt, sampling_params=params)
+            baseline.scheduler.eos_token_ids = engine.scheduler.eos_token_ids = {stop_token}
         elif stop_kind == "stop_token_ids":
-            params.update(ignore_eos=True, stop_token_ids=[tokens[k]])
-            want = baseline.generate(input_ids=prompt, sampling_params=params)
+            params["stop_token_ids"] = [stop_token]
         else:
-            params.update(ignore_eos=True, max_new_tokens=k + 1)
-            want = baseline.generate(input_ids=prompt, sampling_params=params)
+            params["max_new_tokens"] = k + 1
+        want = baseline.generate(input_ids=prompt, sampling_params=params)
         got = engine.generate(input_ids=prompt, sampling_params=params)
-        assert got["output_ids"] == want["output_ids"] == tokens[: k + 1]
+        assert got["output_ids"] == want["output_ids"] == req.output_ids[: k + 1]
         assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        expected_type = "length" if stop_kind == "max_new_tokens" else "stop"
+        assert got["meta_info"]["finish_reason"]["type"] == expected_type
         hits += 1
-        del reqs
     assert hits >= 3
-    engine.scheduler.eos_token_ids = {2}
     assert_pools_free(engine)
 
 
