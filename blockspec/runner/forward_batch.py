@@ -29,6 +29,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # the whole req→token table (read-only here)
     capture_layer_ids: tuple[int, ...] = ()  # target layers whose outputs are returned for every token
     input_embeds: Optional[torch.Tensor] = None  # [T, H] replaces the embedding lookup when given
+    uniform_q_len: Optional[int] = None  # every request has this many new tokens (decode / verify / draft)
     attn_meta: Any = field(default=None, repr=False)  # set by backend.plan(batch)
 
     @property
@@ -78,4 +79,5 @@ def build_batch(
         logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         req_to_token=req_to_token,
         capture_layer_ids=capture_layer_ids,
+        uniform_q_len=extend_lens[0] if mode is not ForwardMode.EXTEND else None,
     )

@@ -1,0 +1,111 @@
+"""Triton attention backend: planning (device-only for uniform batches, so it can live inside CUDA graphs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from blockspec.attention.base import layer_is_causal, layer_window
+from blockspec.attention.triton_kernels import merge_splits_kernel, paged_attention_kernel
+from blockspec.kv.pool import KVPool
+from blockspec.runner.forward_batch import ForwardBatch
+
+BLOCK_M = 16
+TARGET_PROGRAMS = 264  # ~2 waves of an H200's 132 SMs
+
+
+@dataclass
+class TritonAttentionMeta:
+    q_starts: torch.Tensor  # [bs] int32
+    q_lens: torch.Tensor  # [bs] int32
+    max_q_len: int
+    num_splits: int
+
+
+class TritonAttentionBackend:
+    def __init__(
+        self,
+        pool: KVPool,
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_windows: Optional[list[Optional[int]]] = None,
+        draft_layer_causal: Optional[list[bool]] = None,
+        max_splits: int = 16,
+    ) -> None:
+        self.pool = pool
+        self.scale = scale
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_d = max(16, triton.next_power_of_2(head_dim))
+        self.sliding_windows = sliding_windows
+        self.draft_layer_causal = draft_layer_causal
+        self.max_splits = max_splits
+
+    def choose_splits(self, batch_size: int, max_q_len: int, max_seq_len: int) -> int:
+        group = self.num_heads // self.num_kv_heads
+        programs = batch_size * self.num_kv_heads * triton.cdiv(max_q_len * group, BLOCK_M)
+        splits = 1
+        while splits < self.max_splits and programs * splits * 2 <= TARGET_PROGRAMS and max_seq_len >= splits * 2 * 256:
+            splits *= 2
+        return splits
+
+    def plan(self, batch: ForwardBatch, max_seq_len_hint: Optional[int] = None) -> TritonAttentionMeta:
+        """Uniform batches (decode/verify/draft) plan from device tensors only; `max_seq_len_hint` fixes the split
+        count (a CUDA graph bakes it in)."""
+        bs = batch.batch_size
+        device = batch.input_ids.device
+        uniform = batch.uniform_q_len
+        if uniform is not None:
+            q_lens = torch.full((bs,), uniform, dtype=torch.int32, device=device)
+            q_starts = torch.arange(0, bs * uniform, uniform, dtype=torch.int32, device=device)
+            max_q = uniform
+        else:
+            lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int32)
+            q_lens = lens.to(device)
+            q_starts = (torch.cumsum(lens, 0) - lens).to(torch.int32).to(device)
+            max_q = max(batch.extend_lens_cpu)
+        max_seq = max_seq_len_hint if max_seq_len_hint is not None else max(batch.seq_lens_cpu)
+        return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, max_q, max_seq))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: TritonAttentionMeta = batch.attn_meta
+        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
+        q = q.contiguous()
+        num_tokens = q.shape[0]
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        window = layer_window(self.sliding_windows, layer_id)
+        causal = layer_is_causal(batch.mode, self.draft_layer_causal, layer_id)
+        splits = meta.num_splits
+        if splits > 1:
+            part_acc = torch.empty((num_tokens, self.num_heads, splits, self.block_d), dtype=torch.float32, device=q.device)
+            part_max = torch.empty((num_tokens, self.num_heads, splits), dtype=torch.float32, device=q.device)
+            part_sum = torch.empty_like(part_max)
+        else:
+            part_acc = part_max = part_sum = out
+        table = batch.req_to_token
+        grid = (triton.cdiv(meta.max_q_len * group, BLOCK_M), batch.batch_size * self.num_kv_heads, splits)
+        paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+            table, batch.req_rows, meta.q_starts, meta.q_lens, batch.seq_lens,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
+            out.stride(0), out.stride(1), self.num_heads * splits, splits, 1,
+            self.scale, window or 0,
+            NUM_KV_HEADS=self.num_kv_heads, GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
+            BLOCK_M=BLOCK_M, BLOCK_N=64, NUM_SPLITS=splits, CAUSAL=causal, USE_WINDOW=window is not None,
+        )
+        if splits > 1:
+            merge_splits_kernel[(num_tokens, self.num_heads)](
+                out, part_acc, part_max, part_sum,
+                out.stride(0), out.stride(1), self.num_heads * splits, splits, 1,
+                HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits,
+            )
+        return out.reshape(num_tokens, -1)

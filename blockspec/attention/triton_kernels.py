@@ -1,0 +1,117 @@
+"""Triton paged attention: one kernel for prefill/extend, decode, verify and DFlash draft attention.
+
+Rows of a program are (query token, query head in the GQA group) pairs of one request and one KV head, so
+decode (1 token x group heads) and verify/draft (B tokens x group heads) fill the matrix units. Keys are read
+through the req→token table. Long contexts are split over programs (split-K) and merged by a second kernel.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    req_to_token_ptr, req_rows_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr,
+    stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
+    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split,
+    scale, window,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_split = tl.program_id(2)
+    req = pid_bh // NUM_KV_HEADS
+    kv_head = pid_bh % NUM_KV_HEADS
+    q_len = tl.load(q_lens_ptr + req)
+    if pid_m * BLOCK_M >= q_len * GROUP:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_start = tl.load(q_starts_ptr + req)
+    table_row = tl.load(req_rows_ptr + req).to(tl.int64)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len * GROUP
+    token = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = seq_len - q_len + token
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+    q_offsets = (q_start + token)[:, None].to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    kv_end = seq_len
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, seq_len - q_len + (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(0, seq_len - q_len + (pid_m * BLOCK_M) // GROUP - window + 1)
+    span = tl.maximum(kv_end - kv_begin, 0)
+    split_len = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_begin + pid_split * split_len
+    hi = tl.minimum(lo + split_len, kv_end)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_valid = cols < hi
+        slots = tl.load(req_to_token_ptr + table_row * stride_table_row + cols, mask=col_valid, other=0).to(tl.int64)
+        kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
+        kv_mask = col_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        allowed = row_valid[:, None] & col_valid[None, :]
+        distance = q_pos[:, None] - cols[None, :]
+        if CAUSAL:
+            allowed = allowed & (distance >= 0)
+        if USE_WINDOW:
+            allowed = allowed & (distance < window)
+            if not CAUSAL:
+                allowed = allowed & (-distance < window)
+        scores = tl.where(allowed, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp(scores - safe_max[:, None])
+        correction = tl.exp(row_max - safe_max)
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v).to(tl.float32)
+        row_max = new_max
+
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        o_offsets = (q_start + token)[:, None].to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        base = (q_start + token).to(tl.int64) * stride_p_tok + head * stride_p_head + pid_split * stride_p_split
+        tl.store(part_acc_ptr + base[:, None] * BLOCK_D + dims[None, :], acc, mask=store_mask)
+        tl.store(part_max_ptr + base, row_max, mask=row_valid)
+        tl.store(part_sum_ptr + base, row_sum, mask=row_valid)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    base = token * stride_p_tok + head * stride_p_head + splits * stride_p_split
+    maxes = tl.load(part_max_ptr + base)
+    sums = tl.load(part_sum_ptr + base)
+    overall = tl.max(maxes, 0)
+    overall = tl.where(overall == float("-inf"), 0.0, overall)
+    weights = tl.where(maxes == float("-inf"), 0.0, tl.exp(maxes - overall))
+    total = tl.sum(sums * weights, 0)
+    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + dims[None, :])
+    out = tl.sum(acc * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
