@@ -30,6 +30,7 @@ class Engine:
                 self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code
             )
         self.runner, self.worker = self._build_workers()
+        self.worker.init_cuda_graphs()
         target = self.runner.target_config
         eos = list(target.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
@@ -130,6 +131,9 @@ class Engine:
     def get_server_info(self) -> dict[str, Any]:
         allocator = self.runner.allocator
         internal: dict[str, Any] = {
+            "attention_backend": self.runner.attention_backend,
+            "cuda_graph": bool(self.runner.graphs),
+            "forward_counts": dict(self.runner.forward_counts),
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions,

@@ -1,16 +1,11 @@
 """Triton attention kernels equal the torch reference backend for every attention kind.
 
-On CPU they run under TRITON_INTERPRET=1 (fp32/fp16: the interpreter's bf16 dot is wrong); on CUDA natively."""
+On CPU they run under TRITON_INTERPRET=1 (set by the root conftest; fp32/fp16: the interpreter's bf16 dot is
+wrong); on CUDA natively."""
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 

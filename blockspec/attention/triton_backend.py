@@ -54,9 +54,9 @@ class TritonAttentionBackend:
             splits *= 2
         return splits
 
-    def plan(self, batch: ForwardBatch, max_seq_len_hint: Optional[int] = None) -> TritonAttentionMeta:
-        """Uniform batches (decode/verify/draft) plan from device tensors only; `max_seq_len_hint` fixes the split
-        count (a CUDA graph bakes it in)."""
+    def plan(self, batch: ForwardBatch) -> TritonAttentionMeta:
+        """Uniform batches (decode/verify/draft) plan from device tensors only; `batch.max_seq_len_hint` fixes the
+        split count (a CUDA graph bakes it in)."""
         bs = batch.batch_size
         device = batch.input_ids.device
         uniform = batch.uniform_q_len
@@ -69,7 +69,7 @@ class TritonAttentionBackend:
             q_lens = lens.to(device)
             q_starts = (torch.cumsum(lens, 0) - lens).to(torch.int32).to(device)
             max_q = max(batch.extend_lens_cpu)
-        max_seq = max_seq_len_hint if max_seq_len_hint is not None else max(batch.seq_lens_cpu)
+        max_seq = batch.max_seq_len_hint if batch.max_seq_len_hint is not None else max(batch.seq_lens_cpu)
         return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, max_q, max_seq))
 
     def forward(

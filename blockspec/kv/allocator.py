@@ -69,7 +69,9 @@ class ReqToTokenTable:
     """Row per admitted request: slot index of each of its positions (on the model's device)."""
 
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device) -> None:
-        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+        # NOTE: the extra last row is the dummy row: all its slots are the dummy page's slot 0.
+        self.table = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int64, device=device)
+        self.dummy_row = max_requests
         self.max_context_len = max_context_len
         self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
 

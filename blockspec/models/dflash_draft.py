@@ -82,11 +82,10 @@ class DFlashDraftModel(nn.Module):
             k, v = layer.self_attn.context_kv(context, positions, self.rotary)
             pool.store(layer.self_attn.layer_id, slots, k, v)
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Block hidden states [T, H] (final-normed); batch.input_embeds holds the block's target embeddings."""
-        assert batch.input_embeds is not None
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend, block_embeds: torch.Tensor) -> torch.Tensor:
+        """Block hidden states [T, H] (final-normed) from the block's (scaled) target embeddings."""
         batch.attn_meta = backend.plan(batch)
-        hidden = batch.input_embeds
+        hidden = block_embeds
         for layer in self.layers:
             hidden = layer(hidden, self.rotary, batch, backend)
         return self.norm(hidden)

@@ -19,7 +19,7 @@ from blockspec.runner.forward_batch import ForwardBatch
 class ModelOutput:
     logits: torch.Tensor  # [len(batch.logits_rows), vocab], float32
     aux_hidden: Optional[torch.Tensor]  # [T, len(capture_layer_ids) * hidden] or None
-    hidden: torch.Tensor  # [T, hidden] final-normed hidden of every token
+    hidden: Optional[torch.Tensor]  # [T, hidden] final-normed hidden of every token (None from a graph)
 
 
 class SelfAttention(nn.Module):

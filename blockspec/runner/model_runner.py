@@ -7,14 +7,16 @@ from typing import Optional
 
 import torch
 
-from blockspec.attention.torch_backend import TorchAttentionBackend
+from blockspec.attention.base import AttentionBackend
+from blockspec.attention.factory import make_backend, resolve_backend_name
 from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig, load_target_config
 from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
-from blockspec.runner.forward_batch import ForwardBatch
+from blockspec.runner.cuda_graph import GraphedForward
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,13 @@ class ModelRunner:
         self.kv_pool = KVPool(num_pages * page, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         table_width = min(self.max_positions, self.allocator.total_slots + extra_positions + 1)
         self.req_to_token = ReqToTokenTable(config.max_running_requests, table_width, self.device)
-        self.attention = self._make_backend()
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
+        self.attention: AttentionBackend = make_backend(
+            self.attention_backend, self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
+        self.graphs: dict[ForwardMode, GraphedForward] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
+        self.forward_counts = {"graph": 0, "eager": 0}
         logger.info(
             "target %s: %d layers, dtype %s, KV pool %d slots (page %d)",
             cfg.architecture, cfg.num_layers, self.dtype, self.allocator.total_slots, page,
@@ -70,13 +78,32 @@ class ModelRunner:
             raise ValueError("mem_fraction_static leaves no memory for the KV cache; raise it")
         return int(math.floor(budget / bytes_per_slot))
 
-    def _make_backend(self) -> TorchAttentionBackend:
-        backend = self.config.attention_backend
-        if backend not in ("auto", "torch"):
-            raise ValueError(f"attention backend {backend!r} is not available in this build; use torch")
-        return TorchAttentionBackend(self.kv_pool, scale=self.model_config.head_dim ** -0.5)
+    @property
+    def graphs_enabled(self) -> bool:
+        """Full CUDA graphs need CUDA and a backend that plans without host syncs (Triton)."""
+        return self.device.type == "cuda" and not self.config.disable_cuda_graph and self.attention_backend == "triton"
+
+    def capture_graph(self, mode: ForwardMode, tokens_per_req: int, capture_layer_ids: tuple[int, ...] = ()) -> None:
+        def run(batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
+            output = self.model(batch, self.attention)
+            return output.logits, output.aux_hidden
+
+        graph = GraphedForward(
+            f"target-{mode.value}", run, mode, tokens_per_req, self.config.cuda_graph_bs, self.req_to_token.table,
+            self.req_to_token.dummy_row, self.max_positions, capture_layer_ids, self.graph_pool,
+        )
+        with torch.inference_mode():
+            graph.capture()
+        self.graphs[mode] = graph
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
+        graph = self.graphs.get(batch.mode)
+        if graph is not None and graph.can_run(batch):
+            self.forward_counts["graph"] += 1
+            logits, aux = graph.replay(batch)
+            assert logits is not None
+            return ModelOutput(logits, aux, None)
+        self.forward_counts["eager"] += 1
         return self.model(batch, self.attention)
 

@@ -26,6 +26,10 @@ class TargetWorker:
     def is_speculative(self) -> bool:
         return False
 
+    def init_cuda_graphs(self) -> None:
+        if self.runner.graphs_enabled:
+            self.runner.capture_graph(ForwardMode.DECODE, 1)
+
     def build_extend_batch(self, reqs: Sequence[Req], chunk_lens: Sequence[int], capture: tuple[int, ...] = ()) -> ForwardBatch:
         token_ids = [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
         logits_rows = list(torch.tensor(list(chunk_lens)).cumsum(0).sub(1).tolist())

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from blockspec.attention.torch_backend import TorchAttentionBackend
+from blockspec.attention.factory import make_backend
 from blockspec.config import EngineConfig
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import load_target_config
@@ -14,6 +14,7 @@ from blockspec.models.dflash_draft import DFlashDraftModel, load_draft_model
 from blockspec.models.draft_config import DraftConfig, load_draft_config
 from blockspec.request import Req
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+from blockspec.runner.cuda_graph import GraphedForward
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.runner.worker import TargetWorker
 from blockspec.sampling import sampling_probs
@@ -32,12 +33,12 @@ class DFlashWorker(TargetWorker):
         self.draft_pool = draft_pool
         self.block_size = block_size
         self.capture = tuple(self.draft_config.target_layer_ids)
-        self.draft_attention = TorchAttentionBackend(
-            draft_pool,
-            scale=self.draft_config.head_dim ** -0.5,
-            sliding_windows=self.draft_config.layer_windows,
-            draft_layer_causal=self.draft_config.layer_causal,
+        dc = self.draft_config
+        self.draft_attention = make_backend(
+            runner.attention_backend, draft_pool, dc.num_heads, dc.num_kv_heads, dc.head_dim,
+            dc.layer_windows, dc.layer_causal,
         )
+        self.draft_graph: GraphedForward | None = None
 
     @property
     def decode_slots_per_req(self) -> int:
@@ -46,6 +47,25 @@ class DFlashWorker(TargetWorker):
     @property
     def is_speculative(self) -> bool:
         return True
+
+    def init_cuda_graphs(self) -> None:
+        if not self.runner.graphs_enabled:
+            return
+        runner = self.runner
+        runner.capture_graph(ForwardMode.VERIFY, self.block_size, self.capture)
+        self.draft_graph = GraphedForward(
+            "draft", self._draft_logits, ForwardMode.DRAFT, self.block_size, self.runner.config.cuda_graph_bs,
+            runner.req_to_token.table, runner.req_to_token.dummy_row, runner.max_positions, (), runner.graph_pool,
+        )
+        with torch.inference_mode():
+            self.draft_graph.capture()
+
+    def _draft_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """Draft logits for every block row [T, V] (row 0 of each block is unused) and their argmax."""
+        embeds = self.runner.model.embed(batch.input_ids) * self.draft_config.input_embedding_scale
+        hidden = self.draft(batch, self.draft_attention, embeds)
+        logits = self.draft.logits(hidden, self.runner.model.lm_head)
+        return logits, logits.argmax(-1)
 
     def _materialise(self, aux: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor) -> None:
         self.draft.materialise_context(aux[rows], batch.positions[rows], batch.out_cache_loc[rows], self.draft_pool)
@@ -75,10 +95,13 @@ class DFlashWorker(TargetWorker):
         b = self.block_size
         blocks = [[req.all_ids[-1]] + [self.draft_config.mask_token_id] * (b - 1) for req in reqs]
         batch = self._block_batch(ForwardMode.DRAFT, blocks, reqs)
-        batch.input_embeds = self.runner.model.embed(batch.input_ids) * self.draft_config.input_embedding_scale
-        hidden = self.draft(batch, self.draft_attention).view(len(reqs), b, -1)[:, 1:]
-        logits = self.draft.logits(hidden, self.runner.model.lm_head)  # [bs, B-1, V]
-        greedy = logits.argmax(-1).tolist()
+        if self.draft_graph is not None and self.draft_graph.can_run(batch):
+            all_logits, all_argmax = self.draft_graph.replay(batch)
+        else:
+            all_logits, all_argmax = self._draft_logits(batch)
+        assert all_logits is not None and all_argmax is not None
+        logits = all_logits.view(len(reqs), b, -1)[:, 1:]  # [bs, B-1, V]
+        greedy = all_argmax.view(len(reqs), b)[:, 1:].tolist()
         proposals: list[list[int]] = []
         draft_probs: list[torch.Tensor | None] = []
         for i, req in enumerate(reqs):

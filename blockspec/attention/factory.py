@@ -1,0 +1,42 @@
+"""Picks the attention backend named by --attention-backend."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+from blockspec.attention.base import AttentionBackend
+from blockspec.attention.torch_backend import TorchAttentionBackend
+from blockspec.kv.pool import KVPool
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    if name == "flashinfer":
+        if importlib.util.find_spec("flashinfer") is None:
+            raise ValueError(
+                "attention backend flashinfer needs FlashInfer: pip install 'blockspec[flashinfer]' (CUDA only)"
+            )
+        raise ValueError("attention backend flashinfer is not available in this build yet; use triton or torch")
+    if name == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("attention backend triton needs the triton package: pip install triton")
+    return name
+
+
+def make_backend(
+    name: str,
+    pool: KVPool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_windows: Optional[list[Optional[int]]] = None,
+    draft_layer_causal: Optional[list[bool]] = None,
+) -> AttentionBackend:
+    scale = head_dim ** -0.5
+    if name == "triton":
+        from blockspec.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal)
+    return TorchAttentionBackend(pool, scale, sliding_windows, draft_layer_causal)
