@@ -36,6 +36,8 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     enforce_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 4096
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
+    speculative_simulate_accept_len: Optional[float] = None  # benchmarking only: forces the accept length
 
     def __post_init__(self) -> None:
         self._validate()
@@ -81,6 +83,10 @@ class EngineConfig:
             raise ValueError("speculative_draft_model_path is required with speculative_algorithm DFLASH")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("speculative_num_draft_tokens must be >= 2")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:
+            raise ValueError("speculative_simulate_accept_len must be >= 1 (tokens committed per verify)")
         if not self.cuda_graph_bs or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_bs):
             raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
 

@@ -101,6 +101,7 @@ class TritonAttentionBackend:
             self.scale, window or 0,
             NUM_KV_HEADS=self.num_kv_heads, GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
             BLOCK_M=BLOCK_M, BLOCK_N=64, NUM_SPLITS=splits, CAUSAL=causal, USE_WINDOW=window is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         if splits > 1:
             merge_splits_kernel[(num_tokens, self.num_heads)](

@@ -19,7 +19,7 @@ def paged_attention_kernel(
     scale, window,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -64,7 +64,7 @@ def paged_attention_kernel(
         kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
         kv_mask = col_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
         allowed = row_valid[:, None] & col_valid[None, :]
         distance = q_pos[:, None] - cols[None, :]
         if CAUSAL:
@@ -80,7 +80,7 @@ def paged_attention_kernel(
         correction = tl.exp(row_max - safe_max)
         row_sum = row_sum * correction + tl.sum(probs, 1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v).to(tl.float32)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         row_max = new_max
 
     store_mask = row_valid[:, None] & dim_valid[None, :]

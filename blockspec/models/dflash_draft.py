@@ -12,7 +12,7 @@ from blockspec.layers.activation import GatedMLP
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
-from blockspec.models.loader import iter_safetensors, load_weights_into
+from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into
 from blockspec.runner.forward_batch import ForwardBatch
 
 
@@ -97,12 +97,16 @@ class DFlashDraftModel(nn.Module):
 
 
 def load_draft_model(
-    draft_dir: str | Path, config: DraftConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    draft_dir: str | Path, config: DraftConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+    dummy: bool = False,
 ) -> DFlashDraftModel:
     with torch.device("meta"):
         model = DFlashDraftModel(config, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
-    weights = ((name.removeprefix("model."), tensor) for name, tensor in iter_safetensors(draft_dir))
-    load_weights_into(model, weights)
+    if dummy:
+        init_dummy_weights(model, seed=1)
+    else:
+        weights = ((name.removeprefix("model."), tensor) for name, tensor in iter_safetensors(draft_dir))
+        load_weights_into(model, weights)
     return model.eval()

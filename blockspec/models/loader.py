@@ -76,8 +76,19 @@ def load_weights_into(
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
 
 
+def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
+    """Random weights (norms at 1) for benchmarking without a checkpoint."""
+    generator = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
 def load_target_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int, dummy: bool = False
 ) -> tuple[CausalLM, TargetConfig]:
     config = load_target_config(model_dir)
     with torch.device("meta"):
@@ -87,6 +98,9 @@ def load_target_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     ignore = ("lm_head.",) if config.tie_word_embeddings else ()
-    load_weights_into(model, iter_safetensors(model_dir), ignore=ignore)
+    if dummy:
+        init_dummy_weights(model)
+    else:
+        load_weights_into(model, iter_safetensors(model_dir), ignore=ignore)
     model.eval()
     return model, config

@@ -40,7 +40,9 @@ class ModelRunner:
         target_config = load_target_config(config.model_path)
         self.context_length = config.context_length or target_config.max_position_embeddings
         self.max_positions = self.context_length + extra_positions + 1
-        self.model, self.model_config = load_target_model(config.model_path, self.dtype, self.device, self.max_positions)
+        self.model, self.model_config = load_target_model(
+            config.model_path, self.dtype, self.device, self.max_positions, dummy=config.load_format == "dummy"
+        )
         cfg = self.model_config
         bytes_per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         num_slots = self._num_slots(bytes_per_slot + extra_kv_bytes_per_slot)

@@ -66,6 +66,7 @@ class TargetWorker:
             self.runner.req_to_token.table,
             list(range(len(reqs))),
         )
+        batch.max_seq_len_hint = self.runner.max_positions  # NOTE: same attention plan as the captured graphs
         logits = self.runner.forward(batch).logits
         for req in reqs:
             req.kv_len += 1

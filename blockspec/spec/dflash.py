@@ -39,6 +39,8 @@ class DFlashWorker(TargetWorker):
             dc.layer_windows, dc.layer_causal,
         )
         self.draft_graph: GraphedForward | None = None
+        # NOTE: benchmarking only (--speculative-simulate-accept-len): commits unverified tokens, output is not lossless.
+        self.simulate_accept_len = runner.config.speculative_simulate_accept_len
 
     @property
     def decode_slots_per_req(self) -> int:
@@ -79,7 +81,7 @@ class DFlashWorker(TargetWorker):
         return output.logits
 
     def _block_batch(self, mode: ForwardMode, blocks: list[list[int]], reqs: Sequence[Req], capture: tuple[int, ...] = ()) -> ForwardBatch:
-        return build_batch(
+        batch = build_batch(
             mode,
             blocks,
             [req.kv_len for req in reqs],
@@ -88,6 +90,8 @@ class DFlashWorker(TargetWorker):
             list(range(len(blocks) * self.block_size)),
             capture,
         )
+        batch.max_seq_len_hint = self.runner.max_positions  # NOTE: same attention plan as the captured graphs
+        return batch
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -127,7 +131,10 @@ class DFlashWorker(TargetWorker):
         committed: list[list[int]] = []
         keep_rows: list[int] = []
         for i, req in enumerate(reqs):
-            if draft_probs[i] is None:
+            if self.simulate_accept_len is not None:
+                accepted = min(b - 1, int(self.simulate_accept_len) - 1)
+                bonus = target_argmax[i][accepted]
+            elif draft_probs[i] is None:
                 accepted, bonus = greedy_accept(proposals[i], target_argmax[i])
             else:
                 accepted, bonus = rejection_accept(proposals[i], draft_probs[i], logits[i], req.params, req.generator)
@@ -149,7 +156,10 @@ def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker
     dtype = pick_dtype(config, device)
     draft_bytes = KVPool.bytes_per_slot(draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim, dtype)
     runner = ModelRunner(config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=block_size)
-    draft = load_draft_model(config.speculative_draft_model_path, draft_config, runner.dtype, runner.device, runner.max_positions)
+    draft = load_draft_model(
+        config.speculative_draft_model_path, draft_config, runner.dtype, runner.device, runner.max_positions,
+        dummy=config.load_format == "dummy",
+    )
     draft_pool = KVPool(
         runner.kv_pool.num_slots, draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim,
         runner.dtype, runner.device,

@@ -1,0 +1,197 @@
+"""Step latency on Llama-3.1-8B shapes (random bf16 weights) with a 5-layer DFlash draft, on one GPU.
+
+Times target verify, draft propose and the whole spec cycle (one scheduler step) at several batch sizes and
+contexts, CUDA graphs on and off; the memory-bandwidth floor measured in the same run; target-only decode; and
+z-lab's `dflash_generate` on the same shapes. Writes benchmarks/results/step_latency_<date>.json (+ .png).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from blockspec import Engine
+from blockspec.runner.forward_batch import ForwardMode
+
+LLAMA_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=False, eos_token_id=128009,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}, rope_theta=500000.0,
+)
+DRAFT = dict(
+    architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    rms_norm_eps=1e-6, max_position_embeddings=8192, rope_theta=500000.0, block_size=10, num_target_layers=32,
+    dflash_config={"mask_token_id": 128002, "target_layer_ids": [1, 8, 15, 22, 29]},
+)
+
+
+def write_configs(root: Path) -> tuple[Path, Path]:
+    (root / "target").mkdir(parents=True, exist_ok=True)
+    (root / "draft").mkdir(parents=True, exist_ok=True)
+    (root / "target" / "config.json").write_text(json.dumps(LLAMA_8B))
+    (root / "draft" / "config.json").write_text(json.dumps(DRAFT))
+    return root / "target", root / "draft"
+
+
+def cuda_ms(fn: Callable[[], Any], repeat: int) -> float:
+    """Median wall time of fn() in ms, synchronised around each call (what a request sees)."""
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def read_bandwidth() -> float:
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src), 20)
+    del src, dst
+    return 2 * 2 * 2**30 / (ms / 1e3)  # bytes read + written per second
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def prefill(engine: Engine, bs: int, context: int) -> list:
+    reqs, _ = engine.make_requests(
+        input_ids=[[int(t) for t in torch.randint(10, 120000, (context,))] for _ in range(bs)],
+        sampling_params={"temperature": 0, "max_new_tokens": 100000, "ignore_eos": True},
+    )
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    while any(r.pending_len != 1 for r in reqs):
+        engine.scheduler.step()
+    return reqs
+
+
+def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int) -> dict[str, float]:
+    runner, worker, scheduler = engine.runner, engine.worker, engine.scheduler
+    saved = (dict(runner.graphs), getattr(worker, "draft_graph", None))
+    if not graphs:
+        runner.graphs.clear()
+        if hasattr(worker, "draft_graph"):
+            worker.draft_graph = None
+    reqs = prefill(engine, bs, context)
+    result: dict[str, float] = {"cycle_ms": cuda_ms(scheduler.step, repeat)}
+    if worker.is_speculative:
+        for req in reqs:
+            engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
+        blocks = [[req.all_ids[-1]] * worker.block_size for req in reqs]
+        verify = worker._block_batch(ForwardMode.VERIFY, blocks, reqs, worker.capture)
+        result["verify_ms"] = cuda_ms(lambda: runner.forward(verify), repeat)
+        result["propose_ms"] = cuda_ms(lambda: worker.propose(reqs), repeat)
+    for req in reqs:
+        scheduler.abort(req.rid)
+    scheduler.collect_finished()
+    runner.graphs.update(saved[0])
+    if hasattr(worker, "draft_graph"):
+        worker.draft_graph = saved[1]
+    return result
+
+
+def run_blockspec(root: Path, args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:
+    target_dir, draft_dir = write_configs(root)
+    rows: list[dict[str, Any]] = []
+    max_tokens = max(args.batch_sizes) * (max(args.contexts) + 512)
+    for spec in (True, False):
+        flags: dict[str, Any] = dict(model_path=str(target_dir), load_format="dummy", dtype="bfloat16",
+                                     skip_tokenizer_init=True, max_total_tokens=max_tokens,
+                                     max_running_requests=max(args.batch_sizes), chunked_prefill_size=16384,
+                                     cuda_graph_bs=args.batch_sizes)
+        if spec:
+            flags.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
+                         speculative_simulate_accept_len=args.accept_len)
+        start = time.perf_counter()
+        engine = Engine(**flags)
+        startup = time.perf_counter() - start
+        weights = param_bytes(engine.runner.model)
+        draft_weights = param_bytes(engine.worker.draft) + engine.runner.model.lm_head.weight.numel() * 2 if spec else 0
+        cfg = engine.runner.target_config
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        draft_kv_per_token = 2 * 5 * 8 * 128 * 2 if spec else 0
+        for context in args.contexts:
+            for bs in args.batch_sizes:
+                floor_bytes = weights + draft_weights + bs * context * (kv_per_token + draft_kv_per_token)
+                for graphs in (True, False):
+                    m = measure(engine, bs, context, graphs, args.repeat)
+                    row = {"spec": spec, "bs": bs, "context": context, "graphs": graphs, **m,
+                           "floor_ms": floor_bytes / bandwidth * 1e3, "startup_s": startup}
+                    row["cycle_over_floor"] = row["cycle_ms"] / row["floor_ms"]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_reference(root: Path, context: int, new_tokens: int) -> dict[str, Any]:
+    """z-lab's dflash_generate (bs 1) on the same shapes with random weights."""
+    try:
+        from dflash.model import DFlashDraftModel, dflash_generate
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
+    except ImportError as error:
+        return {"error": f"dflash reference unavailable: {error}"}
+    with torch.device("cuda"):
+        target = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA_8B.items() if k != "architectures"})).to(torch.bfloat16).eval()
+        draft_cfg = Qwen3Config(**{k: v for k, v in DRAFT.items() if k not in ("architectures", "dflash_config")})
+        draft_cfg.dflash_config = DRAFT["dflash_config"]
+        draft = DFlashDraftModel(draft_cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(10, 120000, (1, context), device="cuda")
+    dflash_generate(draft, target, ids, 16, None, return_stats=True)
+    stats = dflash_generate(draft, target, ids, new_tokens, None, return_stats=True)
+    cycles = len(stats.acceptance_lengths)
+    decode_s = stats.time_per_output_token * stats.num_output_tokens
+    return {"context": context, "cycles": cycles, "cycle_ms": decode_s / max(cycles, 1) * 1e3,
+            "accept_lengths_mean": sum(stats.acceptance_lengths) / max(cycles, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--accept-len", type=float, default=4.0)
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--skip-reference", action="store_true")
+    args = parser.parse_args()
+    bandwidth = read_bandwidth()
+    print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run_blockspec(Path(tmp), args, bandwidth)
+    reference = [] if args.skip_reference else [run_reference(Path("."), c, 64) for c in args.contexts]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit or "unknown",
+              "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth, "accept_len": args.accept_len,
+              "rows": rows, "dflash_reference": reference}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"step_latency_{report['date']}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    print(f"{'spec':>5} {'bs':>3} {'ctx':>5} {'graph':>5} {'cycle':>8} {'verify':>8} {'propose':>8} {'floor':>7} {'x':>5}")
+    for r in rows:
+        print(f"{r['spec']!s:>5} {r['bs']:>3} {r['context']:>5} {r['graphs']!s:>5} {r['cycle_ms']:8.2f} "
+              f"{r.get('verify_ms', 0):8.2f} {r.get('propose_ms', 0):8.2f} {r['floor_ms']:7.2f} {r['cycle_over_floor']:5.2f}")
+    for ref in reference:
+        print("dflash reference:", ref)
+
+
+if __name__ == "__main__":
+    main()
