@@ -1,17 +1,25 @@
-"""Gated SiLU MLP used by Llama, Qwen3 and the DFlash draft."""
+"""Gated SiLU MLP used by Llama, Qwen3 and the DFlash draft (gate and up in one GEMM)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.layers.linear import StackedLinear
+
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = StackedLinear(hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and gate_up.dim() == 2:
+            from blockspec.layers.triton_ops import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,8 +1,12 @@
-"""RMSNorm, computed in fp32 like HF."""
+"""RMSNorm, computed in fp32 like HF; a fused Triton kernel on CUDA."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
 
 
 class RMSNorm(nn.Module):
@@ -12,7 +16,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from blockspec.layers.triton_ops import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); on CUDA the residual buffer is updated in place."""
+        if use_triton(x):
+            from blockspec.layers.triton_ops import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual=residual), residual
+        residual = residual + x
+        return self.forward(residual), residual

@@ -40,12 +40,23 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""
+        """q: [T, Hq, D], k: [T, Hk, D], positions: [T]. On CUDA q and k are rotated in place."""
+        if q.is_cuda:
+            from blockspec.layers.triton_ops import rotary_inplace
+
+            half = q.shape[-1] // 2
+            cos, sin = self.cos_table[:, :half], self.sin_table[:, :half]
+            return rotary_inplace(q, positions, cos, sin), rotary_inplace(k, positions, cos, sin)
         cos = self.cos_table[positions].unsqueeze(1)
         sin = self.sin_table[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def apply_one(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from blockspec.layers.triton_ops import rotary_inplace
+
+            half = x.shape[-1] // 2
+            return rotary_inplace(x.contiguous(), positions, self.cos_table[:, :half], self.sin_table[:, :half])
         cos = self.cos_table[positions].unsqueeze(1)
         sin = self.sin_table[positions].unsqueeze(1)
         return _rotate(x, cos, sin)

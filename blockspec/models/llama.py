@@ -9,6 +9,7 @@ from torch import nn
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.layers.activation import GatedMLP
+from blockspec.layers.linear import StackedLinear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.config import TargetConfig
@@ -30,9 +31,8 @@ class SelfAttention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -43,9 +43,10 @@ class SelfAttention(nn.Module):
         self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(batch.positions, q, k)
@@ -61,10 +62,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, backend: AttentionBackend
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, batch, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        rotary: RotaryEmbedding,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual-stream form: returns (mlp output, residual); the layer's output is their sum."""
+        if residual is None:
+            residual = hidden.clone()
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn = self.self_attn(normed, rotary, batch, backend)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -96,16 +109,14 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> ModelOutput:
         batch.attn_meta = backend.plan(batch)
         hidden = batch.input_embeds if batch.input_embeds is not None else self.embed(batch.input_ids)
-        captured: list[torch.Tensor] = []
+        residual: Optional[torch.Tensor] = None
+        captured: dict[int, torch.Tensor] = {}
         capture = set(batch.capture_layer_ids)
         for layer_id, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, self.model.rotary, batch, backend)
+            hidden, residual = layer(hidden, residual, self.model.rotary, batch, backend)
             if layer_id in capture:
-                captured.append(hidden)
-        if captured:
-            order = {layer_id: i for i, layer_id in enumerate(sorted(capture))}
-            aux = torch.cat([captured[order[i]] for i in batch.capture_layer_ids], dim=-1)
-        else:
-            aux = None
-        hidden = self.model.norm(hidden)
+                captured[layer_id] = hidden + residual  # the output of layer `layer_id`
+        aux = torch.cat([captured[i] for i in batch.capture_layer_ids], dim=-1) if captured else None
+        assert residual is not None
+        hidden, _ = self.model.norm.add_and_norm(hidden, residual)
         return ModelOutput(self.compute_logits(hidden[batch.logits_rows]), aux, hidden)

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from blockspec.layers.linear import StackedLinear
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.config import TargetConfig, load_target_config
 from blockspec.models.llama import CausalLM
@@ -51,26 +52,43 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
+def _stacked_targets(module: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint name → (fused parameter name, row offset, rows) for every StackedLinear part."""
+    targets: dict[str, tuple[str, int, int]] = {}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, StackedLinear):
+            parent = prefix.rsplit(".", 1)[0] + "." if "." in prefix else ""
+            for shard in sub.shard_names:
+                offset, rows = sub.shard_offset(shard)
+                for kind in ("weight", "bias"):
+                    if getattr(sub, kind, None) is not None:
+                        targets[f"{parent}{shard}.{kind}"] = (f"{prefix}.{kind}", offset, rows)
+    return targets
+
+
 def load_weights_into(
     module: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], ignore: tuple[str, ...] = ()
 ) -> None:
-    """Copies named tensors into `module`; every parameter must be filled with its exact shape."""
+    """Copies named tensors into `module` (stacking q|k|v and gate|up); every parameter must be filled exactly."""
     params = dict(module.named_parameters())
+    stacked = _stacked_targets(module)
+    expected = {name for name in params if name not in {t[0] for t in stacked.values()}} | set(stacked)
     filled: set[str] = set()
     for name, tensor in weights:
-        if name.startswith(ignore) or name not in params:
+        if name.startswith(ignore) or name not in expected:
             if not name.startswith(ignore):
                 logger.debug("ignoring checkpoint tensor %s", name)
             continue
-        param = params[name]
-        if tuple(tensor.shape) != tuple(param.shape):
+        param_name, offset, rows = stacked.get(name, (name, 0, params[name].shape[0] if name in params else 0))
+        target = params[param_name].narrow(0, offset, rows) if name in stacked else params[param_name]
+        if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, the config implies {tuple(param.shape)}"
+                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, the config implies {tuple(target.shape)}"
             )
         with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
+            target.copy_(tensor.to(target.dtype))
         filled.add(name)
-    missing = sorted(set(params) - filled)
+    missing = sorted(expected - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -85,11 +85,19 @@ class ModelRunner:
         """Full CUDA graphs need CUDA and a backend that plans without host syncs (Triton)."""
         return self.device.type == "cuda" and not self.config.disable_cuda_graph and self.attention_backend == "triton"
 
-    def capture_graph(self, mode: ForwardMode, tokens_per_req: int, capture_layer_ids: tuple[int, ...] = ()) -> None:
-        def run(batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
-            output = self.model(batch, self.attention)
-            return output.logits, output.aux_hidden
+    def eager_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
+        output = self.model(batch, self.attention)
+        return output.logits, output.aux_hidden
 
+    def capture_graph(
+        self,
+        mode: ForwardMode,
+        tokens_per_req: int,
+        capture_layer_ids: tuple[int, ...] = (),
+        run: Optional[Callable[[ForwardBatch], tuple[torch.Tensor | None, ...]]] = None,
+    ) -> None:
+        """Captures `run` (default: the target forward → (logits, aux hidden)) for uniform batches of `mode`."""
+        run = run or self.eager_forward
         graph = GraphedForward(
             f"target-{mode.value}", run, mode, tokens_per_req, self.config.cuda_graph_bs, self.req_to_token.table,
             self.req_to_token.dummy_row, self.max_positions, capture_layer_ids, self.graph_pool,

@@ -54,13 +54,23 @@ class DFlashWorker(TargetWorker):
         if not self.runner.graphs_enabled:
             return
         runner = self.runner
-        runner.capture_graph(ForwardMode.VERIFY, self.block_size, self.capture)
+        runner.capture_graph(ForwardMode.VERIFY, self.block_size, self.capture, self._verify_forward)
         self.draft_graph = GraphedForward(
             "draft", self._draft_logits, ForwardMode.DRAFT, self.block_size, self.runner.config.cuda_graph_bs,
             runner.req_to_token.table, runner.req_to_token.dummy_row, runner.max_positions, (), runner.graph_pool,
         )
         with torch.inference_mode():
             self.draft_graph.capture()
+
+    def _verify_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
+        """Target forward over the blocks, then draft K/V for every block row.
+
+        NOTE: rows past the accepted prefix get draft K/V too; their slots are either freed or rewritten (by the
+        next propose and materialise) before any draft attention reads them, so only committed rows matter."""
+        output = self.runner.model(batch, self.runner.attention)
+        assert output.aux_hidden is not None
+        self.draft.materialise_context(output.aux_hidden, batch.positions, batch.out_cache_loc, self.draft_pool)
+        return output.logits, output.aux_hidden
 
     def _draft_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Draft logits for every block row [T, V] (row 0 of each block is unused) and their argmax."""
@@ -69,15 +79,12 @@ class DFlashWorker(TargetWorker):
         logits = self.draft.logits(hidden, self.runner.model.lm_head)
         return logits, logits.argmax(-1)
 
-    def _materialise(self, aux: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor) -> None:
-        self.draft.materialise_context(aux[rows], batch.positions[rows], batch.out_cache_loc[rows], self.draft_pool)
-
     @torch.inference_mode()
     def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor:
         batch = self.build_extend_batch(reqs, chunk_lens, self.capture)
         output = self.run_extend(batch, reqs)
         assert output.aux_hidden is not None
-        self._materialise(output.aux_hidden, batch, torch.arange(batch.num_tokens, device=batch.positions.device))
+        self.draft.materialise_context(output.aux_hidden, batch.positions, batch.out_cache_loc, self.draft_pool)
         return output.logits
 
     def _block_batch(self, mode: ForwardMode, blocks: list[list[int]], reqs: Sequence[Req], capture: tuple[int, ...] = ()) -> ForwardBatch:
@@ -125,11 +132,18 @@ class DFlashWorker(TargetWorker):
         proposals, draft_probs = self.propose(reqs)
         blocks = [[req.all_ids[-1]] + props for req, props in zip(reqs, proposals)]
         batch = self._block_batch(ForwardMode.VERIFY, blocks, reqs, self.capture)
-        output = self.runner.forward(batch)
-        logits = output.logits.view(len(reqs), b, -1)
+        graph = self.runner.graphs.get(ForwardMode.VERIFY)
+        if graph is not None and graph.can_run(batch):
+            self.runner.forward_counts["graph"] += 1
+            verify_logits, _ = graph.replay(batch)
+        else:
+            self.runner.forward_counts["eager"] += 1
+            with torch.inference_mode():
+                verify_logits, _ = self._verify_forward(batch)
+        assert verify_logits is not None
+        logits = verify_logits.view(len(reqs), b, -1)
         target_argmax = logits.argmax(-1).tolist()
         committed: list[list[int]] = []
-        keep_rows: list[int] = []
         for i, req in enumerate(reqs):
             if self.simulate_accept_len is not None:
                 accepted = min(b - 1, int(self.simulate_accept_len) - 1)
@@ -138,12 +152,9 @@ class DFlashWorker(TargetWorker):
                 accepted, bonus = greedy_accept(proposals[i], target_argmax[i])
             else:
                 accepted, bonus = rejection_accept(proposals[i], draft_probs[i], logits[i], req.params, req.generator)
-            # NOTE: the block input tokens 0..accepted now have valid target KV; their features feed the draft.
-            keep_rows.extend(range(i * b, i * b + accepted + 1))
+            # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
             req.kv_len += accepted + 1
             committed.append(proposals[i][:accepted] + [bonus])
-        assert output.aux_hidden is not None
-        self._materialise(output.aux_hidden, batch, torch.tensor(keep_rows, device=batch.positions.device))
         return committed
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks against a running blockspec (or SGLang) server."""

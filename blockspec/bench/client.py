@@ -1,0 +1,54 @@
+"""Small HTTP helpers shared by the eval and the benchmarks."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import httpx
+
+
+def auth_headers(api_key: Optional[str]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def get_server_info(base_url: str, api_key: Optional[str] = None, timeout: float = 30.0) -> dict[str, Any]:
+    """/server_info, falling back to SGLang's older /get_server_info; {} when neither answers."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            response = httpx.get(base_url.rstrip("/") + path, headers=auth_headers(api_key), timeout=timeout)
+        except httpx.HTTPError:
+            continue
+        if response.status_code == 200:
+            info: dict[str, Any] = response.json()
+            return info
+    return {}
+
+
+def spec_totals(info: dict[str, Any]) -> tuple[float, int]:
+    """(tokens committed by verifies, verify count) from a server_info answer; (0, 0) without speculation."""
+    states = info.get("internal_states") or [{}]
+    state = states[0] if states else {}
+    avg = float(state.get("avg_spec_accept_length") or 0.0)
+    count = int(state.get("spec_verify_ct") or 0)
+    return avg * count, count
+
+
+def avg_accept_length(info: dict[str, Any]) -> Optional[float]:
+    states = info.get("internal_states") or [{}]
+    value = states[0].get("avg_spec_accept_length") if states else None
+    return float(value) if value is not None else None
+
+
+def accept_length_between(before: dict[str, Any], after: dict[str, Any]) -> Optional[float]:
+    """Accept length of the verifies that ran between two server_info snapshots."""
+    committed0, count0 = spec_totals(before)
+    committed1, count1 = spec_totals(after)
+    if count1 <= count0:
+        return None
+    return (committed1 - committed0) / (count1 - count0)
+
+
+def first_model_id(base_url: str, api_key: Optional[str] = None, timeout: float = 30.0) -> str:
+    response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key), timeout=timeout)
+    response.raise_for_status()
+    model: str = response.json()["data"][0]["id"]
+    return model

@@ -1,0 +1,189 @@
+"""Serving benchmark: for each concurrency level, stream `num_prompts` requests and measure throughput, TTFT,
+TPOT and the speculative accept length (from /server_info before and after the level)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import httpx
+from tqdm import tqdm
+
+from blockspec.bench.client import accept_length_between, auth_headers, get_server_info
+from blockspec.bench.report import LevelResult, summarise, write_outputs
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    chunk_gaps: tuple[float, ...] = ()
+    error: str = ""
+
+
+def load_prompts(ns: argparse.Namespace, vocab_size: int) -> list[Prompt]:
+    rng = random.Random(ns.seed)
+    if ns.dataset_name == "random":
+        low = min(10, vocab_size - 1)
+        return [[rng.randrange(low, vocab_size) for _ in range(ns.random_input_len)] for _ in range(ns.num_prompts)]
+    from blockspec.evals.gsm8k import default_data_path, few_shot_prefix, format_example, load_lines
+
+    lines = load_lines(ns.dataset_path or default_data_path())
+    prefix = few_shot_prefix(lines, ns.num_shots)
+    pool = lines[ns.num_shots:]
+    return [prefix + format_example(pool[i % len(pool)], False) for i in range(ns.num_prompts)]
+
+
+def _payload(ns: argparse.Namespace, prompt: Prompt, max_new: int) -> tuple[str, dict[str, Any]]:
+    if ns.backend == "openai":
+        body: dict[str, Any] = {
+            "model": ns.model or "default", "prompt": prompt, "max_tokens": max_new, "temperature": ns.temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ns.ignore_eos,
+        }
+        return "/v1/completions", body
+    key = "text" if isinstance(prompt, str) else "input_ids"
+    params = {"max_new_tokens": max_new, "temperature": ns.temperature, "ignore_eos": ns.ignore_eos}
+    return "/generate", {key: prompt, "sampling_params": params, "stream": True}
+
+
+async def one_request(client: httpx.AsyncClient, ns: argparse.Namespace, prompt: Prompt, max_new: int) -> RequestResult:
+    path, body = _payload(ns, prompt, max_new)
+    start = time.perf_counter()
+    first: Optional[float] = None
+    last = start
+    gaps: list[float] = []
+    prompt_tokens = output_tokens = 0
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                return RequestResult(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return RequestResult(False, error=str(chunk["error"]))
+                now = time.perf_counter()
+                if ns.backend == "openai":
+                    if chunk.get("usage"):
+                        prompt_tokens, output_tokens = chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]
+                    if not any(c.get("text") for c in chunk.get("choices", [])):
+                        continue
+                else:
+                    meta = chunk["meta_info"]
+                    seen, output_tokens = output_tokens, meta["completion_tokens"]
+                    prompt_tokens = meta["prompt_tokens"]
+                    if output_tokens <= seen:  # no new token in this chunk
+                        continue
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    return RequestResult(True, (first or end) - start, end - start, prompt_tokens, output_tokens, tuple(gaps))
+
+
+async def run_level(ns: argparse.Namespace, prompts: list[Prompt], concurrency: int) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    semaphore = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", disable=ns.disable_tqdm)
+    async with httpx.AsyncClient(base_url=ns.base_url.rstrip("/"), headers=auth_headers(ns.api_key), timeout=ns.timeout, limits=limits) as client:
+
+        async def limited(prompt: Prompt) -> RequestResult:
+            async with semaphore:
+                result = await one_request(client, ns, prompt, ns.max_new_tokens)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(p) for p in prompts))
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
+    info = get_server_info(ns.base_url, ns.api_key)
+    vocab_size = int(info.get("vocab_size") or 32000)
+    prompts = load_prompts(ns, vocab_size)
+    if ns.warmup > 0:
+        asyncio.run(run_level(ns, prompts[: ns.warmup], min(ns.warmup, max(ns.concurrency))))
+    levels: list[LevelResult] = []
+    for concurrency in ns.concurrency:
+        before = get_server_info(ns.base_url, ns.api_key)
+        results, duration = asyncio.run(run_level(ns, prompts, concurrency))
+        after = get_server_info(ns.base_url, ns.api_key)
+        level = summarise(concurrency, results, duration, accept_length_between(before, after))
+        levels.append(level)
+        print(level.describe(), flush=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items() if k not in ("api_key", "func")}
+    server = {k: info.get(k) for k in ("model_path", "speculative_algorithm", "device", "dtype", "context_length")}
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": config, "server": server, "levels": [l.__dict__ for l in levels]}
+
+
+def _concurrency_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:30000")
+    parser.add_argument("--api-key")
+    parser.add_argument("--backend", choices=("sglang", "openai"), default="sglang", help="/generate or /v1/completions")
+    parser.add_argument("--model", help="model id for the openai backend")
+    parser.add_argument("--concurrency", type=_concurrency_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
+    parser.add_argument("--num-prompts", type=int, default=200, help="requests per concurrency level")
+    parser.add_argument("--dataset-name", choices=("gsm8k", "random"), default="gsm8k")
+    parser.add_argument("--dataset-path", type=Path, help="GSM8K jsonl (default: ../shared/data/gsm8k/test.jsonl)")
+    parser.add_argument("--num-shots", type=int, default=0, help="few-shot examples before each GSM8K question")
+    parser.add_argument("--random-input-len", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--warmup", type=int, default=0, help="requests sent (and ignored) before the first level")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results/serving"))
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for flag, value in (("--num-prompts", ns.num_prompts), ("--max-new-tokens", ns.max_new_tokens), ("--random-input-len", ns.random_input_len)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if ns.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {ns.temperature}")
+    if ns.dataset_name == "gsm8k":
+        from blockspec.evals.gsm8k import default_data_path
+
+        path = ns.dataset_path or default_data_path()
+        if not path.is_file():
+            parser.error(f"--dataset-path: no such file {path}")
+    try:
+        report = run_benchmark(ns)
+    except httpx.HTTPError as exc:
+        print(f"blockspec bench serving: error: {exc}", file=sys.stderr)
+        return 1
+    json_path, plot_path = write_outputs(report, ns.output_dir, plot_png=not ns.no_plot)
+    print(f"wrote {json_path}" + (f" and {plot_path}" if plot_path else ""))
+    return 0 if all(level["completed"] for level in report["levels"]) else 1

@@ -1,0 +1,49 @@
+"""`blockspec serve | eval gsm8k | bench serving`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from blockspec.bench.serving import add_bench_arguments
+    from blockspec.evals.gsm8k import add_gsm8k_arguments
+    from blockspec.server.args import add_serve_arguments
+
+    parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding LLM server.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,eval,bench}")
+    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI- and SGLang-compatible)")
+    add_serve_arguments(serve)
+
+    evals = commands.add_parser("eval", help="accuracy evaluations against a running server")
+    eval_kinds = evals.add_subparsers(dest="eval_name", required=True, metavar="{gsm8k}")
+    gsm8k = eval_kinds.add_parser("gsm8k", help="few-shot GSM8K through /v1/chat/completions")
+    add_gsm8k_arguments(gsm8k)
+
+    bench = commands.add_parser("bench", help="benchmarks against a running server")
+    bench_kinds = bench.add_subparsers(dest="bench_name", required=True, metavar="{serving}")
+    serving = bench_kinds.add_parser("serving", help="throughput, TTFT, TPOT and accept length per concurrency")
+    add_bench_arguments(serving)
+    return parser, {"serve": serve, "gsm8k": gsm8k, "serving": serving}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser, subparsers = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command == "serve":
+        from blockspec.server.args import serve_args_from_namespace
+        from blockspec.server.launch import run_server
+
+        return run_server(serve_args_from_namespace(ns, subparsers["serve"]))
+    if ns.command == "eval":
+        from blockspec.evals.gsm8k import run_from_args
+
+        return run_from_args(ns, subparsers["gsm8k"])
+    from blockspec.bench.serving import run_from_args as run_bench
+
+    return run_bench(ns, subparsers["serving"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Accuracy evaluations against a running blockspec (or SGLang / OpenAI-compatible) server."""

@@ -1,0 +1,115 @@
+"""The FastAPI application: error format, API-key check, lifespan of the engine thread."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from blockspec.engine import Engine
+from blockspec.server.args import ServerSettings
+from blockspec.server.metrics import ServerMetrics
+from blockspec.server.state import APIError, ClientGone, ServerState
+
+logger = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class ApiKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnect detection pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"].startswith(OPEN_PATHS):
+            await self.app(scope, receive, send)
+            return
+        supplied = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(supplied, self.expected):
+            error = APIError(401, "authorization: missing or wrong API key (send 'Authorization: Bearer KEY')", "authorization", "authentication_error")
+            self.metrics.http_errors.labels(status="401").inc()
+            await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) if parts else "body"
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"body: malformed JSON ({first.get('ctx', {}).get('error', first['msg'])})", "body")
+    loc = tuple(first.get("loc", ("body",)))
+    # NOTE: union fields report the failing member type as the last loc element (e.g. "str", "list[int]").
+    while len(loc) > 2 and isinstance(loc[-1], str) and ("[" in loc[-1] or loc[-1] in ("str", "int", "float", "bool", "dict")):
+        loc = loc[:-1]
+    param = _loc_to_param(loc)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return APIError(400, f"{param}: {message}", param)
+
+
+def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    block = engine.worker.decode_slots_per_req
+    metrics = ServerMetrics(max_accept_length=max(block, 1))
+    state = ServerState.build(engine, settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start()
+        try:
+            yield
+        finally:
+            state.loop.stop()
+
+    app = FastAPI(title="blockspec", lifespan=lifespan)
+    app.state.blockspec = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        metrics.http_errors.labels(status=str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await api_error(request, _validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return await api_error(request, APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def json_error(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return await api_error(request, APIError(400, f"body: malformed JSON ({exc})", "body"))
+
+    from blockspec.server.native_api import router as native_router
+    from blockspec.server.openai_api import router as openai_router
+
+    app.include_router(openai_router)
+    app.include_router(native_router)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
+    return app
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.blockspec
+    return state

@@ -1,0 +1,129 @@
+"""`blockspec serve` flags: SGLang's names, mapped onto EngineConfig plus the HTTP server's own settings."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from blockspec.config import ATTENTION_BACKENDS, EngineConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    served_model_name: Optional[str] = None
+    log_level: str = "warning"
+
+
+@dataclass
+class ServeArgs:
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig keyword arguments
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+
+# (flag, argparse keywords); each engine flag sets the EngineConfig field named after it.
+_ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--model-path", dict(required=True, help="HF checkpoint directory of the target model")),
+    ("--tokenizer-path", dict(help="tokenizer directory (default: the model path)")),
+    ("--skip-tokenizer-init", dict(action="store_true", help="serve input_ids only, no tokenizer")),
+    ("--trust-remote-code", dict(action="store_true", help="accepted for SGLang compatibility")),
+    ("--device", dict(default="auto", help="auto, cpu, cuda or cuda:N")),
+    ("--dtype", dict(default="auto", choices=("auto", "float32", "bfloat16", "float16"))),
+    ("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS)),
+    ("--page-size", dict(type=int, default=1)),
+    ("--max-running-requests", dict(type=int, default=64)),
+    ("--max-total-tokens", dict(type=int, help="KV pool size in tokens (default: from --mem-fraction-static)")),
+    ("--chunked-prefill-size", dict(type=int, default=8192, help="-1 disables chunked prefill")),
+    ("--context-length", dict(type=int)),
+    ("--mem-fraction-static", dict(type=float, default=0.85)),
+    ("--random-seed", dict(type=int, default=0)),
+    ("--cuda-graph-bs", dict(type=int, nargs="+", help="batch sizes captured as CUDA graphs")),
+    ("--disable-cuda-graph", dict(action="store_true")),
+    ("--enforce-piecewise-cuda-graph", dict(action="store_true", help="piecewise CUDA graphs for prefill/extend")),
+    ("--piecewise-cuda-graph-max-tokens", dict(type=int, default=4096)),
+    ("--speculative-algorithm", dict(type=str.upper, choices=("DFLASH",))),
+    ("--speculative-draft-model-path", dict()),
+    ("--speculative-num-draft-tokens", dict(type=int, help="block size (default: the draft's block_size)")),
+    ("--speculative-simulate-accept-len", dict(type=float, help="benchmarking only: force the accept length")),
+    ("--load-format", dict(default="auto", choices=("auto", "dummy"))),
+]
+
+_SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--host", dict(default="127.0.0.1")),
+    ("--port", dict(type=int, default=30000, help="0 picks a free port")),
+    ("--api-key", dict(help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")),
+    ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="waiting requests beyond it get 503")),
+    ("--served-model-name", dict(help="model id reported by /v1/models (default: the model path)")),
+    ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS)),
+]
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def engine_flag_names() -> dict[str, str]:
+    """EngineConfig field -> CLI flag."""
+    return {_dest(flag): flag for flag, _ in _ENGINE_FLAGS}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    for flag, kwargs in _ENGINE_FLAGS:
+        engine.add_argument(flag, **kwargs)
+    server = parser.add_argument_group("server")
+    for flag, kwargs in _SERVER_FLAGS:
+        server.add_argument(flag, **kwargs)
+
+
+def build_serve_parser(prog: str = "blockspec serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI- and SGLang-compatible).")
+    add_serve_arguments(parser)
+    return parser
+
+
+def _flagify(message: str) -> str:
+    """Rewrites EngineConfig field names in an error message as the flags a user typed."""
+    names = {**engine_flag_names(), **{_dest(flag): flag for flag, _ in _SERVER_FLAGS}}
+    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True)) + r")\b")
+    return pattern.sub(lambda m: names[m.group(1)], message)
+
+
+def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ServeArgs:
+    """Validates everything now; `parser.error` (exit 2) names the offending flag."""
+    values = vars(ns)
+    engine = {_dest(flag): values[_dest(flag)] for flag, _ in _ENGINE_FLAGS}
+    if engine["cuda_graph_bs"] is None:
+        engine.pop("cuda_graph_bs")
+    engine["log_level"] = values["log_level"]
+    server = ServerSettings(**{_dest(flag): values[_dest(flag)] for flag, _ in _SERVER_FLAGS})
+    if not 0 <= server.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {server.port}")
+    if server.max_queued_requests < 1:
+        parser.error(f"--max-queued-requests must be >= 1, got {server.max_queued_requests}")
+    if server.api_key is not None and not server.api_key:
+        parser.error("--api-key must not be empty")
+    try:
+        EngineConfig.from_kwargs(**engine)
+    except ValueError as exc:
+        parser.error(_flagify(str(exc)))
+    return ServeArgs(engine=engine, server=server)
+
+
+def parse_serve_args(argv: Optional[Sequence[str]] = None, prog: str = "blockspec serve") -> ServeArgs:
+    parser = build_serve_parser(prog)
+    return serve_args_from_namespace(parser.parse_args(argv), parser)
+
+
+def config_fields_without_flag() -> list[str]:
+    """EngineConfig fields no flag sets (log_level comes from the shared --log-level)."""
+    flagged = set(engine_flag_names()) | {"log_level"}
+    return [f.name for f in dataclasses.fields(EngineConfig) if f.name not in flagged]

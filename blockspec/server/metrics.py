@@ -1,0 +1,77 @@
+"""Prometheus metrics, one registry per server (so several servers can live in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from blockspec.engine import Engine
+from blockspec.request import Req
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, float("inf"))
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, max_accept_length: int = 16) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("blockspec_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("blockspec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("blockspec_generation_tokens", "Generated tokens", registry=r)
+        self.http_errors = Counter("blockspec_http_errors", "Error responses", ["status"], registry=r)
+        self.num_running = Gauge("blockspec_num_running_reqs", "Requests in the running batch", registry=r)
+        self.num_queued = Gauge("blockspec_num_queue_reqs", "Requests waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("blockspec_token_usage", "Fraction of KV slots in use", registry=r)
+        self.kv_free = Gauge("blockspec_kv_free_slots", "Free KV slots", registry=r)
+        self.kv_total = Gauge("blockspec_kv_total_slots", "KV slots in the pool", registry=r)
+        self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("blockspec_time_per_output_token_seconds", "Mean time per token after the first", buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("blockspec_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r)
+        self.avg_accept = Gauge("blockspec_spec_accept_length", "Tokens committed per verify forward (bonus included)", registry=r)
+        accept_buckets = tuple(float(n) for n in range(1, max_accept_length + 1)) + (float("inf"),)
+        self.accept_per_verify = Histogram(
+            "blockspec_spec_accept_length_per_verify", "Tokens committed by each verify forward", buckets=accept_buckets, registry=r
+        )
+        self.position_accept = Gauge(
+            "blockspec_spec_position_accept_rate", "Fraction of verifies that accepted draft position N", ["position"], registry=r
+        )
+
+    def on_finish(self, req: Req, now: float) -> None:
+        reason = req.finish.reason.value if req.finish is not None else "unknown"
+        self.requests.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(req.prompt_len)
+        completion = len(req.output_ids)
+        self.generation_tokens.inc(completion)
+        self.e2e.observe(now - req.arrival_time)
+        if req.first_token_time is not None:
+            self.ttft.observe(req.first_token_time - req.arrival_time)
+            if completion > 1:
+                self.tpot.observe((now - req.first_token_time) / (completion - 1))
+        for committed in req.spec_accept_lengths:
+            self.accept_per_verify.observe(committed)
+
+    def on_step(self, engine: Engine, num_queued: int) -> None:
+        scheduler = engine.scheduler
+        allocator = engine.runner.allocator
+        self.num_running.set(len(scheduler.running))
+        self.num_queued.set(num_queued)
+        total, free = allocator.total_slots, allocator.free_slots
+        self.kv_total.set(total)
+        self.kv_free.set(free)
+        self.kv_usage.set((total - free) / total if total else 0.0)
+        if engine.worker.is_speculative:
+            self.set_spec_stats(scheduler.spec_accept_histogram)
+
+    def set_spec_stats(self, histogram: list[int]) -> None:
+        """`histogram[k]` = verifies that committed k tokens; draft position j is accepted when k > j."""
+        verifies = sum(histogram)
+        if not verifies:
+            return
+        self.avg_accept.set(sum(k * n for k, n in enumerate(histogram)) / verifies)
+        for position in range(1, len(histogram) - 1):
+            accepted = sum(histogram[position + 1:])
+            self.position_accept.labels(position=str(position)).set(accepted / verifies)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,138 @@
+"""SGLang-native endpoints: /generate, /server_info, /health, /metrics, /abort_request, /get_model_info."""
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+import blockspec
+from blockspec.engine import Engine
+from blockspec.request import SamplingParams
+from blockspec.server.engine_loop import EngineStoppedError, Submission
+from blockspec.server.metrics import CONTENT_TYPE
+from blockspec.server.protocol import AbortRequest, GenerateRequest
+from blockspec.server.state import APIError, ClientGone, ServerState, new_id, sse
+
+router = APIRouter()
+_RENAMES = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
+_RENAMES["sampling_params"] = "sampling_params"
+
+
+def _state(request: Request) -> ServerState:
+    from blockspec.server.app import get_state
+
+    return get_state(request)
+
+
+def _inputs(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]], bool, str]:
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "text: pass exactly one of text or input_ids", "text")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        return [state.encode(t, "text") for t in texts], isinstance(body.text, str), "text"
+    ids = body.input_ids
+    assert ids is not None
+    if all(isinstance(t, int) for t in ids):
+        return [list(ids)], True, "input_ids"  # type: ignore[arg-type]
+    return [list(row) for row in ids], False, "input_ids"  # type: ignore[union-attr]
+
+
+@router.post("/generate", response_model=None)
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    state = _state(request)
+    batch, single, prompt_param = _inputs(state, body)
+    raw = body.sampling_params
+    if isinstance(raw, list):
+        if len(raw) != len(batch):
+            raise APIError(400, f"sampling_params: got {len(raw)} for {len(batch)} prompts", "sampling_params")
+        params = [dict(p) for p in raw]
+    else:
+        params = [dict(raw or {}) for _ in batch]
+    rids = [body.rid] if isinstance(body.rid, str) else body.rid
+    if rids is None:
+        base = new_id("gen")
+        rids = [base] if single else [f"{base}-{i}" for i in range(len(batch))]
+    elif len(rids) != len(batch):
+        raise APIError(400, f"rid: got {len(rids)} for {len(batch)} prompts", "rid")
+    reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES)
+    submission = state.submit(reqs, body.stream)
+    if body.stream:
+        return StreamingResponse(_generate_stream(state, submission, request, single), media_type="text/event-stream")
+    outputs = await state.collect(submission, request, keep_aborted=True)
+    return outputs[0] if single else outputs
+
+
+async def _generate_stream(state: ServerState, submission: Submission, request: Request, single: bool) -> AsyncIterator[str]:
+    """SGLang's default streaming: every chunk carries the cumulative text and output_ids."""
+    texts = [""] * len(submission.reqs)
+    ids: list[list[int]] = [[] for _ in submission.reqs]
+    try:
+        async with aclosing(state.deltas(submission, request)) as deltas:
+            async for delta in deltas:
+                if delta.error is not None and delta.output is None:
+                    yield sse(APIError(delta.status, delta.error).body())
+                    break
+                texts[delta.index] += delta.text
+                ids[delta.index] += delta.ids
+                req = submission.reqs[delta.index]
+                if delta.output is not None:
+                    meta = delta.output["meta_info"]
+                else:
+                    meta = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": len(ids[delta.index]), "finish_reason": None}
+                chunk: dict[str, Any] = {"text": texts[delta.index], "output_ids": list(ids[delta.index]), "meta_info": meta}
+                if not single:
+                    chunk["index"] = delta.index
+                yield sse(chunk)
+    except ClientGone:
+        return
+    yield sse("[DONE]")
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    return Response(status_code=200 if _state(request).loop.alive else 503)
+
+
+async def _server_info(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    try:
+        info = await state.loop.call(Engine.get_server_info)
+    except EngineStoppedError as exc:
+        raise APIError(503, str(exc)) from exc
+    info.update(
+        served_model_name=state.model_name,
+        vocab_size=state.vocab_size,
+        max_queued_requests=state.settings.max_queued_requests,
+        num_queued_requests=state.loop.num_queued,
+        version=blockspec.__version__,
+    )
+    return info
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    return await _server_info(request)
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    return await _server_info(request)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    config = _state(request).engine.config
+    return {"model_path": config.model_path, "tokenizer_path": config.tokenizer_path or config.model_path, "is_generation": True}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
+    _state(request).loop.abort(body.rid)
+    return {"rid": body.rid, "status": "abort requested"}

@@ -1,0 +1,147 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models."""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from blockspec.server.engine_loop import Submission
+from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from blockspec.server.state import APIError, ClientGone, ServerState, finish_fields, new_id, sse, usage
+
+router = APIRouter()
+_RENAMES = {"max_new_tokens": "max_tokens", "sampling_params": "body"}
+
+
+def _state(request: Request) -> ServerState:
+    from blockspec.server.app import get_state
+
+    return get_state(request)
+
+
+def _max_new(state: ServerState, body: _SamplingFields, prompt_len: int, requested: Optional[int], default: Optional[int]) -> int:
+    if requested is not None:
+        return requested
+    room = max(1, state.context_length - prompt_len)
+    return room if default is None else min(default, room)
+
+
+def _submit(state: ServerState, body: _SamplingFields, batch: list[list[int]], requested: Optional[int], default: Optional[int], prompt_param: str, rid: str) -> Submission:
+    params = [body.sampling_params(_max_new(state, body, len(ids), requested, default)) for ids in batch]
+    rids = [rid] if len(batch) == 1 else [f"{rid}-{i}" for i in range(len(batch))]
+    reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES)
+    return state.submit(reqs, body.stream)
+
+
+def _choice_finish(output: dict[str, Any]) -> dict[str, Any]:
+    kind, matched = finish_fields(output)
+    return {"finish_reason": kind, "matched_stop": matched}
+
+
+def _error_event(status: int, message: str) -> str:
+    return sse(APIError(status, message).body())
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "blockspec",
+        "root": state.engine.config.model_path,
+        "max_model_len": state.context_length,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    state = _state(request)
+    ids = state.chat_ids([m.as_template_input() for m in body.messages])
+    rid = new_id("chatcmpl")
+    submission = _submit(state, body, [ids], body.requested_max_tokens, None, "messages", rid)
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
+    if body.stream:
+        return StreamingResponse(_chat_stream(state, submission, request, head, body.include_usage), media_type="text/event-stream")
+    output = (await state.collect(submission, request))[0]
+    choice = {"index": 0, "message": {"role": "assistant", "content": output["text"]}, "logprobs": None, **_choice_finish(output)}
+    return {**head, "choices": [choice], "usage": usage([output])}
+
+
+async def _chat_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict[str, Any], finish: Optional[dict[str, Any]] = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, **(finish or {"finish_reason": None})}
+        return sse({**head, "choices": [choice], **extra})
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async with aclosing(state.deltas(submission, request)) as deltas:
+            async for delta in deltas:
+                if delta.error is not None:
+                    yield _error_event(delta.status, delta.error)
+                    break
+                if delta.text:
+                    yield chunk({"content": delta.text})
+                if delta.output is not None:
+                    yield chunk({}, _choice_finish(delta.output))
+                    if include_usage:
+                        yield sse({**head, "choices": [], "usage": usage([delta.output])})
+    except ClientGone:
+        return
+    yield sse("[DONE]")
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    state = _state(request)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        batch = [state.encode(prompt, "prompt")]
+    elif all(isinstance(p, str) for p in prompt):
+        batch = [state.encode(p, "prompt") for p in prompt]  # type: ignore[arg-type]
+    elif all(isinstance(p, int) for p in prompt):
+        batch = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        batch = [list(p) for p in prompt]  # type: ignore[union-attr]
+    rid = new_id("cmpl")
+    submission = _submit(state, body, batch, body.max_tokens, 16, "prompt", rid)
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+    if body.stream:
+        return StreamingResponse(_completion_stream(state, submission, request, head, body.include_usage), media_type="text/event-stream")
+    outputs = await state.collect(submission, request)
+    choices = [{"index": i, "text": o["text"], "logprobs": None, **_choice_finish(o)} for i, o in enumerate(outputs)]
+    return {**head, "choices": choices, "usage": usage(outputs)}
+
+
+async def _completion_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    extra = {"usage": None} if include_usage else {}
+    finals: list[dict[str, Any]] = []
+
+    def chunk(index: int, text: str, finish: Optional[dict[str, Any]] = None) -> str:
+        choice = {"index": index, "text": text, "logprobs": None, **(finish or {"finish_reason": None})}
+        return sse({**head, "choices": [choice], **extra})
+
+    try:
+        async with aclosing(state.deltas(submission, request)) as deltas:
+            async for delta in deltas:
+                if delta.error is not None:
+                    yield _error_event(delta.status, delta.error)
+                    break
+                if delta.output is not None:
+                    finals.append(delta.output)
+                    yield chunk(delta.index, delta.text, _choice_finish(delta.output))
+                elif delta.text:
+                    yield chunk(delta.index, delta.text)
+    except ClientGone:
+        return
+    if include_usage and len(finals) == len(submission.reqs):
+        yield sse({**head, "choices": [], "usage": usage(finals)})
+    yield sse("[DONE]")

@@ -1,0 +1,173 @@
+"""Request schemas: OpenAI chat/completions and SGLang's /generate. Unknown fields are ignored, types are strict."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+Temperature = Annotated[float, Field(strict=True, ge=0.0)]
+TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
+MinP = Annotated[float, Field(strict=True, ge=0.0, le=1.0)]
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+TokenId = Annotated[int, Field(strict=True, ge=0)]
+Stop = Union[StrictStr, list[StrictStr], None]
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Lenient):
+    """OpenAI sampling fields shared by chat and completions (plus SGLang's extensions)."""
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[PositiveInt] = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: StrictInt = -1
+    min_p: MinP = 0.0
+    n: StrictInt = 1
+    stop: Stop = None
+    stop_token_ids: Optional[list[TokenId]] = None
+    seed: Optional[StrictInt] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    presence_penalty: Annotated[float, Field(strict=True)] = 0.0
+    frequency_penalty: Annotated[float, Field(strict=True)] = 0.0
+    logprobs: Optional[Union[StrictBool, StrictInt]] = None
+    user: Optional[StrictStr] = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, k: int) -> int:
+        if k != -1 and k < 1:
+            raise ValueError("top_k must be -1 (off) or >= 1")
+        return k
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("penalties are not supported; leave them at 0")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Optional[Union[bool, int]]) -> Optional[Union[bool, int]]:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+        }
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[StrictStr, list[TextPart], None] = None
+    name: Optional[StrictStr] = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[PositiveInt] = None
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)], Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    echo: StrictBool = False
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: Optional[str]) -> Optional[str]:
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, best_of: Optional[int]) -> Optional[int]:
+        if best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return best_of
+
+
+class GenerateRequest(_Lenient):
+    """SGLang's native /generate: exactly one of `text` / `input_ids`; lists make a batch."""
+
+    text: Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1)], None] = None
+    input_ids: Union[Annotated[list[StrictInt], Field(min_length=1)], Annotated[list[list[StrictInt]], Field(min_length=1)], None] = None
+    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    rid: Union[StrictStr, list[StrictStr], None] = None
+    stream: StrictBool = False
+    return_logprob: StrictBool = False
+
+    @field_validator("return_logprob")
+    @classmethod
+    def _no_logprob(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+
+class AbortRequest(_Lenient):
+    rid: StrictStr

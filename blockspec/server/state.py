@@ -1,0 +1,186 @@
+"""What every endpoint shares: turning HTTP input into validated Reqs, submitting them, waiting for results."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from fastapi import Request
+from transformers import PreTrainedTokenizerBase
+
+from blockspec.engine import Engine
+from blockspec.request import Req, SamplingParams
+from blockspec.server.args import ServerSettings
+from blockspec.server.engine_loop import Delta, EngineLoop, EngineStoppedError, QueueFullError, Submission
+from blockspec.server.metrics import ServerMetrics
+from blockspec.tokenizer import chat_to_ids, load_tokenizer
+
+_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+DISCONNECT_POLL_S = 0.5
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, kind: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+class ClientGone(Exception):
+    pass
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: Any) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    loop: EngineLoop
+    settings: ServerSettings
+    metrics: ServerMetrics
+    tokenizer: Optional[PreTrainedTokenizerBase]  # the HTTP thread's own copy: HF tokenizers aren't shared across threads
+    context_length: int
+    vocab_size: int
+    created: int
+
+    @classmethod
+    def build(cls, engine: Engine, settings: ServerSettings, metrics: ServerMetrics) -> "ServerState":
+        tokenizer = None
+        if engine.tokenizer is not None:
+            config = engine.config
+            tokenizer = load_tokenizer(config.tokenizer_path or config.model_path, config.trust_remote_code)
+        loop = EngineLoop(engine, metrics, settings.max_queued_requests)
+        return cls(engine, loop, settings, metrics, tokenizer, engine.scheduler.context_length, engine.scheduler.vocab_size, int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name or self.engine.config.model_path
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, f"{param}: text input needs a tokenizer; this server runs with --skip-tokenizer-init", param)
+        return list(self.tokenizer.encode(text))
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "messages: chat needs a tokenizer; this server runs with --skip-tokenizer-init", "messages")
+        try:
+            return chat_to_ids(self.tokenizer, messages)
+        except ValueError as exc:
+            raise APIError(400, f"messages: {exc}", "messages") from exc
+        except Exception as exc:  # a chat template may raise anything (e.g. jinja's TemplateError)
+            raise APIError(400, f"messages: the chat template rejected them: {exc}", "messages") from exc
+
+    def make_requests(
+        self,
+        batch: Sequence[list[int]],
+        params: Sequence[dict[str, Any]],
+        rids: Sequence[str],
+        prompt_param: str,
+        renames: Optional[dict[str, str]] = None,
+    ) -> list[Req]:
+        """Validates with the engine's own checks; every failure is a 400 naming the field."""
+        renames = renames or {}
+        for ids, p in zip(batch, params):
+            max_new = p.get("max_new_tokens", SamplingParams.max_new_tokens)
+            if isinstance(max_new, int) and 0 < len(ids) < self.context_length and len(ids) + max_new > self.context_length:
+                name = renames.get("max_new_tokens", "max_new_tokens")
+                raise APIError(
+                    400,
+                    f"{name}: {len(ids)} prompt tokens + {max_new} new tokens exceed the context length "
+                    f"{self.context_length}; lower {name}",
+                    name,
+                )
+        try:
+            # NOTE: make_requests only reads engine constants (vocab, context length, pool size) for
+            # input_ids prompts, so it is safe off the engine thread.
+            reqs, _ = self.engine.make_requests(input_ids=[list(ids) for ids in batch], sampling_params=list(params), rid=list(rids))
+        except ValueError as exc:
+            param = _param_of(str(exc), prompt_param, renames)
+            raise APIError(400, f"{param}: {exc}", param) from exc
+        return reqs
+
+    def submit(self, reqs: list[Req], stream: bool) -> Submission:
+        try:
+            return self.loop.submit(reqs, stream)
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), None, "server_overloaded") from exc
+        except EngineStoppedError as exc:
+            raise APIError(503, str(exc), None, "server_unavailable") from exc
+
+    # ---- outputs -------------------------------------------------------------------------------
+    async def deltas(self, submission: Submission, request: Request) -> AsyncIterator[Delta]:
+        """Yields every Delta; aborts what is unfinished when the client leaves or the consumer stops early."""
+        last_poll = time.monotonic()
+        try:
+            while not submission.done:
+                try:
+                    delta = await asyncio.wait_for(submission.next(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    delta = None
+                if time.monotonic() - last_poll >= DISCONNECT_POLL_S:
+                    last_poll = time.monotonic()
+                    if await request.is_disconnected():
+                        raise ClientGone()
+                if delta is not None:
+                    yield delta
+        finally:
+            for index in submission.pending:
+                self.loop.abort(submission.reqs[index].rid)
+
+    async def collect(self, submission: Submission, request: Request, keep_aborted: bool = False) -> list[dict[str, Any]]:
+        """Final outputs in submission order; an error (or an abort, unless `keep_aborted`) becomes an APIError."""
+        outputs: list[Optional[dict[str, Any]]] = [None] * len(submission.reqs)
+        stream = self.deltas(submission, request)
+        try:
+            async for delta in stream:
+                if delta.error is not None and not (keep_aborted and delta.output is not None):
+                    raise APIError(delta.status, delta.error)
+                if delta.output is not None:
+                    outputs[delta.index] = delta.output
+        finally:
+            await stream.aclose()
+        return [o for o in outputs if o is not None]
+
+
+def _param_of(message: str, prompt_param: str, renames: dict[str, str]) -> str:
+    head = message.split(" ", 1)[0]
+    if head in _SAMPLING_FIELDS:
+        return renames.get(head, head)
+    if message.startswith("stop strings"):
+        return renames.get("stop", "stop")
+    if "sampling" in message:
+        return renames.get("sampling_params", "sampling_params")
+    if "rid" in message:
+        return "rid"
+    return prompt_param
+
+
+def usage(outputs: list[dict[str, Any]]) -> dict[str, int]:
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_fields(output: dict[str, Any]) -> tuple[Optional[str], Any]:
+    """(OpenAI finish_reason, SGLang's matched_stop)."""
+    finish = output["meta_info"].get("finish_reason") or {}
+    kind = finish.get("type")
+    matched = finish.get("matched") if kind == "stop" else None
+    return kind, matched
