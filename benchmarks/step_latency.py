@@ -10,6 +10,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -177,7 +178,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = run_blockspec(Path(tmp), args, bandwidth)
     reference = [] if args.skip_reference else [run_reference(Path("."), c, 64) for c in args.contexts]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("BLOCKSPEC_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit or "unknown",
               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth, "accept_len": args.accept_len,
               "rows": rows, "dflash_reference": reference}

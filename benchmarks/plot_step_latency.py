@@ -1,0 +1,42 @@
+"""Plots a step_latency_<date>.json (spec cycle and target-only decode vs batch size, graphs on/off, floor)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    rows = report["rows"]
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for spec, graphs, style in [(True, True, "o-"), (True, False, "o--"), (False, True, "s-"), (False, False, "s--")]:
+            sel = sorted((r for r in rows if r["context"] == context and r["spec"] == spec and r["graphs"] == graphs), key=lambda r: r["bs"])
+            label = f"{'DFlash cycle' if spec else 'target decode'}, graphs {'on' if graphs else 'off'}"
+            ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], style, label=label)
+        floor = sorted((r for r in rows if r["context"] == context and r["spec"] and r["graphs"]), key=lambda r: r["bs"])
+        ax.plot([r["bs"] for r in floor], [r["floor_ms"] for r in floor], "k:", label="DFlash floor (bytes / BW)")
+        for ref in report.get("dflash_reference", []):
+            if ref.get("context") == context:
+                ax.axhline(ref["cycle_ms"], color="gray", alpha=0.5, label="z-lab dflash_generate (bs 1)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"Llama-3.1-8B shapes, context {context}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report['gpu']} · {report['date']} · commit {report['commit']} · simulated accept len {report['accept_len']}")
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
+if __name__ == "__main__":
+    print(plot(Path(sys.argv[1])))
