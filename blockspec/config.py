@@ -36,6 +36,8 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     enforce_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 4096
+    piecewise_cuda_graph_tokens: Optional[list[int]] = None  # explicit token buckets for piecewise graphs
+    cuda_graph_backend_prefill: Optional[str] = None  # "piecewise" is an alias of enforce_piecewise_cuda_graph
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     speculative_simulate_accept_len: Optional[float] = None  # benchmarking only: forces the accept length
 
@@ -83,6 +85,14 @@ class EngineConfig:
             raise ValueError("speculative_draft_model_path is required with speculative_algorithm DFLASH")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("speculative_num_draft_tokens must be >= 2")
+        if self.cuda_graph_backend_prefill not in (None, "piecewise", "none"):
+            raise ValueError(f"cuda_graph_backend_prefill must be piecewise or none, got {self.cuda_graph_backend_prefill!r}")
+        if self.cuda_graph_backend_prefill == "piecewise":
+            self.enforce_piecewise_cuda_graph = True
+        if self.piecewise_cuda_graph_tokens is not None and (
+            not self.piecewise_cuda_graph_tokens or any(not isinstance(n, int) or n < 1 for n in self.piecewise_cuda_graph_tokens)
+        ):
+            raise ValueError(f"piecewise_cuda_graph_tokens must be positive integers, got {self.piecewise_cuda_graph_tokens!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:

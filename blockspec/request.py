@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -46,16 +47,18 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):

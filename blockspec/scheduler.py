@@ -84,6 +84,9 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.check_request(req)
+        # NOTE: here, not in check_request: that one must stay safe to call off the engine thread.
+        if any(r.rid == req.rid for r in self.waiting) or any(r.rid == req.rid for r in self.running):
+            raise ValueError(f"request id {req.rid!r} is already in use by a queued or running request")
         if not req.params.is_greedy:
             req.generator = make_generator(req.params, self.device)
         if self.tokenizer is not None:

@@ -11,6 +11,8 @@ VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {root} does not exist")
     if not (root / "tokenizer.json").is_file() and not (root / "tokenizer_config.json").is_file():
         raise FileNotFoundError(
             f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {root}; "

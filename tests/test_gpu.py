@@ -92,3 +92,33 @@ def test_bf16_graphs_match_bf16_eager(tiny: Path) -> None:
     eager, _ = run(tiny, True, device="cuda", dtype="bfloat16", disable_cuda_graph=True)
     graphed, _ = run(tiny, True, device="cuda", dtype="bfloat16")
     assert sum(g == e for g, e in zip(graphed, eager)) >= len(PROMPTS) - 2
+
+
+def test_piecewise_equals_eager_across_buckets(tiny: Path) -> None:
+    from test_piecewise import extend_batch, release
+
+    engine = Engine(model_path=str(tiny / "target"), dtype="bfloat16", max_total_tokens=8192, skip_tokenizer_init=True,
+                    enforce_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=1024)
+    runner = engine.runner
+    assert runner.piecewise is not None
+    for total in (1, 3, 4, 5, 31, 33, 100, 257, 700, 1024):
+        batch, reqs = extend_batch(engine, [0], [total], ())
+        with torch.inference_mode():
+            expected = runner.model(batch, runner.attention)
+            got = runner.piecewise.forward(batch)
+        error = (got.logits - expected.logits).norm() / expected.logits.norm()
+        assert error < 2e-2, f"{total} tokens: relative error {error:.2e}"
+        release(engine, reqs)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_dflash_with_piecewise_is_lossless(tiny: Path, page_size: int) -> None:
+    target_only, _ = run(tiny, False, device="cuda", page_size=page_size)
+    eager_prefill, _ = run(tiny, True, device="cuda", page_size=page_size)
+    spec, engine = run(tiny, True, device="cuda", page_size=page_size, enforce_piecewise_cuda_graph=True,
+                       piecewise_cuda_graph_max_tokens=64)
+    assert spec == eager_prefill == target_only
+    counts = engine.runner.forward_counts
+    assert counts["piecewise"] > 0
+    aux = engine.runner.piecewise.aux  # FULL capture at the draft's layers
+    assert set(aux) == {0, 2}

@@ -106,10 +106,15 @@ def load_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path.name} not found in {path.parent}")
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
 
 
 def load_target_config(model_dir: str | Path, overrides: Optional[dict[str, Any]] = None) -> TargetConfig:
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
     raw = load_json(Path(model_dir) / "config.json")
     raw.update(overrides or {})
     return parse_target_config(raw)

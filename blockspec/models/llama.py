@@ -39,18 +39,18 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(
-        self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, backend: AttentionBackend
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def project(
+        self, normed: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = normed.shape[0]
+        q, k, v = self.qkv_proj(normed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(batch.positions, q, k)
-        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+        q, k = rotary(positions, q, k)
+        return q, k, v
 
 
 class DecoderLayer(nn.Module):
@@ -61,6 +61,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def pre_attention(
+        self, hidden: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v, residual); `hidden` is the previous layer's MLP output (or the embeddings, residual None)."""
+        if residual is None:
+            residual = hidden.clone()
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        q, k, v = self.self_attn.project(normed, positions, rotary)
+        return q, k, v, residual
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual); the layer's output is their sum."""
+        normed, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.o_proj(attn), residual)
+        return self.mlp(normed), residual
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -69,15 +86,8 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual-stream form: returns (mlp output, residual); the layer's output is their sum."""
-        if residual is None:
-            residual = hidden.clone()
-            normed = self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn = self.self_attn(normed, rotary, batch, backend)
-        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
-        return self.mlp(normed), residual
+        q, k, v, residual = self.pre_attention(hidden, residual, batch.positions, rotary)
+        return self.post_attention(backend.forward(q, k, v, self.self_attn.layer_id, batch), residual)
 
 
 class DecoderModel(nn.Module):

@@ -17,6 +17,7 @@ from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
 from blockspec.runner.cuda_graph import GraphedForward
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
+from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, default_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +31,19 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, extra_kv_bytes_per_slot: int = 0, extra_positions: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        extra_kv_bytes_per_slot: int = 0,
+        extra_positions: int = 0,
+        hidden_capture_layer_ids: tuple[int, ...] = (),
+    ) -> None:
         """`extra_kv_bytes_per_slot`: bytes a draft pool will add per slot (sizes the shared budget).
-        `extra_positions`: positions past the context length a speculative block may touch."""
+        `extra_positions`: positions past the context length a speculative block may touch.
+        `hidden_capture_layer_ids`: the hidden-capture mode of prefill/extend, fixed here for the piecewise graphs:
+        FULL at these layers (DFlash) or NONE (empty)."""
         self.config = config
+        self.hidden_capture_layer_ids = hidden_capture_layer_ids
         self.device = config.resolved_device
         self.dtype = pick_dtype(config, self.device)
         torch.manual_seed(config.random_seed)
@@ -57,8 +67,9 @@ class ModelRunner:
             self.attention_backend, self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         )
         self.graphs: dict[ForwardMode, GraphedForward] = {}
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs_enabled else None
-        self.forward_counts = {"graph": 0, "eager": 0}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.piecewise: Optional[PiecewiseGraphRunner] = None
+        self.forward_counts = {"graph": 0, "eager": 0, "piecewise": 0, "piecewise_fallback": 0}
         logger.info(
             "target %s: %d layers, dtype %s, KV pool %d slots (page %d)",
             cfg.architecture, cfg.num_layers, self.dtype, self.allocator.total_slots, page,
@@ -106,8 +117,25 @@ class ModelRunner:
             graph.capture()
         self.graphs[mode] = graph
 
+    def capture_piecewise(self) -> None:
+        """Piecewise graphs for extend batches, in this runner's fixed hidden-capture mode."""
+        if not (self.config.enforce_piecewise_cuda_graph and self.device.type == "cuda"):
+            return
+        max_tokens = self.config.piecewise_cuda_graph_max_tokens
+        buckets = self.config.piecewise_cuda_graph_tokens or default_buckets(max_tokens)
+        self.piecewise = PiecewiseGraphRunner(
+            self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graph_pool
+        )
+        with torch.inference_mode():
+            self.piecewise.capture()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
+        if batch.mode is ForwardMode.EXTEND and self.piecewise is not None:
+            if self.piecewise.can_run(batch):
+                self.forward_counts["piecewise"] += 1
+                return self.piecewise.forward(batch)
+            self.forward_counts["piecewise_fallback"] += 1
         graph = self.graphs.get(batch.mode)
         if graph is not None and graph.can_run(batch):
             self.forward_counts["graph"] += 1

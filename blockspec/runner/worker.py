@@ -29,6 +29,7 @@ class TargetWorker:
     def init_cuda_graphs(self) -> None:
         if self.runner.graphs_enabled:
             self.runner.capture_graph(ForwardMode.DECODE, 1)
+        self.runner.capture_piecewise()
 
     def build_extend_batch(self, reqs: Sequence[Req], chunk_lens: Sequence[int], capture: tuple[int, ...] = ()) -> ForwardBatch:
         token_ids = [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]

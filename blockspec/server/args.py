@@ -49,6 +49,8 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--disable-cuda-graph", dict(action="store_true")),
     ("--enforce-piecewise-cuda-graph", dict(action="store_true", help="piecewise CUDA graphs for prefill/extend")),
     ("--piecewise-cuda-graph-max-tokens", dict(type=int, default=4096)),
+    ("--piecewise-cuda-graph-tokens", dict(type=int, nargs="+", help="explicit token buckets for piecewise graphs")),
+    ("--cuda-graph-backend-prefill", dict(choices=("piecewise", "none"), help="piecewise = --enforce-piecewise-cuda-graph")),
     ("--speculative-algorithm", dict(type=str.upper, choices=("DFLASH",))),
     ("--speculative-draft-model-path", dict()),
     ("--speculative-num-draft-tokens", dict(type=int, help="block size (default: the draft's block_size)")),

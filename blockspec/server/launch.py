@@ -38,7 +38,10 @@ def run_server(args: ServeArgs) -> int:
     app = create_app(engine, args.server)
     server = uvicorn.Server(_uvicorn_config(app, args.server))
     print(f"blockspec: serving {args.engine['model_path']} on http://{args.server.host}:{args.server.port}", file=sys.stderr, flush=True)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
+        pass
     engine.shutdown()
     return 0
 

@@ -33,6 +33,12 @@ class DFlashWorker(TargetWorker):
         self.draft_pool = draft_pool
         self.block_size = block_size
         self.capture = tuple(self.draft_config.target_layer_ids)
+        if runner.hidden_capture_layer_ids != self.capture:
+            # NOTE: prefill graphs captured without the aux hidden states would starve the draft KV cache.
+            raise ValueError(
+                f"DFlash needs FULL hidden capture at layers {list(self.capture)} in prefill, but the model runner "
+                f"was built with {list(runner.hidden_capture_layer_ids) or 'NONE'}"
+            )
         dc = self.draft_config
         self.draft_attention = make_backend(
             runner.attention_backend, draft_pool, dc.num_heads, dc.num_kv_heads, dc.head_dim,
@@ -51,6 +57,7 @@ class DFlashWorker(TargetWorker):
         return True
 
     def init_cuda_graphs(self) -> None:
+        self.runner.capture_piecewise()
         if not self.runner.graphs_enabled:
             return
         runner = self.runner
@@ -166,7 +173,10 @@ def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker
     device = config.resolved_device
     dtype = pick_dtype(config, device)
     draft_bytes = KVPool.bytes_per_slot(draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim, dtype)
-    runner = ModelRunner(config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=block_size)
+    runner = ModelRunner(
+        config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=block_size,
+        hidden_capture_layer_ids=tuple(draft_config.target_layer_ids),
+    )
     draft = load_draft_model(
         config.speculative_draft_model_path, draft_config, runner.dtype, runner.device, runner.max_positions,
         dummy=config.load_format == "dummy",

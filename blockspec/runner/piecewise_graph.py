@@ -1,0 +1,157 @@
+"""Piecewise CUDA graphs for prefill/extend: graphs for everything between attentions, attention eager.
+
+The target forward is cut at each attention into L+1 segments: [embed + layer 0 pre-attention],
+[layer i-1 post-attention + layer i pre-attention] for i in 1..L-1, and [layer L-1 post-attention + final norm].
+Each segment reads and writes fixed buffers (sized for the largest bucket, sliced per bucket), so one graph per
+(segment, token bucket) can be replayed for any batch whose token count rounds up to that bucket. Attention runs
+eagerly between segments on the real tokens only, so padding rows never write a KV slot.
+
+The hidden-capture mode (which layer outputs are returned for every token) is fixed at construction and used both
+at capture and at replay; a batch asking for another mode is refused by `can_run` and runs eagerly.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+
+from blockspec.attention.base import AttentionBackend
+from blockspec.models.llama import CausalLM, ModelOutput
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def default_buckets(max_tokens: int) -> list[int]:
+    """4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64, then step 256 up to max_tokens."""
+    ranges = [(4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, max(max_tokens, 1280), 256)]
+    buckets = sorted({n for lo, hi, step in ranges for n in range(lo, hi + 1, step) if n <= max_tokens})
+    if not buckets or buckets[-1] < max_tokens:
+        buckets.append(max_tokens)
+    return buckets
+
+
+def bucket_for(buckets: list[int], num_tokens: int) -> Optional[int]:
+    index = bisect.bisect_left(buckets, num_tokens)
+    return buckets[index] if index < len(buckets) else None
+
+
+class PiecewiseGraphRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        buckets: list[int],
+        capture_layer_ids: tuple[int, ...],
+        device: torch.device,
+        pool: Optional[tuple[int, int]] = None,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.backend = backend
+        self.buckets = sorted(set(buckets))
+        self.capture_layer_ids = capture_layer_ids
+        self.device = device
+        self.pool = pool
+        self.num_layers = cfg.num_layers
+        n, h, dtype = self.buckets[-1], cfg.hidden_size, model.lm_head.weight.dtype
+
+        def buffer(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=kind, device=device)
+
+        self.input_ids = buffer(n, kind=torch.int64)
+        self.positions = buffer(n, kind=torch.int64)
+        self.q = buffer(n, cfg.num_heads, cfg.head_dim)
+        self.k = buffer(n, cfg.num_kv_heads, cfg.head_dim)
+        self.v = buffer(n, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = buffer(n, cfg.num_heads * cfg.head_dim)
+        self.residual = buffer(n, h)
+        self.mlp_out = buffer(n, h)
+        self.hidden = buffer(n, h)
+        self.aux = {layer_id: buffer(n, h) for layer_id in capture_layer_ids}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    # ---- segments (pure functions of the buffers, sliced to n tokens) ------------------------
+    def _write_qkv(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        self.v[:n].copy_(v)
+        if residual.data_ptr() != self.residual.data_ptr():
+            self.residual[:n].copy_(residual)
+
+    def _finish_layer(self, layer_id: int, n: int) -> torch.Tensor:
+        """Runs layer `layer_id`'s post-attention part; leaves its MLP output in self.mlp_out."""
+        layer = self.model.model.layers[layer_id]
+        mlp_out, residual = layer.post_attention(self.attn[:n], self.residual[:n])
+        if residual.data_ptr() != self.residual.data_ptr():
+            self.residual[:n].copy_(residual)
+        self.mlp_out[:n].copy_(mlp_out)
+        if layer_id in self.aux:
+            self.aux[layer_id][:n].copy_(mlp_out + self.residual[:n])
+        return self.mlp_out[:n]
+
+    def segment(self, index: int, n: int) -> None:
+        rotary = self.model.model.rotary
+        positions = self.positions[:n]
+        if index == 0:
+            embeds = self.model.embed(self.input_ids[:n])
+            q, k, v, residual = self.model.model.layers[0].pre_attention(embeds, None, positions, rotary)
+            self._write_qkv(n, q, k, v, residual)
+        elif index < self.num_layers:
+            mlp_out = self._finish_layer(index - 1, n)
+            q, k, v, residual = self.model.model.layers[index].pre_attention(mlp_out, self.residual[:n], positions, rotary)
+            self._write_qkv(n, q, k, v, residual)
+        else:
+            mlp_out = self._finish_layer(self.num_layers - 1, n)
+            hidden, _ = self.model.model.norm.add_and_norm(mlp_out, self.residual[:n].clone())
+            self.hidden[:n].copy_(hidden)
+
+    # ---- capture and replay -------------------------------------------------------------------
+    def capture(self) -> None:
+        start = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.device)
+        for n in reversed(self.buckets):
+            for index in range(self.num_layers + 1):
+                self.segment(index, n)  # NOTE: warm-up compiles kernels before capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.segment(index, n)
+                self.graphs[(index, n)] = graph
+        logger.info(
+            "captured piecewise graphs: %d buckets x %d segments in %.1f s, %.0f MiB",
+            len(self.buckets), self.num_layers + 1, time.perf_counter() - start,
+            (torch.cuda.memory_allocated(self.device) - before) / 2**20,
+        )
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.mode is ForwardMode.EXTEND
+            and batch.input_embeds is None
+            and tuple(batch.capture_layer_ids) == self.capture_layer_ids
+            and bucket_for(self.buckets, batch.num_tokens) is not None
+        )
+
+    def forward(self, batch: ForwardBatch, use_graphs: bool = True) -> ModelOutput:
+        """Runs the batch segment by segment; `use_graphs=False` runs the same segments eagerly (tests, CPU)."""
+        t = batch.num_tokens
+        n = bucket_for(self.buckets, t)
+        assert n is not None
+        self.input_ids[:t].copy_(batch.input_ids)
+        self.positions[:t].copy_(batch.positions)
+        if n > t:
+            self.input_ids[t:n].zero_()
+            self.positions[t:n].zero_()
+        batch.attn_meta = self.backend.plan(batch)
+        run: Callable[[int], None] = (lambda i: self.graphs[(i, n)].replay()) if use_graphs else (lambda i: self.segment(i, n))
+        for index in range(self.num_layers + 1):
+            run(index)
+            if index < self.num_layers:
+                out = self.backend.forward(self.q[:t], self.k[:t], self.v[:t], index, batch)
+                self.attn[:t].copy_(out)
+        hidden = self.hidden[:t]
+        aux = torch.cat([self.aux[i][:t] for i in self.capture_layer_ids], dim=-1) if self.capture_layer_ids else None
+        return ModelOutput(self.model.compute_logits(hidden[batch.logits_rows]), aux, hidden)

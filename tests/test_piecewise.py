@@ -1,0 +1,128 @@
+"""Piecewise decomposition (CPU, fp32): segment-by-segment forward == plain forward; buckets; can_run; mode guard."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec import Engine
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, bucket_for, default_buckets
+from blockspec.request import Req, SamplingParams
+from tiny_models import save_tiny_model
+
+CAPTURE = (0, 2)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    root = tmp_path_factory.mktemp(f"pcg_{request.param}")
+    save_tiny_model(request.param, root)
+    return Engine(model_path=str(root), device="cpu", dtype="float32", page_size=16, max_total_tokens=2048,
+                  skip_tokenizer_init=True)
+
+
+def extend_batch(engine: Engine, prefix_lens: list[int], new_lens: list[int], capture: tuple[int, ...]) -> tuple[ForwardBatch, list[Req]]:
+    runner = engine.runner
+    reqs = []
+    for p, n in zip(prefix_lens, new_lens):
+        req = Req([7] * (p + n), SamplingParams())
+        req.pool_row = runner.req_to_token.acquire()
+        runner.allocator.grow(req, p + n, runner.req_to_token)
+        reqs.append(req)
+    generator = torch.Generator().manual_seed(sum(new_lens))
+    tokens = [torch.randint(3, 90, (n,), generator=generator).tolist() for n in new_lens]
+    rows = torch.tensor(new_lens).cumsum(0).sub(1).tolist()
+    batch = build_batch(ForwardMode.EXTEND, tokens, prefix_lens, [r.pool_row for r in reqs], runner.req_to_token.table, rows, capture)
+    return batch, reqs
+
+
+def release(engine: Engine, reqs: list[Req]) -> None:
+    for req in reqs:
+        engine.runner.allocator.release(req)
+        engine.runner.req_to_token.release(req.pool_row)
+
+
+@pytest.mark.parametrize("prefix,new", [([0], [5]), ([0, 0, 0], [3, 17, 9]), ([20, 0], [13, 40])])
+@pytest.mark.parametrize("capture", [(), CAPTURE])
+def test_segments_equal_plain_forward(engine: Engine, prefix: list[int], new: list[int], capture: tuple[int, ...]) -> None:
+    runner = engine.runner
+    pcg = PiecewiseGraphRunner(runner.model, runner.attention, default_buckets(128), capture, runner.device)
+    batch, reqs = extend_batch(engine, prefix, new, capture)  # a cached prefix reads whatever its slots hold
+    with torch.inference_mode():
+        expected = runner.model(batch, runner.attention)
+        k_plain = [k.clone() for k in runner.kv_pool.k]
+        got = pcg.forward(batch, use_graphs=False)
+    torch.testing.assert_close(got.logits, expected.logits)
+    torch.testing.assert_close(got.hidden, expected.hidden)
+    if capture:
+        torch.testing.assert_close(got.aux_hidden, expected.aux_hidden)
+    else:
+        assert got.aux_hidden is None
+    for before, after in zip(k_plain, runner.kv_pool.k):
+        torch.testing.assert_close(before, after)  # padding rows wrote no KV slot
+    release(engine, reqs)
+
+
+def test_padding_never_writes_real_slots(engine: Engine) -> None:
+    runner = engine.runner
+    pcg = PiecewiseGraphRunner(runner.model, runner.attention, [32], (), runner.device)
+    batch, reqs = extend_batch(engine, [0], [5], ())
+    sentinel = [k.clone() for k in runner.kv_pool.k]
+    written = set(batch.out_cache_loc.tolist())
+    with torch.inference_mode():
+        pcg.forward(batch, use_graphs=False)
+    for before, after in zip(sentinel, runner.kv_pool.k):
+        changed = set((before != after).any(-1).any(-1).nonzero().flatten().tolist())
+        assert changed <= written
+    release(engine, reqs)
+
+
+def test_buckets() -> None:
+    buckets = default_buckets(4096)
+    assert buckets[:9] == [4, 8, 12, 16, 20, 24, 28, 32, 48]
+    assert 256 in buckets and 288 in buckets and 512 in buckets and 576 in buckets and 1024 in buckets
+    assert buckets[-3:] == [3584, 3840, 4096]
+    assert all(b % 4 == 0 for b in buckets)
+    assert default_buckets(100)[-1] == 100
+    assert bucket_for(buckets, 1) == 4 and bucket_for(buckets, 33) == 48 and bucket_for(buckets, 4096) == 4096
+    assert bucket_for(buckets, 4097) is None
+
+
+def test_can_run_decisions(engine: Engine) -> None:
+    runner = engine.runner
+    pcg = PiecewiseGraphRunner(runner.model, runner.attention, [16, 32], CAPTURE, runner.device)
+    ok, reqs = extend_batch(engine, [0], [20], CAPTURE)
+    assert pcg.can_run(ok)
+    other_mode, more = extend_batch(engine, [0], [20], ())
+    assert not pcg.can_run(other_mode)  # hidden-capture mode differs from the captured one
+    too_big, big = extend_batch(engine, [0], [40], CAPTURE)
+    assert not pcg.can_run(too_big)
+    ok.input_embeds = torch.zeros(20, runner.target_config.hidden_size)
+    assert not pcg.can_run(ok)
+    decode = build_batch(ForwardMode.DECODE, [[5]], [3], [reqs[0].pool_row], runner.req_to_token.table, [0], CAPTURE)
+    assert not pcg.can_run(decode)
+    release(engine, reqs + more + big)
+
+
+def test_dflash_refuses_runner_without_aux_capture(tmp_path: Path) -> None:
+    pytest.importorskip("dflash.model")
+    from blockspec.config import EngineConfig
+    from blockspec.models.dflash_draft import load_draft_model
+    from blockspec.models.draft_config import load_draft_config
+    from blockspec.kv.pool import KVPool
+    from blockspec.runner.model_runner import ModelRunner
+    from blockspec.spec.dflash import DFlashWorker
+    from tiny_models import save_tiny_draft
+
+    target = save_tiny_model("llama", tmp_path / "target")
+    save_tiny_draft(tmp_path / "draft", target, [0, 2], 4)
+    config = EngineConfig(model_path=str(tmp_path / "target"), device="cpu", dtype="float32", max_total_tokens=256,
+                          speculative_algorithm="DFLASH", speculative_draft_model_path=str(tmp_path / "draft"))
+    runner = ModelRunner(config)  # hidden-capture mode NONE: wrong for DFlash
+    draft_config = load_draft_config(tmp_path / "draft", runner.target_config)
+    draft = load_draft_model(tmp_path / "draft", draft_config, runner.dtype, runner.device, runner.max_positions)
+    pool = KVPool(runner.kv_pool.num_slots, 2, 2, 16, runner.dtype, runner.device)
+    with pytest.raises(ValueError, match="FULL hidden capture"):
+        DFlashWorker(runner, draft, pool, 4)
