@@ -1,0 +1,103 @@
+"""Prefill/extend latency on Llama-3.1-8B shapes (random bf16 weights): eager vs piecewise CUDA graphs.
+
+Token counts 16..2048 at batch 1 and 8, DFlash on (FULL aux capture + draft KV materialisation) and off; also
+the piecewise capture time and graph memory. Writes benchmarks/results/prefill_latency_<date>.json (+ .png).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockspec import Engine
+from blockspec.request import Req, SamplingParams
+from step_latency import cuda_ms, write_configs
+
+
+def extend_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> float:
+    runner = engine.runner
+    per_req = max(1, tokens // batch_size)
+    reqs = []
+    for _ in range(batch_size):
+        req = Req(torch.randint(10, 120000, (per_req,)).tolist(), SamplingParams())
+        req.pool_row = runner.req_to_token.acquire()
+        runner.allocator.grow(req, per_req, runner.req_to_token)
+        reqs.append(req)
+
+    def run() -> None:
+        for req in reqs:
+            req.kv_len = 0
+        engine.worker.extend(reqs, [per_req] * batch_size)
+
+    ms = cuda_ms(run, repeat)
+    for req in reqs:
+        runner.allocator.release(req)
+        runner.req_to_token.release(req.pool_row)
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024, 2048])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    captures: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, draft_dir = write_configs(Path(tmp))
+        for spec in (False, True):
+            flags: dict[str, Any] = dict(model_path=str(target_dir), load_format="dummy", dtype="bfloat16",
+                                         skip_tokenizer_init=True, max_total_tokens=65536, chunked_prefill_size=8192,
+                                         cuda_graph_bs=[1], enforce_piecewise_cuda_graph=True,
+                                         piecewise_cuda_graph_max_tokens=max(args.tokens))
+            if spec:
+                flags.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir))
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            engine = Engine(**flags)
+            captures.append({"spec": spec, "engine_start_s": time.perf_counter() - start,
+                             "memory_after_start_gib": (torch.cuda.memory_allocated() - before) / 2**30})
+            piecewise = engine.runner.piecewise
+            for bs in args.batch_sizes:
+                for tokens in args.tokens:
+                    if tokens < bs:
+                        continue
+                    engine.runner.piecewise = None
+                    eager = extend_ms(engine, bs, tokens, args.repeat)
+                    engine.runner.piecewise = piecewise
+                    graphed = extend_ms(engine, bs, tokens, args.repeat)
+                    row = {"spec": spec, "bs": bs, "tokens": tokens, "eager_ms": eager, "piecewise_ms": graphed,
+                           "speedup": eager / graphed}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            engine.shutdown()
+            del engine, piecewise
+            gc.collect()
+            torch.cuda.empty_cache()
+    commit = os.environ.get("BLOCKSPEC_COMMIT", "unknown")
+    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
+              "torch": torch.__version__, "rows": rows, "startup": captures}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"prefill_latency_{report['date']}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    print(f"{'spec':>5} {'bs':>3} {'tokens':>6} {'eager':>8} {'pcg':>8} {'x':>5}")
+    for r in rows:
+        print(f"{r['spec']!s:>5} {r['bs']:>3} {r['tokens']:>6} {r['eager_ms']:8.2f} {r['piecewise_ms']:8.2f} {r['speedup']:5.2f}")
+    for c in captures:
+        print("startup:", c)
+
+
+if __name__ == "__main__":
+    main()
