@@ -101,6 +101,8 @@ class Engine:
         rids = [rid] if isinstance(rid, str) else rid
         if rids is not None and len(rids) != len(batch):
             raise ValueError(f"got {len(rids)} rids for {len(batch)} prompts")
+        if rids is not None and len(set(rids)) != len(rids):
+            raise ValueError("rid values must be unique within one generate call")
         reqs = [Req(ids, p, rids[i] if rids else None) for i, (ids, p) in enumerate(zip(batch, params))]
         for req in reqs:
             self.scheduler.check_request(req)

@@ -1,0 +1,70 @@
+"""Helpers shared by the engine tests (HF greedy oracle, idle checks, stepping the scheduler)."""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from blockspec import Engine
+from blockspec.request import Req
+
+VOCAB = 96  # tiny_models.TINY["vocab_size"]
+
+
+_HF_CACHE: "weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[tuple[int, ...], int, Optional[int]], list[int]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@torch.no_grad()
+def hf_greedy(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, eos: Optional[int] = None) -> list[int]:
+    """HF `generate` greedy continuation of one prompt (fp32, attention_mask passed). eos=None: never stops early."""
+    cache = _HF_CACHE.setdefault(model, {})
+    key = (tuple(prompt), max_new_tokens, eos)
+    if key not in cache:
+        ids = torch.tensor([list(prompt)])
+        saved = model.generation_config.eos_token_id
+        model.generation_config.eos_token_id = None  # NOTE: otherwise eos_token_id=None falls back to the config's
+        try:
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=eos, pad_token_id=0,
+            )
+        finally:
+            model.generation_config.eos_token_id = saved
+        tokens = out[0, len(prompt):].tolist()
+        if eos is None:
+            assert len(tokens) == max_new_tokens
+        cache[key] = tokens
+    return list(cache[key])
+
+
+def assert_engine_idle(engine: Engine) -> None:
+    """Every slot back in the pool, no request left queued or running, every table row released."""
+    scheduler = engine.scheduler
+    assert not scheduler.waiting, [r.rid for r in scheduler.waiting]
+    assert not scheduler.running, [r.rid for r in scheduler.running]
+    allocator = engine.runner.allocator
+    assert allocator.free_slots == allocator.total_slots
+    info = engine.get_server_info()["kv_cache"]
+    assert info["free_slots"] == info["total_slots"]
+    assert engine.runner.req_to_token.free_rows == engine.config.max_running_requests
+    assert not scheduler.detokenizers
+
+
+def run_until_done(engine: Engine, reqs: Sequence[Req], max_steps: int = 10_000) -> list[Req]:
+    """Steps the scheduler until the given requests have finished (guards against a stalled scheduler)."""
+    pending = {req.rid for req in reqs}
+    for _ in range(max_steps):
+        if not pending:
+            return list(reqs)
+        for req in engine.scheduler.step():
+            pending.discard(req.rid)
+    raise AssertionError(f"scheduler made no progress on {sorted(pending)} within {max_steps} steps")
+
+
+def random_prompts(lengths: Sequence[int], seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
