@@ -20,7 +20,6 @@ from typing import Any, Callable
 import torch
 
 from blockspec import Engine
-from blockspec.runner.forward_batch import ForwardMode
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -93,9 +92,8 @@ def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int) ->
     if worker.is_speculative:
         for req in reqs:
             engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
-        blocks = [[req.all_ids[-1]] * worker.block_size for req in reqs]
-        verify = worker._block_batch(ForwardMode.VERIFY, blocks, reqs, worker.capture)
-        result["verify_ms"] = cuda_ms(lambda: runner.forward(verify), repeat)
+        draft_batch, proposals, _ = worker.propose(reqs)
+        result["verify_ms"] = cuda_ms(lambda: worker.verify(draft_batch, proposals), repeat)
         result["propose_ms"] = cuda_ms(lambda: worker.propose(reqs), repeat)
     for req in reqs:
         scheduler.abort(req.rid)

@@ -1,6 +1,7 @@
 """DFlashWorker: prefill with aux capture, then propose (draft) → verify (target) → commit, batched."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
@@ -108,8 +109,11 @@ class DFlashWorker(TargetWorker):
         return batch
 
     @torch.inference_mode()
-    def propose(self, reqs: Sequence[Req]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Proposals d_1..d_{B-1} per request, and the draft distributions they were sampled from (None if greedy)."""
+    def propose(self, reqs: Sequence[Req]) -> tuple[ForwardBatch, torch.Tensor, dict[int, torch.Tensor]]:
+        """Runs the draft over [bonus, mask x (B-1)] per request.
+
+        Returns the draft batch, proposals d_1..d_{B-1} on the device [bs, B-1], and for sampled requests the
+        draft distributions the proposals were drawn from ({request index: [B-1, V]})."""
         b = self.block_size
         blocks = [[req.all_ids[-1]] + [self.draft_config.mask_token_id] * (b - 1) for req in reqs]
         batch = self._block_batch(ForwardMode.DRAFT, blocks, reqs)
@@ -118,50 +122,53 @@ class DFlashWorker(TargetWorker):
         else:
             all_logits, all_argmax = self._draft_logits(batch)
         assert all_logits is not None and all_argmax is not None
-        logits = all_logits.view(len(reqs), b, -1)[:, 1:]  # [bs, B-1, V]
-        greedy = all_argmax.view(len(reqs), b)[:, 1:].tolist()
-        proposals: list[list[int]] = []
-        draft_probs: list[torch.Tensor | None] = []
+        proposals = all_argmax.view(len(reqs), b)[:, 1:].clone()
+        draft_probs: dict[int, torch.Tensor] = {}
         for i, req in enumerate(reqs):
-            if req.params.is_greedy:
-                proposals.append(greedy[i])
-                draft_probs.append(None)
-                continue
-            probs = sampling_probs(logits[i], req.params)
-            proposals.append(torch.multinomial(probs, 1, generator=req.generator).squeeze(-1).tolist())
-            draft_probs.append(probs)
-        return proposals, draft_probs
+            if not req.params.is_greedy:
+                probs = sampling_probs(all_logits.view(len(reqs), b, -1)[i, 1:], req.params)
+                proposals[i] = torch.multinomial(probs, 1, generator=req.generator).squeeze(-1)
+                draft_probs[i] = probs
+        return batch, proposals, draft_probs
+
+    def verify(self, draft_batch: ForwardBatch, proposals: torch.Tensor) -> torch.Tensor:
+        """Target logits [bs, B, V] over [bonus, d_1..d_{B-1}]; the draft batch's slots and positions are reused."""
+        bs, b = proposals.shape[0], self.block_size
+        block_ids = torch.cat([draft_batch.input_ids.view(bs, b)[:, :1], proposals], dim=1).reshape(-1)
+        batch = dataclasses.replace(
+            draft_batch, mode=ForwardMode.VERIFY, input_ids=block_ids, capture_layer_ids=self.capture, attn_meta=None
+        )
+        graph = self.runner.graphs.get(ForwardMode.VERIFY)
+        if graph is not None and graph.can_run(batch):
+            self.runner.forward_counts["graph"] += 1
+            logits, _ = graph.replay(batch)
+        else:
+            self.runner.forward_counts["eager"] += 1
+            logits, _ = self._verify_forward(batch)
+        assert logits is not None
+        return logits.view(bs, b, -1)
 
     @torch.inference_mode()
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
         b = self.block_size
-        proposals, draft_probs = self.propose(reqs)
-        blocks = [[req.all_ids[-1]] + props for req, props in zip(reqs, proposals)]
-        batch = self._block_batch(ForwardMode.VERIFY, blocks, reqs, self.capture)
-        graph = self.runner.graphs.get(ForwardMode.VERIFY)
-        if graph is not None and graph.can_run(batch):
-            self.runner.forward_counts["graph"] += 1
-            verify_logits, _ = graph.replay(batch)
-        else:
-            self.runner.forward_counts["eager"] += 1
-            with torch.inference_mode():
-                verify_logits, _ = self._verify_forward(batch)
-        assert verify_logits is not None
-        logits = verify_logits.view(len(reqs), b, -1)
-        target_argmax = logits.argmax(-1).tolist()
+        draft_batch, proposals_device, draft_probs = self.propose(reqs)
+        logits = self.verify(draft_batch, proposals_device)
+        # NOTE: the cycle's single device→host copy: proposals and the target's argmax together.
+        host = torch.cat([proposals_device, logits.argmax(-1)], dim=1).tolist()
         committed: list[list[int]] = []
         for i, req in enumerate(reqs):
+            proposals, target_argmax = host[i][: b - 1], host[i][b - 1:]
             if self.simulate_accept_len is not None:
                 accepted = min(b - 1, int(self.simulate_accept_len) - 1)
-                bonus = target_argmax[i][accepted]
-            elif draft_probs[i] is None:
-                accepted, bonus = greedy_accept(proposals[i], target_argmax[i])
+                bonus = target_argmax[accepted]
+            elif i not in draft_probs:
+                accepted, bonus = greedy_accept(proposals, target_argmax)
             else:
-                accepted, bonus = rejection_accept(proposals[i], draft_probs[i], logits[i], req.params, req.generator)
+                accepted, bonus = rejection_accept(proposals, draft_probs[i], logits[i], req.params, req.generator)
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
             req.kv_len += accepted + 1
-            committed.append(proposals[i][:accepted] + [bonus])
+            committed.append(proposals[:accepted] + [bonus])
         return committed
 
 
