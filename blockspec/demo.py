@@ -143,11 +143,15 @@ def find_gsm8k(explicit: Optional[str]) -> Path:
             raise FileNotFoundError(f"--data-path {path} does not exist")
         return path
     repo_root = Path(__file__).resolve().parents[1]
-    candidates = [repo_root.parent / "shared" / "data" / "gsm8k" / "test.jsonl", Path("/work/shared/data/gsm8k/test.jsonl")]
+    candidates = [
+        repo_root.parent / "shared" / "data" / "gsm8k" / "test.jsonl",
+        Path("/work/shared/data/gsm8k/test.jsonl"),
+    ]
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f"GSM8K test split not found (looked in {', '.join(map(str, candidates))}); pass --data-path")
+    looked = ", ".join(map(str, candidates))
+    raise FileNotFoundError(f"GSM8K test split not found (looked in {looked}); pass --data-path")
 
 
 def load_questions(path: Path, count: int) -> list[dict[str, str]]:
@@ -185,19 +189,27 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--data-path", default=None, help="GSM8K test.jsonl (lines with question, answer)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--cache-dir", default=None, help="cache root for the converted model")
+    parser.add_argument(
+        "--cpu-threads", type=int, default=1,
+        help="torch intra-op threads; 1 suits this small model and shared cores",
+    )
     args = parser.parse_args(argv)
-    if args.num_questions < 1 or args.max_new_tokens < 1:
-        parser.error("--num-questions and --max-new-tokens must be positive")
+    if min(args.num_questions, args.max_new_tokens, args.cpu_threads) < 1:
+        parser.error("--num-questions, --max-new-tokens and --cpu-threads must be positive")
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
+    torch.set_num_threads(args.cpu_threads)
     from blockspec import Engine
 
-    questions = load_questions(find_gsm8k(args.data_path), args.num_questions)
     start = time.perf_counter()
-    model_dir = ensure_smollm2_dir(Path(args.cache_dir) if args.cache_dir else None)
+    try:
+        questions = load_questions(find_gsm8k(args.data_path), args.num_questions)
+        model_dir = ensure_smollm2_dir(Path(args.cache_dir) if args.cache_dir else None)
+    except (FileNotFoundError, RuntimeError) as error:
+        raise SystemExit(f"error: {error}") from None
     print(f"model: {model_dir} (ready in {time.perf_counter() - start:.1f}s)")
     kv_budget = max(4096, len(questions) * (1024 + args.max_new_tokens))
     engine = Engine(model_path=str(model_dir), device=args.device, dtype="auto", max_total_tokens=kv_budget)

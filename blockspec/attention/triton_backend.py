@@ -78,9 +78,10 @@ class TritonAttentionBackend:
         meta: TritonAttentionMeta = batch.attn_meta
         self.pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
-        q = q.contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
         num_tokens = q.shape[0]
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # NOTE: q may be a strided view of qkv
         group = self.num_heads // self.num_kv_heads
         window = layer_window(self.sliding_windows, layer_id)
         causal = layer_is_causal(batch.mode, self.draft_layer_causal, layer_id)

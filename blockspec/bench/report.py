@@ -110,6 +110,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax, (key, label) in zip(axes.flat, panels):
         y = [level[key] if level[key] is not None else float("nan") for level in levels]
         ax.plot(x, y, marker="o")
+        if all(v != v for v in y):  # NaN everywhere: e.g. no speculative decoding on this server
+            ax.text(0.5, 0.5, "not reported", transform=ax.transAxes, ha="center", va="center", color="gray")
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [str(c) for c in x])
         ax.set_xlabel("concurrency")

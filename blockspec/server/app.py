@@ -50,7 +50,7 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str:
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
+    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return APIError(400, f"body: malformed JSON ({first.get('ctx', {}).get('error', first['msg'])})", "body")
     loc = tuple(first.get("loc", ("body",)))

@@ -115,9 +115,10 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self._thread is None or self._stopped:
-            return
-        self._stopped = True
+        with self._lock:
+            if self._thread is None or self._stopped:
+                return
+            self._stopped = True
         self._inbox.put(("stop",))
         self._thread.join(timeout)
 
@@ -128,15 +129,17 @@ class EngineLoop:
 
     def submit(self, reqs: list[Req], stream: bool) -> Submission:
         """Queues validated requests (see Engine.make_requests); raises QueueFullError beyond the queue limit."""
-        if self._stopped or not self.alive:
-            raise EngineStoppedError("the engine is not running")
+        submission = Submission(reqs, stream, asyncio.get_running_loop())
+        # NOTE: checked and enqueued under the lock, so nothing lands in the inbox after the engine thread's
+        # final drain (it clears `alive` under the same lock first).
         with self._lock:
+            if self._stopped or not self.alive:
+                raise EngineStoppedError("the engine is not running")
             queued = self._inflight - self._num_running
             if queued + len(reqs) > self.max_queued_requests:
                 raise QueueFullError(f"{queued} requests are waiting (limit {self.max_queued_requests}); retry later")
             self._inflight += len(reqs)
-        submission = Submission(reqs, stream, asyncio.get_running_loop())
-        self._inbox.put(("add", submission))
+            self._inbox.put(("add", submission))
         return submission
 
     def abort(self, rid: str) -> None:
@@ -144,10 +147,11 @@ class EngineLoop:
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between two steps."""
-        if self._stopped or not self.alive:
-            raise EngineStoppedError("the engine is not running")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._inbox.put(("call", fn, future))
+        with self._lock:
+            if self._stopped or not self.alive:
+                raise EngineStoppedError("the engine is not running")
+            self._inbox.put(("call", fn, future))
         return await asyncio.wrap_future(future)
 
     # ---- engine thread -----------------------------------------------------------------------
@@ -160,15 +164,14 @@ class EngineLoop:
                 if not scheduler.has_work:
                     continue
                 try:
-                    finished = scheduler.step()
+                    self._publish(scheduler.step())
                 except Exception as exc:  # keep serving: fail what was in flight, free its KV
                     logger.exception("engine step failed")
                     self._fail_all(f"engine error: {exc}", drain_inbox=False)
-                    continue
-                self._publish(finished)
         finally:
+            with self._lock:
+                self.alive = False
             self._fail_all("the server is shutting down", drain_inbox=True, status=503)
-            self.alive = False
 
     def _drain(self, block: bool) -> bool:
         """Handles inbox messages; returns False on stop."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -34,9 +34,9 @@ def _inputs(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]],
         return [state.encode(t, "text") for t in texts], isinstance(body.text, str), "text"
     ids = body.input_ids
     assert ids is not None
-    if all(isinstance(t, int) for t in ids):
-        return [list(ids)], True, "input_ids"  # type: ignore[arg-type]
-    return [list(row) for row in ids], False, "input_ids"  # type: ignore[union-attr]
+    if isinstance(ids[0], int):
+        return [list(cast(list[int], ids))], True, "input_ids"
+    return [list(row) for row in cast(list[list[int]], ids)], False, "input_ids"
 
 
 @router.post("/generate", response_model=None)

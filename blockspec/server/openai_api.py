@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -103,14 +103,15 @@ async def _chat_stream(state: ServerState, submission: Submission, request: Requ
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
     prompt = body.prompt
+    # NOTE: pydantic matched exactly one member of the Prompt union, so lists are homogeneous.
     if isinstance(prompt, str):
         batch = [state.encode(prompt, "prompt")]
-    elif all(isinstance(p, str) for p in prompt):
-        batch = [state.encode(p, "prompt") for p in prompt]  # type: ignore[arg-type]
-    elif all(isinstance(p, int) for p in prompt):
-        batch = [list(prompt)]  # type: ignore[arg-type]
+    elif isinstance(prompt[0], str):
+        batch = [state.encode(p, "prompt") for p in cast(list[str], prompt)]
+    elif isinstance(prompt[0], int):
+        batch = [list(cast(list[int], prompt))]
     else:
-        batch = [list(p) for p in prompt]  # type: ignore[union-attr]
+        batch = [list(p) for p in cast(list[list[int]], prompt)]
     rid = new_id("cmpl")
     submission = _submit(state, body, batch, body.max_tokens, 16, "prompt", rid)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncGenerator, Optional, Sequence
 
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
@@ -125,7 +125,7 @@ class ServerState:
             raise APIError(503, str(exc), None, "server_unavailable") from exc
 
     # ---- outputs -------------------------------------------------------------------------------
-    async def deltas(self, submission: Submission, request: Request) -> AsyncIterator[Delta]:
+    async def deltas(self, submission: Submission, request: Request) -> AsyncGenerator[Delta, None]:
         """Yields every Delta; aborts what is unfinished when the client leaves or the consumer stops early."""
         last_poll = time.monotonic()
         try:
