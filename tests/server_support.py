@@ -1,0 +1,79 @@
+"""Helpers for the server / CLI / eval tests: a tiny Llama with a real (tiny, locally trained) tokenizer and chat
+template, SSE parsing, and polling the server until it is idle."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import httpx
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from tiny_models import save_tiny_model
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "Question: Janet has 3 apples and buys 4 more. How many apples does she have? Answer: 3 + 4 = 7 apples. #### 7",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 + - * / = $ % , . ? ! : ;",
+]
+
+
+def save_text_model(directory: Path, max_position_embeddings: int = 4096) -> Path:
+    """Tiny random Llama whose vocabulary is a byte-level BPE trained here (≈320 tokens, EOS = </s>)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    directory.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(directory)
+    save_tiny_model(
+        "llama", directory, vocab_size=len(fast), max_position_embeddings=max_position_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return directory
+
+
+def sse_payloads(lines: Iterable[str]) -> list[Any]:
+    """Decoded `data:` payloads of an SSE stream; "[DONE]" stays a string."""
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_idle(base_url: str, timeout: float = 20.0, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Polls /server_info until no request runs or waits and every KV slot is free; returns the last answer."""
+    deadline = time.monotonic() + timeout
+    info: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        info = httpx.get(base_url + "/server_info", headers=headers, timeout=10).json()
+        state = info["internal_states"][0]
+        kv = info["kv_cache"]
+        if kv["free_slots"] == kv["total_slots"] and not state["num_running_reqs"] and not state["num_waiting_reqs"] and not info["num_queued_requests"]:
+            return info
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle after {timeout}s: {info}")
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """Value of one sample in a Prometheus text exposition (0 when absent)."""
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0

@@ -1,0 +1,61 @@
+"""The engine thread on its own: stop-string hold-back, queue limit, shutdown with requests in flight."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from blockspec import Engine
+from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError, _held_back
+from blockspec.server.metrics import ServerMetrics
+from server_support import save_text_model
+
+
+def test_held_back_suffix() -> None:
+    assert _held_back("hello wor", ["world"]) == 3
+    assert _held_back("hello", ["world"]) == 0
+    assert _held_back("abc\n", ["\n\n", "x"]) == 1
+    assert _held_back("", ["stop"]) == 0
+    assert _held_back("xxab", ["abc", "bcd"]) == 2
+    assert _held_back("xyz", []) == 0
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    path = save_text_model(tmp_path_factory.mktemp("loop_model"))
+    return Engine(model_path=str(path), device="cpu", dtype="float32", max_total_tokens=8192, max_running_requests=1)
+
+
+def test_queue_limit_and_shutdown_with_requests_in_flight(engine: Engine) -> None:
+    loop = EngineLoop(engine, ServerMetrics(), max_queued_requests=2)
+
+    async def scenario() -> None:
+        loop.start()
+        long = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
+        subs = []
+        for i in range(3):  # one runs (max_running_requests=1), two wait
+            reqs, _ = engine.make_requests(input_ids=[5, 6, i + 7], sampling_params=long)
+            subs.append(loop.submit(reqs, stream=True))
+            while i == 0 and loop.num_queued:  # let the first one start running
+                await asyncio.sleep(0.01)
+        reqs, _ = engine.make_requests(input_ids=[5], sampling_params=long)
+        with pytest.raises(QueueFullError):
+            loop.submit(reqs, stream=False)
+        first = await asyncio.wait_for(subs[0].next(), 10)
+        assert first.ids and not first.final  # streaming deltas flow
+        await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+        for sub in subs:
+            while not sub.done:
+                delta = await asyncio.wait_for(sub.next(), 10)
+            assert delta.error is not None and delta.status == 503
+        with pytest.raises(EngineStoppedError):
+            loop.submit(reqs, stream=False)
+        with pytest.raises(EngineStoppedError):
+            await loop.call(Engine.get_server_info)
+
+    asyncio.run(scenario())
+    assert not loop.alive
+    info = engine.get_server_info()
+    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+    assert not engine.scheduler.running and not engine.scheduler.waiting
