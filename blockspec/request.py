@@ -77,14 +77,19 @@ class FinishReason(enum.Enum):
 
 @dataclass
 class Finish:
+    """SGLang's shape: {"type": "stop", "matched": id or str} / {"type": "length", "length": n} / abort."""
+
     reason: FinishReason
     matched: Optional[int | str] = None
     message: Optional[str] = None
+    length: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.reason.value}
         if self.matched is not None:
             out["matched"] = self.matched
+        if self.length is not None:
+            out["length"] = self.length
         if self.message is not None:
             out["message"] = self.message
         return out

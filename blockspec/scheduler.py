@@ -92,7 +92,7 @@ class Scheduler:
         if self.tokenizer is not None:
             self.detokenizers[req.rid] = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
         if req.params.max_new_tokens == 0:
-            req.finish = Finish(FinishReason.LENGTH, matched=0)
+            req.finish = Finish(FinishReason.LENGTH, length=0)
         self.waiting.append(req)
 
     def abort(self, rid: str) -> bool:
@@ -255,9 +255,9 @@ class Scheduler:
                     req.text = req.text[:hit[0]]
                     return Finish(FinishReason.STOP, matched=hit[1])
         if len(req.output_ids) >= params.max_new_tokens:
-            return Finish(FinishReason.LENGTH, matched=len(req.output_ids))
+            return Finish(FinishReason.LENGTH, length=len(req.output_ids))
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return Finish(FinishReason.STOP, matched=token)
         if len(req.all_ids) >= self.context_length:
-            return Finish(FinishReason.LENGTH, matched=len(req.output_ids))
+            return Finish(FinishReason.LENGTH, length=len(req.output_ids))
         return None

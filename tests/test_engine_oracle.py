@@ -28,7 +28,7 @@ def test_greedy_matches_hf(tiny, make_engine, kind: str, page_size: int, chunked
     outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     for prompt, out in zip(PROMPTS, outputs):
         assert out["output_ids"] == hf_greedy(ckpt.model, prompt, MAX_NEW), f"prompt of {len(prompt)} tokens"
-        assert out["meta_info"]["finish_reason"] == {"type": "length", "matched": MAX_NEW}
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
         assert out["meta_info"]["prompt_tokens"] == len(prompt)
         assert out["meta_info"]["completion_tokens"] == MAX_NEW
 
@@ -66,7 +66,7 @@ def test_eos_honoured_matches_hf(tiny, make_engine, tmp_path: Path, kind: str) -
             expected = {"type": "stop", "matched": eos}
             stopped += 1
         else:  # NOTE: as in SGLang, reaching max_new_tokens wins over an eos on the last token
-            expected = {"type": "length", "matched": MAX_NEW}
+            expected = {"type": "length", "length": MAX_NEW}
         assert out["meta_info"]["finish_reason"] == expected
     assert stopped >= 2
 

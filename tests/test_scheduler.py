@@ -151,7 +151,7 @@ def test_max_new_tokens_finish_length(tiny, make_engine) -> None:
     )
     assert [len(o["output_ids"]) for o in outputs] == [1, 7, 0]
     assert [o["meta_info"]["finish_reason"] for o in outputs] == [
-        {"type": "length", "matched": 1}, {"type": "length", "matched": 7}, {"type": "length", "matched": 0}
+        {"type": "length", "length": 1}, {"type": "length", "length": 7}, {"type": "length", "length": 0}
     ]
 
 

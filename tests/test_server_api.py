@@ -98,7 +98,7 @@ def test_generate_text_batch_and_stream(client: httpx.Client) -> None:
     batch = client.post("/generate", json={"text": ["Janet has", "The fox"], "sampling_params": params}).json()
     assert isinstance(batch, list) and len(batch) == 2
     assert all(o["meta_info"]["completion_tokens"] == 8 and len(o["output_ids"]) == 8 for o in batch)
-    assert batch[0]["meta_info"]["finish_reason"] == {"type": "length", "matched": 8}
+    assert batch[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
     with client.stream("POST", "/generate", json={"text": "Janet has", "sampling_params": params, "stream": True}) as r:
         events = sse_payloads(r.iter_lines())
     assert events[-1] == "[DONE]"

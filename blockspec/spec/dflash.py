@@ -131,6 +131,7 @@ class DFlashWorker(TargetWorker):
                 draft_probs[i] = probs
         return batch, proposals, draft_probs
 
+    @torch.inference_mode()
     def verify(self, draft_batch: ForwardBatch, proposals: torch.Tensor) -> torch.Tensor:
         """Target logits [bs, B, V] over [bonus, d_1..d_{B-1}]; the draft batch's slots and positions are reused."""
         bs, b = proposals.shape[0], self.block_size
