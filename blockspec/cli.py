@@ -1,4 +1,4 @@
-"""`blockspec serve | eval gsm8k | bench serving`."""
+"""`blockspec serve | eval gsm8k | bench serving | train-draft`."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from blockspec.server.args import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding LLM server.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,eval,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,eval,bench,train-draft}")
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI- and SGLang-compatible)")
     add_serve_arguments(serve)
 
@@ -25,10 +25,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench_kinds = bench.add_subparsers(dest="bench_name", required=True, metavar="{serving}")
     serving = bench_kinds.add_parser("serving", help="throughput, TTFT, TPOT and accept length per concurrency")
     add_bench_arguments(serving)
+    commands.add_parser("train-draft", help="train a DFlash draft for a target (train-draft --help for its flags)")
     return parser, {"serve": serve, "gsm8k": gsm8k, "serving": serving}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["train-draft"]:  # NOTE: its own parser (blockspec.train.cli) owns every flag after the name
+        from blockspec.train.cli import main as train_draft_main
+
+        return train_draft_main(args[1:])
     parser, subparsers = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "serve":

@@ -56,8 +56,25 @@ class EngineConfig:
 
     def _validate(self) -> None:
         def positive(name: str, value: Optional[int]) -> None:
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("skip_tokenizer_init", "trust_remote_code", "disable_cuda_graph", "enforce_piecewise_cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("device", "dtype", "attention_backend", "log_level", "load_format"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("mem_fraction_static", "speculative_simulate_accept_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in ("cuda_graph_bs", "piecewise_cuda_graph_tokens"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, list):
+                raise ValueError(f"{name} must be a list of positive integers, got {value!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
 
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError("model_path must be a non-empty path")
@@ -97,7 +114,7 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:
             raise ValueError("speculative_simulate_accept_len must be >= 1 (tokens committed per verify)")
-        if not self.cuda_graph_bs or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_bs):
+        if not self.cuda_graph_bs or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in self.cuda_graph_bs):
             raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
 
     @property

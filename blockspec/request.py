@@ -45,15 +45,23 @@ class SamplingParams:
         return params
 
     def validate(self) -> None:
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, list) or not isinstance(self.stop_token_ids, list):
+            raise ValueError("stop must be a string or a list of strings; stop_token_ids a list of integers")
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k != -1 and self.top_k < 1):
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**64
@@ -120,6 +128,10 @@ class Req:
         return self.all_ids[self.prompt_len:]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_ids) - self.prompt_len
+
+    @property
     def pending_len(self) -> int:
         """Tokens whose KV is not computed yet (while decoding: the last committed token)."""
         return len(self.all_ids) - self.kv_len
@@ -132,10 +144,10 @@ class Req:
         info: dict[str, Any] = {
             "id": self.rid,
             "prompt_tokens": self.prompt_len,
-            "completion_tokens": len(self.output_ids),
+            "completion_tokens": self.num_output_tokens,
             "finish_reason": self.finish.to_dict() if self.finish else None,
         }
         if self.spec_verify_ct:
             info["spec_verify_ct"] = self.spec_verify_ct
-            info["spec_accept_length"] = len(self.output_ids) / self.spec_verify_ct  # as SGLang reports it
+            info["spec_accept_length"] = self.num_output_tokens / self.spec_verify_ct  # as SGLang reports it
         return info

@@ -153,7 +153,7 @@ class Scheduler:
             if req.pending_len + self.worker.decode_slots_per_req > self.allocator.total_slots:
                 self.waiting.popleft()
                 req.finish = Finish(FinishReason.LENGTH, message="the sequence no longer fits the KV pool")
-                self.running.append(req)  # collected as finished next step
+                self.running.append(req)  # collected by collect_finished at the end of this step
                 continue
             n = min(req.pending_len, budget)
             need = self.allocator.pages_for(n) * self.allocator.page_size
@@ -210,7 +210,8 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             detok = self.detokenizers.pop(req.rid, None)
-            if detok is not None and req.finish is not None and req.finish.reason != FinishReason.STOP:
+            matched_text = req.finish is not None and isinstance(req.finish.matched, str)
+            if detok is not None and not matched_text:  # NOTE: text after a matched stop string stays cut
                 req.text += detok.flush()
         return finished
 
@@ -254,10 +255,10 @@ class Scheduler:
                 if hit is not None:
                     req.text = req.text[:hit[0]]
                     return Finish(FinishReason.STOP, matched=hit[1])
-        if len(req.output_ids) >= params.max_new_tokens:
-            return Finish(FinishReason.LENGTH, length=len(req.output_ids))
+        if req.num_output_tokens >= params.max_new_tokens:
+            return Finish(FinishReason.LENGTH, length=req.num_output_tokens)
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return Finish(FinishReason.STOP, matched=token)
         if len(req.all_ids) >= self.context_length:
-            return Finish(FinishReason.LENGTH, length=len(req.output_ids))
+            return Finish(FinishReason.LENGTH, length=req.num_output_tokens)
         return None

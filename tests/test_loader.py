@@ -206,3 +206,16 @@ def test_cuda_without_cuda(tiny) -> None:
 def test_pool_smaller_than_a_page(tiny) -> None:
     with pytest.raises(ValueError, match="page"):
         _load(tiny("llama").path, max_total_tokens=8, page_size=16)
+
+
+@pytest.mark.parametrize("flags,field", [
+    ({"device": 0}, "device"), ({"mem_fraction_static": "0.5"}, "mem_fraction_static"),
+    ({"cuda_graph_bs": 8}, "cuda_graph_bs"), ({"piecewise_cuda_graph_tokens": 4}, "piecewise_cuda_graph_tokens"),
+    ({"speculative_simulate_accept_len": "2"}, "speculative_simulate_accept_len"), ({"page_size": True}, "page_size"),
+    ({"log_level": "verbose"}, "log_level"), ({"disable_cuda_graph": "yes"}, "disable_cuda_graph"),
+])
+def test_engine_config_rejects_wrong_types(flags: dict, field: str) -> None:
+    from blockspec.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model_path="/nonexistent", **flags)

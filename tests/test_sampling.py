@@ -202,3 +202,12 @@ def test_extreme_seeds_accepted(tiny, make_engine) -> None:
     engine = make_engine(tiny("llama").path)
     outputs = engine.generate(input_ids=[[3], [4]], sampling_params=[sampled(-(2**63)), sampled(2**64 - 1)])
     assert all(len(o["output_ids"]) == MAX_NEW for o in outputs)
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids"), ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"top_p": True}, "top_p"), ({"top_k": True}, "top_k"),
+])
+def test_sampling_params_reject_wrong_types(raw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict(raw)

@@ -79,6 +79,9 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         return TargetConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -86,7 +89,7 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
             intermediate_size=int(raw["intermediate_size"]),
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),

@@ -85,6 +85,9 @@ def parse_draft_config(raw: dict[str, Any], target: TargetConfig) -> DraftConfig
             raise ValueError("draft has sliding_attention layers but no sliding_window")
         windows.append(int(window) if sliding else None)
         causal.append(sliding if is_causal is None else bool(is_causal))
+    block_size = _get(raw, "block_size", 16)
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"draft block_size must be an integer >= 2, got {block_size!r}")
     softcap = _get(raw, "final_logit_softcapping")
     return DraftConfig(
         hidden_size=hidden,
@@ -97,7 +100,7 @@ def parse_draft_config(raw: dict[str, Any], target: TargetConfig) -> DraftConfig
         rope=parse_rope(raw),
         attention_bias=bool(raw.get("attention_bias", False)),
         target_layer_ids=layer_ids,
-        block_size=int(_get(raw, "block_size", 16)),
+        block_size=block_size,
         mask_token_id=int(mask_token_id),
         layer_windows=windows,
         layer_causal=causal,

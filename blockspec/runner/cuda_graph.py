@@ -74,16 +74,29 @@ class GraphedForward:
             max_seq_len_hint=self.max_seq_len,
         )
 
+    def _run_into_shared(self, bs: int, shared: Optional[GraphOutputs]) -> GraphOutputs:
+        """fn on the static batch of size bs; smaller graphs copy their outputs into slices of the largest's."""
+        outputs = self.fn(self._static_batch(bs))
+        if shared is None:
+            return outputs
+        n = bs * self.q
+        for target, out in zip(shared, outputs):
+            if target is not None and out is not None:
+                target[:n].copy_(out)
+        return tuple(None if target is None else target[:n] for target in shared)
+
     def capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated()
+        shared: Optional[GraphOutputs] = None
         for bs in reversed(self.batch_sizes):
             for _ in range(2):  # NOTE: warm-up compiles Triton kernels and settles allocator state off-graph
                 self.fn(self._static_batch(bs))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.fn(self._static_batch(bs))
+                outputs = self._run_into_shared(bs, shared)
+            shared = shared if shared is not None else outputs
             self.graphs[bs] = graph
             self.outputs[bs] = outputs
         torch.cuda.synchronize()

@@ -119,7 +119,8 @@ class ModelRunner:
 
     def capture_piecewise(self) -> None:
         """Piecewise graphs for extend batches, in this runner's fixed hidden-capture mode."""
-        if not (self.config.enforce_piecewise_cuda_graph and self.device.type == "cuda"):
+        config = self.config
+        if not (config.enforce_piecewise_cuda_graph and self.device.type == "cuda" and not config.disable_cuda_graph):
             return
         max_tokens = self.config.piecewise_cuda_graph_max_tokens
         buckets = self.config.piecewise_cuda_graph_tokens or default_buckets(max_tokens)

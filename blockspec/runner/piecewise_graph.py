@@ -106,7 +106,7 @@ class PiecewiseGraphRunner:
             self._write_qkv(n, q, k, v, residual)
         else:
             mlp_out = self._finish_layer(self.num_layers - 1, n)
-            hidden, _ = self.model.model.norm.add_and_norm(mlp_out, self.residual[:n].clone())
+            hidden, _ = self.model.model.norm.add_and_norm(mlp_out, self.residual[:n])
             self.hidden[:n].copy_(hidden)
 
     # ---- capture and replay -------------------------------------------------------------------
@@ -152,6 +152,6 @@ class PiecewiseGraphRunner:
             if index < self.num_layers:
                 out = self.backend.forward(self.q[:t], self.k[:t], self.v[:t], index, batch)
                 self.attn[:t].copy_(out)
-        hidden = self.hidden[:t]
+        hidden = self.hidden[:t].clone()  # NOTE: the static buffer is overwritten by the next extend
         aux = torch.cat([self.aux[i][:t] for i in self.capture_layer_ids], dim=-1) if self.capture_layer_ids else None
         return ModelOutput(self.model.compute_logits(hidden[batch.logits_rows]), aux, hidden)

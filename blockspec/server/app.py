@@ -31,7 +31,7 @@ class ApiKeyMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"].startswith(OPEN_PATHS):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         supplied = dict(scope["headers"]).get(b"authorization", b"")

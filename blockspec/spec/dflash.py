@@ -155,13 +155,13 @@ class DFlashWorker(TargetWorker):
         b = self.block_size
         draft_batch, proposals_device, draft_probs = self.propose(reqs)
         logits = self.verify(draft_batch, proposals_device)
-        # NOTE: the cycle's single device→host copy: proposals and the target's argmax together.
+        # NOTE: greedy requests need only this device→host copy per cycle (sampled ones also sync in acceptance).
         host = torch.cat([proposals_device, logits.argmax(-1)], dim=1).tolist()
         committed: list[list[int]] = []
         for i, req in enumerate(reqs):
             proposals, target_argmax = host[i][: b - 1], host[i][b - 1:]
             if self.simulate_accept_len is not None:
-                accepted = min(b - 1, int(self.simulate_accept_len) - 1)
+                accepted = min(b - 1, round(self.simulate_accept_len) - 1)
                 bonus = target_argmax[accepted]
             elif i not in draft_probs:
                 accepted, bonus = greedy_accept(proposals, target_argmax)

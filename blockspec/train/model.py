@@ -1,0 +1,163 @@
+"""The DFlash draft as a plain, differentiable module whose parameter names are z-lab's checkpoint names.
+
+`forward` runs many blocks of many sequences at once: queries are the blocks' tokens, keys/values are
+[projected context features of the whole sequence ; all block tokens], and the mask decides who sees what."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.layers.rotary import inverse_frequencies
+from blockspec.models.config import RopeConfig, TargetConfig
+
+
+@dataclass
+class DraftArch:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    num_taps: int
+    max_position_embeddings: int
+
+    @classmethod
+    def from_target(cls, target: TargetConfig, num_layers: int, num_taps: int, intermediate_size: int | None) -> "DraftArch":
+        """Qwen3-style layers with the target's widths (what z-lab's drafts do); plain rope at the target's theta."""
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_layers=num_layers,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope.theta,
+            num_taps=num_taps,
+            max_position_embeddings=target.max_position_embeddings,
+        )
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox (rotate-half) rotary; x [N, heads, T, D], cos/sin [N, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: DraftArch) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.q_proj = nn.Linear(h, arch.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=False)
+        self.q_norm = Norm(d, arch.rms_norm_eps)
+        self.k_norm = Norm(d, arch.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [N, Q, H] (normed block), context [N, C, H]; keys/values = [context ; block] → [N, Q, H]."""
+        n, q_len, d = x.shape[0], x.shape[1], self.head_dim
+        both = torch.cat([context, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(n, q_len, self.num_heads, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(both).view(n, -1, self.num_kv_heads, d)).transpose(1, 2)
+        v = self.v_proj(both).view(n, -1, self.num_kv_heads, d).transpose(1, 2)
+        q, k = rotate(q, *rope_q), rotate(k, *rope_k)
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.head_dim ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(n, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, arch: DraftArch) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+        self.input_layernorm = Norm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = Norm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+    ) -> torch.Tensor:
+        # NOTE: the context does not pass input_layernorm (z-lab's reference and blockspec's inference agree).
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_k, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TrainableDraft(nn.Module):
+    """state_dict() names are exactly z-lab's: layers.N.self_attn.*, layers.N.mlp.*, fc, hidden_norm, norm."""
+
+    def __init__(self, arch: DraftArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.layers = nn.ModuleList(Layer(arch) for _ in range(arch.num_layers))
+        self.fc = nn.Linear(arch.num_taps * arch.hidden_size, arch.hidden_size, bias=False)
+        self.hidden_norm = Norm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
+        inv_freq = inverse_frequencies(arch.head_dim, RopeConfig(theta=arch.rope_theta))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.inv_freq: torch.Tensor
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, std)
+                elif isinstance(module, Norm):
+                    module.weight.fill_(1.0)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self, block_embeds: torch.Tensor, block_positions: torch.Tensor, features: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """block_embeds [N, Q, H] at block_positions [N, Q]; features [N, C, taps*H] of tokens 0..C-1;
+        mask [N, Q, C+Q] bool (True = visible). Returns final-normed block hidden states [N, Q, H]."""
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        context_positions = torch.arange(features.shape[1], device=features.device).expand(features.shape[0], -1)
+        hidden = block_embeds.to(self.fc.weight.dtype)
+        rope_q = self._rope(block_positions, hidden.dtype)
+        rope_k = self._rope(torch.cat([context_positions, block_positions], dim=1), hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, context, rope_q, rope_k, mask)
+        return self.norm(hidden)

@@ -1,0 +1,189 @@
+"""`blockspec train-draft` options: one dataclass, its argparse flags, and validation with clear messages."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from blockspec.models.config import TargetConfig
+from blockspec.models.draft_config import default_target_layer_ids
+
+# DFlash paper: loss decay γ per block size (w_k = exp(-(k-1)/γ)); other sizes interpolate.
+PAPER_LOSS_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+@dataclass
+class TrainOptions:
+    target_model_path: str
+    data: str
+    out: str
+    # draft architecture (unset sizes copy the target's)
+    block_size: int = 16
+    num_layers: int = 1
+    target_layer_ids: Optional[list[int]] = None
+    intermediate_size: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    init_from: Optional[str] = None
+    # data generation (the target's own greedy responses)
+    max_new_tokens: int = 512
+    num_prompts: Optional[int] = None
+    ignore_eos: bool = False
+    system_prompt: Optional[str] = None
+    user_suffix: str = ""
+    cache_dir: Optional[str] = None
+    gen_batch_size: int = 512
+    # training
+    steps: int = 2000
+    batch_size: int = 16
+    blocks_per_seq: int = 32
+    max_seq_len: int = 2048
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    loss_decay: Optional[float] = None
+    cache_features: bool = False
+    seed: int = 0
+    # evaluation with the real engine on held-out prompts
+    eval_every: int = 0
+    num_eval_prompts: int = 16
+    eval_max_new_tokens: int = 256
+    eval_data: Optional[str] = None
+    # devices and output
+    device: str = "auto"
+    dtype: str = "auto"
+    save_dtype: str = "bfloat16"
+    max_shard_mb: float = 16.0
+    progress: bool = True
+
+    @property
+    def decay(self) -> float:
+        if self.loss_decay is not None:
+            return self.loss_decay
+        return PAPER_LOSS_DECAY.get(self.block_size, max(1.0, (self.block_size - 2) / 2))
+
+    @property
+    def cache_path(self) -> Path:
+        """--cache-dir, else one folder per (target, data file) under blockspec's cache root (not in --out,
+        which is the checkpoint that gets shipped)."""
+        if self.cache_dir:
+            return Path(self.cache_dir)
+        from blockspec.demo import default_cache_root
+
+        key = f"{Path(self.target_model_path).resolve()}\n{Path(self.data).resolve()}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+        return default_cache_root() / "train_responses" / f"{Path(self.data).stem}-{digest}"
+
+    def validate(self) -> None:
+        """Checks everything that needs no model; `resolve_layer_ids` checks the rest against the target."""
+        if not Path(self.data).is_file():
+            raise FileNotFoundError(f"--data {self.data}: no such file (expected JSON lines with messages/text/question)")
+        if self.eval_data is not None and not Path(self.eval_data).is_file():
+            raise FileNotFoundError(f"--eval-data {self.eval_data}: no such file")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            raise FileNotFoundError(f"--init-from {self.init_from}: no draft checkpoint (config.json) there")
+        if not Path(self.target_model_path).is_dir():
+            raise FileNotFoundError(f"--target-model-path {self.target_model_path}: no such directory")
+        if self.block_size < 2:
+            raise ValueError(f"--block-size must be >= 2 (the anchor token plus at least one prediction), got {self.block_size}")
+        for name in ("num_layers", "steps", "batch_size", "blocks_per_seq", "max_new_tokens", "gen_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < self.block_size + 2:
+            raise ValueError(f"--max-seq-len must be at least --block-size + 2, got {self.max_seq_len}")
+        if self.num_eval_prompts < 0 or self.eval_every < 0:
+            raise ValueError("--num-eval-prompts and --eval-every must be >= 0")
+        if self.lr <= 0 or not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("--lr must be > 0, --warmup-ratio in [0, 1), --min-lr-ratio in [0, 1]")
+        if self.loss_decay is not None and self.loss_decay <= 0:
+            raise ValueError(f"--loss-decay must be > 0, got {self.loss_decay}")
+        if self.save_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--save-dtype must be float32, bfloat16 or float16, got {self.save_dtype!r}")
+        if self.max_shard_mb <= 0:
+            raise ValueError(f"--max-shard-mb must be > 0, got {self.max_shard_mb}")
+
+
+def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
+    """The taps: given ids checked against the target's layers, else z-lab's default spread."""
+    if options.target_layer_ids is None:
+        return default_target_layer_ids(target.num_layers, options.num_layers)
+    ids = list(options.target_layer_ids)
+    bad = [i for i in ids if not 0 <= i < target.num_layers]
+    if not ids or bad:
+        raise ValueError(
+            f"--target-layer-ids {ids}: layer id(s) {bad} out of range; the target has {target.num_layers} layers "
+            f"(valid ids 0..{target.num_layers - 1})"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"--target-layer-ids {ids} has duplicates")
+    return ids
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainOptions("", "", "")
+    req = parser.add_argument_group("required")
+    req.add_argument("--target-model-path", required=True, help="HF-style target directory (Llama-3.x / Qwen3)")
+    req.add_argument("--data", required=True, help="JSON lines: chat `messages`, `text`, `question` or `input_ids`")
+    req.add_argument("--out", required=True, help="output directory for the z-lab format draft checkpoint")
+    arch = parser.add_argument_group("draft")
+    arch.add_argument("--block-size", type=int, default=defaults.block_size)
+    arch.add_argument("--num-layers", type=int, default=defaults.num_layers, help="draft decoder layers")
+    arch.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                      help="target layers whose outputs feed the draft (default: z-lab's spread)")
+    arch.add_argument("--intermediate-size", type=int, default=None, help="draft MLP size (default: the target's)")
+    arch.add_argument("--mask-token-id", type=int, default=None,
+                      help="mask token (default: an id inside the vocab the target never emits)")
+    arch.add_argument("--init-from", default=None,
+                      help="start from this draft checkpoint's weights (same architecture and taps): continue training")
+    gen = parser.add_argument_group("data generation")
+    gen.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="response length cap")
+    gen.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts of --data")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate until --max-new-tokens (base models)")
+    gen.add_argument("--system-prompt", default=None, help="system message added to `question` prompts")
+    gen.add_argument("--user-suffix", default="", help="text appended to `question` prompts")
+    gen.add_argument("--cache-dir", default=None, help="response cache (default: under $BLOCKSPEC_CACHE or ~/.cache/blockspec); resumable")
+    gen.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size,
+                     help="prompts per generate call (the cache is appended after each)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=defaults.steps)
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (per GPU)")
+    train.add_argument("--blocks-per-seq", type=int, default=defaults.blocks_per_seq, help="anchors per sequence")
+    train.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
+    train.add_argument("--lr", type=float, default=defaults.lr)
+    train.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio, help="cosine floor / lr")
+    train.add_argument("--warmup-ratio", type=float, default=defaults.warmup_ratio)
+    train.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    train.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
+    train.add_argument("--loss-decay", type=float, default=None,
+                       help="γ of the position weights exp(-(k-1)/γ) (default 7 for block 16, as DFlash)")
+    train.add_argument("--cache-features", action="store_true",
+                       help="keep every sequence's target features in device memory after its first use "
+                            "(tokens x taps x hidden values each; skips the target forward in later epochs)")
+    train.add_argument("--seed", type=int, default=defaults.seed)
+    ev = parser.add_argument_group("evaluation")
+    ev.add_argument("--eval-every", type=int, default=0, help="steps between acceptance evals (0: only at the end)")
+    ev.add_argument("--num-eval-prompts", type=int, default=defaults.num_eval_prompts,
+                    help="held-out prompts (the last N of --data unless --eval-data); 0 disables evals")
+    ev.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens)
+    ev.add_argument("--eval-data", default=None, help="prompts for evals (default: held out from --data)")
+    dev = parser.add_argument_group("device and output")
+    dev.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (torchrun: cuda:LOCAL_RANK)")
+    dev.add_argument("--dtype", default="auto", help="target dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    dev.add_argument("--save-dtype", default=defaults.save_dtype, help="dtype of the saved draft weights")
+    dev.add_argument("--max-shard-mb", type=float, default=defaults.max_shard_mb, help="safetensors shard size cap")
+    dev.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def options_from_namespace(ns: argparse.Namespace) -> TrainOptions:
+    names = {f.name for f in dataclasses.fields(TrainOptions)}
+    return TrainOptions(**{name: getattr(ns, name) for name in names if hasattr(ns, name)})
+
+
+def parse_options(argv: Optional[Sequence[str]], prog: str = "blockspec train-draft") -> TrainOptions:
+    parser = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.")
+    add_train_arguments(parser)
+    return options_from_namespace(parser.parse_args(argv))

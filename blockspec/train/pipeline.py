@@ -1,0 +1,194 @@
+"""`blockspec train-draft` end to end: prompts → target responses (cached) → DFlash training → z-lab checkpoint."""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from blockspec.config import DEFAULT_CUDA_GRAPH_BS
+from blockspec.models.config import TargetConfig, load_json, load_target_config
+from blockspec.models.loader import resolve_dtype
+from blockspec.train.checkpoint import draft_config_dict, load_trainable_draft, save_draft, write_json
+from blockspec.train.data import (
+    ResponseCache, default_mask_token_id, encode_prompt, generate_responses, maybe_load_tokenizer,
+    read_prompt_records,
+)
+from blockspec.train.evaluate import measure_acceptance
+from blockspec.train.features import TargetFeatures
+from blockspec.train.model import DraftArch, TrainableDraft
+from blockspec.train.options import TrainOptions, resolve_layer_ids
+from blockspec.train.trainer import Dist, Trainer, TrainResult
+
+logger = logging.getLogger(__name__)
+
+GEN_MAX_RUNNING = 256  # NOTE: small targets decode launch-bound; wide batches (graphs up to this size) feed the GPU
+
+
+def init_distributed() -> Dist:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; the process group then carries DDP's gradient all-reduce."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # NOTE: ranks wait at barriers while others generate responses or evaluate; the default timeout is too short.
+        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(hours=6))
+    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size())
+
+
+def resolve_device(flag: str, dist: Dist) -> torch.device:
+    if dist.world > 1 and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if flag == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(flag)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    return device
+
+
+def resolve_target_dtype(flag: str, device: torch.device) -> torch.dtype:
+    if flag == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return resolve_dtype(flag)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int]], list[list[int]], Any]:
+    """(training prompts, held-out eval prompts, tokenizer or None); prompts too long to train on are dropped."""
+    records = read_prompt_records(options.data, options.num_prompts)
+    eval_records: list[dict[str, Any]] = []
+    if options.num_eval_prompts and options.eval_data:
+        eval_records = read_prompt_records(options.eval_data, options.num_eval_prompts)
+    elif options.num_eval_prompts:
+        if options.num_eval_prompts >= len(records):
+            raise ValueError(
+                f"--num-eval-prompts {options.num_eval_prompts} holds out every one of the {len(records)} prompts; "
+                "lower it, pass --eval-data, or use --num-eval-prompts 0"
+            )
+        records, eval_records = records[:-options.num_eval_prompts], records[-options.num_eval_prompts:]
+    tokenizer = maybe_load_tokenizer(options.target_model_path, records + eval_records)
+    encode = lambda r: encode_prompt(r, tokenizer, options.system_prompt, options.user_suffix)  # noqa: E731
+    limit = min(options.max_seq_len, target.max_position_embeddings) - 2
+    prompts = [encode(r) for r in records]
+    kept = [p for p in prompts if len(p) <= limit]
+    if len(kept) < len(prompts):
+        logger.warning("dropped %d prompt(s) longer than %d tokens", len(prompts) - len(kept), limit)
+    if not kept:
+        raise ValueError(f"every prompt is longer than {limit} tokens (--max-seq-len {options.max_seq_len})")
+    return kept, [p for p in map(encode, eval_records) if len(p) <= limit], tokenizer
+
+
+def _engine_factory(options: TrainOptions, device: torch.device, dtype: torch.dtype, longest_prompt: int) -> Any:
+    """The generation engine: wide batches; on CPU a KV pool that holds them all (CUDA sizes it from free memory)."""
+    def make() -> Any:
+        from blockspec import Engine
+
+        running = min(options.gen_batch_size, GEN_MAX_RUNNING)
+        graph_bs = sorted({b for b in DEFAULT_CUDA_GRAPH_BS + list(range(80, GEN_MAX_RUNNING + 1, 16)) if b <= running} | {1})
+        slots = None if device.type == "cuda" else running * (longest_prompt + options.max_new_tokens + 1)
+        return Engine(
+            model_path=options.target_model_path, device=str(device), dtype=dtype_name(dtype), skip_tokenizer_init=True,
+            max_running_requests=running, cuda_graph_bs=graph_bs, max_total_tokens=slots,
+            context_length=min(options.max_seq_len, load_target_config(options.target_model_path).max_position_embeddings),
+        )
+
+    return make
+
+
+def _build_draft(
+    options: TrainOptions, target: TargetConfig, layer_ids: list[int], tokenizer: Any, used: set[int]
+) -> tuple[TrainableDraft, list[int], int]:
+    """A fresh draft, or --init-from's (whose taps and mask token then hold unless given explicitly)."""
+    mask_token_id = options.mask_token_id
+    if options.init_from is not None:
+        draft, init_ids, _ = load_trainable_draft(options.init_from, target)
+        if options.target_layer_ids is not None and init_ids != layer_ids:
+            raise ValueError(f"--init-from {options.init_from} taps layers {init_ids}, not --target-layer-ids {layer_ids}")
+        if mask_token_id is None:
+            mask_token_id = int(load_json(Path(options.init_from) / "config.json")["dflash_config"]["mask_token_id"])
+        return draft, init_ids, mask_token_id
+    if mask_token_id is None:
+        mask_token_id = default_mask_token_id(tokenizer, target.vocab_size, used)
+    elif mask_token_id in used:
+        logger.warning("--mask-token-id %d occurs in the training data", mask_token_id)
+    arch = DraftArch.from_target(target, options.num_layers, len(layer_ids), options.intermediate_size)
+    torch.manual_seed(options.seed)
+    return TrainableDraft(arch), layer_ids, mask_token_id
+
+
+def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainResult:
+    options.validate()
+    started = time.time()
+    target = load_target_config(options.target_model_path)
+    layer_ids = resolve_layer_ids(options, target)
+    if options.mask_token_id is not None and not 0 <= options.mask_token_id < target.vocab_size:
+        raise ValueError(f"--mask-token-id {options.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})")
+    dist = init_distributed()
+    device = resolve_device(options.device, dist)
+    dtype = resolve_target_dtype(options.dtype, device)
+    prompts, eval_prompts, tokenizer = _prompts(options, target)
+    meta = {
+        "target_model_path": str(Path(options.target_model_path).resolve()),
+        "max_new_tokens": options.max_new_tokens, "ignore_eos": options.ignore_eos, "dtype": dtype_name(dtype),
+    }
+    cache = ResponseCache(options.cache_path, meta, dist.rank)
+    samples, generated = generate_responses(
+        prompts, cache, _engine_factory(options, device, dtype, max(map(len, prompts))), options.max_new_tokens, options.ignore_eos,
+        options.gen_batch_size, dist.rank, dist.world, dist.barrier, options.progress and dist.is_main,
+    )
+    gc.collect()  # NOTE: the generation engine's KV pool and graphs must be gone before training allocates
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    used = {t for s in samples for t in s.ids} | {t for p in eval_prompts for t in p}
+    draft, layer_ids, mask_token_id = _build_draft(options, target, layer_ids, tokenizer, used)
+    config = draft_config_dict(draft.arch, target, layer_ids, options.block_size, mask_token_id, options.save_dtype)
+    features = TargetFeatures(options.target_model_path, layer_ids, device, dtype, options.max_seq_len)
+    trainer = Trainer(options, draft, features, samples, mask_token_id, device, dist)
+    if dist.is_main:
+        logger.info("training on %d sequences (%d responses generated now), taps %s, mask token %d",
+                    len(trainer.samples), generated, layer_ids, mask_token_id)
+
+    def evaluate(step: int) -> dict[str, Any]:
+        save_draft(draft, options.out, config, options.save_dtype, options.max_shard_mb)
+        if not eval_prompts:
+            return {}
+        return measure_acceptance(
+            options.target_model_path, options.out, eval_prompts, options.eval_max_new_tokens, str(device),
+            dtype_name(dtype), options.ignore_eos, options.block_size,
+        )
+
+    result = trainer.train(evaluate)
+    if dist.is_main:
+        info = {
+            "command": ["blockspec", "train-draft", *argv] if argv is not None else None,
+            "options": {k: v for k, v in vars(options).items()},
+            "git_commit": _git_commit(), "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+            "wall_s": round(time.time() - started, 1), "world_size": dist.world, "device": str(device),
+            "target_layer_ids": layer_ids, "mask_token_id": mask_token_id, "train_sequences": len(trainer.samples),
+            "responses_generated": generated, "held_out_prompts": len(eval_prompts), "result": vars(result),
+        }
+        write_json(Path(options.out) / "training_info.json", json.loads(json.dumps(info, default=str)))
+    dist.barrier()
+    return result

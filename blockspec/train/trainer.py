@@ -1,0 +1,168 @@
+"""The DFlash training loop: frozen target (features, embeddings, lm_head), trainable draft, AdamW + cosine.
+
+Distributed when launched by torchrun (WORLD_SIZE set): DistributedDataParallel over the draft, each rank on its
+own shard of every epoch's permutation; rank 0 evaluates and saves."""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from blockspec.train.blocks import block_loss, build_block_batch, loss_weights, sample_anchors
+from blockspec.train.data import Sample
+from blockspec.train.features import TargetFeatures
+from blockspec.train.model import TrainableDraft
+from blockspec.train.options import TrainOptions
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    final_accuracy: float
+    final_accept_estimate: float
+    seconds_per_step: float
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callable[[int], float]:
+    warmup = int(total_steps * warmup_ratio)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def batches(num_samples: int, batch_size: int, seed: int, dist: Dist) -> Iterator[list[int]]:
+    """Endless epochs: one shared permutation per epoch, strided across ranks, cut into batches."""
+    epoch = 0
+    while True:
+        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        mine = torch.randperm(num_samples, generator=generator)[dist.rank::dist.world].tolist()
+        if not mine:
+            raise ValueError("fewer training sequences than ranks")
+        for start in range(0, len(mine), batch_size):
+            yield mine[start:start + batch_size]
+        epoch += 1
+
+
+def trainable_samples(samples: list[Sample], max_seq_len: int) -> list[Sample]:
+    """Sequences cut to max_seq_len that still hold at least one anchor (a response token with a label)."""
+    kept = []
+    for s in samples:
+        room = max_seq_len - len(s.prompt_ids)
+        if room >= 2 and len(s.output_ids) >= 2:
+            kept.append(Sample(s.index, s.prompt_ids, s.output_ids[:room]))
+    return kept
+
+
+class Trainer:
+    def __init__(
+        self, options: TrainOptions, draft: TrainableDraft, target: TargetFeatures, samples: list[Sample],
+        mask_token_id: int, device: torch.device, dist: Dist,
+    ) -> None:
+        self.options = options
+        self.draft = draft.to(device)
+        self.target = target
+        self.samples = trainable_samples(samples, options.max_seq_len)
+        if not self.samples:
+            raise ValueError("no usable training sequences: every response is shorter than 2 tokens")
+        self.mask_token_id = mask_token_id
+        self.device = device
+        self.dist = dist
+        self.weights = loss_weights(options.block_size, options.decay).to(device)
+        self.model: nn.Module = draft
+        if dist.world > 1:
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = nn.parallel.DistributedDataParallel(draft, device_ids=ids)
+        self.optimizer = torch.optim.AdamW(
+            draft.parameters(), lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95)
+        )
+        schedule = lr_lambda(options.steps, options.warmup_ratio, options.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.generator = torch.Generator().manual_seed(options.seed * 7919 + dist.rank)
+        self.feature_cache: Optional[dict[int, torch.Tensor]] = {} if options.cache_features else None
+
+    def features(self, indices: list[int]) -> list[torch.Tensor]:
+        if self.feature_cache is None:
+            return self.target([self.samples[i].ids for i in indices])
+        missing = [i for i in dict.fromkeys(indices) if i not in self.feature_cache]
+        if missing:
+            computed = self.target([self.samples[i].ids for i in missing])
+            self.feature_cache.update((i, f.clone()) for i, f in zip(missing, computed))
+        return [self.feature_cache[i] for i in indices]
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.device.type == "cuda" and self.target.dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.target.dtype)
+        return contextlib.nullcontext()
+
+    def step(self, indices: list[int]) -> tuple[float, float, float]:
+        """One optimiser step over the sequences `indices`: (loss, top-1 accuracy, teacher-forced τ estimate)."""
+        opts = self.options
+        chosen = [self.samples[i] for i in indices]
+        sequences = [s.ids for s in chosen]
+        features = self.features(indices)
+        anchors = [sample_anchors(len(s.prompt_ids), len(s.ids), opts.blocks_per_seq, self.generator) for s in chosen]
+        batch = build_block_batch(sequences, features, anchors, opts.block_size, self.mask_token_id, self.device)
+        embeds = nn.functional.embedding(batch.block_ids, self.target.embed_weight).flatten(1, 2)
+        self.draft.train()
+        with self._autocast():
+            hidden = self.model(embeds, batch.positions, batch.features, batch.mask)
+            result = block_loss(hidden, batch, self.target.lm_head_weight, self.weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        if opts.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.draft.parameters(), opts.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return result.loss.item(), result.accuracy, result.accept_estimate
+
+    def train(self, evaluate: Optional[Callable[[int], dict[str, Any]]] = None) -> TrainResult:
+        """Runs all steps; `evaluate(step)` (rank 0) every `eval_every` steps and after the last one."""
+        opts = self.options
+        order = batches(len(self.samples), opts.batch_size, opts.seed, self.dist)
+        bar = tqdm(total=opts.steps, desc="training draft", unit="step", disable=not (opts.progress and self.dist.is_main))
+        smooth: list[float] = []  # running averages of (loss, accuracy, τ estimate)
+        evals: list[dict[str, Any]] = []
+        step_seconds = 0.0
+        for step in range(1, opts.steps + 1):
+            started = time.perf_counter()
+            current = self.step(next(order))  # NOTE: .item() in step() syncs the device, so this times the step
+            step_seconds += time.perf_counter() - started
+            smooth = list(current) if not smooth else [0.9 * s + 0.1 * c for s, c in zip(smooth, current)]
+            bar.set_postfix(loss=f"{smooth[0]:.3f}", acc=f"{smooth[1]:.3f}", tau=f"{smooth[2]:.2f}",
+                            lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
+            bar.update(1)
+            if evaluate is not None and (step == opts.steps or (opts.eval_every and step % opts.eval_every == 0)):
+                if self.dist.is_main:
+                    record = {"step": step, "loss": smooth[0], **evaluate(step)}
+                    evals.append(record)
+                    bar.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+                self.dist.barrier()
+        bar.close()
+        return TrainResult(opts.steps, smooth[0], smooth[1], smooth[2], step_seconds / opts.steps, evals)
