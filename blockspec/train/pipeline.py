@@ -32,22 +32,26 @@ logger = logging.getLogger(__name__)
 GEN_MAX_RUNNING = 256  # NOTE: small targets decode launch-bound; wide batches (graphs up to this size) feed the GPU
 
 
-def init_distributed() -> Dist:
+def uses_cuda(flag: str) -> bool:
+    return flag != "cpu" and torch.cuda.is_available()
+
+
+def init_distributed(device_flag: str) -> Dist:
     """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; the process group then carries DDP's gradient all-reduce."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
     if not torch.distributed.is_initialized():
-        if torch.cuda.is_available():
+        if uses_cuda(device_flag):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if uses_cuda(device_flag) else "gloo"
         # NOTE: ranks wait at barriers while others generate responses or evaluate; the default timeout is too short.
         torch.distributed.init_process_group(backend, timeout=datetime.timedelta(hours=6))
     return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size())
 
 
 def resolve_device(flag: str, dist: Dist) -> torch.device:
-    if dist.world > 1 and torch.cuda.is_available():
+    if dist.world > 1 and uses_cuda(flag):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if flag == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -145,7 +149,7 @@ def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainRes
     layer_ids = resolve_layer_ids(options, target)
     if options.mask_token_id is not None and not 0 <= options.mask_token_id < target.vocab_size:
         raise ValueError(f"--mask-token-id {options.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})")
-    dist = init_distributed()
+    dist = init_distributed(options.device)
     device = resolve_device(options.device, dist)
     dtype = resolve_target_dtype(options.dtype, device)
     prompts, eval_prompts, tokenizer = _prompts(options, target)
@@ -191,4 +195,6 @@ def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainRes
         }
         write_json(Path(options.out) / "training_info.json", json.loads(json.dumps(info, default=str)))
     dist.barrier()
+    if dist.world > 1:
+        torch.distributed.destroy_process_group()
     return result
