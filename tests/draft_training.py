@@ -54,3 +54,14 @@ def train_tiny_draft(
         (loss / anchors_per_step).backward()
         optimizer.step()
     return draft.eval()
+
+
+def full_block_cycles(lengths: list[int], max_new_tokens: int, block: int) -> list[int]:
+    """Cycles `dflash_generate` ran with a whole block (near max_new_tokens it shrinks the block)."""
+    kept, produced = [], 1
+    for n in lengths:
+        if produced > max_new_tokens + 1 - block:
+            break
+        kept.append(n)
+        produced += n
+    return kept

@@ -9,7 +9,7 @@ import torch
 
 from blockspec import Engine
 from tiny_models import save_tiny_draft, save_tiny_model
-from draft_training import train_tiny_draft
+from draft_training import full_block_cycles, train_tiny_draft
 
 dflash_model = pytest.importorskip("dflash.model")
 dflash_model._cuda_time = time.perf_counter  # NOTE: the reference times with cuda.synchronize; CPU needs a clock
@@ -21,17 +21,6 @@ MAX_NEW = 40
 def reference(draft: torch.nn.Module, target: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[int]]:
     stats = dflash_model.dflash_generate(draft, target, torch.tensor([prompt]), MAX_NEW, None, temperature=0.0, return_stats=True)
     return stats.output_ids[0, len(prompt):].tolist(), list(stats.acceptance_lengths)
-
-
-def full_block_cycles(lengths: list[int], block: int) -> list[int]:
-    """Cycles the reference ran with a whole block (near max_new_tokens it shrinks the block)."""
-    kept, produced = [], 1
-    for n in lengths:
-        if produced > MAX_NEW + 1 - block:
-            break
-        kept.append(n)
-        produced += n
-    return kept
 
 
 def run_blockspec(target_dir: Path, draft_dir: Path, page_size: int) -> tuple[list[list[int]], list[list[int]], Engine]:
@@ -71,7 +60,7 @@ def test_matches_dflash_reference(tmp_path: Path, kind: str, layer_ids: list[int
     for prompt, output, cycle_lengths in zip(PROMPTS, outputs, lengths):
         ref_output, ref_lengths = reference(draft, target, prompt)
         assert output == ref_output
-        expected = full_block_cycles(ref_lengths, block)
+        expected = full_block_cycles(ref_lengths, MAX_NEW, block)
         assert cycle_lengths[: len(expected)] == expected
         assert sum(cycle_lengths) == len(output) - 1  # the first token comes from prefill
     info = engine.get_server_info()

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from draft_training import full_block_cycles
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
@@ -124,17 +125,6 @@ def blockspec_cycles(engine: Engine, prompts: list[list[int]]) -> tuple[list[lis
     return [r.output_ids for r in reqs], [r.spec_accept_lengths for r in reqs]
 
 
-def full_block_cycles(lengths: list[int]) -> list[int]:
-    """Cycles the reference ran with a whole block (near max_new_tokens it shrinks the block)."""
-    kept, produced = [], 1
-    for n in lengths:
-        if produced > MAX_NEW + 1 - BLOCK:
-            break
-        kept.append(n)
-        produced += n
-    return kept
-
-
 def test_reference_gives_same_acceptance(trained: Trained, make_engine: Callable[..., Engine]) -> None:
     reference = dflash_model.DFlashDraftModel.from_pretrained(str(trained.draft_dir), dtype=torch.float32).eval()
     prompts = trained.held_out[:3]
@@ -145,7 +135,7 @@ def test_reference_gives_same_acceptance(trained: Trained, make_engine: Callable
             reference, trained.target, torch.tensor([prompt]), MAX_NEW, None, temperature=0.0, return_stats=True
         )
         assert output == stats.output_ids[0, len(prompt):].tolist()
-        expected = full_block_cycles(list(stats.acceptance_lengths))
+        expected = full_block_cycles(list(stats.acceptance_lengths), MAX_NEW, BLOCK)
         assert cycle_lengths[:len(expected)] == expected
     assert max(n for cycle in lengths for n in cycle) >= 3  # the comparison covers multi-token acceptance
 
