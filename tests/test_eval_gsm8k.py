@@ -46,7 +46,7 @@ def test_default_data_has_answers() -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_server() -> Iterator[BackgroundServer]:
-    from blockspec.demo import ensure_smollm2_dir
+    from blockspec.smollm2 import ensure_smollm2_dir
 
     try:
         model_dir = ensure_smollm2_dir()

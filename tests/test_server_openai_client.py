@@ -15,7 +15,7 @@ from server_support import wait_idle
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[BackgroundServer]:
-    from blockspec.demo import ensure_smollm2_dir
+    from blockspec.smollm2 import ensure_smollm2_dir
 
     try:
         model_dir = ensure_smollm2_dir()

@@ -132,12 +132,15 @@ def test_training_run_reuses_cached_responses(target: tuple[Path, Any], tmp_path
         block_size=4, max_new_tokens=16, ignore_eos=True, steps=6, batch_size=2, blocks_per_seq=2, num_eval_prompts=2,
         eval_max_new_tokens=8, device="cpu", progress=False, cache_features=True,
     )
-    generated = []
-    for _ in range(2):
-        run(TrainOptions(**options))  # type: ignore[arg-type]
+    generated, steps = [], []
+    for time_limit in (None, 1e-9):  # NOTE: the second run stops after its first step (--max-train-minutes)
+        run(TrainOptions(**options, max_train_minutes=time_limit))  # type: ignore[arg-type]
         with open(tmp_path / "draft" / "training_info.json") as f:
-            generated.append(json.load(f)["responses_generated"])
+            info = json.load(f)
+        generated.append(info["responses_generated"])
+        steps.append(info["result"]["steps"])
     assert generated == [8, 0]
+    assert steps == [6, 1]
     with open(tmp_path / "draft" / "config.json") as f:
         config = json.load(f)
     assert config["dflash_config"]["target_layer_ids"] == [2]  # z-lab's default for one draft layer: L // 2
@@ -173,6 +176,7 @@ def test_torchrun_trains_with_ddp(target: tuple[Path, Any], tmp_path: Path) -> N
         ({"mask_token_id": 96}, ValueError, "outside the target vocabulary"),
         ({"num_eval_prompts": 5}, ValueError, "holds out every one"),
         ({"steps": 0}, ValueError, "--steps must be >= 1"),
+        ({"max_train_minutes": 0}, ValueError, "--max-train-minutes must be > 0"),
         ({"target_model_path": "nowhere"}, FileNotFoundError, "nowhere"),
     ],
 )

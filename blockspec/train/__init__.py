@@ -22,10 +22,10 @@ Recipe (z-lab has not published theirs; this follows the DFlash paper):
    training_info.json beside it records the command, options, commit and results.
 
 The SmolLM2 demo draft (hidden 576 and the other widths are copied from the target; the system prompt and suffix
-match `blockspec.demo.build_messages`; the mask token defaults to SmolLM2's unused special token `<empty_output>` (16);
+match `blockspec.smollm2.build_messages`; the mask token defaults to SmolLM2's unused special token `<empty_output>` (16);
 the final eval runs the saved draft on the first 32 GSM8K test questions):
 
-    TARGET=$(python -c 'from blockspec.demo import ensure_smollm2_dir; print(ensure_smollm2_dir())')
+    TARGET=$(python -c 'from blockspec.smollm2 import ensure_smollm2_dir; print(ensure_smollm2_dir())')
     blockspec train-draft --target-model-path "$TARGET" \
         --data ../shared/data/gsm8k/train.jsonl --out smollm2-135m-dflash-b16 \
         --system-prompt "You are a careful math tutor. Solve the problem step by step, briefly." \

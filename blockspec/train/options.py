@@ -47,6 +47,7 @@ class TrainOptions:
     grad_clip: float = 1.0
     loss_decay: Optional[float] = None
     cache_features: bool = False
+    max_train_minutes: Optional[float] = None
     seed: int = 0
     # evaluation with the real engine on held-out prompts
     eval_every: int = 0
@@ -72,7 +73,7 @@ class TrainOptions:
         which is the checkpoint that gets shipped)."""
         if self.cache_dir:
             return Path(self.cache_dir)
-        from blockspec.demo import default_cache_root
+        from blockspec.smollm2 import default_cache_root
 
         key = f"{Path(self.target_model_path).resolve()}\n{Path(self.data).resolve()}"
         digest = hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -103,6 +104,8 @@ class TrainOptions:
             raise ValueError(f"--loss-decay must be > 0, got {self.loss_decay}")
         if self.save_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--save-dtype must be float32, bfloat16 or float16, got {self.save_dtype!r}")
+        if self.max_train_minutes is not None and self.max_train_minutes <= 0:
+            raise ValueError(f"--max-train-minutes must be > 0, got {self.max_train_minutes}")
         if self.max_shard_mb <= 0:
             raise ValueError(f"--max-shard-mb must be > 0, got {self.max_shard_mb}")
 
@@ -163,6 +166,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--cache-features", action="store_true",
                        help="keep every sequence's target features in device memory after its first use "
                             "(tokens x taps x hidden values each; skips the target forward in later epochs)")
+    train.add_argument("--max-train-minutes", type=float, default=None,
+                       help="stop training at the first step past this wall time (then save and evaluate as usual)")
     train.add_argument("--seed", type=int, default=defaults.seed)
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--eval-every", type=int, default=0, help="steps between acceptance evals (0: only at the end)")

@@ -75,8 +75,9 @@ def _git_commit() -> Optional[str]:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+        out = None
+    # NOTE: copies without git (e.g. a device that gets only the working tree) pass BLOCKSPEC_COMMIT.
+    return (out.stdout.strip() if out is not None else "") or os.environ.get("BLOCKSPEC_COMMIT") or None
 
 
 def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int]], list[list[int]], Any]:

@@ -142,9 +142,21 @@ class Trainer:
         self.scheduler.step()
         return result.loss.item(), result.accuracy, result.accept_estimate
 
+    def out_of_time(self, started: float) -> bool:
+        """Whether --max-train-minutes has passed; every rank takes rank 0's answer so they stop together."""
+        limit = self.options.max_train_minutes
+        if limit is None:
+            return False
+        late = torch.tensor([float(time.perf_counter() - started > 60.0 * limit)], device=self.device)
+        if self.dist.world > 1:
+            torch.distributed.broadcast(late, src=0)
+        return bool(late.item())
+
     def train(self, evaluate: Optional[Callable[[int], dict[str, Any]]] = None) -> TrainResult:
-        """Runs all steps; `evaluate(step)` (rank 0) every `eval_every` steps and after the last one."""
+        """Runs all steps (or until --max-train-minutes); `evaluate(step)` (rank 0) every `eval_every` steps and
+        after the last one."""
         opts = self.options
+        train_started = time.perf_counter()
         order = batches(len(self.samples), opts.batch_size, opts.seed, self.dist)
         bar = tqdm(total=opts.steps, desc="training draft", unit="step", disable=not (opts.progress and self.dist.is_main))
         smooth: list[float] = []  # running averages of (loss, accuracy, τ estimate)
@@ -158,11 +170,14 @@ class Trainer:
             bar.set_postfix(loss=f"{smooth[0]:.3f}", acc=f"{smooth[1]:.3f}", tau=f"{smooth[2]:.2f}",
                             lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
             bar.update(1)
-            if evaluate is not None and (step == opts.steps or (opts.eval_every and step % opts.eval_every == 0)):
+            last = step == opts.steps or self.out_of_time(train_started)
+            if evaluate is not None and (last or (opts.eval_every and step % opts.eval_every == 0)):
                 if self.dist.is_main:
                     record = {"step": step, "loss": smooth[0], **evaluate(step)}
                     evals.append(record)
                     bar.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
                 self.dist.barrier()
+            if last:
+                break
         bar.close()
-        return TrainResult(opts.steps, smooth[0], smooth[1], smooth[2], step_seconds / opts.steps, evals)
+        return TrainResult(step, smooth[0], smooth[1], smooth[2], step_seconds / step, evals)
