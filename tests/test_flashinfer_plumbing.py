@@ -136,3 +136,67 @@ def test_noncausal_window_shorter_than_block_is_refused(fake_backend_module: typ
     backend = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16, [8], [False])
     with pytest.raises(ValueError, match="non-causal sliding window"):
         backend.plan(batch)
+
+
+class ReplayByRerun:
+    """Stands in for a captured CUDA graph on CPU: replay reruns the captured call on its static batch and
+    copies into the captured outputs (so a stale plan or stale fixed buffer shows up as a wrong output)."""
+
+    def __init__(self, fn: Any, batch: Any, outputs: tuple[torch.Tensor, ...]) -> None:
+        self.fn, self.batch, self.outputs = fn, batch, outputs
+
+    def replay(self) -> None:
+        for target, fresh in zip(self.outputs, self.fn(self.batch)):
+            target.copy_(fresh)
+
+
+@pytest.mark.parametrize("mode,q_len,window,draft_causal", [
+    (ForwardMode.DECODE, 1, None, None), (ForwardMode.VERIFY, 8, None, None), (ForwardMode.DRAFT, 16, 24, False),
+])
+def test_graphed_forward_replans_before_every_replay(
+    fake_backend_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch, mode: ForwardMode, q_len: int,
+    window: Optional[int], draft_causal: Optional[bool],
+) -> None:
+    import contextlib
+
+    from blockspec.attention.base import graph_planner
+    from blockspec.runner.cuda_graph import GraphedForward
+    from blockspec.runner.forward_batch import build_batch
+    from test_triton_attention import make_case
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    heads, kv_heads, head_dim = 4, 2, 16
+    prefix = [4, 90, 13, 30]
+    first, pool_a, pool_b, *_ = make_case(mode, prefix, [q_len] * 4, 16, heads, kv_heads, head_dim, torch.float32)
+    windows, causal = [window], [draft_causal] if draft_causal is not None else None
+    reference = TorchAttentionBackend(pool_a, head_dim ** -0.5, windows, causal)
+    backend = fake_backend_module.FlashInferAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim, windows, causal)
+    n = 4 * q_len
+    q_buf, k_buf, v_buf = (torch.zeros(n, h, head_dim) for h in (heads, kv_heads, kv_heads))
+
+    def attention(batch: Any) -> tuple[torch.Tensor, ...]:
+        batch.attn_meta = backend.plan(batch)
+        t = batch.num_tokens
+        return (backend.forward(q_buf[:t], k_buf[:t], v_buf[:t], 0, batch),)
+
+    table = first.req_to_token
+    graph = GraphedForward("attn", attention, mode, q_len, [1, 2, 4], table, table.shape[0] - 1, table.shape[1],
+                           host_planner=graph_planner(backend))
+    graph.capture()
+    for bs in graph.graphs:  # NOTE: capture ran largest first; rebuild each size's static batch to rerun it
+        graph.graphs[bs] = ReplayByRerun(attention, graph._static_batch(bs), graph.outputs[bs])  # type: ignore[assignment]
+    rows = first.req_rows.tolist()
+    for req_rows, starts in [(rows, prefix), (rows[1:], [p // 2 for p in prefix[1:]]), ([rows[2]], [prefix[2]])]:
+        batch = build_batch(mode, [[1] * q_len for _ in req_rows], starts, req_rows, table, [0])
+        t = batch.num_tokens
+        q, k, v = torch.randn(t, heads, head_dim), torch.randn(t, kv_heads, head_dim), torch.randn(t, kv_heads, head_dim)
+        q_buf[:t].copy_(q)
+        k_buf[:t].copy_(k)
+        v_buf[:t].copy_(v)
+        (got,) = graph.replay(batch)
+        batch.attn_meta = reference.plan(batch)
+        torch.testing.assert_close(got, reference.forward(q, k, v, 0, batch), atol=1e-4, rtol=1e-4)
