@@ -13,14 +13,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def plot(path: Path) -> Path:
     report = json.loads(path.read_text())
-    rows = report["rows"]
+    backends = report.get("backends", ["triton"])
+    rows = [r for r in report["rows"] if r.get("backend", "triton") == backends[0]]
+    others = backends[1:]
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
     for ax, context in zip(axes[0], contexts):
         for spec, graphs, style in [(True, True, "o-"), (True, False, "o--"), (False, True, "s-"), (False, False, "s--")]:
             sel = sorted((r for r in rows if r["context"] == context and r["spec"] == spec and r["graphs"] == graphs), key=lambda r: r["bs"])
-            label = f"{'DFlash cycle' if spec else 'target decode'}, graphs {'on' if graphs else 'off'}"
+            label = f"{'DFlash cycle' if spec else 'target decode'}, graphs {'on' if graphs else 'off'}, {backends[0]}"
             ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], style, label=label)
+        for backend in others:
+            sel = sorted((r for r in report["rows"] if r.get("backend") == backend and r["context"] == context
+                          and r["spec"] and r["graphs"]), key=lambda r: r["bs"])
+            ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], "^-", label=f"DFlash cycle, graphs on, {backend}")
         floor = sorted((r for r in rows if r["context"] == context and r["spec"] and r["graphs"]), key=lambda r: r["bs"])
         ax.plot([r["bs"] for r in floor], [r["floor_ms"] for r in floor], "k:", label="DFlash floor (bytes / BW)")
         for ref in report.get("dflash_reference", []):

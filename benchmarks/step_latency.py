@@ -1,14 +1,16 @@
 """Step latency on Llama-3.1-8B shapes (random bf16 weights) with a 5-layer DFlash draft, on one GPU.
 
 Times target verify, draft propose and the whole spec cycle (one scheduler step) at several batch sizes and
-contexts, CUDA graphs on and off; the memory-bandwidth floor measured in the same run; target-only decode; and
-z-lab's `dflash_generate` on the same shapes. Writes benchmarks/results/step_latency_<date>.json (+ .png).
+contexts, CUDA graphs on and off, per attention backend (`--backends triton flashinfer`: same run, same shapes);
+the memory-bandwidth floor measured in the same run; target-only decode; and z-lab's `dflash_generate` on the
+same shapes. Writes benchmarks/results/step_latency_<date>.json (+ .png).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -108,8 +110,9 @@ def run_blockspec(root: Path, args: argparse.Namespace, bandwidth: float) -> lis
     target_dir, draft_dir = write_configs(root)
     rows: list[dict[str, Any]] = []
     max_tokens = max(args.batch_sizes) * (max(args.contexts) + 512)
-    for spec in (True, False):
+    for backend, spec in itertools.product(args.backends, (True, False)):
         flags: dict[str, Any] = dict(model_path=str(target_dir), load_format="dummy", dtype="bfloat16",
+                                     attention_backend=backend,
                                      skip_tokenizer_init=True, max_total_tokens=max_tokens,
                                      max_running_requests=max(args.batch_sizes), chunked_prefill_size=16384,
                                      cuda_graph_bs=args.batch_sizes)
@@ -129,7 +132,7 @@ def run_blockspec(root: Path, args: argparse.Namespace, bandwidth: float) -> lis
                 floor_bytes = weights + draft_weights + bs * context * (kv_per_token + draft_kv_per_token)
                 for graphs in (True, False):
                     m = measure(engine, bs, context, graphs, args.repeat)
-                    row = {"spec": spec, "bs": bs, "context": context, "graphs": graphs, **m,
+                    row = {"backend": backend, "spec": spec, "bs": bs, "context": context, "graphs": graphs, **m,
                            "floor_ms": floor_bytes / bandwidth * 1e3, "startup_s": startup}
                     row["cycle_over_floor"] = row["cycle_ms"] / row["floor_ms"]
                     rows.append(row)
@@ -162,10 +165,36 @@ def run_reference(root: Path, context: int, new_tokens: int) -> dict[str, Any]:
             "accept_lengths_mean": sum(stats.acceptance_lengths) / max(cycles, 1)}
 
 
+def flashinfer_version() -> str | None:
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    return str(flashinfer.__version__)
+
+
+def print_backend_comparison(rows: list[dict[str, Any]], backends: list[str]) -> None:
+    """Graphed spec cycles side by side: each backend's cycle/verify/propose ms and the ratio to the first."""
+    if len(backends) < 2:
+        return
+    base = backends[0]
+    index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"]}
+    print(f"\nspec cycle with graphs, ms (ratio to {base}):")
+    for (backend, bs, context), row in sorted(index.items(), key=lambda kv: (kv[0][2], kv[0][1], backends.index(kv[0][0]))):
+        ref = index.get((base, bs, context))
+        parts = []
+        for key in ("cycle_ms", "verify_ms", "propose_ms"):
+            ratio = f" ({row[key] / ref[key]:.2f}x)" if ref is not None and backend != base else ""
+            parts.append(f"{key[:-3]} {row[key]:7.2f}{ratio}")
+        print(f"{backend:>10} bs {bs:>3} ctx {context:>5}: " + "  ".join(parts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--backends", nargs="+", default=["triton"], choices=("triton", "flashinfer", "torch"),
+                        help="attention backends to time in this run (each gets its own engines)")
     parser.add_argument("--accept-len", type=float, default=4.0)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -181,17 +210,19 @@ def main() -> None:
     ).stdout.strip()
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit or "unknown",
               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth, "accept_len": args.accept_len,
+              "backends": args.backends, "flashinfer": flashinfer_version(),
               "rows": rows, "dflash_reference": reference}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step_latency_{report['date']}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
-    print(f"{'spec':>5} {'bs':>3} {'ctx':>5} {'graph':>5} {'cycle':>8} {'verify':>8} {'propose':>8} {'floor':>7} {'x':>5}")
+    print(f"{'backend':>10} {'spec':>5} {'bs':>3} {'ctx':>5} {'graph':>5} {'cycle':>8} {'verify':>8} {'propose':>8} {'floor':>7} {'x':>5}")
     for r in rows:
-        print(f"{r['spec']!s:>5} {r['bs']:>3} {r['context']:>5} {r['graphs']!s:>5} {r['cycle_ms']:8.2f} "
+        print(f"{r['backend']:>10} {r['spec']!s:>5} {r['bs']:>3} {r['context']:>5} {r['graphs']!s:>5} {r['cycle_ms']:8.2f} "
               f"{r.get('verify_ms', 0):8.2f} {r.get('propose_ms', 0):8.2f} {r['floor_ms']:7.2f} {r['cycle_over_floor']:5.2f}")
     for ref in reference:
         print("dflash reference:", ref)
+    print_backend_comparison(rows, args.backends)
 
 
 if __name__ == "__main__":

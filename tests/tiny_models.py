@@ -71,6 +71,7 @@ def save_tiny_draft(
     num_layers: int = 2,
     seed: int = 1,
     mask_token_id: int | None = None,
+    head_dim: int = 16,
     **overrides: Any,
 ) -> Any:
     """A random z-lab format DFlash draft (built with the `dflash` reference itself) for `target`."""
@@ -85,7 +86,7 @@ def save_tiny_draft(
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=tc.max_position_embeddings,
         rms_norm_eps=1e-6,
         **overrides,

@@ -1,7 +1,7 @@
 """The attention backend protocol: plan once per forward from the batch, then forward per layer."""
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -25,6 +25,15 @@ class AttentionBackend(Protocol):
         sliding window only see keys within the window behind the query.
         """
         ...
+
+
+GraphPlanner = Callable[[ForwardBatch], Any]
+
+
+def graph_planner(backend: AttentionBackend) -> Optional[GraphPlanner]:
+    """A backend whose plan is host-side (FlashInfer) has `plan_for_graph(static_batch) -> meta`: CUDA graphs call
+    it outside the graph, before capture and before every replay. Backends that plan on the device have none."""
+    return getattr(backend, "plan_for_graph", None)
 
 
 def layer_window(windows: Optional[list[Optional[int]]], layer_id: int) -> Optional[int]:

@@ -19,7 +19,8 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
             raise ValueError(
                 "attention backend flashinfer needs FlashInfer: pip install 'blockspec[flashinfer]' (CUDA only)"
             )
-        raise ValueError("attention backend flashinfer is not available in this build yet; use triton or torch")
+        if device.type != "cuda":
+            raise ValueError(f"attention backend flashinfer needs a CUDA device, got {device}; use triton or torch")
     if name == "triton" and importlib.util.find_spec("triton") is None:
         raise ValueError("attention backend triton needs the triton package: pip install triton")
     return name
@@ -35,6 +36,10 @@ def make_backend(
     draft_layer_causal: Optional[list[bool]] = None,
 ) -> AttentionBackend:
     scale = head_dim ** -0.5
+    if name == "flashinfer":
+        from blockspec.attention.flashinfer_backend import FlashInferAttentionBackend  # NOTE: optional, CUDA only
+
+        return FlashInferAttentionBackend(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal)
     if name == "triton":
         from blockspec.attention.triton_backend import TritonAttentionBackend
 

@@ -2,6 +2,9 @@
 
 One graph per captured batch size, largest first, all in one memory pool. A real batch is padded up to the
 next captured size: padded requests use the dummy req→token row, whose slots are the dummy page.
+
+A backend that plans on the host (FlashInfer) passes `host_planner`: it runs outside the graph on the padded
+static batch, before capture and before every replay, and writes the fixed buffers the captured kernels read.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from blockspec.attention.base import GraphPlanner
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -34,8 +38,10 @@ class GraphedForward:
         max_seq_len: int,
         capture_layer_ids: tuple[int, ...] = (),
         pool: Optional[tuple[int, int]] = None,
+        host_planner: Optional[GraphPlanner] = None,
     ) -> None:
         self.name = name
+        self.host_planner = host_planner
         self.fn = fn
         self.mode = mode
         self.q = tokens_per_req
@@ -56,16 +62,16 @@ class GraphedForward:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, GraphOutputs] = {}
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
+    def _static_batch(self, bs: int, seq_lens_cpu: Optional[list[int]] = None) -> ForwardBatch:
         n = bs * self.q
-        return ForwardBatch(
+        batch = ForwardBatch(
             mode=self.mode,
             input_ids=self.input_ids[:n],
             positions=self.positions[:n],
             out_cache_loc=self.out_cache_loc[:n],
             req_rows=self.req_rows[:bs],
             seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=[self.q] * bs,
+            seq_lens_cpu=seq_lens_cpu if seq_lens_cpu is not None else [self.q] * bs,
             extend_lens_cpu=[self.q] * bs,
             logits_rows=self.logits_rows[:n],
             req_to_token=self.req_to_token,
@@ -73,10 +79,14 @@ class GraphedForward:
             uniform_q_len=self.q,
             max_seq_len_hint=self.max_seq_len,
         )
+        if self.host_planner is not None:
+            batch.attn_meta = self.host_planner(batch)  # NOTE: host-side plan, outside the graph
+        return batch
 
-    def _run_into_shared(self, bs: int, shared: Optional[GraphOutputs]) -> GraphOutputs:
-        """fn on the static batch of size bs; smaller graphs copy their outputs into slices of the largest's."""
-        outputs = self.fn(self._static_batch(bs))
+    def _run_into_shared(self, batch: ForwardBatch, shared: Optional[GraphOutputs]) -> GraphOutputs:
+        """fn on a static batch; smaller graphs copy their outputs into slices of the largest's."""
+        bs = batch.batch_size
+        outputs = self.fn(batch)
         if shared is None:
             return outputs
         n = bs * self.q
@@ -90,12 +100,13 @@ class GraphedForward:
         before = torch.cuda.memory_allocated()
         shared: Optional[GraphOutputs] = None
         for bs in reversed(self.batch_sizes):
+            batch = self._static_batch(bs)
             for _ in range(2):  # NOTE: warm-up compiles Triton kernels and settles allocator state off-graph
-                self.fn(self._static_batch(bs))
+                self.fn(batch)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self._run_into_shared(bs, shared)
+                outputs = self._run_into_shared(batch, shared)
             shared = shared if shared is not None else outputs
             self.graphs[bs] = graph
             self.outputs[bs] = outputs
@@ -129,5 +140,7 @@ class GraphedForward:
             self.out_cache_loc[n:n_padded].zero_()
             self.req_rows[bs:padded].fill_(self.dummy_row)
             self.seq_lens[bs:padded].fill_(self.q)
+        if self.host_planner is not None:
+            self._static_batch(padded, list(batch.seq_lens_cpu) + [self.q] * (padded - bs))
         self.graphs[padded].replay()
         return tuple(None if out is None else out[:n] for out in self.outputs[padded])

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
-from blockspec.attention.base import AttentionBackend
+from blockspec.attention.base import AttentionBackend, graph_planner
 from blockspec.attention.factory import make_backend, resolve_backend_name
 from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
@@ -93,8 +93,11 @@ class ModelRunner:
 
     @property
     def graphs_enabled(self) -> bool:
-        """Full CUDA graphs need CUDA and a backend that plans without host syncs (Triton)."""
-        return self.device.type == "cuda" and not self.config.disable_cuda_graph and self.attention_backend == "triton"
+        """Full CUDA graphs need CUDA and a backend that plans on the device (Triton) or before replay (FlashInfer)."""
+        return (
+            self.device.type == "cuda" and not self.config.disable_cuda_graph
+            and self.attention_backend in ("triton", "flashinfer")
+        )
 
     def eager_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
         output = self.model(batch, self.attention)
@@ -112,6 +115,7 @@ class ModelRunner:
         graph = GraphedForward(
             f"target-{mode.value}", run, mode, tokens_per_req, self.config.cuda_graph_bs, self.req_to_token.table,
             self.req_to_token.dummy_row, self.max_positions, capture_layer_ids, self.graph_pool,
+            host_planner=graph_planner(self.attention),  # NOTE: FlashInfer plans outside the graph
         )
         with torch.inference_mode():
             graph.capture()

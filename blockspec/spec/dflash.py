@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from blockspec.attention.base import graph_planner
 from blockspec.attention.factory import make_backend
 from blockspec.config import EngineConfig
 from blockspec.kv.pool import KVPool
@@ -66,6 +67,7 @@ class DFlashWorker(TargetWorker):
         self.draft_graph = GraphedForward(
             "draft", self._draft_logits, ForwardMode.DRAFT, self.block_size, self.runner.config.cuda_graph_bs,
             runner.req_to_token.table, runner.req_to_token.dummy_row, runner.max_positions, (), runner.graph_pool,
+            host_planner=graph_planner(self.draft_attention),  # NOTE: FlashInfer plans outside the graph
         )
         with torch.inference_mode():
             self.draft_graph.capture()
