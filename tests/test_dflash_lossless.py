@@ -198,3 +198,21 @@ def test_simulated_accept_len_commits_that_many(models: dict[str, Any]) -> None:
     for o in outputs:
         assert o["meta_info"]["spec_verify_ct"] == 10  # 1 token from prefill, then 3 per cycle
     assert_pools_free(engine)
+
+
+def test_fused_rope_kv_store_is_lossless(models: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's one-launch rope + K/V store (Triton interpreter on CPU) in target, draft and draft context:
+    DFlash output equals target-only output, and the draft proposes as it does without the fused kernel."""
+    pytest.importorskip("triton")
+    root = models["root"]
+    prompts, params = PROMPTS[:4], {**GREEDY, "max_new_tokens": 12}
+    expected = [o["output_ids"] for o in engine_for(root, None, 4).generate(input_ids=prompts, sampling_params=params)]
+    unfused = engine_for(root, "trained_draft", 4).generate(input_ids=prompts, sampling_params=params)
+    import blockspec.layers.rotary as rotary
+
+    monkeypatch.setattr(rotary, "use_triton", lambda x: True)
+    engine = engine_for(root, "trained_draft", 4)
+    outputs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outputs] == expected
+    assert [o["meta_info"]["spec_verify_ct"] for o in outputs] == [o["meta_info"]["spec_verify_ct"] for o in unfused]
+    assert_pools_free(engine)
