@@ -1,4 +1,5 @@
-"""Kernel-level profile of one DFlash cycle (verify + propose) at bs 1 on 8B shapes, eager and graphed.
+"""Kernel-level profile of one DFlash cycle at bs 1 on 8B shapes: propose + verify eager and graphed, and the
+one-graph greedy cycle.
 
 Prints the CUDA kernels by total time so the gap to the bandwidth floor can be attributed."""
 from __future__ import annotations
@@ -24,21 +25,25 @@ def main() -> None:
         for req in reqs:
             engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
         graphs, draft_graph = dict(engine.runner.graphs), worker.draft_graph
-        for label in ("eager", "graphs"):
+
+        def two_step() -> None:
+            batch, proposals, _ = worker.propose(reqs)
+            worker.verify(batch, proposals)
+
+        for label in ("eager", "graphs", "greedy-cycle graph"):
             if label == "eager":
                 engine.runner.graphs.clear()
                 worker.draft_graph = None
             else:
                 engine.runner.graphs.update(graphs)
                 worker.draft_graph = draft_graph
+            cycle = (lambda: worker.greedy_cycle_tokens(reqs)) if label == "greedy-cycle graph" else two_step
             for _ in range(3):
-                batch, proposals, _ = worker.propose(reqs)
-                worker.verify(batch, proposals)
+                cycle()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    batch, proposals, _ = worker.propose(reqs)
-                    worker.verify(batch, proposals)
+                    cycle()
                 torch.cuda.synchronize()
             print(f"==== {label}: per cycle, top kernels ====")
             events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)

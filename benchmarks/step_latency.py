@@ -84,11 +84,12 @@ def prefill(engine: Engine, bs: int, context: int) -> list:
 
 def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int) -> dict[str, float]:
     runner, worker, scheduler = engine.runner, engine.worker, engine.scheduler
-    saved = (dict(runner.graphs), getattr(worker, "draft_graph", None))
+    saved = (dict(runner.graphs), getattr(worker, "draft_graph", None), getattr(worker, "cycle_graph", None))
     if not graphs:
         runner.graphs.clear()
         if hasattr(worker, "draft_graph"):
             worker.draft_graph = None
+            worker.cycle_graph = None
     reqs = prefill(engine, bs, context)
     result: dict[str, float] = {"cycle_ms": cuda_ms(scheduler.step, repeat)}
     if worker.is_speculative:
@@ -97,12 +98,13 @@ def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int) ->
         draft_batch, proposals, _ = worker.propose(reqs)
         result["verify_ms"] = cuda_ms(lambda: worker.verify(draft_batch, proposals), repeat)
         result["propose_ms"] = cuda_ms(lambda: worker.propose(reqs), repeat)
+        result["greedy_cycle_ms"] = cuda_ms(lambda: worker.greedy_cycle_tokens(reqs), repeat)
     for req in reqs:
         scheduler.abort(req.rid)
     scheduler.collect_finished()
     runner.graphs.update(saved[0])
     if hasattr(worker, "draft_graph"):
-        worker.draft_graph = saved[1]
+        worker.draft_graph, worker.cycle_graph = saved[1], saved[2]
     return result
 
 
@@ -216,10 +218,12 @@ def main() -> None:
     path = args.out / f"step_latency_{report['date']}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
-    print(f"{'backend':>10} {'spec':>5} {'bs':>3} {'ctx':>5} {'graph':>5} {'cycle':>8} {'verify':>8} {'propose':>8} {'floor':>7} {'x':>5}")
+    print(f"{'backend':>10} {'spec':>5} {'bs':>3} {'ctx':>5} {'graph':>5} {'cycle':>8} {'verify':>8} {'propose':>8} "
+          f"{'g-cycle':>8} {'floor':>7} {'x':>5}")
     for r in rows:
         print(f"{r['backend']:>10} {r['spec']!s:>5} {r['bs']:>3} {r['context']:>5} {r['graphs']!s:>5} {r['cycle_ms']:8.2f} "
-              f"{r.get('verify_ms', 0):8.2f} {r.get('propose_ms', 0):8.2f} {r['floor_ms']:7.2f} {r['cycle_over_floor']:5.2f}")
+              f"{r.get('verify_ms', 0):8.2f} {r.get('propose_ms', 0):8.2f} {r.get('greedy_cycle_ms', 0):8.2f} "
+              f"{r['floor_ms']:7.2f} {r['cycle_over_floor']:5.2f}")
     for ref in reference:
         print("dflash reference:", ref)
     print_backend_comparison(rows, args.backends)

@@ -183,8 +183,7 @@ class Scheduler:
                 victim.finish = Finish(FinishReason.LENGTH, message="the sequence no longer fits the KV pool")
                 return []
             self._retract(victim)
-        for req in decode_reqs:
-            self.allocator.grow(req, req.kv_len + slots, self.table)
+        self.allocator.grow_many(decode_reqs, [req.kv_len + slots for req in decode_reqs], self.table)
         return decode_reqs
 
     def _retract(self, req: Req) -> None:

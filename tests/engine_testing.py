@@ -68,3 +68,13 @@ def run_until_done(engine: Engine, reqs: Sequence[Req], max_steps: int = 10_000)
 def random_prompts(lengths: Sequence[int], seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def prefilled(engine: Engine, prompts: list[list[int]], sampling_params: dict) -> list[Req]:
+    """Queues the prompts and steps until every request has its prompt in the KV cache (ready to decode)."""
+    reqs, _ = engine.make_requests(input_ids=prompts, sampling_params=sampling_params)
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    while any(r.pending_len != 1 for r in reqs):
+        engine.scheduler.step()
+    return reqs

@@ -11,6 +11,7 @@ import torch
 
 from blockspec import Engine
 from draft_training import train_tiny_draft
+from engine_testing import prefilled
 from tiny_models import save_tiny_draft, save_tiny_model
 
 pytest.importorskip("dflash.model")
@@ -169,3 +170,49 @@ def test_missing_layer_ids_use_default_spread(models: dict[str, Any]) -> None:
     (root / "no_layer_ids" / "config.json").write_text(json.dumps(raw))
     engine = engine_for(root, "no_layer_ids", 1)
     assert engine.worker.capture == (1, 1) or len(engine.worker.capture) == 2  # type: ignore[attr-defined]
+
+
+def test_greedy_cycle_equals_propose_then_verify(models: dict[str, Any]) -> None:
+    """The one-graph greedy cycle (run eagerly here) gives the two-step path's proposals and target argmax."""
+    engine = engine_for(models["root"], "trained_draft", 4)
+    worker, runner = engine.worker, engine.runner
+    reqs = prefilled(engine, PROMPTS[:5], GREEDY)
+    b = worker.block_size
+    for req in reqs:
+        runner.allocator.grow(req, req.kv_len + b, runner.req_to_token)
+    tokens = worker.greedy_cycle_tokens(reqs)
+    draft_batch, proposals, _ = worker.propose(reqs)
+    target_argmax = worker.verify(draft_batch, proposals).argmax(-1)
+    assert [[row[j][0] for j in range(1, b)] for row in tokens] == proposals.tolist()
+    assert [[row[j][1] for j in range(b)] for row in tokens] == target_argmax.tolist()
+    for req in reqs:
+        engine.scheduler.abort(req.rid)
+    engine.scheduler.step()
+    assert_pools_free(engine)
+
+
+def test_simulated_accept_len_commits_that_many(models: dict[str, Any]) -> None:
+    engine = engine_for(models["root"], "random_draft", 1, speculative_simulate_accept_len=3.0)
+    outputs = engine.generate(input_ids=PROMPTS[:3], sampling_params={**GREEDY, "max_new_tokens": 31})
+    assert [len(o["output_ids"]) for o in outputs] == [31] * 3
+    for o in outputs:
+        assert o["meta_info"]["spec_verify_ct"] == 10  # 1 token from prefill, then 3 per cycle
+    assert_pools_free(engine)
+
+
+def test_fused_rope_kv_store_is_lossless(models: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's one-launch rope + K/V store (Triton interpreter on CPU) in target, draft and draft context:
+    DFlash output equals target-only output, and the draft proposes as it does without the fused kernel."""
+    pytest.importorskip("triton")
+    root = models["root"]
+    prompts, params = PROMPTS[:4], {**GREEDY, "max_new_tokens": 12}
+    expected = [o["output_ids"] for o in engine_for(root, None, 4).generate(input_ids=prompts, sampling_params=params)]
+    unfused = engine_for(root, "trained_draft", 4).generate(input_ids=prompts, sampling_params=params)
+    import blockspec.layers.rotary as rotary
+
+    monkeypatch.setattr(rotary, "use_triton", lambda x: True)
+    engine = engine_for(root, "trained_draft", 4)
+    outputs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outputs] == expected
+    assert [o["meta_info"]["spec_verify_ct"] for o in outputs] == [o["meta_info"]["spec_verify_ct"] for o in unfused]
+    assert_pools_free(engine)

@@ -94,3 +94,18 @@ def test_bfloat16_runs(tiny, make_engine, kind: str) -> None:
     # Sanity, not equality: the lm_head is sharp, so bf16 rounding rarely flips the first argmax.
     first_equal = sum(o["output_ids"][0] == hf_greedy(ckpt.model, p, MAX_NEW)[0] for o, p in zip(outputs, PROMPTS))
     assert first_equal >= len(PROMPTS) // 2
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_fused_rope_kv_store_matches_hf(tiny, make_engine, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The CUDA path's one-launch [q/k norm +] rope + K/V store (Triton interpreter on CPU) stays HF-exact."""
+    pytest.importorskip("triton")
+    import blockspec.layers.rotary as rotary
+
+    monkeypatch.setattr(rotary, "use_triton", lambda x: True)
+    ckpt = tiny(kind)
+    engine = make_engine(ckpt.path, page_size=16, chunked_prefill_size=16)
+    prompts, max_new = PROMPTS[:4], 12
+    outputs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new})
+    for prompt, out in zip(prompts, outputs):
+        assert out["output_ids"] == hf_greedy(ckpt.model, prompt, max_new), f"prompt of {len(prompt)} tokens"

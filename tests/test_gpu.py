@@ -122,3 +122,25 @@ def test_dflash_with_piecewise_is_lossless(tiny: Path, page_size: int) -> None:
     assert counts["piecewise"] > 0
     aux = engine.runner.piecewise.aux  # FULL capture at the draft's layers
     assert set(aux) == {0, 2}
+
+
+def test_greedy_cycle_graph_equals_eager(tiny: Path) -> None:
+    """One cycle graph (padded batch 3 → 4) gives the eager cycle's draft and target argmaxes."""
+    from engine_testing import prefilled
+
+    engine = Engine(model_path=str(tiny / "target"), dtype="float32", max_total_tokens=4096, skip_tokenizer_init=True,
+                    cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="DFLASH",
+                    speculative_draft_model_path=str(tiny / "draft"))
+    worker, runner = engine.worker, engine.runner
+    assert worker.cycle_graph is not None
+    reqs = prefilled(engine, PROMPTS[:3], GREEDY)
+    for req in reqs:
+        runner.allocator.grow(req, req.kv_len + worker.block_size, runner.req_to_token)
+    graphed = worker.greedy_cycle_tokens(reqs)
+    cycle_graph, worker.cycle_graph = worker.cycle_graph, None
+    eager = worker.greedy_cycle_tokens(reqs)
+    worker.cycle_graph = cycle_graph
+    assert graphed == eager
+    for req in reqs:
+        engine.scheduler.abort(req.rid)
+    engine.scheduler.step()

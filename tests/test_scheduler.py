@@ -231,3 +231,31 @@ def test_shutdown_aborts_everything(tiny, make_engine) -> None:
     assert engine.scheduler.running and engine.scheduler.waiting
     engine.shutdown()
     assert all(r.finish is not None and r.finish.reason == FinishReason.ABORT for r in reqs)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_grow_many_equals_grow_one_by_one(page_size: int) -> None:
+    """The decode batch's one-copy table write gives the same pages and req→token rows as per-request grows."""
+    import torch
+
+    from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+    from blockspec.request import Req, SamplingParams
+
+    results = []
+    for batched in (False, True):
+        allocator = PageAllocator(200, page_size)
+        table = ReqToTokenTable(3, 64, torch.device("cpu"))
+        reqs = [Req([1] * n, SamplingParams()) for n in (3, 9, 1)]
+        for req in reqs:
+            req.pool_row = table.acquire()
+            allocator.grow(req, len(req.all_ids), table)
+        for step, extra in enumerate([4, 6, 2]):
+            new_lens = [req.allocated_len + extra + i for i, req in enumerate(reqs)]
+            if batched:
+                allocator.grow_many(reqs, new_lens, table)
+            else:
+                for req, n in zip(reqs, new_lens):
+                    allocator.grow(req, n, table)
+            allocator.shrink(reqs[step % 3], reqs[step % 3].allocated_len - 3)
+        results.append((table.table.clone(), [list(r.pages) for r in reqs], [r.allocated_len for r in reqs]))
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1:] == results[1][1:]

@@ -82,3 +82,22 @@ def test_triton_matches_torch(mode, prefix, new, page, window, draft_causal, dty
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(pool_b.k[0], pool_a.k[0])
+
+
+@pytest.mark.parametrize("backend_kind", ["torch", "triton"])
+def test_kv_stored_skips_the_backend_store(backend_kind: str) -> None:
+    """With kv_stored=True (the rope kernel already wrote K/V) the backend neither writes k, v nor needs them."""
+    heads, kv_heads, head_dim = 4, 2, 16
+    batch, pool_a, pool_b, q, k, v = make_case(ForwardMode.VERIFY, [4, 90], [8, 8], 4, heads, kv_heads, head_dim, torch.float32)
+    reference = TorchAttentionBackend(pool_a, head_dim ** -0.5)
+    batch.attn_meta = reference.plan(batch)
+    expected = reference.forward(q, k, v, 0, batch)
+    pool_b.store(0, batch.out_cache_loc, k, v)
+    backend = (
+        TorchAttentionBackend(pool_b, head_dim ** -0.5) if backend_kind == "torch"
+        else TritonAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim)
+    )
+    batch.attn_meta = backend.plan(batch)
+    got = backend.forward(q, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")), 0, batch, kv_stored=True)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool_b.k[0], pool_a.k[0])

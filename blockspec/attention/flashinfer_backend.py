@@ -207,10 +207,12 @@ class FlashInferAttentionBackend:
 
     # ---- per layer -------------------------------------------------------------------------------
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         meta: FlashInferMeta = batch.attn_meta
-        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            self.pool.store(layer_id, batch.out_cache_loc, k, v)
         if q.stride(-1) != 1:
             q = q.contiguous()
         wrapper = meta.wrappers[self.layer_key(batch.mode, layer_id)]

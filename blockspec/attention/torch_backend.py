@@ -62,10 +62,12 @@ class TorchAttentionBackend:
         return mask
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         meta: TorchAttentionMeta = batch.attn_meta
-        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            self.pool.store(layer_id, batch.out_cache_loc, k, v)
         keys = self.pool.k[layer_id][meta.kv_slots].transpose(1, 2)  # [bs, Hk, max_kv, D]
         values = self.pool.v[layer_id][meta.kv_slots].transpose(1, 2)
         queries = q[meta.query_rows.clamp(min=0)].transpose(1, 2)  # [bs, Hq, max_q, D]

@@ -73,10 +73,12 @@ class TritonAttentionBackend:
         return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, max_q, max_seq))
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         meta: TritonAttentionMeta = batch.attn_meta
-        self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            self.pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -53,6 +53,25 @@ class PageAllocator:
         table.write(req.pool_row, req.allocated_len, slots)
         req.allocated_len = new_len
 
+    def grow_many(self, reqs: list[Req], new_len: list[int], table: "ReqToTokenTable") -> None:
+        """`grow` for a decode batch: slots computed on the host in Python (a few per request), and one table write
+        for the whole batch instead of one host→device copy per request."""
+        writes: list[tuple[int, int, list[int]]] = []
+        for req, length in zip(reqs, new_len):
+            if length <= req.allocated_len:
+                continue
+            extra = self.extra_pages_needed(req, length)
+            if extra > len(self._free_pages):
+                raise MemoryError("KV pool exhausted")  # callers check free slots first
+            for _ in range(extra):
+                req.pages.append(self._free_pages.pop())
+            page, pages = self.page_size, req.pages
+            slots = [pages[p // page] * page + p % page for p in range(req.allocated_len, length)]
+            assert req.pool_row is not None
+            writes.append((req.pool_row, req.allocated_len, slots))
+            req.allocated_len = length
+        table.write_many(writes)
+
     def shrink(self, req: Req, new_len: int) -> None:
         """Release positions >= new_len; pages still holding a kept position stay with the request."""
         keep = self.pages_for(new_len)
@@ -87,3 +106,13 @@ class ReqToTokenTable:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+
+    def write_many(self, writes: list[tuple[int, int, list[int]]]) -> None:
+        """Each (row, start, slots) as `write`, with one host→device copy and one scatter for all of them."""
+        if not writes:
+            return
+        rows = [row for row, _, slots in writes for _ in slots]
+        cols = [start + i for _, start, slots in writes for i in range(len(slots))]
+        values = [slot for _, _, slots in writes for slot in slots]
+        packed = torch.tensor([rows, cols, values], dtype=torch.int64).to(self.table.device)
+        self.table[packed[0], packed[1]] = packed[2]

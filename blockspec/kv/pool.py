@@ -1,7 +1,22 @@
 """Per-layer K/V storage indexed by slot."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class LayerKVStore:
+    """Where one layer's new K/V go: that layer's cache tensors [slots, Hk, D] and one slot per new token."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_cache[self.slots] = k.to(self.k_cache.dtype)
+        self.v_cache[self.slots] = v.to(self.v_cache.dtype)
 
 
 class KVPool:
@@ -18,5 +33,7 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id][slots] = k.to(self.k[layer_id].dtype)
-        self.v[layer_id][slots] = v.to(self.v[layer_id].dtype)
+        self.layer_store(layer_id, slots).write(k, v)
+
+    def layer_store(self, layer_id: int, slots: torch.Tensor) -> LayerKVStore:
+        return LayerKVStore(self.k[layer_id], self.v[layer_id], slots)

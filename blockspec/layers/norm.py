@@ -9,6 +9,12 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF order: normalise in fp32, cast back to the input dtype, then multiply by the weight."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -20,10 +26,7 @@ class RMSNorm(nn.Module):
             from blockspec.layers.triton_ops import rmsnorm
 
             return rmsnorm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rmsnorm_torch(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); on CUDA the residual buffer is updated in place."""

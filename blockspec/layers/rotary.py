@@ -2,11 +2,29 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
+from blockspec.kv.pool import LayerKVStore
+from blockspec.layers.norm import RMSNorm, rmsnorm_torch, use_triton
 from blockspec.models.config import RopeConfig
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """Per-head RMSNorm weights applied to q and k before rope (q_weight is None when only k is rotated)."""
+
+    q_weight: Optional[torch.Tensor]
+    k_weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, q_norm: Optional[RMSNorm], k_norm: RMSNorm) -> "QKNorm":
+        assert q_norm is None or q_norm.eps == k_norm.eps
+        return cls(None if q_norm is None else q_norm.weight, k_norm.weight, k_norm.eps)
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -39,27 +57,40 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_table", emb.sin(), persistent=False)
         self.max_positions = max_positions
 
+    def apply(
+        self,
+        positions: torch.Tensor,
+        q: Optional[torch.Tensor],
+        k: torch.Tensor,
+        v: Optional[torch.Tensor] = None,
+        qk_norm: Optional[QKNorm] = None,
+        store: Optional[LayerKVStore] = None,
+    ) -> tuple[Optional[torch.Tensor], torch.Tensor, bool]:
+        """Optional per-head RMSNorm of q and k (Qwen3, the DFlash draft: norm before rope), then rope on q [T, Hq, D]
+        and k [T, Hk, D]. On CUDA this is one Triton launch, in place, which also writes the rotated k and v into
+        `store` when given. Returns (q, k, kv_stored); when kv_stored is False the caller still has to store."""
+        if use_triton(k):
+            from blockspec.layers.triton_ops import rope_norm_store
+
+            half = k.shape[-1] // 2
+            norm = None if qk_norm is None else (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
+            cache = None if store is None else (store.k_cache, store.v_cache, store.slots)
+            rope_norm_store(q, k, positions, self.cos_table[:, :half], self.sin_table[:, :half], norm, v, cache)
+            return q, k, store is not None
+        if qk_norm is not None:
+            k = rmsnorm_torch(k, qk_norm.k_weight, qk_norm.eps)
+            if q is not None:
+                assert qk_norm.q_weight is not None
+                q = rmsnorm_torch(q, qk_norm.q_weight, qk_norm.eps)
+        cos = self.cos_table[positions].unsqueeze(1)
+        sin = self.sin_table[positions].unsqueeze(1)
+        return (None if q is None else _rotate(q, cos, sin)), _rotate(k, cos, sin), False
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]. On CUDA q and k are rotated in place."""
-        if q.is_cuda:
-            from blockspec.layers.triton_ops import rotary_inplace
-
-            half = q.shape[-1] // 2
-            cos, sin = self.cos_table[:, :half], self.sin_table[:, :half]
-            return rotary_inplace(q, positions, cos, sin), rotary_inplace(k, positions, cos, sin)
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    def apply_one(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from blockspec.layers.triton_ops import rotary_inplace
-
-            half = x.shape[-1] // 2
-            return rotary_inplace(x.contiguous(), positions, self.cos_table[:, :half], self.sin_table[:, :half])
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
-        return _rotate(x, cos, sin)
+        rotated_q, rotated_k, _ = self.apply(positions, q, k)
+        assert rotated_q is not None
+        return rotated_q, rotated_k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Small fused Triton kernels for the decode loop: RMSNorm(+residual add), rotary on q and k, SiLU·mul.
+"""Small fused Triton kernels for the decode loop: RMSNorm(+residual add), [q/k norm +] rope on q and k [+ K/V
+cache store], SiLU·mul.
 
 Each replaces 6–16 elementwise torch launches; inside CUDA graphs launch count is what costs."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -39,32 +42,102 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, stride_tok, stride_head, stride_table, num_heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _norm_rope_heads(base, stride_head, num_heads, norm_weight_ptr, eps, cos, sin,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+    """Loads one token's heads [BLOCK_H, 2 * HALF] as halves, optionally RMS-normalises each head, rotates them."""
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF)
+    mask = (heads < num_heads)[:, None]
+    offsets = heads[:, None] * stride_head + dims[None, :]
+    x1 = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        # NOTE: HF order (as RMSNorm): normalise in fp32, cast to the input dtype, multiply by the weight, cast.
+        dtype = base.dtype.element_ty
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_weight_ptr + dims)[None, :]
+        w2 = tl.load(norm_weight_ptr + HALF + dims)[None, :]
+        x1 = (w1 * (x1 * inv).to(dtype)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype)).to(dtype).to(tl.float32)
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
+def _store_heads(base, stride_head, num_heads, x1, x2, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF)
+    mask = (heads < num_heads)[:, None]
+    offsets = heads[:, None] * stride_head + dims[None, :]
+    tl.store(base + offsets, x1.to(base.dtype.element_ty), mask=mask)
+    tl.store(base + offsets + HALF, x2.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    eps, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_cache_slot, stride_cache_head, stride_table, num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HAS_Q: tl.constexpr, QK_NORM: tl.constexpr, STORE: tl.constexpr,
+):
+    """One program per token: [q/k head norm], rope on q and k in place, [rotated k and v into the KV cache]."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
-    heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_table + dims)
     sin = tl.load(sin_ptr + pos * stride_table + dims)
-    mask = (heads < num_heads)[:, None]
-    base = x_ptr + token * stride_tok + heads[:, None] * stride_head + dims[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base, (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+    if HAS_Q:
+        q_base = q_ptr + token * stride_q_tok
+        q1, q2 = _norm_rope_heads(q_base, stride_q_head, num_q_heads, q_norm_ptr, eps, cos, sin, HALF, BLOCK_HQ, QK_NORM)
+        _store_heads(q_base, stride_q_head, num_q_heads, q1, q2, HALF, BLOCK_HQ)
+    k_base = k_ptr + token * stride_k_tok
+    k1, k2 = _norm_rope_heads(k_base, stride_k_head, num_kv_heads, k_norm_ptr, eps, cos, sin, HALF, BLOCK_HK, QK_NORM)
+    _store_heads(k_base, stride_k_head, num_kv_heads, k1, k2, HALF, BLOCK_HK)
+    if STORE:
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        # NOTE: k goes to the cache as the k tensor holds it (rounded to k's dtype), as a separate store would.
+        k1 = k1.to(k_ptr.dtype.element_ty)
+        k2 = k2.to(k_ptr.dtype.element_ty)
+        _store_heads(k_cache_ptr + slot * stride_cache_slot, stride_cache_head, num_kv_heads, k1, k2, HALF, BLOCK_HK)
+        heads = tl.arange(0, BLOCK_HK)
+        mask = (heads < num_kv_heads)[:, None]
+        v_offsets = token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
+        v1 = tl.load(v_ptr + v_offsets, mask=mask, other=0.0)
+        v2 = tl.load(v_ptr + v_offsets + HALF, mask=mask, other=0.0)
+        _store_heads(v_cache_ptr + slot * stride_cache_slot, stride_cache_head, num_kv_heads, v1, v2, HALF, BLOCK_HK)
 
 
-def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope on x [T, H, D] in place; cos/sin tables are [max_pos, D] (halves repeated)."""
-    t, h, d = x.shape
+def rope_norm_store(
+    q: Optional[torch.Tensor],
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    qk_norm: Optional[tuple[Optional[torch.Tensor], torch.Tensor, float]] = None,
+    v: Optional[torch.Tensor] = None,
+    store: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+) -> None:
+    """In one launch: optional per-head RMSNorm of q and k (weights, eps), rotate-half rope on q [T, Hq, D] and
+    k [T, Hk, D] in place (cos/sin tables [max_pos, D // 2]), and with `store` = (k_cache, v_cache, slots) the
+    rotated k and v [T, Hk, D] written at `slots`. q, k, v may be strided views (unit stride in the last dim)."""
+    t, num_kv_heads, d = k.shape
     if t == 0:
-        return x
-    _rotary_kernel[(t,)](
-        x, positions, cos_table, sin_table, x.stride(0), x.stride(1), cos_table.stride(0), h,
-        HALF=d // 2, BLOCK_H=triton.next_power_of_2(h),
+        return
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, k, 0.0)
+    k_cache, v_cache, slots = store if store is not None else (k, k, positions)
+    value = v if v is not None else k
+    query = q if q is not None else k
+    assert k.stride(-1) == 1 and query.stride(-1) == 1 and value.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and (store is None or v is not None)
+    assert (q is None or qk_norm is None) or q_weight is not None
+    _rope_store_kernel[(t,)](
+        query, k, value, positions, cos_table, sin_table, q_weight if q_weight is not None else k, k_weight,
+        k_cache, v_cache, slots, eps,
+        query.stride(0), query.stride(1), k.stride(0), k.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), cos_table.stride(0), query.shape[1], num_kv_heads,
+        HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(query.shape[1]), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        HAS_Q=q is not None, QK_NORM=qk_norm is not None, STORE=store is not None,
     )
-    return x
 
 
 @triton.jit

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
-from blockspec.kv.pool import KVPool
+from blockspec.kv.pool import KVPool, LayerKVStore
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into
 from blockspec.runner.forward_batch import ForwardBatch
@@ -29,21 +29,26 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+    def store_context_kv(self, context: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, store: LayerKVStore) -> None:
+        """k = rope(k_norm(k_proj(c))), v = v_proj(c) written at store.slots (on CUDA in the rope launch)."""
         t = context.shape[0]
-        k = self.k_norm(self.k_proj(context).view(t, self.num_kv_heads, self.head_dim))
+        k = self.k_proj(context).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(context).view(t, self.num_kv_heads, self.head_dim)
-        return rotary.apply_one(positions, k), v
+        _, k, kv_stored = rotary.apply(positions, None, k, v, QKNorm.of(None, self.k_norm), store)
+        if not kv_stored:
+            store.write(k, v)
 
     def forward(
         self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
         t = hidden.shape[0]
-        q = self.q_norm(self.q_proj(hidden).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(batch.positions, q, k)
-        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+        store = backend.pool.layer_store(self.layer_id, batch.out_cache_loc)
+        rotated_q, k, kv_stored = rotary.apply(batch.positions, q, k, v, QKNorm.of(self.q_norm, self.k_norm), store)
+        assert rotated_q is not None
+        return self.o_proj(backend.forward(rotated_q, k, v, self.layer_id, batch, kv_stored=kv_stored))
 
 
 class DraftLayer(nn.Module):
@@ -79,8 +84,8 @@ class DFlashDraftModel(nn.Module):
         NOTE: context features do not pass input_layernorm (z-lab's reference does the same)."""
         context = self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
         for layer in self.layers:
-            k, v = layer.self_attn.context_kv(context, positions, self.rotary)
-            pool.store(layer.self_attn.layer_id, slots, k, v)
+            layer_id = layer.self_attn.layer_id
+            layer.self_attn.store_context_kv(context, positions, self.rotary, pool.layer_store(layer_id, slots))
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend, block_embeds: torch.Tensor) -> torch.Tensor:
         """Block hidden states [T, H] (final-normed) from the block's (scaled) target embeddings."""

@@ -11,7 +11,8 @@ from blockspec.attention.base import AttentionBackend
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.linear import StackedLinear
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.kv.pool import LayerKVStore
+from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.config import TargetConfig
 from blockspec.runner.forward_batch import ForwardBatch
 
@@ -40,17 +41,18 @@ class SelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def project(
-        self, normed: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, normed: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, store: Optional[LayerKVStore] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(q, k, v, kv_stored): q/k normed (Qwen3) and rotated; on CUDA k and v also land in `store` if given."""
         t = normed.shape[0]
         q, k, v = self.qkv_proj(normed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        return q, k, v
+        qk_norm = QKNorm.of(self.q_norm, self.k_norm) if self.qk_norm else None
+        rotated_q, k, kv_stored = rotary.apply(positions, q, k, v, qk_norm, store)
+        assert rotated_q is not None
+        return rotated_q, k, v, kv_stored
 
 
 class DecoderLayer(nn.Module):
@@ -62,16 +64,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def pre_attention(
-        self, hidden: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, k, v, residual); `hidden` is the previous layer's MLP output (or the embeddings, residual None)."""
+        self,
+        hidden: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        store: Optional[LayerKVStore] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(q, k, v, residual, kv_stored); `hidden` is the previous layer's MLP output (or the embeddings, residual
+        None). With `store`, the new K/V may be written to the cache here (kv_stored tells)."""
         if residual is None:
             residual = hidden.clone()
             normed = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        q, k, v = self.self_attn.project(normed, positions, rotary)
-        return q, k, v, residual
+        q, k, v, kv_stored = self.self_attn.project(normed, positions, rotary, store)
+        return q, k, v, residual, kv_stored
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual); the layer's output is their sum."""
@@ -86,8 +94,10 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, residual = self.pre_attention(hidden, residual, batch.positions, rotary)
-        return self.post_attention(backend.forward(q, k, v, self.self_attn.layer_id, batch), residual)
+        layer_id = self.self_attn.layer_id
+        store = backend.pool.layer_store(layer_id, batch.out_cache_loc)
+        q, k, v, residual, kv_stored = self.pre_attention(hidden, residual, batch.positions, rotary, store)
+        return self.post_attention(backend.forward(q, k, v, layer_id, batch, kv_stored=kv_stored), residual)
 
 
 class DecoderModel(nn.Module):

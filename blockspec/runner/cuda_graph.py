@@ -3,6 +3,10 @@
 One graph per captured batch size, largest first, all in one memory pool. A real batch is padded up to the
 next captured size: padded requests use the dummy req→token row, whose slots are the dummy page.
 
+The static input is one int64 buffer of UniformRows layout ([q token ids | req→token row | seq_len] per request);
+positions, KV slots and the rest of the batch are derived from it inside the graph, so a replay from host rows is
+one host→device copy plus the graph launch.
+
 A backend that plans on the host (FlashInfer) passes `host_planner`: it runs outside the graph on the padded
 static batch, before capture and before every replay, and writes the fixed buffers the captured kernels read.
 """
@@ -11,12 +15,12 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from blockspec.attention.base import GraphPlanner
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +45,6 @@ class GraphedForward:
         host_planner: Optional[GraphPlanner] = None,
     ) -> None:
         self.name = name
-        self.host_planner = host_planner
         self.fn = fn
         self.mode = mode
         self.q = tokens_per_req
@@ -50,43 +53,35 @@ class GraphedForward:
         self.dummy_row = dummy_row
         self.max_seq_len = max_seq_len
         self.capture_layer_ids = capture_layer_ids
+        self.host_planner = host_planner
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         device = req_to_token.device
-        n = self.batch_sizes[-1] * tokens_per_req
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
-        self.req_rows = torch.full((self.batch_sizes[-1],), dummy_row, dtype=torch.int64, device=device)
-        self.seq_lens = torch.full((self.batch_sizes[-1],), tokens_per_req, dtype=torch.int64, device=device)
-        self.logits_rows = torch.arange(n, device=device)
+        max_bs = self.batch_sizes[-1]
+        # NOTE: padding rows (dummy req→token row, seq_len q) read and write only the dummy page.
+        self.padding_rows = torch.zeros((max_bs, tokens_per_req + 2), dtype=torch.int64, device=device)
+        self.padding_rows[:, tokens_per_req] = dummy_row
+        self.padding_rows[:, tokens_per_req + 1] = tokens_per_req
+        self.rows = self.padding_rows.clone()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, GraphOutputs] = {}
 
-    def _static_batch(self, bs: int, seq_lens_cpu: Optional[list[int]] = None) -> ForwardBatch:
-        n = bs * self.q
-        batch = ForwardBatch(
-            mode=self.mode,
-            input_ids=self.input_ids[:n],
-            positions=self.positions[:n],
-            out_cache_loc=self.out_cache_loc[:n],
-            req_rows=self.req_rows[:bs],
-            seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=seq_lens_cpu if seq_lens_cpu is not None else [self.q] * bs,
-            extend_lens_cpu=[self.q] * bs,
-            logits_rows=self.logits_rows[:n],
-            req_to_token=self.req_to_token,
-            capture_layer_ids=self.capture_layer_ids,
-            uniform_q_len=self.q,
-            max_seq_len_hint=self.max_seq_len,
+    def _static_batch(self, bs: int, seq_lens_cpu: Optional[list[int]] = None, meta: Any = None) -> ForwardBatch:
+        batch = uniform_batch(
+            self.mode, self.rows[:bs], self.req_to_token, seq_lens_cpu if seq_lens_cpu is not None else [self.q] * bs,
+            self.capture_layer_ids, self.max_seq_len,
         )
-        if self.host_planner is not None:
-            batch.attn_meta = self.host_planner(batch)  # NOTE: host-side plan, outside the graph
+        batch.attn_meta = meta
         return batch
 
-    def _run_into_shared(self, batch: ForwardBatch, shared: Optional[GraphOutputs]) -> GraphOutputs:
-        """fn on a static batch; smaller graphs copy their outputs into slices of the largest's."""
-        bs = batch.batch_size
-        outputs = self.fn(batch)
+    def _host_plan(self, bs: int, seq_lens_cpu: Optional[list[int]] = None) -> Any:
+        """The host planner's metadata for the static batch (None without one). NOTE: runs outside the graph."""
+        if self.host_planner is None:
+            return None
+        return self.host_planner(self._static_batch(bs, seq_lens_cpu))
+
+    def _run_into_shared(self, bs: int, shared: Optional[GraphOutputs], meta: Any) -> GraphOutputs:
+        """fn on the static batch of size bs; smaller graphs copy their outputs into slices of the largest's."""
+        outputs = self.fn(self._static_batch(bs, meta=meta))
         if shared is None:
             return outputs
         n = bs * self.q
@@ -100,13 +95,13 @@ class GraphedForward:
         before = torch.cuda.memory_allocated()
         shared: Optional[GraphOutputs] = None
         for bs in reversed(self.batch_sizes):
-            batch = self._static_batch(bs)
+            meta = self._host_plan(bs)
             for _ in range(2):  # NOTE: warm-up compiles Triton kernels and settles allocator state off-graph
-                self.fn(batch)
+                self.fn(self._static_batch(bs, meta=meta))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self._run_into_shared(batch, shared)
+                outputs = self._run_into_shared(bs, shared, meta)
             shared = shared if shared is not None else outputs
             self.graphs[bs] = graph
             self.outputs[bs] = outputs
@@ -125,22 +120,39 @@ class GraphedForward:
             and tuple(batch.capture_layer_ids) == self.capture_layer_ids
         )
 
-    def replay(self, batch: ForwardBatch) -> GraphOutputs:
-        bs = batch.batch_size
-        padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-        n, n_padded = bs * self.q, padded * self.q
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
-        self.req_rows[:bs].copy_(batch.req_rows)
-        self.seq_lens[:bs].copy_(batch.seq_lens)
+    def can_run_rows(self, rows: UniformRows) -> bool:
+        return (
+            rows.mode is self.mode
+            and rows.q == self.q
+            and rows.batch_size <= self.batch_sizes[-1]
+            and tuple(rows.capture_layer_ids) == self.capture_layer_ids
+        )
+
+    def _padded(self, bs: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def _launch(self, bs: int, padded: int, seq_lens_cpu: Optional[list[int]]) -> GraphOutputs:
         if padded > bs:
-            self.input_ids[n:n_padded].zero_()
-            self.positions[n:n_padded].zero_()
-            self.out_cache_loc[n:n_padded].zero_()
-            self.req_rows[bs:padded].fill_(self.dummy_row)
-            self.seq_lens[bs:padded].fill_(self.q)
+            self.rows[bs:padded].copy_(self.padding_rows[bs:padded])
         if self.host_planner is not None:
-            self._static_batch(padded, list(batch.seq_lens_cpu) + [self.q] * (padded - bs))
+            assert seq_lens_cpu is not None
+            self._host_plan(padded, list(seq_lens_cpu) + [self.q] * (padded - bs))
         self.graphs[padded].replay()
+        n = bs * self.q
         return tuple(None if out is None else out[:n] for out in self.outputs[padded])
+
+    def replay(self, batch: ForwardBatch) -> GraphOutputs:
+        """Replays for a device batch. NOTE: a uniform batch's positions are seq_len-q .. seq_len-1 and its slots
+        come from the req→token table (build_batch / uniform_batch), so rows carry all of it."""
+        bs, q = batch.batch_size, self.q
+        self.rows[:bs, :q].copy_(batch.input_ids.view(bs, q))
+        self.rows[:bs, q].copy_(batch.req_rows)
+        self.rows[:bs, q + 1].copy_(batch.seq_lens)
+        return self._launch(bs, self._padded(bs), batch.seq_lens_cpu)
+
+    def replay_rows(self, rows: UniformRows) -> GraphOutputs:
+        """Replays for host rows: one (async, pinned) host→device copy, then the graph."""
+        bs = rows.batch_size
+        self.rows[:bs].copy_(rows.rows, non_blocking=True)
+        seq_lens_cpu = rows.rows[:, -1].tolist() if self.host_planner is not None else None
+        return self._launch(bs, self._padded(bs), seq_lens_cpu)

@@ -82,3 +82,80 @@ def build_batch(
         capture_layer_ids=capture_layer_ids,
         uniform_q_len=extend_lens[0] if mode is not ForwardMode.EXTEND else None,
     )
+
+
+@dataclass
+class UniformRows:
+    """Host-side description of a uniform batch (decode / verify / draft): every request adds q tokens.
+
+    `rows[i]` = [q token ids | req→token row | seq_len after this forward]. Positions and KV slots follow on the
+    device (positions seq_len-q .. seq_len-1, slots from the req→token table), so one host→device copy of `rows`
+    is the whole input of a forward (a captured graph derives the rest inside the graph)."""
+
+    mode: ForwardMode
+    rows: torch.Tensor  # [bs, q + 2] int64, on the host (pinned when the model is on CUDA)
+    capture_layer_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        token_ids: list[list[int]],
+        req_rows: list[int],
+        seq_lens: list[int],
+        device: torch.device,
+        capture_layer_ids: tuple[int, ...] = (),
+    ) -> "UniformRows":
+        data = [ids + [row, seq_len] for ids, row, seq_len in zip(token_ids, req_rows, seq_lens)]
+        rows = torch.tensor(data, dtype=torch.int64, pin_memory=device.type == "cuda")
+        return cls(mode, rows, capture_layer_ids)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def q(self) -> int:
+        return int(self.rows.shape[1]) - 2
+
+    def to_batch(self, req_to_token: torch.Tensor, max_seq_len_hint: Optional[int] = None) -> ForwardBatch:
+        """The eager batch: one host→device copy, then the same derivation a captured graph runs."""
+        rows = self.rows.to(req_to_token.device, non_blocking=True)
+        seq_lens_cpu = self.rows[:, -1].tolist()
+        return uniform_batch(
+            self.mode, rows, req_to_token, seq_lens_cpu, self.capture_layer_ids, max_seq_len_hint
+        )
+
+
+def uniform_batch(
+    mode: ForwardMode,
+    rows: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens_cpu: list[int],
+    capture_layer_ids: tuple[int, ...] = (),
+    max_seq_len_hint: Optional[int] = None,
+) -> ForwardBatch:
+    """ForwardBatch from device `rows` [bs, q + 2] (see UniformRows) using device ops only (graph-capturable).
+
+    NOTE: `seq_lens_cpu` is only read by eager planning; a graph passes placeholders and a fixed max_seq_len_hint."""
+    bs, q = rows.shape[0], rows.shape[1] - 2
+    device = rows.device
+    req_rows = rows[:, q].contiguous()
+    seq_lens = rows[:, q + 1].contiguous()
+    positions = (seq_lens - q)[:, None] + torch.arange(q, device=device)
+    out_cache_loc = req_to_token[req_rows[:, None], positions]
+    return ForwardBatch(
+        mode=mode,
+        input_ids=rows[:, :q].reshape(-1),
+        positions=positions.reshape(-1),
+        out_cache_loc=out_cache_loc.reshape(-1),
+        req_rows=req_rows,
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens_cpu,
+        extend_lens_cpu=[q] * bs,
+        logits_rows=torch.arange(bs * q, device=device),
+        req_to_token=req_to_token,
+        capture_layer_ids=capture_layer_ids,
+        uniform_q_len=q,
+        max_seq_len_hint=max_seq_len_hint,
+    )

@@ -16,7 +16,7 @@ from blockspec.models.config import TargetConfig, load_target_config
 from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
 from blockspec.runner.cuda_graph import GraphedForward
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows
 from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, default_buckets
 
 logger = logging.getLogger(__name__)
@@ -150,3 +150,15 @@ class ModelRunner:
         self.forward_counts["eager"] += 1
         return self.model(batch, self.attention)
 
+
+    @torch.inference_mode()
+    def forward_uniform(self, rows: UniformRows) -> ModelOutput:
+        """A uniform batch from host rows: graph replay with one host→device copy, else eager."""
+        graph = self.graphs.get(rows.mode)
+        if graph is not None and graph.can_run_rows(rows):
+            self.forward_counts["graph"] += 1
+            logits, aux = graph.replay_rows(rows)
+            assert logits is not None
+            return ModelOutput(logits, aux, None)
+        self.forward_counts["eager"] += 1
+        return self.model(rows.to_batch(self.req_to_token.table, self.max_positions), self.attention)

@@ -4,7 +4,8 @@ The target forward is cut at each attention into L+1 segments: [embed + layer 0 
 [layer i-1 post-attention + layer i pre-attention] for i in 1..L-1, and [layer L-1 post-attention + final norm].
 Each segment reads and writes fixed buffers (sized for the largest bucket, sliced per bucket), so one graph per
 (segment, token bucket) can be replayed for any batch whose token count rounds up to that bucket. Attention runs
-eagerly between segments on the real tokens only, so padding rows never write a KV slot.
+eagerly between segments on the real tokens only, so padding rows never write a KV slot (segments rotate q/k
+without a KV store; the attention backend stores the real tokens' K/V).
 
 The hidden-capture mode (which layer outputs are returned for every token) is fixed at construction and used both
 at capture and at replay; a batch asking for another mode is refused by `can_run` and runs eagerly.
@@ -98,11 +99,13 @@ class PiecewiseGraphRunner:
         positions = self.positions[:n]
         if index == 0:
             embeds = self.model.embed(self.input_ids[:n])
-            q, k, v, residual = self.model.model.layers[0].pre_attention(embeds, None, positions, rotary)
+            q, k, v, residual, _ = self.model.model.layers[0].pre_attention(embeds, None, positions, rotary)
             self._write_qkv(n, q, k, v, residual)
         elif index < self.num_layers:
             mlp_out = self._finish_layer(index - 1, n)
-            q, k, v, residual = self.model.model.layers[index].pre_attention(mlp_out, self.residual[:n], positions, rotary)
+            q, k, v, residual, _ = self.model.model.layers[index].pre_attention(
+                mlp_out, self.residual[:n], positions, rotary
+            )
             self._write_qkv(n, q, k, v, residual)
         else:
             mlp_out = self._finish_layer(self.num_layers - 1, n)

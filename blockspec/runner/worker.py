@@ -7,7 +7,7 @@ import torch
 
 from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, build_batch
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sampling import sample_next_tokens
 
@@ -59,16 +59,14 @@ class TargetWorker:
 
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
         """One token per request; the scheduler has given each request a slot at position kv_len."""
-        batch = build_batch(
+        rows = UniformRows.build(
             ForwardMode.DECODE,
             [[req.all_ids[-1]] for req in reqs],
-            [req.kv_len for req in reqs],
             [req.pool_row for req in reqs],  # type: ignore[misc]
-            self.runner.req_to_token.table,
-            list(range(len(reqs))),
+            [req.kv_len + 1 for req in reqs],
+            self.runner.device,
         )
-        batch.max_seq_len_hint = self.runner.max_positions  # NOTE: same attention plan as the captured graphs
-        logits = self.runner.forward(batch).logits
+        logits = self.runner.forward_uniform(rows).logits
         for req in reqs:
             req.kv_len += 1
         return [[token] for token in sample_next_tokens(logits, reqs)]

@@ -15,7 +15,7 @@ from blockspec.models.config import load_target_config
 from blockspec.models.dflash_draft import DFlashDraftModel, load_draft_model
 from blockspec.models.draft_config import DraftConfig, load_draft_config
 from blockspec.request import Req
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows
 from blockspec.runner.cuda_graph import GraphedForward
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.runner.worker import TargetWorker
@@ -47,6 +47,7 @@ class DFlashWorker(TargetWorker):
             dc.layer_windows, dc.layer_causal,
         )
         self.draft_graph: GraphedForward | None = None
+        self.cycle_graph: GraphedForward | None = None
         # NOTE: benchmarking only (--speculative-simulate-accept-len): commits unverified tokens, output is not lossless.
         self.simulate_accept_len = runner.config.speculative_simulate_accept_len
 
@@ -69,8 +70,17 @@ class DFlashWorker(TargetWorker):
             runner.req_to_token.table, runner.req_to_token.dummy_row, runner.max_positions, (), runner.graph_pool,
             host_planner=graph_planner(self.draft_attention),  # NOTE: FlashInfer plans outside the graph
         )
+        # NOTE: all-greedy batches replay this one graph per cycle: propose → verify → both argmaxes. A backend that
+        # plans on the host (FlashInfer) cannot plan the verify half from inside it, so it keeps the two graphs.
+        if graph_planner(self.draft_attention) is None and graph_planner(runner.attention) is None:
+            self.cycle_graph = GraphedForward(
+                "greedy-cycle", self._greedy_cycle, ForwardMode.DRAFT, self.block_size, runner.config.cuda_graph_bs,
+                runner.req_to_token.table, runner.req_to_token.dummy_row, runner.max_positions, (), runner.graph_pool,
+            )
         with torch.inference_mode():
             self.draft_graph.capture()
+            if self.cycle_graph is not None:
+                self.cycle_graph.capture()
 
     def _verify_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
         """Target forward over the blocks, then draft K/V for every block row.
@@ -97,18 +107,49 @@ class DFlashWorker(TargetWorker):
         self.draft.materialise_context(output.aux_hidden, batch.positions, batch.out_cache_loc, self.draft_pool)
         return output.logits
 
-    def _block_batch(self, mode: ForwardMode, blocks: list[list[int]], reqs: Sequence[Req], capture: tuple[int, ...] = ()) -> ForwardBatch:
-        batch = build_batch(
-            mode,
-            blocks,
-            [req.kv_len for req in reqs],
+    def _draft_rows(self, reqs: Sequence[Req]) -> UniformRows:
+        """[bonus, mask x (B-1)] per request at positions kv_len .. kv_len+B-1."""
+        b = self.block_size
+        masks = [self.draft_config.mask_token_id] * (b - 1)
+        return UniformRows.build(
+            ForwardMode.DRAFT,
+            [[req.all_ids[-1], *masks] for req in reqs],
             [req.pool_row for req in reqs],  # type: ignore[misc]
-            self.runner.req_to_token.table,
-            list(range(len(blocks) * self.block_size)),
-            capture,
+            [req.kv_len + b for req in reqs],
+            self.runner.device,
         )
-        batch.max_seq_len_hint = self.runner.max_positions  # NOTE: same attention plan as the captured graphs
-        return batch
+
+    def _verify_batch(self, draft_batch: ForwardBatch, proposals: torch.Tensor) -> ForwardBatch:
+        """The draft batch with block ids [bonus, d_1..d_{B-1}]: same slots, positions and attention extent."""
+        bs, b = proposals.shape[0], self.block_size
+        block_ids = torch.cat([draft_batch.input_ids.view(bs, b)[:, :1], proposals], dim=1).reshape(-1)
+        return dataclasses.replace(
+            draft_batch, mode=ForwardMode.VERIFY, input_ids=block_ids, capture_layer_ids=self.capture, attn_meta=None
+        )
+
+    def _greedy_cycle(self, draft_batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """A whole greedy cycle on the device: draft argmax proposals, verify forward, target argmax.
+
+        Returns [T, 2] int64: column 0 the draft argmax per block row (rows 1..B-1 of a block are the proposals),
+        column 1 the target argmax after each block token."""
+        bs, b = draft_batch.batch_size, self.block_size
+        _, draft_argmax = self._draft_logits(draft_batch)
+        logits, _ = self._verify_forward(self._verify_batch(draft_batch, draft_argmax.view(bs, b)[:, 1:]))
+        assert logits is not None
+        return (torch.stack([draft_argmax, logits.argmax(-1)], dim=1),)
+
+    @torch.inference_mode()
+    def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[list[int]]]:
+        """[bs][B][draft argmax, target argmax] on the host: one graph replay and one device→host copy."""
+        rows = self._draft_rows(reqs)
+        if self.cycle_graph is not None and self.cycle_graph.can_run_rows(rows):
+            self.runner.forward_counts["graph"] += 1
+            (tokens,) = self.cycle_graph.replay_rows(rows)
+        else:
+            self.runner.forward_counts["eager"] += 1
+            (tokens,) = self._greedy_cycle(rows.to_batch(self.runner.req_to_token.table, self.runner.max_positions))
+        assert tokens is not None
+        return tokens.view(len(reqs), self.block_size, 2).tolist()
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req]) -> tuple[ForwardBatch, torch.Tensor, dict[int, torch.Tensor]]:
@@ -117,8 +158,7 @@ class DFlashWorker(TargetWorker):
         Returns the draft batch, proposals d_1..d_{B-1} on the device [bs, B-1], and for sampled requests the
         draft distributions the proposals were drawn from ({request index: [B-1, V]})."""
         b = self.block_size
-        blocks = [[req.all_ids[-1]] + [self.draft_config.mask_token_id] * (b - 1) for req in reqs]
-        batch = self._block_batch(ForwardMode.DRAFT, blocks, reqs)
+        batch = self._draft_rows(reqs).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
         if self.draft_graph is not None and self.draft_graph.can_run(batch):
             all_logits, all_argmax = self.draft_graph.replay(batch)
         else:
@@ -137,10 +177,7 @@ class DFlashWorker(TargetWorker):
     def verify(self, draft_batch: ForwardBatch, proposals: torch.Tensor) -> torch.Tensor:
         """Target logits [bs, B, V] over [bonus, d_1..d_{B-1}]; the draft batch's slots and positions are reused."""
         bs, b = proposals.shape[0], self.block_size
-        block_ids = torch.cat([draft_batch.input_ids.view(bs, b)[:, :1], proposals], dim=1).reshape(-1)
-        batch = dataclasses.replace(
-            draft_batch, mode=ForwardMode.VERIFY, input_ids=block_ids, capture_layer_ids=self.capture, attn_meta=None
-        )
+        batch = self._verify_batch(draft_batch, proposals)
         graph = self.runner.graphs.get(ForwardMode.VERIFY)
         if graph is not None and graph.can_run(batch):
             self.runner.forward_counts["graph"] += 1
@@ -155,10 +192,16 @@ class DFlashWorker(TargetWorker):
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
         b = self.block_size
-        draft_batch, proposals_device, draft_probs = self.propose(reqs)
-        logits = self.verify(draft_batch, proposals_device)
-        # NOTE: greedy requests need only this device→host copy per cycle (sampled ones also sync in acceptance).
-        host = torch.cat([proposals_device, logits.argmax(-1)], dim=1).tolist()
+        logits: torch.Tensor | None = None
+        draft_probs: dict[int, torch.Tensor] = {}
+        if all(req.params.is_greedy for req in reqs):
+            tokens = self.greedy_cycle_tokens(reqs)
+            host = [[row[j][0] for j in range(1, b)] + [row[j][1] for j in range(b)] for row in tokens]
+        else:
+            draft_batch, proposals_device, draft_probs = self.propose(reqs)
+            logits = self.verify(draft_batch, proposals_device)
+            # NOTE: greedy requests need only this device→host copy per cycle (sampled ones also sync in acceptance).
+            host = torch.cat([proposals_device, logits.argmax(-1)], dim=1).tolist()
         committed: list[list[int]] = []
         for i, req in enumerate(reqs):
             proposals, target_argmax = host[i][: b - 1], host[i][b - 1:]
@@ -168,6 +211,7 @@ class DFlashWorker(TargetWorker):
             elif i not in draft_probs:
                 accepted, bonus = greedy_accept(proposals, target_argmax)
             else:
+                assert logits is not None
                 accepted, bonus = rejection_accept(proposals, draft_probs[i], logits[i], req.params, req.generator)
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
             req.kv_len += accepted + 1
