@@ -3,6 +3,7 @@ plans (indices, indptrs, layer groups, causal/window translation, graph buffers)
 of FlashInfer's wrappers (fake_flashinfer.py) equal the torch reference backend."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import types
@@ -139,14 +140,15 @@ def test_noncausal_window_shorter_than_block_is_refused(fake_backend_module: typ
 
 
 class ReplayByRerun:
-    """Stands in for a captured CUDA graph on CPU: replay reruns the captured call on its static batch and
-    copies into the captured outputs (so a stale plan or stale fixed buffer shows up as a wrong output)."""
+    """Stands in for a captured CUDA graph on CPU: replay rebuilds the static batch (as the graph re-derives it
+    from the static rows) with the capture-time plan and reruns the captured call, copying into the captured
+    outputs (so a stale plan or stale fixed buffer shows up as a wrong output)."""
 
-    def __init__(self, fn: Any, batch: Any, outputs: tuple[torch.Tensor, ...]) -> None:
-        self.fn, self.batch, self.outputs = fn, batch, outputs
+    def __init__(self, fn: Any, make_batch: Any, outputs: tuple[torch.Tensor, ...]) -> None:
+        self.fn, self.make_batch, self.outputs = fn, make_batch, outputs
 
     def replay(self) -> None:
-        for target, fresh in zip(self.outputs, self.fn(self.batch)):
+        for target, fresh in zip(self.outputs, self.fn(self.make_batch())):
             target.copy_(fresh)
 
 
@@ -188,7 +190,8 @@ def test_graphed_forward_replans_before_every_replay(
                            host_planner=graph_planner(backend))
     graph.capture()
     for bs in graph.graphs:  # NOTE: capture ran largest first; rebuild each size's static batch to rerun it
-        graph.graphs[bs] = ReplayByRerun(attention, graph._static_batch(bs), graph.outputs[bs])  # type: ignore[assignment]
+        rebuild = functools.partial(graph._static_batch, bs, meta=graph.metas[bs])
+        graph.graphs[bs] = ReplayByRerun(attention, rebuild, graph.outputs[bs])  # type: ignore[assignment]
     rows = first.req_rows.tolist()
     for req_rows, starts in [(rows, prefix), (rows[1:], [p // 2 for p in prefix[1:]]), ([rows[2]], [prefix[2]])]:
         batch = build_batch(mode, [[1] * q_len for _ in req_rows], starts, req_rows, table, [0])

@@ -64,6 +64,7 @@ class GraphedForward:
         self.rows = self.padding_rows.clone()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, GraphOutputs] = {}
+        self.metas: dict[int, Any] = {}  # host planner's capture-time metadata per batch size
 
     def _static_batch(self, bs: int, seq_lens_cpu: Optional[list[int]] = None, meta: Any = None) -> ForwardBatch:
         batch = uniform_batch(
@@ -95,7 +96,7 @@ class GraphedForward:
         before = torch.cuda.memory_allocated()
         shared: Optional[GraphOutputs] = None
         for bs in reversed(self.batch_sizes):
-            meta = self._host_plan(bs)
+            meta = self.metas[bs] = self._host_plan(bs)
             for _ in range(2):  # NOTE: warm-up compiles Triton kernels and settles allocator state off-graph
                 self.fn(self._static_batch(bs, meta=meta))
             torch.cuda.synchronize()
