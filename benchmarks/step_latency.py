@@ -108,7 +108,9 @@ def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int) ->
     return result
 
 
-def run_blockspec(root: Path, args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:
+def run_blockspec(
+    root: Path, args: argparse.Namespace, bandwidth: float, save: Callable[[list[dict[str, Any]]], None]
+) -> list[dict[str, Any]]:
     target_dir, draft_dir = write_configs(root)
     rows: list[dict[str, Any]] = []
     max_tokens = max(args.batch_sizes) * (max(args.contexts) + 512)
@@ -143,6 +145,7 @@ def run_blockspec(root: Path, args: argparse.Namespace, bandwidth: float) -> lis
         del engine
         gc.collect()
         torch.cuda.empty_cache()
+        save(rows)
     return rows
 
 
@@ -204,8 +207,6 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = read_bandwidth()
     print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = run_blockspec(Path(tmp), args, bandwidth)
     reference = [] if args.skip_reference else [run_reference(Path("."), c, 64) for c in args.contexts]
     commit = os.environ.get("BLOCKSPEC_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -213,10 +214,16 @@ def main() -> None:
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit or "unknown",
               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth, "accept_len": args.accept_len,
               "backends": args.backends, "flashinfer": flashinfer_version(),
-              "rows": rows, "dflash_reference": reference}
+              "rows": [], "dflash_reference": reference}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step_latency_{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
+
+    def save(rows: list[dict[str, Any]]) -> None:  # NOTE: after every engine, so a cut-short run keeps its rows
+        report["rows"] = rows
+        path.write_text(json.dumps(report, indent=1))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run_blockspec(Path(tmp), args, bandwidth, save)
     print(f"wrote {path}")
     print(f"{'backend':>10} {'spec':>5} {'bs':>3} {'ctx':>5} {'graph':>5} {'cycle':>8} {'verify':>8} {'propose':>8} "
           f"{'g-cycle':>8} {'floor':>7} {'x':>5}")
