@@ -48,22 +48,27 @@ def predicted_number(text: str) -> Optional[float]:
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m blockspec.demo", description=__doc__)
-    parser.add_argument("--num-questions", type=int, default=8, help="GSM8K test questions (one batch)")
+    parser.add_argument("--num-questions", type=int, default=4, help="GSM8K test questions")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--data-path", default=None, help="GSM8K test.jsonl (lines with question, answer)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--cache-dir", default=None, help="cache root for the converted model")
     parser.add_argument("--draft-path", default=None, help="DFlash draft (default: the embedded SmolLM2 draft)")
     parser.add_argument("--no-dflash", action="store_true", help="run the target alone only")
-    parser.add_argument("--max-running-requests", type=int, default=None, help="concurrency of both runs")
+    parser.add_argument(
+        "--max-running-requests", type=int, default=None,
+        help="concurrency of both runs (default: 1 on CPU, where a batch of verify blocks is compute-bound; "
+        "all questions at once on CUDA)",
+    )
     parser.add_argument("--show", type=int, default=2, help="questions whose full answers are printed")
     parser.add_argument("--json-out", default=None, help="write the measurements to this JSON file")
     parser.add_argument(
         "--cpu-threads", type=int, default=1, help="torch intra-op threads; 1 suits this small model and shared cores",
     )
     args = parser.parse_args(argv)
-    if min(args.num_questions, args.max_new_tokens, args.cpu_threads) < 1 or args.show < 0:
-        parser.error("--num-questions, --max-new-tokens and --cpu-threads must be positive, --show >= 0")
+    if min(args.num_questions, args.max_new_tokens, args.cpu_threads, args.max_running_requests or 1) < 1 or args.show < 0:
+        parser.error("--num-questions, --max-new-tokens, --cpu-threads and --max-running-requests must be positive, "
+                     "--show >= 0")
     return args
 
 
@@ -97,15 +102,17 @@ def run_engine(
     return RunResult(mode, tokens, [out["text"] for out in outputs], seconds, accept_length)
 
 
-def report(questions: list[dict[str, str]], runs: list[RunResult], show: int, device: str) -> dict[str, Any]:
+def report(
+    questions: list[dict[str, str]], runs: list[RunResult], show: int, device: str, concurrency: int
+) -> dict[str, Any]:
     references = [reference_number(row["answer"]) for row in questions]
     last = runs[-1]
     for i, (row, text) in enumerate(zip(questions[:show], last.texts), 1):
         print(f"\n=== Question {i} ({last.mode}) ===\n{row['question'].strip()}\n--- model ---\n{text.strip()}")
         print(f"--- predicted {predicted_number(text)} | reference {references[i - 1]}")
-    print(f"\n{len(questions)} GSM8K test questions, greedy, device {device}")
+    print(f"\n{len(questions)} GSM8K test questions, greedy, device {device}, concurrency {concurrency}")
     print(f"{'mode':<12}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'correct':>9}{'accept len':>12}")
-    summary: dict[str, Any] = {"questions": len(questions), "device": device, "runs": []}
+    summary: dict[str, Any] = {"questions": len(questions), "device": device, "concurrency": concurrency, "runs": []}
     for run in runs:
         correct = sum(predicted_number(t) == ref for t, ref in zip(run.texts, references))
         accept = f"{run.accept_length:.2f}" if run.accept_length is not None else "-"
@@ -133,6 +140,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         model_dir = ensure_smollm2_dir(Path(args.cache_dir) if args.cache_dir else None)
     except (FileNotFoundError, RuntimeError) as error:
         raise SystemExit(f"error: {error}") from None
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if args.max_running_requests is None:
+        args.max_running_requests = 1 if on_cpu else len(questions)
     draft = None if args.no_dflash else (Path(args.draft_path) if args.draft_path else embedded_draft_dir())
     if draft is None and not args.no_dflash:
         print("note: this build has no embedded DFlash draft; running the target alone")
@@ -143,7 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if draft is not None:
         runs.append(run_engine("dflash", prompts, args, model_dir, draft))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    summary = report(questions, runs, args.show, torch.cuda.get_device_name() if device.startswith("cuda") else device)
+    device_name = torch.cuda.get_device_name() if device.startswith("cuda") else device
+    summary = report(questions, runs, args.show, device_name, args.max_running_requests)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({**summary, "draft": str(draft), "argv": list(argv or [])}, indent=2))
 
