@@ -21,22 +21,15 @@ Recipe (z-lab has not published theirs; this follows the DFlash paper):
    (+ index), z-lab weight names; it loads in blockspec and in `dflash.model.DFlashDraftModel.from_pretrained`.
    training_info.json beside it records the command, options, commit and results.
 
-The SmolLM2 demo draft (hidden 576 and the other widths are copied from the target; the system prompt and suffix
-match `blockspec.smollm2.build_messages`; the mask token defaults to SmolLM2's unused special token `<empty_output>` (16);
-the final eval runs the saved draft on the first 32 GSM8K test questions):
+The embedded SmolLM2 demo draft (blockspec/assets/smollm2-135m-dflash-b16) was made by scripts/train_demo_draft.sh
+(2 layers, block 16, taps [1, 8, 15, 22, 28], the demo's prompt format from `blockspec.smollm2`, all 7473 GSM8K
+train questions, 6000 steps of 32 sequences x 32 blocks; its README and training_info.json record the details):
 
-    TARGET=$(python -c 'from blockspec.smollm2 import ensure_smollm2_dir; print(ensure_smollm2_dir())')
-    blockspec train-draft --target-model-path "$TARGET" \
-        --data ../shared/data/gsm8k/train.jsonl --out smollm2-135m-dflash-b16 \
-        --system-prompt "You are a careful math tutor. Solve the problem step by step, briefly." \
-        --user-suffix $'\nSolve it step by step and end with "The answer is N." where N is the final number.' \
-        --num-layers 1 --block-size 16 --target-layer-ids 1 8 14 20 27 \
-        --max-new-tokens 384 --steps 3000 --batch-size 32 --blocks-per-seq 32 --lr 6e-4 --cache-features \
-        --eval-data ../shared/data/gsm8k/test.jsonl --num-eval-prompts 32 --cache-dir .carry/gsm8k-responses
+    scripts/train_demo_draft.sh OUT ../shared/data/gsm8k --num-prompts 7473 --steps 6000
 
-Sizing on one H200 (measured with a SmolLM2-shaped model): a step of 32 sequences x 32 blocks takes about 0.1 s, and
-generation runs at roughly 6-10k tokens/s. A run that must fit one 10-minute device command can take
-`--num-prompts 3000 --steps 1500`; the response cache makes a rerun skip generation, and `--init-from DIR`
+Sizing on one H200 (SmolLM2-135M): response generation ~41 prompts/s (≤ 384 tokens each), a training step of
+32 sequences x 32 blocks with --cache-features ~0.04 s; `--max-train-minutes` stops at a step boundary (then saves and
+evaluates) so a run fits a fixed budget; the response cache makes a rerun skip generation, and `--init-from DIR`
 continues training from a saved draft. On N GPUs: `torchrun --nproc-per-node N -m blockspec.train.cli ...`
 (same flags; `--batch-size` is per GPU).
 """
