@@ -28,11 +28,10 @@ from blockspec.attention.flashinfer_backend import FlashInferAttentionBackend  #
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from blockspec.runner.cuda_graph import GraphedForward  # noqa: E402
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
+from engine_runs import run_prompts  # noqa: E402
 
 HEAD_DIM = 128
 DTYPE = torch.float16
-PROMPTS = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33, 5, 9, 26)]
-GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 # NOTE: half-precision GEMMs and attention kernels differ between runs being compared (decode vs verify, Triton vs
 # FlashInfer, padded graph vs eager); a rare near-tie may flip one greedy sequence, as in test_gpu.py.
 NEAR_TIE_SEQUENCES = 2
@@ -159,16 +158,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(root: Path, spec: bool, **flags: Any) -> tuple[list[list[int]], Engine]:
-    args: dict[str, Any] = dict(model_path=str(root / "target"), device="cuda", dtype="float16", max_total_tokens=4096,
-                                skip_tokenizer_init=True, chunked_prefill_size=16, cuda_graph_bs=[1, 2, 4, 8])
-    if spec:
-        args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
-    args.update(flags)
-    engine = Engine(**args)
-    outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    info = engine.get_server_info()
-    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
-    return [o["output_ids"] for o in outputs], engine
+    return run_prompts(root, spec, **{"device": "cuda", "dtype": "float16", **flags})
 
 
 def assert_nearly_equal(a: list[list[int]], b: list[list[int]], what: str) -> None:

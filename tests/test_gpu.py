@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -11,9 +10,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from blockspec import Engine  # noqa: E402
 from blockspec.runner.forward_batch import ForwardMode  # noqa: E402
+from engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
 
-PROMPTS = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33, 5, 9, 26)]
-GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
 @pytest.mark.parametrize("mode,prefix,new", [
@@ -53,17 +51,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run(root: Path, spec: bool, **flags: Any) -> tuple[list[list[int]], Engine]:
-    args: dict[str, Any] = dict(model_path=str(root / "target"), dtype="float32", max_total_tokens=4096,
-                                skip_tokenizer_init=True, chunked_prefill_size=16, cuda_graph_bs=[1, 2, 4, 8])
-    if spec:
-        args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
-    args.update(flags)
-    engine = Engine(**args)
-    outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    info = engine.get_server_info()
-    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
-    return [o["output_ids"] for o in outputs], engine
+run = run_prompts
 
 
 def test_graph_replay_equals_eager(tiny: Path) -> None:
