@@ -66,7 +66,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "--cpu-threads", type=int, default=1, help="torch intra-op threads; 1 suits this small model and shared cores",
     )
     args = parser.parse_args(argv)
-    if min(args.num_questions, args.max_new_tokens, args.cpu_threads, args.max_running_requests or 1) < 1 or args.show < 0:
+    if min(args.num_questions, args.max_new_tokens, args.cpu_threads, 1 if args.max_running_requests is None else args.max_running_requests) < 1 or args.show < 0:
         parser.error("--num-questions, --max-new-tokens, --cpu-threads and --max-running-requests must be positive, "
                      "--show >= 0")
     return args

@@ -259,3 +259,23 @@ def test_grow_many_equals_grow_one_by_one(page_size: int) -> None:
             allocator.shrink(reqs[step % 3], reqs[step % 3].allocated_len - 3)
         results.append((table.table.clone(), [list(r.pages) for r in reqs], [r.allocated_len for r in reqs]))
     assert torch.equal(results[0][0], results[1][0]) and results[0][1:] == results[1][1:]
+
+
+def test_grow_many_refuses_before_changing_anything() -> None:
+    """A batch that does not fit leaves every request's pages, length and table row as they were."""
+    import torch
+
+    from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+    from blockspec.request import Req, SamplingParams
+
+    allocator = PageAllocator(5, 4)
+    table = ReqToTokenTable(3, 16, torch.device("cpu"))
+    reqs = [Req([1, 2], SamplingParams()) for _ in range(3)]
+    for req in reqs:
+        req.pool_row = table.acquire()
+        allocator.grow(req, 2, table)
+    before = (table.table.clone(), [list(r.pages) for r in reqs], [r.allocated_len for r in reqs], allocator.free_slots)
+    with pytest.raises(MemoryError):
+        allocator.grow_many(reqs, [8, 8, 8], table)
+    after = (table.table.clone(), [list(r.pages) for r in reqs], [r.allocated_len for r in reqs], allocator.free_slots)
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]

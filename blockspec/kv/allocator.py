@@ -56,14 +56,14 @@ class PageAllocator:
     def grow_many(self, reqs: list[Req], new_len: list[int], table: "ReqToTokenTable") -> None:
         """`grow` for a decode batch: slots computed on the host in Python (a few per request), and one table write
         for the whole batch instead of one host→device copy per request."""
+        needed = sum(self.extra_pages_needed(req, length) for req, length in zip(reqs, new_len) if length > req.allocated_len)
+        if needed > len(self._free_pages):
+            raise MemoryError("KV pool exhausted")  # callers check free slots first; nothing has changed yet
         writes: list[tuple[int, int, list[int]]] = []
         for req, length in zip(reqs, new_len):
             if length <= req.allocated_len:
                 continue
-            extra = self.extra_pages_needed(req, length)
-            if extra > len(self._free_pages):
-                raise MemoryError("KV pool exhausted")  # callers check free slots first
-            for _ in range(extra):
+            for _ in range(self.extra_pages_needed(req, length)):
                 req.pages.append(self._free_pages.pop())
             page, pages = self.page_size, req.pages
             slots = [pages[p // page] * page + p % page for p in range(req.allocated_len, length)]

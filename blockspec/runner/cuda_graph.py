@@ -9,6 +9,10 @@ one host→device copy plus the graph launch.
 
 A backend that plans on the host (FlashInfer) passes `host_planner`: it runs outside the graph on the padded
 static batch, before capture and before every replay, and writes the fixed buffers the captured kernels read.
+
+NOTE: all graphs share one memory pool, so a graph's outputs are valid only until another graph is replayed; callers
+copy or consume them first. Host planning for replay N+1 reuses the planner's buffers, so the caller must have
+synchronised with replay N (every worker step ends with a device→host read of its tokens).
 """
 from __future__ import annotations
 

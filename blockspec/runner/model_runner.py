@@ -150,7 +150,6 @@ class ModelRunner:
         self.forward_counts["eager"] += 1
         return self.model(batch, self.attention)
 
-
     @torch.inference_mode()
     def forward_uniform(self, rows: UniformRows) -> ModelOutput:
         """A uniform batch from host rows: graph replay with one host→device copy, else eager."""

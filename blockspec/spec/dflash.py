@@ -195,8 +195,8 @@ class DFlashWorker(TargetWorker):
         logits: torch.Tensor | None = None
         draft_probs: dict[int, torch.Tensor] = {}
         # NOTE: without the cycle graph (FlashInfer) the draft and verify graphs still serve greedy batches.
-        fused = self.cycle_graph is not None or self.draft_graph is None
-        if fused and all(req.params.is_greedy for req in reqs):
+        use_cycle_path = self.cycle_graph is not None or self.draft_graph is None
+        if use_cycle_path and all(req.params.is_greedy for req in reqs):
             tokens = self.greedy_cycle_tokens(reqs)
             host = [[row[j][0] for j in range(1, b)] + [row[j][1] for j in range(b)] for row in tokens]
         else:

@@ -167,7 +167,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep every sequence's target features in device memory after its first use "
                             "(tokens x taps x hidden values each; skips the target forward in later epochs)")
     train.add_argument("--max-train-minutes", type=float, default=None,
-                       help="stop training at the first step past this wall time (then save and evaluate as usual)")
+                       help="stop training at the first step past this wall time (then save and evaluate as usual); "
+                       "the learning-rate schedule still spans --steps, so size --steps to fit")
     train.add_argument("--seed", type=int, default=defaults.seed)
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--eval-every", type=int, default=0, help="steps between acceptance evals (0: only at the end)")
