@@ -95,6 +95,13 @@ class DFlashDraftModel(nn.Module):
             hidden = layer(hidden, self.rotary, batch, backend)
         return self.norm(hidden)
 
+    def argmax(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        """argmax of `logits` per row; without scaling or softcap, straight from the model-dtype logits (exact: the
+        fp32 cast preserves order and ties)."""
+        if self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping:
+            return lm_head(hidden).argmax(-1)
+        return self.logits(hidden, lm_head).argmax(-1)
+
     def logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
         logits = lm_head(hidden).float() * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

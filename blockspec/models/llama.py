@@ -139,4 +139,6 @@ class CausalLM(nn.Module):
         aux = torch.cat([captured[i] for i in batch.capture_layer_ids], dim=-1) if captured else None
         assert residual is not None
         hidden, _ = self.model.norm.add_and_norm(hidden, residual)
-        return ModelOutput(self.compute_logits(hidden[batch.logits_rows]), aux, hidden)
+        rows = hidden[batch.logits_rows]
+        logits = self.compute_logits(rows) if batch.float_logits else self.lm_head(rows)
+        return ModelOutput(logits, aux, hidden)

@@ -31,6 +31,7 @@ class ForwardBatch:
     input_embeds: Optional[torch.Tensor] = None  # [T, H] replaces the embedding lookup when given
     uniform_q_len: Optional[int] = None  # every request has this many new tokens (decode / verify / draft)
     max_seq_len_hint: Optional[int] = None  # upper bound of seq_lens, fixed for a captured graph
+    float_logits: bool = True  # False: logits stay in the model dtype (callers that only take the argmax)
     attn_meta: Any = field(default=None, repr=False)  # set by backend.plan(batch)
 
     @property

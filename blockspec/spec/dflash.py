@@ -92,11 +92,13 @@ class DFlashWorker(TargetWorker):
         self.draft.materialise_context(output.aux_hidden, batch.positions, batch.out_cache_loc, self.draft_pool)
         return output.logits, output.aux_hidden
 
+    def _draft_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        embeds = self.runner.model.embed(batch.input_ids) * self.draft_config.input_embedding_scale
+        return self.draft(batch, self.draft_attention, embeds)
+
     def _draft_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Draft logits for every block row [T, V] (row 0 of each block is unused) and their argmax."""
-        embeds = self.runner.model.embed(batch.input_ids) * self.draft_config.input_embedding_scale
-        hidden = self.draft(batch, self.draft_attention, embeds)
-        logits = self.draft.logits(hidden, self.runner.model.lm_head)
+        logits = self.draft.logits(self._draft_hidden(batch), self.runner.model.lm_head)
         return logits, logits.argmax(-1)
 
     @torch.inference_mode()
@@ -133,8 +135,9 @@ class DFlashWorker(TargetWorker):
         Returns [T, 2] int64: column 0 the draft argmax per block row (rows 1..B-1 of a block are the proposals),
         column 1 the target argmax after each block token."""
         bs, b = draft_batch.batch_size, self.block_size
-        _, draft_argmax = self._draft_logits(draft_batch)
-        logits, _ = self._verify_forward(self._verify_batch(draft_batch, draft_argmax.view(bs, b)[:, 1:]))
+        draft_argmax = self.draft.argmax(self._draft_hidden(draft_batch), self.runner.model.lm_head)
+        verify_batch = self._verify_batch(draft_batch, draft_argmax.view(bs, b)[:, 1:])
+        logits, _ = self._verify_forward(dataclasses.replace(verify_batch, float_logits=False))
         assert logits is not None
         return (torch.stack([draft_argmax, logits.argmax(-1)], dim=1),)
 
