@@ -124,6 +124,9 @@ def report(
         identical = sum(a == b for a, b in zip(runs[0].output_ids, runs[1].output_ids))
         speedup = runs[1].tokens_per_s / runs[0].tokens_per_s
         print(f"DFlash speed-up {speedup:.2f}x | outputs identical to target-only: {identical}/{len(questions)}")
+        if identical < len(questions) and device != "cpu":
+            print("(half precision on a GPU: batches of different shapes round differently, so greedy near-ties can "
+                  "flip; in fp32 DFlash is token-identical, as the CPU tests check)")
         summary.update(speedup=speedup, identical_outputs=identical)
     return summary
 
