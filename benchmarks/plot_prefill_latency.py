@@ -5,10 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plot_common import finish_axis, plt, save_beside
 
 
 def plot(path: Path) -> Path:
@@ -24,15 +21,9 @@ def plot(path: Path) -> Path:
             style = "-" if spec else ":"
             ax.plot([r["tokens"] for r in sel], [r["eager_ms"] for r in sel], "x" + style, color=color, alpha=0.5, label=f"eager, {tag}")
             ax.plot([r["tokens"] for r in sel], [r["piecewise_ms"] for r in sel], "o" + style, color=color, label=f"piecewise, {tag}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens in the extend batch")
-    ax.set_ylabel("ms per forward")
-    ax.set_title(f"Prefill, Llama-3.1-8B shapes · {report['gpu']} · {report['date']} · {report['commit']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    return out
+    title = f"Prefill, Llama-3.1-8B shapes · {report['gpu']} · {report['date']} · {report['commit']}"
+    finish_axis(ax, "tokens in the extend batch", "ms per forward", title, title_size=9)
+    return save_beside(fig, path)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plot_common import finish_axis, plt, save_beside
 
 
 def plot(path: Path) -> Path:
@@ -32,16 +29,9 @@ def plot(path: Path) -> Path:
         for ref in report.get("dflash_reference", []):
             if ref.get("context") == context:
                 ax.axhline(ref["cycle_ms"], color="gray", alpha=0.5, label="z-lab dflash_generate (bs 1)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("ms per step")
-        ax.set_title(f"Llama-3.1-8B shapes, context {context}")
-        ax.legend(fontsize=7)
+        finish_axis(ax, "batch size", "ms per step", f"Llama-3.1-8B shapes, context {context}")
     fig.suptitle(f"{report['gpu']} · {report['date']} · commit {report['commit']} · simulated accept len {report['accept_len']}")
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    return out
+    return save_beside(fig, path)
 
 
 if __name__ == "__main__":
