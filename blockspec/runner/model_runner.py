@@ -115,7 +115,7 @@ class ModelRunner:
         graph = GraphedForward(
             f"target-{mode.value}", run, mode, tokens_per_req, self.config.cuda_graph_bs, self.req_to_token.table,
             self.req_to_token.dummy_row, self.max_positions, capture_layer_ids, self.graph_pool,
-            host_planner=graph_planner(self.attention),  # NOTE: FlashInfer plans outside the graph
+            host_planner=graph_planner(self.attention),
         )
         with torch.inference_mode():
             graph.capture()
@@ -143,21 +143,21 @@ class ModelRunner:
             self.forward_counts["piecewise_fallback"] += 1
         graph = self.graphs.get(batch.mode)
         if graph is not None and graph.can_run(batch):
-            self.forward_counts["graph"] += 1
-            logits, aux = graph.replay(batch)
-            assert logits is not None
-            return ModelOutput(logits, aux, None)
+            return self._replayed(graph.replay(batch))
         self.forward_counts["eager"] += 1
         return self.model(batch, self.attention)
+
+    def _replayed(self, outputs: tuple[torch.Tensor | None, ...]) -> ModelOutput:
+        self.forward_counts["graph"] += 1
+        logits, aux = outputs
+        assert logits is not None
+        return ModelOutput(logits, aux, None)
 
     @torch.inference_mode()
     def forward_uniform(self, rows: UniformRows) -> ModelOutput:
         """A uniform batch from host rows: graph replay with one host→device copy, else eager."""
         graph = self.graphs.get(rows.mode)
         if graph is not None and graph.can_run_rows(rows):
-            self.forward_counts["graph"] += 1
-            logits, aux = graph.replay_rows(rows)
-            assert logits is not None
-            return ModelOutput(logits, aux, None)
+            return self._replayed(graph.replay_rows(rows))
         self.forward_counts["eager"] += 1
         return self.model(rows.to_batch(self.req_to_token.table, self.max_positions), self.attention)

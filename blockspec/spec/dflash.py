@@ -68,7 +68,7 @@ class DFlashWorker(TargetWorker):
         self.draft_graph = GraphedForward(
             "draft", self._draft_logits, ForwardMode.DRAFT, self.block_size, self.runner.config.cuda_graph_bs,
             runner.req_to_token.table, runner.req_to_token.dummy_row, runner.max_positions, (), runner.graph_pool,
-            host_planner=graph_planner(self.draft_attention),  # NOTE: FlashInfer plans outside the graph
+            host_planner=graph_planner(self.draft_attention),
         )
         # NOTE: all-greedy batches replay this one graph per cycle: propose → verify → both argmaxes. A backend that
         # plans on the host (FlashInfer) cannot plan the verify half from inside it, so it keeps the two graphs.
@@ -121,12 +121,15 @@ class DFlashWorker(TargetWorker):
             self.runner.device,
         )
 
-    def _verify_batch(self, draft_batch: ForwardBatch, proposals: torch.Tensor) -> ForwardBatch:
+    def _verify_batch(
+        self, draft_batch: ForwardBatch, proposals: torch.Tensor, float_logits: bool = True
+    ) -> ForwardBatch:
         """The draft batch with block ids [bonus, d_1..d_{B-1}]: same slots, positions and attention extent."""
         bs, b = proposals.shape[0], self.block_size
         block_ids = torch.cat([draft_batch.input_ids.view(bs, b)[:, :1], proposals], dim=1).reshape(-1)
         return dataclasses.replace(
-            draft_batch, mode=ForwardMode.VERIFY, input_ids=block_ids, capture_layer_ids=self.capture, attn_meta=None
+            draft_batch, mode=ForwardMode.VERIFY, input_ids=block_ids, capture_layer_ids=self.capture, attn_meta=None,
+            float_logits=float_logits,
         )
 
     def _greedy_cycle(self, draft_batch: ForwardBatch) -> tuple[torch.Tensor]:
@@ -136,8 +139,8 @@ class DFlashWorker(TargetWorker):
         column 1 the target argmax after each block token."""
         bs, b = draft_batch.batch_size, self.block_size
         draft_argmax = self.draft.argmax(self._draft_hidden(draft_batch), self.runner.model.lm_head)
-        verify_batch = self._verify_batch(draft_batch, draft_argmax.view(bs, b)[:, 1:])
-        logits, _ = self._verify_forward(dataclasses.replace(verify_batch, float_logits=False))
+        proposals = draft_argmax.view(bs, b)[:, 1:]
+        logits, _ = self._verify_forward(self._verify_batch(draft_batch, proposals, float_logits=False))
         assert logits is not None
         return (torch.stack([draft_argmax, logits.argmax(-1)], dim=1),)
 
