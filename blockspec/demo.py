@@ -78,9 +78,7 @@ def run_engine(
     from blockspec import Engine
 
     kv_budget = max(4096, len(prompts) * (1024 + args.max_new_tokens))
-    extra: dict[str, Any] = {"max_total_tokens": kv_budget}
-    if args.max_running_requests is not None:
-        extra["max_running_requests"] = args.max_running_requests
+    extra: dict[str, Any] = {"max_total_tokens": kv_budget, "max_running_requests": args.max_running_requests}
     if draft is not None:
         extra.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft))
     engine = Engine(model_path=str(model_dir), device=args.device, dtype="auto", **extra)
@@ -89,8 +87,6 @@ def run_engine(
         engine.generate(input_ids=prompts[:1], sampling_params={**params, "max_new_tokens": 8})  # NOTE: warm-up
         start = time.perf_counter()
         outputs = cast(list[dict[str, Any]], engine.generate(input_ids=prompts, sampling_params=params))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     finally:
         engine.shutdown()

@@ -54,7 +54,6 @@ class GraphedForward:
         self.q = tokens_per_req
         self.batch_sizes = sorted(set(batch_sizes))
         self.req_to_token = req_to_token
-        self.dummy_row = dummy_row
         self.max_seq_len = max_seq_len
         self.capture_layer_ids = capture_layer_ids
         self.host_planner = host_planner
