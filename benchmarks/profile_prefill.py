@@ -1,0 +1,48 @@
+"""Kernel-level profile of prefill/extend on 8B shapes, eager vs piecewise CUDA graphs (DFlash on: FULL aux capture).
+
+For each (batch, tokens) case prints the wall time, the summed kernel time and the top kernels, so the gap between
+the two paths (copies, launches, host time) can be attributed."""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from blockspec import Engine
+from prefill_latency import extend_ms
+from step_latency import write_configs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cases", nargs="+", default=["1x16", "1x256", "8x2048"], help="BATCHxTOKENS")
+    parser.add_argument("--top", type=int, default=14)
+    args = parser.parse_args()
+    cases = [tuple(int(x) for x in case.split("x")) for case in args.cases]
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, draft_dir = write_configs(Path(tmp))
+        engine = Engine(model_path=str(target_dir), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                        max_total_tokens=65536, chunked_prefill_size=8192, cuda_graph_bs=[1],
+                        enforce_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=max(t for _, t in cases),
+                        speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir))
+        piecewise = engine.runner.piecewise
+        for bs, tokens in cases:
+            for label in ("eager", "piecewise"):
+                engine.runner.piecewise = piecewise if label == "piecewise" else None
+                wall = extend_ms(engine, bs, tokens, 5)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    extend_ms(engine, bs, tokens, 3)
+                    torch.cuda.synchronize()
+                events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+                total = sum(e.device_time_total for e in events) / 3 / 1e3
+                print(f"==== bs {bs} x {tokens} tokens, {label}: wall {wall:.2f} ms, kernels {total:.2f} ms ====")
+                for e in events[: args.top]:
+                    print(f"{e.device_time_total / 3 / 1e3:8.3f} ms  {e.count // 3:5d}x  {e.key[:90]}")
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
