@@ -93,7 +93,13 @@ def test_piecewise_equals_eager_across_buckets(tiny: Path) -> None:
         batch, reqs = extend_batch(engine, [0], [total], ())
         with torch.inference_mode():
             expected = runner.model(batch, runner.attention)
+            untouched = torch.ones(runner.kv_pool.num_slots, dtype=torch.bool, device="cuda")
+            untouched[batch.out_cache_loc] = False
+            untouched[0] = False  # the dummy slot: padding rows write there
+            before = [k[untouched].clone() for k in runner.kv_pool.k]
             got = runner.piecewise.forward(batch)
+        for layer_before, k in zip(before, runner.kv_pool.k):
+            assert torch.equal(layer_before, k[untouched]), f"{total} tokens: padding wrote a real KV slot"
         error = (got.logits - expected.logits).norm() / expected.logits.norm()
         assert error < 2e-2, f"{total} tokens: relative error {error:.2e}"
         release(engine, reqs)

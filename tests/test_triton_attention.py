@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from blockspec.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend  # noqa: E402
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable  # noqa: E402
 from blockspec.kv.pool import KVPool  # noqa: E402
 from blockspec.request import Req, SamplingParams  # noqa: E402
@@ -101,3 +101,25 @@ def test_kv_stored_skips_the_backend_store(backend_kind: str) -> None:
     got = backend.forward(q, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")), 0, batch, kv_stored=True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool_b.k[0], pool_a.k[0])
+
+
+@pytest.mark.parametrize("tiles", [KernelTiles(16, 32, 4, 2), KernelTiles(64, 64, 4, 3), KernelTiles(128, 32, 8, 2)])
+@pytest.mark.parametrize("mode,prefix,new", [
+    (ForwardMode.EXTEND, [16, 3], [40, 70]), (ForwardMode.VERIFY, [4, 90, 13], [8, 8, 8]),
+    (ForwardMode.DRAFT, [4, 90], [8, 8]),
+])
+def test_every_tile_shape_matches_torch(tiles: KernelTiles, mode: ForwardMode, prefix: list[int], new: list[int]) -> None:
+    """The tile shape is a pure launch choice (benchmarks/tune_attention.py picks it): results must not depend on it."""
+    heads, kv_heads, head_dim = 4, 2, 16
+    batch, pool_a, pool_b, q, k, v = make_case(mode, prefix, new, 1, heads, kv_heads, head_dim, torch.float32)
+    reference = TorchAttentionBackend(pool_a, head_dim ** -0.5)
+    batch.attn_meta = reference.plan(batch)
+    expected = reference.forward(q, k, v, 0, batch)
+    backend = TritonAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim)
+    meta = backend.plan(batch)
+    meta.tiles, meta.num_splits = tiles, 2
+    batch.attn_meta = meta
+    out = torch.full((q.shape[0], heads * head_dim), float("nan"), device=DEVICE)
+    got = backend.forward(q, k, v, 0, batch, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

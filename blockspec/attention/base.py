@@ -18,13 +18,14 @@ class AttentionBackend(Protocol):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+        kv_stored: bool = False, out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] of the new tokens. Unless `kv_stored` (the caller's rope kernel already
         wrote them, see RotaryEmbedding.apply), the backend first stores k, v at batch.out_cache_loc.
 
-        Returns [T, Hq * D]. Causal over prefix + new tokens unless the mode is DRAFT; layers with a
-        sliding window only see keys within the window behind the query.
+        Returns [T, Hq * D], written into `out` (contiguous [T, Hq * D]) when given. Causal over prefix + new
+        tokens unless the mode is DRAFT; layers with a sliding window only see keys within the window behind the
+        query.
         """
         ...
 

@@ -208,7 +208,7 @@ class FlashInferAttentionBackend:
     # ---- per layer -------------------------------------------------------------------------------
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+        kv_stored: bool = False, out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         meta: FlashInferMeta = batch.attn_meta
         if not kv_stored:
@@ -216,6 +216,7 @@ class FlashInferAttentionBackend:
         if q.stride(-1) != 1:
             q = q.contiguous()
         wrapper = meta.wrappers[self.layer_key(batch.mode, layer_id)]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # NOTE: q may be a strided view of qkv
-        wrapper.run(q, (self.paged_k[layer_id], self.paged_v[layer_id]), out=out)
-        return out.reshape(q.shape[0], -1)
+        # NOTE: q may be a strided view of qkv; the output is always contiguous [T, Hq, D].
+        result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out.view(q.shape)
+        wrapper.run(q, (self.paged_k[layer_id], self.paged_v[layer_id]), out=result)
+        return result.reshape(q.shape[0], -1)

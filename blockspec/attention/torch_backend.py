@@ -63,7 +63,7 @@ class TorchAttentionBackend:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+        kv_stored: bool = False, out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         meta: TorchAttentionMeta = batch.attn_meta
         if not kv_stored:
@@ -77,12 +77,12 @@ class TorchAttentionBackend:
             values = values.repeat_interleave(group, dim=1)
         causal = layer_is_causal(batch.mode, self.draft_layer_causal, layer_id)
         mask = self._mask(meta, causal, layer_window(self.sliding_windows, layer_id))
-        out = F.scaled_dot_product_attention(
+        attended = F.scaled_dot_product_attention(
             queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=mask, scale=self.scale
         )
         # NOTE: a padded query row may have no valid key (NaN); those rows are dropped below.
-        out = out.transpose(1, 2)  # [bs, max_q, Hq, D]
+        attended = attended.transpose(1, 2)  # [bs, max_q, Hq, D]
         valid = meta.query_rows >= 0
-        flat = torch.empty_like(q)
-        flat[meta.query_rows[valid]] = out[valid]
+        flat = torch.empty_like(q) if out is None else out.view(q.shape)
+        flat[meta.query_rows[valid]] = attended[valid]
         return flat.reshape(q.shape[0], -1)

@@ -12,8 +12,26 @@ from blockspec.attention.triton_kernels import merge_splits_kernel, paged_attent
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch
 
-BLOCK_M = 16
 TARGET_PROGRAMS = 264  # ~2 waves of an H200's 132 SMs
+MIN_SPLIT_KEYS = 256  # a split-K program reads at least this many keys
+
+
+@dataclass(frozen=True)
+class KernelTiles:
+    """Launch shape of paged_attention_kernel: (token, head) rows and keys per step, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(rows_per_request: int) -> KernelTiles:
+    """rows_per_request = query tokens x GQA group: decode fills 16 rows, verify/draft/extend use wider tiles so
+    one program reads each key once for more rows."""
+    if rows_per_request <= 16:
+        return KernelTiles(16, 64, 4, 2)
+    return KernelTiles(64, 64, 4, 2)
 
 
 @dataclass
@@ -22,6 +40,7 @@ class TritonAttentionMeta:
     q_lens: torch.Tensor  # [bs] int32
     max_q_len: int
     num_splits: int
+    tiles: KernelTiles
 
 
 class TritonAttentionBackend:
@@ -46,11 +65,13 @@ class TritonAttentionBackend:
         self.draft_layer_causal = draft_layer_causal
         self.max_splits = max_splits
 
-    def choose_splits(self, batch_size: int, max_q_len: int, max_seq_len: int) -> int:
-        group = self.num_heads // self.num_kv_heads
-        programs = batch_size * self.num_kv_heads * triton.cdiv(max_q_len * group, BLOCK_M)
+    def choose_splits(self, batch_size: int, rows_per_request: int, block_m: int, max_seq_len: int) -> int:
+        programs = batch_size * self.num_kv_heads * triton.cdiv(rows_per_request, block_m)
         splits = 1
-        while splits < self.max_splits and programs * splits * 2 <= TARGET_PROGRAMS and max_seq_len >= splits * 2 * 256:
+        while (
+            splits < self.max_splits and programs * splits * 2 <= TARGET_PROGRAMS
+            and max_seq_len >= splits * 2 * MIN_SPLIT_KEYS
+        ):
             splits *= 2
         return splits
 
@@ -70,11 +91,13 @@ class TritonAttentionBackend:
             q_starts = (torch.cumsum(lens, 0) - lens).to(torch.int32).to(device)
             max_q = max(batch.extend_lens_cpu)
         max_seq = batch.max_seq_len_hint if batch.max_seq_len_hint is not None else max(batch.seq_lens_cpu)
-        return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, max_q, max_seq))
+        rows = max_q * (self.num_heads // self.num_kv_heads)
+        tiles = choose_tiles(rows)
+        return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, rows, tiles.block_m, max_seq), tiles)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+        kv_stored: bool = False, out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         meta: TritonAttentionMeta = batch.attn_meta
         if not kv_stored:
@@ -83,7 +106,8 @@ class TritonAttentionBackend:
         if q.stride(-1) != 1:
             q = q.contiguous()
         num_tokens = q.shape[0]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # NOTE: q may be a strided view of qkv
+        # NOTE: q may be a strided view of qkv; the output is always contiguous [T, Hq, D].
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out.view(q.shape)
         group = self.num_heads // self.num_kv_heads
         window = layer_window(self.sliding_windows, layer_id)
         causal = layer_is_causal(batch.mode, self.draft_layer_causal, layer_id)
@@ -95,7 +119,8 @@ class TritonAttentionBackend:
         else:
             part_acc = part_max = part_sum = out
         table = batch.req_to_token
-        grid = (triton.cdiv(meta.max_q_len * group, BLOCK_M), batch.batch_size * self.num_kv_heads, splits)
+        tiles = meta.tiles
+        grid = (triton.cdiv(meta.max_q_len * group, tiles.block_m), batch.batch_size * self.num_kv_heads, splits)
         paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
             table, batch.req_rows, meta.q_starts, meta.q_lens, batch.seq_lens,
@@ -103,8 +128,9 @@ class TritonAttentionBackend:
             out.stride(0), out.stride(1), self.num_heads * splits, splits, 1,
             self.scale, window or 0,
             NUM_KV_HEADS=self.num_kv_heads, GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
-            BLOCK_M=BLOCK_M, BLOCK_N=64, NUM_SPLITS=splits, CAUSAL=causal, USE_WINDOW=window is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, CAUSAL=causal,
+            USE_WINDOW=window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         if splits > 1:
             merge_splits_kernel[(num_tokens, self.num_heads)](

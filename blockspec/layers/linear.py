@@ -1,7 +1,19 @@
 """A linear layer that stores several checkpoint matrices stacked along the output dim (q|k|v, gate|up)."""
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 from torch import nn
+
+
+def linear_into(layer: nn.Linear, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """layer(x), written into `out` [.., out_features] when given (a static buffer of a piecewise graph)."""
+    if out is None:
+        return layer(x)
+    if layer.bias is None:
+        return torch.matmul(x, layer.weight.t(), out=out)
+    return torch.addmm(layer.bias, x, layer.weight.t(), out=out)
 
 
 class StackedLinear(nn.Linear):

@@ -9,7 +9,7 @@ from torch import nn
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.layers.activation import GatedMLP
-from blockspec.layers.linear import StackedLinear
+from blockspec.layers.linear import StackedLinear, linear_into
 from blockspec.layers.norm import RMSNorm
 from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
@@ -41,11 +41,18 @@ class SelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def project(
-        self, normed: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, store: Optional[LayerKVStore] = None
+        self,
+        normed: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        store: Optional[LayerKVStore] = None,
+        qkv_out: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        """(q, k, v, kv_stored): q/k normed (Qwen3) and rotated; on CUDA k and v also land in `store` if given."""
+        """(q, k, v, kv_stored): q/k normed (Qwen3) and rotated; on CUDA k and v also land in `store` if given.
+        With `qkv_out` [T, (Hq + 2 Hk) D] the projection is written there (on CUDA q, k, v are then views of it)."""
         t = normed.shape[0]
-        q, k, v = self.qkv_proj(normed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = linear_into(self.qkv_proj, normed, qkv_out)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -70,21 +77,25 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         store: Optional[LayerKVStore] = None,
+        qkv_out: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """(q, k, v, residual, kv_stored); `hidden` is the previous layer's MLP output (or the embeddings, residual
-        None). With `store`, the new K/V may be written to the cache here (kv_stored tells)."""
+        None). With `store`, the new K/V may be written to the cache here (kv_stored tells); `qkv_out` as in
+        SelfAttention.project."""
         if residual is None:
             residual = hidden.clone()
             normed = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        q, k, v, kv_stored = self.self_attn.project(normed, positions, rotary, store)
+        q, k, v, kv_stored = self.self_attn.project(normed, positions, rotary, store, qkv_out)
         return q, k, v, residual, kv_stored
 
-    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp output, residual); the layer's output is their sum."""
+    def post_attention(
+        self, attn: torch.Tensor, residual: torch.Tensor, mlp_out: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual); the layer's output is their sum. `mlp_out`: optional buffer for the MLP output."""
         normed, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.o_proj(attn), residual)
-        return self.mlp(normed), residual
+        return self.mlp(normed, mlp_out), residual
 
     def forward(
         self,

@@ -3,9 +3,10 @@
 The target forward is cut at each attention into L+1 segments: [embed + layer 0 pre-attention],
 [layer i-1 post-attention + layer i pre-attention] for i in 1..L-1, and [layer L-1 post-attention + final norm].
 Each segment reads and writes fixed buffers (sized for the largest bucket, sliced per bucket), so one graph per
-(segment, token bucket) can be replayed for any batch whose token count rounds up to that bucket. Attention runs
-eagerly between segments on the real tokens only, so padding rows never write a KV slot (segments rotate q/k
-without a KV store; the attention backend stores the real tokens' K/V).
+(segment, token bucket) can be replayed for any batch whose token count rounds up to that bucket. Segments also
+store the new K/V (fused with rope) at a static slot buffer whose padding rows point at the dummy slot, so padding
+never writes a real KV slot; attention runs eagerly between segments on the real tokens only, reading q/k/v as views
+of the segment's projection buffer and writing its output into the next segment's input buffer.
 
 The hidden-capture mode (which layer outputs are returned for every token) is fixed at construction and used both
 at capture and at replay; a batch asking for another mode is refused by `can_run` and runs eagerly.
@@ -63,50 +64,56 @@ class PiecewiseGraphRunner:
         def buffer(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=kind, device=device)
 
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.head_shapes = ((cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim))
         self.input_ids = buffer(n, kind=torch.int64)
         self.positions = buffer(n, kind=torch.int64)
-        self.q = buffer(n, cfg.num_heads, cfg.head_dim)
-        self.k = buffer(n, cfg.num_kv_heads, cfg.head_dim)
-        self.v = buffer(n, cfg.num_kv_heads, cfg.head_dim)
-        self.attn = buffer(n, cfg.num_heads * cfg.head_dim)
+        self.out_cache_loc = buffer(n, kind=torch.int64)
+        self.qkv = buffer(n, self.q_size + 2 * self.kv_size)
+        self.attn = buffer(n, self.q_size)
         self.residual = buffer(n, h)
         self.mlp_out = buffer(n, h)
         self.hidden = buffer(n, h)
         self.aux = {layer_id: buffer(n, h) for layer_id in capture_layer_ids}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
+    def qkv_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, Hq, D], k, v [n, Hk, D]: views of the static projection buffer (what attention reads)."""
+        q, k, v = self.qkv[:n].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        (hq, d), (hk, _) = self.head_shapes
+        return q.view(n, hq, d), k.view(n, hk, d), v.view(n, hk, d)
+
     # ---- segments (pure functions of the buffers, sliced to n tokens) ------------------------
-    def _write_qkv(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
-        self.q[:n].copy_(q)
-        self.k[:n].copy_(k)
-        self.v[:n].copy_(v)
-        if residual.data_ptr() != self.residual.data_ptr():
-            self.residual[:n].copy_(residual)
+    # NOTE: on CUDA every op below writes the static buffers in place (qkv projection, in-place rope + K/V store,
+    # in-place residual add, MLP into mlp_out), so nothing is copied between segments and attention; the copies
+    # only run on CPU (eager segment tests), where those ops return new tensors.
+    def _pre_attention(self, layer_id: int, n: int, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+        """Layer `layer_id` up to attention; its K/V land in the cache at out_cache_loc (padding: the dummy slot)."""
+        store = self.backend.pool.layer_store(layer_id, self.out_cache_loc[:n])
+        q, k, v, residual, kv_stored = self.model.model.layers[layer_id].pre_attention(
+            hidden, residual, self.positions[:n], self.model.model.rotary, store, self.qkv[:n]
+        )
+        for produced, static in zip((q, k, residual), (*self.qkv_views(n)[:2], self.residual[:n])):
+            if produced.data_ptr() != static.data_ptr():
+                static.copy_(produced)
+        if not kv_stored:
+            store.write(k, v)
 
     def _finish_layer(self, layer_id: int, n: int) -> torch.Tensor:
         """Runs layer `layer_id`'s post-attention part; leaves its MLP output in self.mlp_out."""
         layer = self.model.model.layers[layer_id]
-        mlp_out, residual = layer.post_attention(self.attn[:n], self.residual[:n])
+        _, residual = layer.post_attention(self.attn[:n], self.residual[:n], self.mlp_out[:n])
         if residual.data_ptr() != self.residual.data_ptr():
             self.residual[:n].copy_(residual)
-        self.mlp_out[:n].copy_(mlp_out)
         if layer_id in self.aux:
-            self.aux[layer_id][:n].copy_(mlp_out + self.residual[:n])
+            torch.add(self.mlp_out[:n], self.residual[:n], out=self.aux[layer_id][:n])
         return self.mlp_out[:n]
 
     def segment(self, index: int, n: int) -> None:
-        rotary = self.model.model.rotary
-        positions = self.positions[:n]
         if index == 0:
-            embeds = self.model.embed(self.input_ids[:n])
-            q, k, v, residual, _ = self.model.model.layers[0].pre_attention(embeds, None, positions, rotary)
-            self._write_qkv(n, q, k, v, residual)
+            self._pre_attention(0, n, self.model.embed(self.input_ids[:n]), None)
         elif index < self.num_layers:
-            mlp_out = self._finish_layer(index - 1, n)
-            q, k, v, residual, _ = self.model.model.layers[index].pre_attention(
-                mlp_out, self.residual[:n], positions, rotary
-            )
-            self._write_qkv(n, q, k, v, residual)
+            self._pre_attention(index, n, self._finish_layer(index - 1, n), self.residual[:n])
         else:
             mlp_out = self._finish_layer(self.num_layers - 1, n)
             hidden, _ = self.model.model.norm.add_and_norm(mlp_out, self.residual[:n])
@@ -145,16 +152,18 @@ class PiecewiseGraphRunner:
         assert n is not None
         self.input_ids[:t].copy_(batch.input_ids)
         self.positions[:t].copy_(batch.positions)
+        self.out_cache_loc[:t].copy_(batch.out_cache_loc)
         if n > t:
             self.input_ids[t:n].zero_()
             self.positions[t:n].zero_()
+            self.out_cache_loc[t:n].zero_()  # NOTE: slot 0 is the dummy page's: padding rows never touch real KV
         batch.attn_meta = self.backend.plan(batch)
         run: Callable[[int], None] = (lambda i: self.graphs[(i, n)].replay()) if use_graphs else (lambda i: self.segment(i, n))
+        q, k, v = self.qkv_views(t)
         for index in range(self.num_layers + 1):
             run(index)
             if index < self.num_layers:
-                out = self.backend.forward(self.q[:t], self.k[:t], self.v[:t], index, batch)
-                self.attn[:t].copy_(out)
+                self.backend.forward(q, k, v, index, batch, kv_stored=True, out=self.attn[:t])
         hidden = self.hidden[:t].clone()  # NOTE: the static buffer is overwritten by the next extend
         aux = torch.cat([self.aux[i][:t] for i in self.capture_layer_ids], dim=-1) if self.capture_layer_ids else None
         return ModelOutput(self.model.compute_logits(hidden[batch.logits_rows]), aux, hidden)

@@ -1,0 +1,125 @@
+"""Sweeps the Triton paged-attention launch shape (rows/keys per program, warps, stages, split-K) on 8B shapes.
+
+For decode, verify, draft and extend batches (bf16, 32 query / 8 KV heads, head dim 128) every configuration is
+timed as 20 launches inside one CUDA graph (launch gaps as in the engine's graphs) and checked against the
+default configuration's output. Prints, per case, the default's time and the best few; writes JSON to --out."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend, TritonAttentionMeta
+from blockspec.kv.pool import KVPool
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+CASES = [  # name, mode, batch size, cached context, new tokens per request
+    ("decode bs1 ctx4096", ForwardMode.DECODE, 1, 4096, 1),
+    ("decode bs64 ctx4096", ForwardMode.DECODE, 64, 4096, 1),
+    ("verify bs1 ctx512", ForwardMode.VERIFY, 1, 512, 10),
+    ("verify bs1 ctx4096", ForwardMode.VERIFY, 1, 4096, 10),
+    ("verify bs32 ctx512", ForwardMode.VERIFY, 32, 512, 10),
+    ("verify bs32 ctx4096", ForwardMode.VERIFY, 32, 4096, 10),
+    ("draft bs1 ctx512", ForwardMode.DRAFT, 1, 512, 10),
+    ("draft bs32 ctx4096", ForwardMode.DRAFT, 32, 4096, 10),
+    ("extend bs1 x256", ForwardMode.EXTEND, 1, 0, 256),
+    ("extend bs8 x256", ForwardMode.EXTEND, 8, 0, 256),
+    ("extend bs1 x2048", ForwardMode.EXTEND, 1, 0, 2048),
+]
+
+
+def make_batch(mode: ForwardMode, bs: int, context: int, new: int) -> tuple[ForwardBatch, KVPool, torch.Tensor]:
+    total = context + new
+    pool = KVPool(bs * total + 1, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    table = (torch.arange(bs * total, device="cuda") + 1).view(bs, total)
+    ids = [[1] * new for _ in range(bs)]
+    batch = build_batch(mode, ids, [context] * bs, list(range(bs)), table, [0])
+    q = torch.randn(bs * new, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    return batch, pool, q
+
+
+def graph_us(backend: TritonAttentionBackend, q: torch.Tensor, batch: ForwardBatch, launches: int = 20) -> float:
+    k = v = q[:, :KV_HEADS]
+    for _ in range(2):
+        backend.forward(q, k, v, 0, batch, kv_stored=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            backend.forward(q, k, v, 0, batch, kv_stored=True)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * launches)
+
+
+def sweep(name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool) -> dict[str, Any]:
+    batch, pool, q = make_batch(mode, bs, context, new)
+    backend = TritonAttentionBackend(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
+    default: TritonAttentionMeta = backend.plan(batch)
+    batch.attn_meta = default
+    reference = backend.forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, kv_stored=True).float()
+    rows = new * HEADS // KV_HEADS
+    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)]
+    splits = [1] if mode is ForwardMode.EXTEND else [1, 2, 4, 8, 16]
+    results = [{"config": "default", "tiles": vars(default.tiles), "splits": default.num_splits,
+                "us": graph_us(backend, q, batch)}]
+
+    def run(tiles: KernelTiles, split: int) -> None:
+        batch.attn_meta = replace(default, tiles=tiles, num_splits=split)
+        try:
+            got = backend.forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, kv_stored=True).float()
+            error = ((got - reference).norm() / reference.norm()).item()
+            us = graph_us(backend, q, batch) if error < 1e-2 else float("inf")
+        except Exception as exc:  # NOTE: e.g. out of shared memory for a large tile: skip that configuration
+            us, error = float("inf"), repr(exc)[:80]
+        results.append({"tiles": vars(tiles), "splits": split, "us": us, "error": error})
+
+    for block_m, block_n, split in itertools.product(block_ms, (32, 64, 128), splits):
+        run(KernelTiles(block_m, block_n, 4, 2), split)
+    best = min(results[1:], key=lambda r: r["us"])
+    if not quick:
+        for warps, stages in itertools.product((2, 4, 8), (1, 2, 3, 4)):
+            tiles = KernelTiles(best["tiles"]["block_m"], best["tiles"]["block_n"], warps, stages)
+            run(tiles, best["splits"])
+    ranked = sorted(results, key=lambda r: r["us"])
+    print(f"== {name}: default {results[0]['us']:.1f} us {results[0]['tiles']} splits {results[0]['splits']}")
+    for r in ranked[:4]:
+        print(f"   {r['us']:7.1f} us  {r['tiles']} splits {r['splits']}")
+    return {"case": name, "default": results[0], "ranked": ranked[:12]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
+    parser.add_argument("--quick", action="store_true", help="skip the warps x stages sweep")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "cases": []}
+    for case in CASES:
+        if args.cases and not any(s in case[0] for s in args.cases):
+            continue
+        report["cases"].append(sweep(*case, quick=args.quick))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"tune_attention_{report['date']}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
