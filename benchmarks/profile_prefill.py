@@ -20,6 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", nargs="+", default=["1x16", "1x256", "8x2048"], help="BATCHxTOKENS")
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--trace-dir", type=Path, help="also write a Chrome trace (CPU + CUDA) per piecewise case")
     args = parser.parse_args()
     cases = [tuple(int(x) for x in case.split("x")) for case in args.cases]
     with tempfile.TemporaryDirectory() as tmp:
@@ -33,9 +34,15 @@ def main() -> None:
             for label in ("eager", "piecewise"):
                 engine.runner.piecewise = piecewise if label == "piecewise" else None
                 wall = extend_ms(engine, bs, tokens, 5)
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                activities = [ProfilerActivity.CUDA]
+                if args.trace_dir and label == "piecewise":
+                    activities.append(ProfilerActivity.CPU)
+                with profile(activities=activities) as prof:
                     extend_ms(engine, bs, tokens, 3)
                     torch.cuda.synchronize()
+                if ProfilerActivity.CPU in activities:
+                    args.trace_dir.mkdir(parents=True, exist_ok=True)
+                    prof.export_chrome_trace(str(args.trace_dir / f"prefill_{label}_{bs}x{tokens}.json"))
                 events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
                 total = sum(e.device_time_total for e in events) / 3 / 1e3
                 print(f"==== bs {bs} x {tokens} tokens, {label}: wall {wall:.2f} ms, kernels {total:.2f} ms ====")

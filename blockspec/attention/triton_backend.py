@@ -12,10 +12,6 @@ from blockspec.attention.triton_kernels import merge_splits_kernel, paged_attent
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch
 
-TARGET_PROGRAMS = 264  # ~2 waves of an H200's 132 SMs
-MIN_SPLIT_KEYS = 256  # a split-K program reads at least this many keys
-
-
 @dataclass(frozen=True)
 class KernelTiles:
     """Launch shape of paged_attention_kernel: (token, head) rows and keys per step, warps, pipeline stages."""
@@ -26,12 +22,28 @@ class KernelTiles:
     num_stages: int
 
 
-def choose_tiles(rows_per_request: int) -> KernelTiles:
-    """rows_per_request = query tokens x GQA group: decode fills 16 rows, verify/draft/extend use wider tiles so
-    one program reads each key once for more rows."""
+@dataclass(frozen=True)
+class LaunchPolicy:
+    """Tiles, and how far split-K may go: at most `max_programs` programs, each reading >= `min_split_keys` keys."""
+
+    tiles: KernelTiles
+    max_programs: int
+    min_split_keys: int
+
+
+# NOTE: measured on an H200 with 8B shapes (benchmarks/tune_attention.py, results/tune_attention_*.json):
+# decode (<= 16 rows per request) wants narrow tiles and many splits, verify/draft blocks wide tiles and splits
+# down to 32 keys at batch 1, long extends wide tiles, deeper pipelining and no split.
+DECODE_POLICY = LaunchPolicy(KernelTiles(16, 128, 4, 3), 2048, 256)
+BLOCK_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 2), 528, 32)
+EXTEND_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 3), 528, 1024)
+
+
+def launch_policy(rows_per_request: int) -> LaunchPolicy:
+    """rows_per_request = query tokens x GQA group (decode 1 x group, verify/draft block x group)."""
     if rows_per_request <= 16:
-        return KernelTiles(16, 64, 4, 2)
-    return KernelTiles(64, 64, 4, 2)
+        return DECODE_POLICY
+    return BLOCK_POLICY if rows_per_request <= 64 else EXTEND_POLICY
 
 
 @dataclass
@@ -65,12 +77,12 @@ class TritonAttentionBackend:
         self.draft_layer_causal = draft_layer_causal
         self.max_splits = max_splits
 
-    def choose_splits(self, batch_size: int, rows_per_request: int, block_m: int, max_seq_len: int) -> int:
-        programs = batch_size * self.num_kv_heads * triton.cdiv(rows_per_request, block_m)
+    def choose_splits(self, batch_size: int, rows_per_request: int, policy: LaunchPolicy, max_seq_len: int) -> int:
+        programs = batch_size * self.num_kv_heads * triton.cdiv(rows_per_request, policy.tiles.block_m)
         splits = 1
         while (
-            splits < self.max_splits and programs * splits * 2 <= TARGET_PROGRAMS
-            and max_seq_len >= splits * 2 * MIN_SPLIT_KEYS
+            splits < self.max_splits and programs * splits * 2 <= policy.max_programs
+            and max_seq_len >= splits * 2 * policy.min_split_keys
         ):
             splits *= 2
         return splits
@@ -92,8 +104,8 @@ class TritonAttentionBackend:
             max_q = max(batch.extend_lens_cpu)
         max_seq = batch.max_seq_len_hint if batch.max_seq_len_hint is not None else max(batch.seq_lens_cpu)
         rows = max_q * (self.num_heads // self.num_kv_heads)
-        tiles = choose_tiles(rows)
-        return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, rows, tiles.block_m, max_seq), tiles)
+        policy = launch_policy(rows)
+        return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, rows, policy, max_seq), policy.tiles)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
