@@ -135,3 +135,40 @@ def test_dflash_refuses_runner_without_aux_capture(tmp_path: Path) -> None:
     pool = KVPool(runner.kv_pool.num_slots, 2, 2, 16, runner.dtype, runner.device)
     with pytest.raises(ValueError, match="FULL hidden capture"):
         DFlashWorker(runner, draft, pool, 4)
+
+
+def test_aux_consumer_writes_the_draft_kv_like_eager_materialise(tmp_path: Path) -> None:
+    """DFlash hands the captured aux to the last segment (inside its graph): the draft KV it writes equals the eager
+    materialise at the real slots, and padding rows write only the dummy slot."""
+    pytest.importorskip("dflash.model")
+    from tiny_models import save_tiny_draft
+
+    target = save_tiny_model("llama", tmp_path / "target")
+    save_tiny_draft(tmp_path / "draft", target, [0, 2], 4)
+    engine = Engine(model_path=str(tmp_path / "target"), device="cpu", dtype="float32", max_total_tokens=512,
+                    skip_tokenizer_init=True, speculative_algorithm="DFLASH",
+                    speculative_draft_model_path=str(tmp_path / "draft"))
+    runner, worker = engine.runner, engine.worker
+    pcg = PiecewiseGraphRunner(runner.model, runner.attention, [32], (0, 2), runner.device,
+                               aux_consumer=worker._materialise_draft_kv)
+    batch, reqs = extend_batch(engine, [0, 4], [5, 9], (0, 2))
+    draft_k = worker.draft_pool.k
+    with torch.no_grad():
+        runner.model.model.embed_tokens.weight[0].fill_(0.5)  # NOTE: padding rows use token 0; make them visible
+    with torch.inference_mode():
+        expected = runner.model(batch, runner.attention)
+        worker._materialise_draft_kv(expected.aux_hidden, batch.positions, batch.out_cache_loc)
+        eager_k = [k.clone() for k in draft_k]
+        for k in draft_k:
+            k[batch.out_cache_loc] = 0.0
+            k[0] = 0.0
+        before = [k.clone() for k in draft_k]
+        got = pcg.forward(batch, use_graphs=False)
+    assert got.aux_consumed and not expected.aux_consumed
+    real = batch.out_cache_loc
+    for eager, after, start in zip(eager_k, draft_k, before):
+        torch.testing.assert_close(after[real], eager[real])
+        changed = set((after != start).any(-1).any(-1).nonzero().flatten().tolist())
+        assert changed <= set(real.tolist()) | {0}
+        assert 0 in changed  # the 18 padding rows of the 32-token bucket went to the dummy slot
+    release(engine, reqs)

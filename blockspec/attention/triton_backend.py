@@ -48,8 +48,8 @@ def launch_policy(rows_per_request: int) -> LaunchPolicy:
 
 @dataclass
 class TritonAttentionMeta:
-    q_starts: torch.Tensor  # [bs] int32
-    q_lens: torch.Tensor  # [bs] int32
+    q_starts: torch.Tensor  # [bs] int32 or int64
+    q_lens: torch.Tensor  # [bs] int32 or int64
     max_q_len: int
     num_splits: int
     tiles: KernelTiles
@@ -97,6 +97,8 @@ class TritonAttentionBackend:
             q_lens = torch.full((bs,), uniform, dtype=torch.int32, device=device)
             q_starts = torch.arange(0, bs * uniform, uniform, dtype=torch.int32, device=device)
             max_q = uniform
+        elif batch.extend_starts is not None and batch.extend_lens is not None:
+            q_starts, q_lens, max_q = batch.extend_starts, batch.extend_lens, max(batch.extend_lens_cpu)
         else:
             lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int32)
             q_lens = lens.to(device)

@@ -22,6 +22,7 @@ class ModelOutput:
     logits: torch.Tensor  # [len(batch.logits_rows), vocab], float32
     aux_hidden: Optional[torch.Tensor]  # [T, len(capture_layer_ids) * hidden] or None
     hidden: Optional[torch.Tensor]  # [T, hidden] final-normed hidden of every token (None from a graph)
+    aux_consumed: bool = False  # a piecewise graph already passed aux_hidden to its consumer (DFlash: draft KV)
 
 
 class SelfAttention(nn.Module):

@@ -32,6 +32,8 @@ class ForwardBatch:
     uniform_q_len: Optional[int] = None  # every request has this many new tokens (decode / verify / draft)
     max_seq_len_hint: Optional[int] = None  # upper bound of seq_lens, fixed for a captured graph
     float_logits: bool = True  # False: logits stay in the model dtype (callers that only take the argmax)
+    extend_starts: Optional[torch.Tensor] = None  # [bs] int64 first token row per request (built batches)
+    extend_lens: Optional[torch.Tensor] = None  # [bs] int64 device copy of extend_lens_cpu (built batches)
     attn_meta: Any = field(default=None, repr=False)  # set by backend.plan(batch)
 
     @property
@@ -63,25 +65,36 @@ def build_batch(
     device = req_to_token.device
     extend_lens = [len(t) for t in token_ids]
     seq_lens = [s + n for s, n in zip(start_positions, extend_lens)]
-    flat_ids = [t for ids in token_ids for t in ids]
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(start_positions, extend_lens)])
+    bs, total = len(extend_lens), sum(extend_lens)
+    lens = torch.tensor(extend_lens, dtype=torch.int64)
+    starts = torch.cumsum(lens, 0) - lens  # first row of each request's tokens
     rows = torch.tensor(req_rows, dtype=torch.int64)
-    row_per_token = torch.repeat_interleave(rows, torch.tensor(extend_lens))
-    positions = positions.to(device)
-    out_cache_loc = req_to_token[row_per_token.to(device), positions]
+    positions = torch.arange(total) + torch.repeat_interleave(torch.tensor(start_positions) - starts, lens)
+    host = torch.cat([
+        torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64), positions,
+        torch.repeat_interleave(rows, lens), rows, torch.tensor(seq_lens), torch.tensor(logits_rows, dtype=torch.int64),
+        starts, lens,
+    ])
+    # NOTE: one host→device copy for the whole batch (each separate pageable copy stalls the host).
+    packed = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    input_ids, positions_d, row_per_token, rows_d, seq_lens_d, logits_rows_d, starts_d, lens_d = packed.split(
+        [total, total, total, bs, bs, len(logits_rows), bs, bs]
+    )
     return ForwardBatch(
         mode=mode,
-        input_ids=torch.tensor(flat_ids, dtype=torch.int64, device=device),
-        positions=positions,
-        out_cache_loc=out_cache_loc,
-        req_rows=rows.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        input_ids=input_ids,
+        positions=positions_d,
+        out_cache_loc=req_to_token[row_per_token, positions_d],
+        req_rows=rows_d,
+        seq_lens=seq_lens_d,
         seq_lens_cpu=seq_lens,
         extend_lens_cpu=extend_lens,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_rows=logits_rows_d,
         req_to_token=req_to_token,
         capture_layer_ids=capture_layer_ids,
         uniform_q_len=extend_lens[0] if mode is not ForwardMode.EXTEND else None,
+        extend_starts=starts_d,
+        extend_lens=lens_d,
     )
 
 

@@ -17,7 +17,7 @@ from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
 from blockspec.runner.cuda_graph import GraphedForward
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows
-from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, default_buckets
+from blockspec.runner.piecewise_graph import AuxConsumer, PiecewiseGraphRunner, default_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -121,15 +121,17 @@ class ModelRunner:
             graph.capture()
         self.graphs[mode] = graph
 
-    def capture_piecewise(self) -> None:
-        """Piecewise graphs for extend batches, in this runner's fixed hidden-capture mode."""
+    def capture_piecewise(self, aux_consumer: Optional[AuxConsumer] = None) -> None:
+        """Piecewise graphs for extend batches, in this runner's fixed hidden-capture mode; `aux_consumer` runs inside
+        the last segment's graph (see PiecewiseGraphRunner)."""
         config = self.config
         if not (config.enforce_piecewise_cuda_graph and self.device.type == "cuda" and not config.disable_cuda_graph):
             return
         max_tokens = self.config.piecewise_cuda_graph_max_tokens
         buckets = self.config.piecewise_cuda_graph_tokens or default_buckets(max_tokens)
         self.piecewise = PiecewiseGraphRunner(
-            self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graph_pool
+            self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graph_pool,
+            aux_consumer,
         )
         with torch.inference_mode():
             self.piecewise.capture()

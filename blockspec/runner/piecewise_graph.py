@@ -26,6 +26,8 @@ from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
+AuxConsumer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
 
 def default_buckets(max_tokens: int) -> list[int]:
     """4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64, then step 256 up to max_tokens."""
@@ -50,7 +52,11 @@ class PiecewiseGraphRunner:
         capture_layer_ids: tuple[int, ...],
         device: torch.device,
         pool: Optional[tuple[int, int]] = None,
+        aux_consumer: Optional[AuxConsumer] = None,
     ) -> None:
+        """`aux_consumer(aux [n, len(capture_layer_ids) * hidden], positions [n], slots [n])` runs at the end of the
+        last segment, inside its graph (DFlash: writes the draft KV); padding rows carry the dummy slot, so it must
+        write only at `slots`."""
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -58,6 +64,7 @@ class PiecewiseGraphRunner:
         self.capture_layer_ids = capture_layer_ids
         self.device = device
         self.pool = pool
+        self.aux_consumer = aux_consumer if capture_layer_ids else None
         self.num_layers = cfg.num_layers
         n, h, dtype = self.buckets[-1], cfg.hidden_size, model.lm_head.weight.dtype
 
@@ -74,7 +81,8 @@ class PiecewiseGraphRunner:
         self.residual = buffer(n, h)
         self.mlp_out = buffer(n, h)
         self.hidden = buffer(n, h)
-        self.aux = {layer_id: buffer(n, h) for layer_id in capture_layer_ids}
+        self.aux_all = buffer(n, len(capture_layer_ids) * h)  # the captured layers side by side, in order
+        self.aux = {layer_id: self.aux_all[:, i * h:(i + 1) * h] for i, layer_id in enumerate(capture_layer_ids)}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def qkv_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,6 +126,8 @@ class PiecewiseGraphRunner:
             mlp_out = self._finish_layer(self.num_layers - 1, n)
             hidden, _ = self.model.model.norm.add_and_norm(mlp_out, self.residual[:n])
             self.hidden[:n].copy_(hidden)
+            if self.aux_consumer is not None:
+                self.aux_consumer(self.aux_all[:n], self.positions[:n], self.out_cache_loc[:n])
 
     # ---- capture and replay -------------------------------------------------------------------
     def capture(self) -> None:
@@ -165,5 +175,7 @@ class PiecewiseGraphRunner:
             if index < self.num_layers:
                 self.backend.forward(q, k, v, index, batch, kv_stored=True, out=self.attn[:t])
         hidden = self.hidden[:t].clone()  # NOTE: the static buffer is overwritten by the next extend
-        aux = torch.cat([self.aux[i][:t] for i in self.capture_layer_ids], dim=-1) if self.capture_layer_ids else None
-        return ModelOutput(self.model.compute_logits(hidden[batch.logits_rows]), aux, hidden)
+        # NOTE: aux is a view of the static buffer: valid until the next extend (its consumer, if any, already ran).
+        aux = self.aux_all[:t] if self.capture_layer_ids else None
+        logits = self.model.compute_logits(hidden[batch.logits_rows])
+        return ModelOutput(logits, aux, hidden, aux_consumed=self.aux_consumer is not None)

@@ -1,6 +1,7 @@
 """TargetWorker: turns scheduled requests into forward batches for the target alone (no speculation)."""
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -33,7 +34,7 @@ class TargetWorker:
 
     def build_extend_batch(self, reqs: Sequence[Req], chunk_lens: Sequence[int], capture: tuple[int, ...] = ()) -> ForwardBatch:
         token_ids = [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
-        logits_rows = list(torch.tensor(list(chunk_lens)).cumsum(0).sub(1).tolist())
+        logits_rows = [end - 1 for end in itertools.accumulate(chunk_lens)]
         return build_batch(
             ForwardMode.EXTEND,
             token_ids,

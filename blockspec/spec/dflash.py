@@ -60,7 +60,7 @@ class DFlashWorker(TargetWorker):
         return True
 
     def init_cuda_graphs(self) -> None:
-        self.runner.capture_piecewise()
+        self.runner.capture_piecewise(aux_consumer=self._materialise_draft_kv)
         if not self.runner.graphs_enabled:
             return
         runner = self.runner
@@ -101,12 +101,16 @@ class DFlashWorker(TargetWorker):
         logits = self.draft.logits(self._draft_hidden(batch), self.runner.model.lm_head)
         return logits, logits.argmax(-1)
 
+    def _materialise_draft_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.draft.materialise_context(aux_hidden, positions, slots, self.draft_pool)
+
     @torch.inference_mode()
     def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor:
         batch = self.build_extend_batch(reqs, chunk_lens, self.capture)
         output = self.run_extend(batch, reqs)
-        assert output.aux_hidden is not None
-        self.draft.materialise_context(output.aux_hidden, batch.positions, batch.out_cache_loc, self.draft_pool)
+        if not output.aux_consumed:  # NOTE: piecewise graphs write the draft KV inside their last segment
+            assert output.aux_hidden is not None
+            self._materialise_draft_kv(output.aux_hidden, batch.positions, batch.out_cache_loc)
         return output.logits
 
     def _draft_rows(self, reqs: Sequence[Req]) -> UniformRows:
