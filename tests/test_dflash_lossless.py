@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from blockspec import Engine
+from blockspec.spec.acceptance import greedy_accept
 from draft_training import train_tiny_draft
 from engine_testing import prefilled
 from tiny_models import save_tiny_draft, save_tiny_model
@@ -180,11 +181,14 @@ def test_greedy_cycle_equals_propose_then_verify(models: dict[str, Any]) -> None
     b = worker.block_size
     for req in reqs:
         runner.allocator.grow(req, req.kv_len + b, runner.req_to_token)
-    tokens = worker.greedy_cycle_tokens(reqs)
+    rows = worker.greedy_cycle_tokens(reqs)
     draft_batch, proposals, _ = worker.propose(reqs)
     target_argmax = worker.verify(draft_batch, proposals).argmax(-1)
-    assert [[row[j][0] for j in range(1, b)] for row in tokens] == proposals.tolist()
-    assert [[row[j][1] for j in range(b)] for row in tokens] == target_argmax.tolist()
+    assert [row[2:b + 1] for row in rows] == proposals.tolist()
+    assert [row[b + 1:] for row in rows] == target_argmax.tolist()
+    expected = [greedy_accept(p, t)[0] for p, t in zip(proposals.tolist(), target_argmax.tolist())]
+    assert [row[0] for row in rows] == expected
+    assert 0 < sum(expected) < len(reqs) * (b - 1)  # a trained draft: some but not all proposals accepted
     for req in reqs:
         engine.scheduler.abort(req.rid)
     engine.scheduler.step()

@@ -37,13 +37,18 @@ class LaunchPolicy:
 DECODE_POLICY = LaunchPolicy(KernelTiles(16, 128, 4, 3), 2048, 256)
 BLOCK_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 2), 528, 32)
 EXTEND_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 3), 528, 1024)
+SMALL_EXTEND_POLICY = LaunchPolicy(KernelTiles(32, 128, 4, 2), 528, 1024)  # < 2 waves of 64-row programs
+TWO_WAVES = 264  # programs: two waves of an H200's 132 SMs
 
 
-def launch_policy(rows_per_request: int) -> LaunchPolicy:
+def launch_policy(rows_per_request: int, batch_size: int, num_kv_heads: int) -> LaunchPolicy:
     """rows_per_request = query tokens x GQA group (decode 1 x group, verify/draft block x group)."""
     if rows_per_request <= 16:
         return DECODE_POLICY
-    return BLOCK_POLICY if rows_per_request <= 64 else EXTEND_POLICY
+    if rows_per_request <= 64:
+        return BLOCK_POLICY
+    wide_programs = batch_size * num_kv_heads * triton.cdiv(rows_per_request, EXTEND_POLICY.tiles.block_m)
+    return EXTEND_POLICY if wide_programs >= TWO_WAVES else SMALL_EXTEND_POLICY
 
 
 @dataclass
@@ -106,7 +111,7 @@ class TritonAttentionBackend:
             max_q = max(batch.extend_lens_cpu)
         max_seq = batch.max_seq_len_hint if batch.max_seq_len_hint is not None else max(batch.seq_lens_cpu)
         rows = max_q * (self.num_heads // self.num_kv_heads)
-        policy = launch_policy(rows)
+        policy = launch_policy(rows, bs, self.num_kv_heads)
         return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, rows, policy, max_seq), policy.tiles)
 
     def forward(

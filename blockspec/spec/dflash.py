@@ -137,20 +137,23 @@ class DFlashWorker(TargetWorker):
         )
 
     def _greedy_cycle(self, draft_batch: ForwardBatch) -> tuple[torch.Tensor]:
-        """A whole greedy cycle on the device: draft argmax proposals, verify forward, target argmax.
+        """A whole greedy cycle on the device: draft argmax proposals, verify forward, target argmax, acceptance.
 
-        Returns [T, 2] int64: column 0 the draft argmax per block row (rows 1..B-1 of a block are the proposals),
-        column 1 the target argmax after each block token."""
+        Returns [bs, 1 + 2B] int64 rows [accepted | draft argmax per block row | target argmax after each block
+        token]: draft columns 1..B-1 are the proposals d_1..d_{B-1}; `accepted` counts the leading proposals equal
+        to the target's choice before them (greedy_accept), so the committed tokens are target[:accepted + 1]."""
         bs, b = draft_batch.batch_size, self.block_size
-        draft_argmax = self.draft.argmax(self._draft_hidden(draft_batch), self.runner.model.lm_head)
-        proposals = draft_argmax.view(bs, b)[:, 1:]
-        logits, _ = self._verify_forward(self._verify_batch(draft_batch, proposals, float_logits=False))
+        draft_argmax = self.draft.argmax(self._draft_hidden(draft_batch), self.runner.model.lm_head).view(bs, b)
+        logits, _ = self._verify_forward(self._verify_batch(draft_batch, draft_argmax[:, 1:], float_logits=False))
         assert logits is not None
-        return (torch.stack([draft_argmax, logits.argmax(-1)], dim=1),)
+        target_argmax = logits.argmax(-1).view(bs, b)
+        accepted = (draft_argmax[:, 1:] == target_argmax[:, :-1]).to(torch.int64).cumprod(1).sum(1, keepdim=True)
+        return (torch.cat([accepted, draft_argmax, target_argmax], dim=1),)
 
     @torch.inference_mode()
-    def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[list[int]]]:
-        """[bs][B][draft argmax, target argmax] on the host: one graph replay and one device→host copy."""
+    def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[int]]:
+        """Per request [accepted, d_0..d_{B-1}, t_0..t_{B-1}] (see _greedy_cycle) on the host: one graph replay and
+        one device→host copy."""
         rows = self._draft_rows(reqs)
         if self.cycle_graph is not None and self.cycle_graph.can_run_rows(rows):
             self.runner.forward_counts["graph"] += 1
@@ -159,7 +162,7 @@ class DFlashWorker(TargetWorker):
             self.runner.forward_counts["eager"] += 1
             (tokens,) = self._greedy_cycle(rows.to_batch(self.runner.req_to_token.table, self.runner.max_positions))
         assert tokens is not None
-        return tokens.view(len(reqs), self.block_size, 2).tolist()
+        return tokens[: len(reqs)].tolist()
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req]) -> tuple[ForwardBatch, torch.Tensor, dict[int, torch.Tensor]]:
@@ -206,9 +209,11 @@ class DFlashWorker(TargetWorker):
         draft_probs: dict[int, torch.Tensor] = {}
         # NOTE: without the cycle graph (FlashInfer) the draft and verify graphs still serve greedy batches.
         use_cycle_path = self.cycle_graph is not None or self.draft_graph is None
+        device_accepted: list[int] | None = None
         if use_cycle_path and all(req.params.is_greedy for req in reqs):
-            tokens = self.greedy_cycle_tokens(reqs)
-            host = [[row[j][0] for j in range(1, b)] + [row[j][1] for j in range(b)] for row in tokens]
+            rows = self.greedy_cycle_tokens(reqs)
+            device_accepted = [row[0] for row in rows]
+            host = [row[2:] for row in rows]  # [d_1..d_{B-1} | t_0..t_{B-1}], as below
         else:
             draft_batch, proposals_device, draft_probs = self.propose(reqs)
             logits = self.verify(draft_batch, proposals_device)
@@ -219,6 +224,9 @@ class DFlashWorker(TargetWorker):
             proposals, target_argmax = host[i][: b - 1], host[i][b - 1:]
             if self.simulate_accept_len is not None:
                 accepted = min(b - 1, round(self.simulate_accept_len) - 1)
+                bonus = target_argmax[accepted]
+            elif device_accepted is not None:
+                accepted = device_accepted[i]
                 bonus = target_argmax[accepted]
             elif i not in draft_probs:
                 accepted, bonus = greedy_accept(proposals, target_argmax)
