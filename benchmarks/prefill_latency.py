@@ -1,7 +1,7 @@
 """Prefill/extend latency on Llama-3.1-8B shapes (random bf16 weights): eager vs piecewise CUDA graphs.
 
-Token counts 16..2048 at batch 1 and 8, DFlash on (FULL aux capture + draft KV materialisation) and off; also
-the piecewise capture time and graph memory. Writes benchmarks/results/prefill_latency_<date>.json (+ .png).
+Token counts 16..2048 at batch 1 and 8, DFlash on (FULL aux capture + draft KV materialisation) and off; eager
+and piecewise runs alternate (medians); also the piecewise capture time and graph memory. Writes benchmarks/results/prefill_latency_<date>.json (+ .png).
 """
 from __future__ import annotations
 
@@ -13,16 +13,17 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from blockspec import Engine
 from blockspec.request import Req, SamplingParams
+from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 from step_latency import cuda_ms, write_configs
 
 
-def extend_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> float:
+def make_reqs(engine: Engine, batch_size: int, tokens: int) -> list[Req]:
     runner = engine.runner
     per_req = max(1, tokens // batch_size)
     reqs = []
@@ -31,24 +32,49 @@ def extend_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> floa
         req.pool_row = runner.req_to_token.acquire()
         runner.allocator.grow(req, per_req, runner.req_to_token)
         reqs.append(req)
+    return reqs
 
-    def run() -> None:
-        for req in reqs:
-            req.kv_len = 0
-        engine.worker.extend(reqs, [per_req] * batch_size)
 
-    ms = cuda_ms(run, repeat)
+def release(engine: Engine, reqs: list[Req]) -> None:
     for req in reqs:
-        runner.allocator.release(req)
-        runner.req_to_token.release(req.pool_row)
+        engine.runner.allocator.release(req)
+        engine.runner.req_to_token.release(req.pool_row)
+
+
+def run_extend(engine: Engine, reqs: list[Req], piecewise: Optional[PiecewiseGraphRunner]) -> None:
+    engine.runner.piecewise = piecewise
+    for req in reqs:
+        req.kv_len = 0
+    engine.worker.extend(reqs, [req.prompt_len for req in reqs])
+
+
+def extend_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> float:
+    """Median ms of one extend of `tokens` prompt tokens over `batch_size` requests with the runner as it is."""
+    reqs = make_reqs(engine, batch_size, tokens)
+    piecewise = engine.runner.piecewise
+    ms = cuda_ms(lambda: run_extend(engine, reqs, piecewise), repeat)
+    release(engine, reqs)
     return ms
+
+
+def eager_vs_piecewise_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> tuple[float, float]:
+    """Median ms of eager and piecewise extends, measured alternately (clock or host drift hits both alike)."""
+    piecewise = engine.runner.piecewise
+    reqs = make_reqs(engine, batch_size, tokens)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeat):
+        for graphed in (False, True):
+            times[graphed].append(cuda_ms(lambda: run_extend(engine, reqs, piecewise if graphed else None), 1))
+    engine.runner.piecewise = piecewise
+    release(engine, reqs)
+    return tuple(sorted(t)[len(t) // 2] for t in (times[False], times[True]))  # type: ignore[return-value]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
@@ -73,10 +99,7 @@ def main() -> None:
                 for tokens in args.tokens:
                     if tokens < bs:
                         continue
-                    engine.runner.piecewise = None
-                    eager = extend_ms(engine, bs, tokens, args.repeat)
-                    engine.runner.piecewise = piecewise
-                    graphed = extend_ms(engine, bs, tokens, args.repeat)
+                    eager, graphed = eager_vs_piecewise_ms(engine, bs, tokens, args.repeat)
                     row = {"spec": spec, "bs": bs, "tokens": tokens, "eager_ms": eager, "piecewise_ms": graphed,
                            "speedup": eager / graphed}
                     rows.append(row)

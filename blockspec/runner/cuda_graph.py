@@ -32,7 +32,8 @@ GraphOutputs = tuple[Optional[torch.Tensor], ...]
 
 
 class GraphedForward:
-    """Captures `fn(batch) -> tuple of tensors whose first dim is the token count` per batch size."""
+    """Captures `fn(batch) -> tuple of tensors` per batch size; each output's first dim is the token count or the
+    request count (bs x rows per request, fixed per output), so replays slice it to the real batch."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class GraphedForward:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, GraphOutputs] = {}
         self.metas: dict[int, Any] = {}  # host planner's capture-time metadata per batch size
+        self.rows_per_req: tuple[int, ...] = ()  # per output: q (token-level) or 1 (request-level)
 
     def _static_batch(self, bs: int, seq_lens_cpu: Optional[list[int]] = None, meta: Any = None) -> ForwardBatch:
         batch = uniform_batch(
@@ -88,11 +90,11 @@ class GraphedForward:
         outputs = self.fn(self._static_batch(bs, meta=meta))
         if shared is None:
             return outputs
-        n = bs * self.q
-        for target, out in zip(shared, outputs):
+        sliced = tuple(None if t is None else t[:bs * per_req] for t, per_req in zip(shared, self.rows_per_req))
+        for target, out in zip(sliced, outputs):
             if target is not None and out is not None:
-                target[:n].copy_(out)
-        return tuple(None if target is None else target[:n] for target in shared)
+                target.copy_(out)
+        return sliced
 
     def capture(self) -> None:
         start = time.perf_counter()
@@ -101,7 +103,9 @@ class GraphedForward:
         for bs in reversed(self.batch_sizes):
             meta = self.metas[bs] = self._host_plan(bs)
             for _ in range(2):  # NOTE: warm-up compiles Triton kernels and settles allocator state off-graph
-                self.fn(self._static_batch(bs, meta=meta))
+                warm = self.fn(self._static_batch(bs, meta=meta))
+            if not self.rows_per_req:
+                self.rows_per_req = tuple(0 if out is None else out.shape[0] // bs for out in warm)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -142,8 +146,8 @@ class GraphedForward:
             assert seq_lens_cpu is not None
             self._host_plan(padded, list(seq_lens_cpu) + [self.q] * (padded - bs))
         self.graphs[padded].replay()
-        n = bs * self.q
-        return tuple(None if out is None else out[:n] for out in self.outputs[padded])
+        outputs = self.outputs[padded]
+        return tuple(None if out is None else out[:bs * per_req] for out, per_req in zip(outputs, self.rows_per_req))
 
     def replay(self, batch: ForwardBatch) -> GraphOutputs:
         """Replays for a device batch. NOTE: a uniform batch's positions are seq_len-q .. seq_len-1 and its slots
