@@ -24,18 +24,20 @@ class KernelTiles:
 
 @dataclass(frozen=True)
 class LaunchPolicy:
-    """Tiles, and how far split-K may go: at most `max_programs` programs, each reading >= `min_split_keys` keys."""
+    """Tiles, and how far split-K goes: the most splits keeping programs <= `max_programs` (but at least
+    `min_splits`), each split reading >= `min_split_keys` keys."""
 
     tiles: KernelTiles
     max_programs: int
     min_split_keys: int
+    min_splits: int = 1
 
 
-# NOTE: measured on an H200 with 8B shapes (benchmarks/tune_attention.py, results/tune_attention_*.json):
-# decode (<= 16 rows per request) wants narrow tiles and many splits, verify/draft blocks wide tiles and splits
-# down to 32 keys at batch 1, long extends wide tiles, deeper pipelining and no split.
-DECODE_POLICY = LaunchPolicy(KernelTiles(16, 128, 4, 3), 2048, 256)
-BLOCK_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 2), 528, 32)
+# NOTE: measured on an H200 with 8B shapes (benchmarks/tune_attention.py, results/tune_attention_*.json): decode
+# (<= 16 rows per request) wants narrow tiles, verify/draft blocks wide tiles; both want >= 2 splits (bs 16..64)
+# and up to 16 at batch 1 (down to 32 keys per split); long extends wide tiles, deeper pipelining, no split.
+DECODE_POLICY = LaunchPolicy(KernelTiles(16, 128, 4, 3), 512, 256, min_splits=2)
+BLOCK_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 2), 256, 32, min_splits=2)
 EXTEND_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 3), 528, 1024)
 SMALL_EXTEND_POLICY = LaunchPolicy(KernelTiles(32, 128, 4, 2), 528, 1024)  # < 2 waves of 64-row programs
 TWO_WAVES = 264  # programs: two waves of an H200's 132 SMs
@@ -85,9 +87,8 @@ class TritonAttentionBackend:
     def choose_splits(self, batch_size: int, rows_per_request: int, policy: LaunchPolicy, max_seq_len: int) -> int:
         programs = batch_size * self.num_kv_heads * triton.cdiv(rows_per_request, policy.tiles.block_m)
         splits = 1
-        while (
-            splits < self.max_splits and programs * splits * 2 <= policy.max_programs
-            and max_seq_len >= splits * 2 * policy.min_split_keys
+        while splits < self.max_splits and max_seq_len >= splits * 2 * policy.min_split_keys and (
+            programs * splits * 2 <= policy.max_programs or splits < policy.min_splits
         ):
             splits *= 2
         return splits
