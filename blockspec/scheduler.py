@@ -234,10 +234,10 @@ class Scheduler:
         """Appends tokens one by one, stopping at the first finish condition; returns how many were appended."""
         if req.finished:
             return 0
+        if req.first_token_time is None and tokens:
+            req.first_token_time = time.monotonic()
         for appended, token in enumerate(tokens, start=1):
             req.all_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
             req.finish = self._check_finish(req, token)
             if req.finish is not None:
                 return appended

@@ -56,21 +56,30 @@ class PageAllocator:
     def grow_many(self, reqs: list[Req], new_len: list[int], table: "ReqToTokenTable") -> None:
         """`grow` for a decode batch: slots computed on the host in Python (a few per request), and one table write
         for the whole batch instead of one host→device copy per request."""
-        needed = sum(self.extra_pages_needed(req, length) for req, length in zip(reqs, new_len) if length > req.allocated_len)
-        if needed > len(self._free_pages):
+        extras = [self.extra_pages_needed(req, length) for req, length in zip(reqs, new_len)]
+        if sum(extras) > len(self._free_pages):
             raise MemoryError("KV pool exhausted")  # callers check free slots first; nothing has changed yet
-        writes: list[tuple[int, int, list[int]]] = []
-        for req, length in zip(reqs, new_len):
-            if length <= req.allocated_len:
+        page, free = self.page_size, self._free_pages
+        rows: list[int] = []
+        cols: list[int] = []
+        slots: list[int] = []
+        for req, length, extra in zip(reqs, new_len, extras):
+            start = req.allocated_len
+            if length <= start:
                 continue
-            for _ in range(self.extra_pages_needed(req, length)):
-                req.pages.append(self._free_pages.pop())
-            page, pages = self.page_size, req.pages
-            slots = [pages[p // page] * page + p % page for p in range(req.allocated_len, length)]
+            if extra:
+                req.pages.extend(free[-1:-extra - 1:-1])  # NOTE: the same pages, in the same order, as pop() x extra
+                del free[-extra:]
+            pages = req.pages
+            if page == 1:
+                slots.extend(pages[start:length])
+            else:
+                slots.extend(pages[p // page] * page + p % page for p in range(start, length))
             assert req.pool_row is not None
-            writes.append((req.pool_row, req.allocated_len, slots))
+            rows.extend([req.pool_row] * (length - start))
+            cols.extend(range(start, length))
             req.allocated_len = length
-        table.write_many(writes)
+        table.write_entries(rows, cols, slots)
 
     def shrink(self, req: Req, new_len: int) -> None:
         """Release positions >= new_len; pages still holding a kept position stay with the request."""
@@ -107,12 +116,9 @@ class ReqToTokenTable:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
 
-    def write_many(self, writes: list[tuple[int, int, list[int]]]) -> None:
-        """Each (row, start, slots) as `write`, with one host→device copy and one scatter for all of them."""
-        if not writes:
+    def write_entries(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        """table[rows[i], cols[i]] = slots[i] for all i: one host→device copy and one scatter."""
+        if not rows:
             return
-        rows = [row for row, _, slots in writes for _ in slots]
-        cols = [start + i for _, start, slots in writes for i in range(len(slots))]
-        values = [slot for _, _, slots in writes for slot in slots]
-        packed = torch.tensor([rows, cols, values], dtype=torch.int64).to(self.table.device)
+        packed = torch.tensor([rows, cols, slots], dtype=torch.int64).to(self.table.device)
         self.table[packed[0], packed[1]] = packed[2]
