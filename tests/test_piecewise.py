@@ -13,7 +13,6 @@ from blockspec.request import Req, SamplingParams
 from tiny_models import save_tiny_model
 
 CAPTURE = (0, 2)
-DUMMY_PAGE_SLOTS = 16  # page 0 (page size 16) is the dummy page: padding rows write its slot 0
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -53,7 +52,7 @@ def test_segments_equal_plain_forward(engine: Engine, prefix: list[int], new: li
     batch, reqs = extend_batch(engine, prefix, new, capture)  # a cached prefix reads whatever its slots hold
     with torch.inference_mode():
         expected = runner.model(batch, runner.attention)
-        k_plain = [k.clone() for k in runner.kv_pool.k]
+        kv_plain = [t.clone() for t in runner.kv_pool.k + runner.kv_pool.v]
         got = pcg.forward(batch, use_graphs=False)
     torch.testing.assert_close(got.logits, expected.logits)
     torch.testing.assert_close(got.hidden, expected.hidden)
@@ -61,8 +60,8 @@ def test_segments_equal_plain_forward(engine: Engine, prefix: list[int], new: li
         torch.testing.assert_close(got.aux_hidden, expected.aux_hidden)
     else:
         assert got.aux_hidden is None
-    for before, after in zip(k_plain, runner.kv_pool.k):
-        torch.testing.assert_close(before[DUMMY_PAGE_SLOTS:], after[DUMMY_PAGE_SLOTS:])  # padding: dummy page only
+    for before, after in zip(kv_plain, runner.kv_pool.k + runner.kv_pool.v):
+        torch.testing.assert_close(before[1:], after[1:])  # padding wrote only slot 0, the dummy slot
     release(engine, reqs)
 
 
@@ -74,15 +73,15 @@ def test_padding_writes_only_the_dummy_slot(engine: Engine) -> None:
     saved_row = embeddings[0].clone()
     with torch.no_grad():
         embeddings[0].fill_(0.5)  # NOTE: padding rows use token 0; make their K/V visible
-        for k in runner.kv_pool.k:
-            k[0].zero_()
-    sentinel = [k.clone() for k in runner.kv_pool.k]
+        for cache in runner.kv_pool.k + runner.kv_pool.v:
+            cache[0].zero_()
+    sentinel = [cache.clone() for cache in runner.kv_pool.k + runner.kv_pool.v]
     written = set(batch.out_cache_loc.tolist())
     with torch.inference_mode():
         pcg.forward(batch, use_graphs=False)
     with torch.no_grad():
         embeddings[0].copy_(saved_row)
-    for before, after in zip(sentinel, runner.kv_pool.k):
+    for before, after in zip(sentinel, runner.kv_pool.k + runner.kv_pool.v):
         changed = set((before != after).any(-1).any(-1).nonzero().flatten().tolist())
         assert changed == written | {0}  # the 27 padding rows all went to slot 0, the dummy page's
     release(engine, reqs)
@@ -152,7 +151,7 @@ def test_aux_consumer_writes_the_draft_kv_like_eager_materialise(tmp_path: Path)
     pcg = PiecewiseGraphRunner(runner.model, runner.attention, [32], (0, 2), runner.device,
                                aux_consumer=worker._materialise_draft_kv)
     batch, reqs = extend_batch(engine, [0, 4], [5, 9], (0, 2))
-    draft_k = worker.draft_pool.k
+    draft_k = worker.draft_pool.k + worker.draft_pool.v
     with torch.no_grad():
         runner.model.model.embed_tokens.weight[0].fill_(0.5)  # NOTE: padding rows use token 0; make them visible
     with torch.inference_mode():

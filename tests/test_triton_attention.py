@@ -10,7 +10,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend  # noqa: E402
+from blockspec.attention.triton_backend import (  # noqa: E402
+    BLOCK_POLICY, DECODE_POLICY, EXTEND_POLICY, SMALL_EXTEND_POLICY, KernelTiles, TritonAttentionBackend, launch_policy,
+)
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable  # noqa: E402
 from blockspec.kv.pool import KVPool  # noqa: E402
 from blockspec.request import Req, SamplingParams  # noqa: E402
@@ -123,3 +125,21 @@ def test_every_tile_shape_matches_torch(tiles: KernelTiles, mode: ForwardMode, p
     got = backend.forward(q, k, v, 0, batch, out=out)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_launch_policy_and_split_count() -> None:
+    """Llama-8B heads (32/8): decode rows 4, a 10-token verify block 40, a 256-token extend 1024."""
+    backend = TritonAttentionBackend(None, 1.0, 32, 8, 128)  # type: ignore[arg-type]
+    assert launch_policy(4, 1, 8) is DECODE_POLICY and launch_policy(40, 32, 8) is BLOCK_POLICY
+    assert launch_policy(1024, 1, 8) is SMALL_EXTEND_POLICY and launch_policy(1024, 8, 8) is EXTEND_POLICY
+
+    def splits(rows: int, bs: int, max_seq: int) -> int:
+        return backend.choose_splits(bs, rows, launch_policy(rows, bs, 8), max_seq)
+
+    assert splits(40, 1, 8202) == 16 and splits(40, 4, 8202) == 8  # small batches: fill the GPU with splits
+    assert splits(40, 32, 8202) == 2 and splits(40, 64, 8202) == 2  # at least min_splits even when programs abound
+    assert splits(40, 1, 40) == 1  # never below min_split_keys keys per split
+    assert splits(4, 64, 8202) == 2 and splits(4, 1, 8202) == 16
+    assert splits(1024, 1, 256) == 1 and splits(1024, 1, 8192) == 2  # extends split only over long cached prefixes
+    assert TritonAttentionBackend(None, 1.0, 32, 8, 128, max_splits=1).choose_splits(  # type: ignore[arg-type]
+        64, 40, BLOCK_POLICY, 8202) == 1

@@ -103,7 +103,7 @@ class TritonAttentionBackend:
             q_lens = torch.full((bs,), uniform, dtype=torch.int32, device=device)
             q_starts = torch.arange(0, bs * uniform, uniform, dtype=torch.int32, device=device)
             max_q = uniform
-        elif batch.extend_starts is not None and batch.extend_lens is not None:
+        elif batch.extend_starts is not None and batch.extend_lens is not None and batch.extend_lens.shape[0] == bs:
             q_starts, q_lens, max_q = batch.extend_starts, batch.extend_lens, max(batch.extend_lens_cpu)
         else:
             lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int32)

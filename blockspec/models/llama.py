@@ -20,7 +20,9 @@ from blockspec.runner.forward_batch import ForwardBatch
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [len(batch.logits_rows), vocab], float32
-    aux_hidden: Optional[torch.Tensor]  # [T, len(capture_layer_ids) * hidden] or None
+    # [T, len(capture_layer_ids) * hidden] or None; from a piecewise graph a view of its static buffer, valid only
+    # until the next extend
+    aux_hidden: Optional[torch.Tensor]
     hidden: Optional[torch.Tensor]  # [T, hidden] final-normed hidden of every token (None from a graph)
     aux_consumed: bool = False  # a piecewise graph already passed aux_hidden to its consumer (DFlash: draft KV)
 

@@ -106,6 +106,10 @@ class GraphedForward:
                 warm = self.fn(self._static_batch(bs, meta=meta))
             if not self.rows_per_req:
                 self.rows_per_req = tuple(0 if out is None else out.shape[0] // bs for out in warm)
+            for out, per_req in zip(warm, self.rows_per_req):
+                assert out is None or (per_req in (1, self.q) and out.shape[0] == bs * per_req), (
+                    f"{self.name} graph output of shape {tuple(out.shape)}: first dim must be tokens or requests"
+                )
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

@@ -92,9 +92,10 @@ class PiecewiseGraphRunner:
         return q.view(n, hq, d), k.view(n, hk, d), v.view(n, hk, d)
 
     # ---- segments (pure functions of the buffers, sliced to n tokens) ------------------------
-    # NOTE: on CUDA every op below writes the static buffers in place (qkv projection, in-place rope + K/V store,
-    # in-place residual add, MLP into mlp_out), so nothing is copied between segments and attention; the copies
-    # only run on CPU (eager segment tests), where those ops return new tensors.
+    # NOTE: on CUDA the ops below write the static buffers in place (qkv projection, in-place rope + K/V store,
+    # in-place residual add, MLP into mlp_out), so nothing is copied between segments and attention except the
+    # embeddings into `residual` (segment 0) and the final hidden; the other copies only run on CPU (eager segment
+    # tests), where those ops return new tensors.
     def _pre_attention(self, layer_id: int, n: int, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
         """Layer `layer_id` up to attention; its K/V land in the cache at out_cache_loc (padding: the dummy slot)."""
         store = self.backend.pool.layer_store(layer_id, self.out_cache_loc[:n])
@@ -133,6 +134,9 @@ class PiecewiseGraphRunner:
     def capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)
+        # NOTE: the eager warm-up below really stores K/V (and draft KV): point every row at the dummy slot first.
+        for static in (self.input_ids, self.positions, self.out_cache_loc):
+            static.zero_()
         for n in reversed(self.buckets):
             for index in range(self.num_layers + 1):
                 self.segment(index, n)  # NOTE: warm-up compiles kernels before capture
