@@ -30,6 +30,29 @@ class AttentionBackend(Protocol):
         ...
 
 
+class PagedBackendBase:
+    """The state the Triton and FlashInfer backends share: the KV pool, softmax scale, head layout, and per layer
+    the sliding window and (draft) causality that `layer_window` / `layer_is_causal` read."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        scale: float,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_windows: Optional[list[Optional[int]]] = None,
+        draft_layer_causal: Optional[list[bool]] = None,
+    ) -> None:
+        self.pool = pool
+        self.scale = scale
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sliding_windows = sliding_windows
+        self.draft_layer_causal = draft_layer_causal
+
+
 GraphPlanner = Callable[[ForwardBatch], Any]
 
 

@@ -17,7 +17,7 @@ from typing import Optional, Union
 import flashinfer
 import torch
 
-from blockspec.attention.base import layer_is_causal, layer_window
+from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -59,7 +59,7 @@ def check_supported(device: torch.device, dtype: torch.dtype) -> None:
         raise ValueError(f"FlashInfer attention needs CUDA and bfloat16/float16 (--dtype bfloat16), got {dtype} on {device}")
 
 
-class FlashInferAttentionBackend:
+class FlashInferAttentionBackend(PagedBackendBase):
     def __init__(
         self,
         pool: KVPool,
@@ -70,13 +70,7 @@ class FlashInferAttentionBackend:
         sliding_windows: Optional[list[Optional[int]]] = None,
         draft_layer_causal: Optional[list[bool]] = None,
     ) -> None:
-        self.pool = pool
-        self.scale = scale
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.sliding_windows = sliding_windows
-        self.draft_layer_causal = draft_layer_causal
+        super().__init__(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal)
         self.dtype = pool.k[0].dtype
         self.device = pool.k[0].device
         check_supported(self.device, self.dtype)

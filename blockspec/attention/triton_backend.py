@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import triton
 
-from blockspec.attention.base import layer_is_causal, layer_window
+from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
 from blockspec.attention.triton_kernels import merge_splits_kernel, paged_attention_kernel
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch
@@ -62,7 +62,7 @@ class TritonAttentionMeta:
     tiles: KernelTiles
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(PagedBackendBase):
     def __init__(
         self,
         pool: KVPool,
@@ -74,14 +74,8 @@ class TritonAttentionBackend:
         draft_layer_causal: Optional[list[bool]] = None,
         max_splits: int = 16,
     ) -> None:
-        self.pool = pool
-        self.scale = scale
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        super().__init__(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal)
         self.block_d = max(16, triton.next_power_of_2(head_dim))
-        self.sliding_windows = sliding_windows
-        self.draft_layer_causal = draft_layer_causal
         self.max_splits = max_splits
 
     def choose_splits(self, batch_size: int, rows_per_request: int, policy: LaunchPolicy, max_seq_len: int) -> int:
@@ -103,13 +97,10 @@ class TritonAttentionBackend:
             q_lens = torch.full((bs,), uniform, dtype=torch.int32, device=device)
             q_starts = torch.arange(0, bs * uniform, uniform, dtype=torch.int32, device=device)
             max_q = uniform
-        elif batch.extend_starts is not None and batch.extend_lens is not None and batch.extend_lens.shape[0] == bs:
-            q_starts, q_lens, max_q = batch.extend_starts, batch.extend_lens, max(batch.extend_lens_cpu)
         else:
-            lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int32)
-            q_lens = lens.to(device)
-            q_starts = (torch.cumsum(lens, 0) - lens).to(torch.int32).to(device)
-            max_q = max(batch.extend_lens_cpu)
+            # NOTE: build_batch, the only maker of non-uniform batches, puts both on the device with the batch.
+            assert batch.extend_starts is not None and batch.extend_lens is not None and batch.extend_lens.shape[0] == bs
+            q_starts, q_lens, max_q = batch.extend_starts, batch.extend_lens, max(batch.extend_lens_cpu)
         max_seq = batch.max_seq_len_hint if batch.max_seq_len_hint is not None else max(batch.seq_lens_cpu)
         rows = max_q * (self.num_heads // self.num_kv_heads)
         policy = launch_policy(rows, bs, self.num_kv_heads)
