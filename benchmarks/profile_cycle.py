@@ -1,9 +1,11 @@
-"""Kernel-level profile of one DFlash cycle at bs 1 on 8B shapes: propose + verify eager and graphed, and the
-one-graph greedy cycle.
+"""Kernel-level profile of one DFlash cycle on 8B shapes: propose + verify eager and graphed, and the one-graph
+greedy cycle, at each `--batch-sizes` (default 1) and `--context`.
 
-Prints the CUDA kernels by total time so the gap to the bandwidth floor can be attributed."""
+Prints the CUDA kernels by total time, and the wall time of the graph and of the whole scheduler step beside the
+kernel sum, so the gap to the bandwidth floor can be attributed (kernels vs launch gaps vs host)."""
 from __future__ import annotations
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -11,46 +13,66 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockspec import Engine
-from step_latency import prefill, write_configs
+from step_latency import cuda_ms, prefill, write_configs
+
+
+def profile_batch(engine: Engine, bs: int, context: int, modes: list[str]) -> None:
+    worker, scheduler = engine.worker, engine.scheduler
+    reqs = prefill(engine, bs, context)
+    step_ms = cuda_ms(scheduler.step, 20)
+    for req in reqs:
+        engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
+    graphs, draft_graph = dict(engine.runner.graphs), worker.draft_graph
+
+    def two_step() -> None:
+        batch, proposals, _ = worker.propose(reqs)
+        worker.verify(batch, proposals)
+
+    for label in modes:
+        if label == "eager":
+            engine.runner.graphs.clear()
+            worker.draft_graph = None
+        else:
+            engine.runner.graphs.update(graphs)
+            worker.draft_graph = draft_graph
+        cycle = (lambda: worker.greedy_cycle_tokens(reqs)) if label == "greedy-cycle" else two_step
+        wall_ms = cuda_ms(cycle, 20)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                cycle()
+            torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events) / 5 / 1e3
+        launches = sum(e.count for e in events) // 5
+        print(f"==== bs {bs} ctx {context} {label}: kernel sum {total:.2f} ms in {launches} kernels, "
+              f"wall {wall_ms:.2f} ms; scheduler step {step_ms:.2f} ms ====")
+        for e in events[:24]:
+            print(f"{e.device_time_total / 5 / 1e3:8.3f} ms  {e.count // 5:5d}x  {e.key[:90]}")
+    engine.runner.graphs.update(graphs)
+    worker.draft_graph = draft_graph
+    for req in reqs:
+        scheduler.abort(req.rid)
+    scheduler.collect_finished()
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--modes", nargs="+", default=["eager", "graphs", "greedy-cycle"],
+                        choices=("eager", "graphs", "greedy-cycle"))
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = write_configs(Path(tmp))
         engine = Engine(model_path=str(target_dir), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                        max_total_tokens=8192, cuda_graph_bs=[1], speculative_algorithm="DFLASH",
-                        speculative_draft_model_path=str(draft_dir), speculative_simulate_accept_len=4.0)
-        worker = engine.worker
-        reqs = prefill(engine, 1, 512)
-        for req in reqs:
-            engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
-        graphs, draft_graph = dict(engine.runner.graphs), worker.draft_graph
-
-        def two_step() -> None:
-            batch, proposals, _ = worker.propose(reqs)
-            worker.verify(batch, proposals)
-
-        for label in ("eager", "graphs", "greedy-cycle graph"):
-            if label == "eager":
-                engine.runner.graphs.clear()
-                worker.draft_graph = None
-            else:
-                engine.runner.graphs.update(graphs)
-                worker.draft_graph = draft_graph
-            cycle = (lambda: worker.greedy_cycle_tokens(reqs)) if label == "greedy-cycle graph" else two_step
-            for _ in range(3):
-                cycle()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    cycle()
-                torch.cuda.synchronize()
-            print(f"==== {label}: per cycle, top kernels ====")
-            events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-            total = sum(e.device_time_total for e in events) / 5 / 1e3
-            print(f"total kernel time per cycle {total:.2f} ms")
-            for e in events[:18]:
-                print(f"{e.device_time_total / 5 / 1e3:8.3f} ms  {e.count // 5:5d}x  {e.key[:90]}")
+                        max_total_tokens=max(args.batch_sizes) * (args.context + 256) + 1024,
+                        max_running_requests=max(args.batch_sizes), cuda_graph_bs=args.batch_sizes,
+                        speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
+                        speculative_simulate_accept_len=4.0)
+        for bs in args.batch_sizes:
+            profile_batch(engine, bs, args.context, args.modes)
+        engine.shutdown()
 
 
 if __name__ == "__main__":
