@@ -6,6 +6,8 @@ kernel sum, so the gap to the bandwidth floor can be attributed (kernels vs laun
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import tempfile
 from pathlib import Path
 
@@ -16,10 +18,15 @@ from blockspec import Engine
 from step_latency import cuda_ms, prefill, write_configs
 
 
-def profile_batch(engine: Engine, bs: int, context: int, modes: list[str]) -> None:
+def profile_batch(engine: Engine, bs: int, context: int, modes: list[str], host_profile: bool) -> None:
     worker, scheduler = engine.worker, engine.scheduler
     reqs = prefill(engine, bs, context)
     step_ms = cuda_ms(scheduler.step, 20)
+    if host_profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [scheduler.step() for _ in range(20)])
+        print(f"==== bs {bs} ctx {context}: host functions over 20 scheduler steps (tottime) ====")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
     for req in reqs:
         engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
     graphs, draft_graph = dict(engine.runner.graphs), worker.draft_graph
@@ -62,6 +69,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs", "greedy-cycle"],
                         choices=("eager", "graphs", "greedy-cycle"))
+    parser.add_argument("--host-profile", action="store_true", help="cProfile 20 scheduler steps per batch size")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = write_configs(Path(tmp))
@@ -71,7 +79,7 @@ def main() -> None:
                         speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
                         speculative_simulate_accept_len=4.0)
         for bs in args.batch_sizes:
-            profile_batch(engine, bs, args.context, args.modes)
+            profile_batch(engine, bs, args.context, args.modes, args.host_profile)
         engine.shutdown()
 
 
