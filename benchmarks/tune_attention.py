@@ -73,7 +73,21 @@ def graph_us(backend: TritonAttentionBackend, q: torch.Tensor, batch: ForwardBat
     return start.elapsed_time(end) * 1e3 / (5 * launches)
 
 
-def sweep(name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool) -> dict[str, Any]:
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device copy."""
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 2**31 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def sweep(name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool, bandwidth: float) -> dict[str, Any]:
     batch, pool, q = make_batch(mode, bs, context, new)
     backend = TritonAttentionBackend(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
     default: TritonAttentionMeta = backend.plan(batch)
@@ -103,10 +117,12 @@ def sweep(name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: 
             tiles = KernelTiles(best["tiles"]["block_m"], best["tiles"]["block_n"], warps, stages)
             run(tiles, best["splits"])
     ranked = sorted(results, key=lambda r: r["us"])
-    print(f"== {name}: default {results[0]['us']:.1f} us {results[0]['tiles']} splits {results[0]['splits']}")
+    floor_us = bs * (context + new) * 2 * KV_HEADS * HEAD_DIM * 2 / bandwidth * 1e6  # K and V read once
+    print(f"== {name}: default {results[0]['us']:.1f} us {results[0]['tiles']} splits {results[0]['splits']}"
+          f" (KV read floor {floor_us:.1f} us)")
     for r in ranked[:4]:
         print(f"   {r['us']:7.1f} us  {r['tiles']} splits {r['splits']}")
-    return {"case": name, "default": results[0], "ranked": ranked[:12]}
+    return {"case": name, "default": results[0], "ranked": ranked[:12], "kv_floor_us": floor_us}
 
 
 def main() -> None:
@@ -117,10 +133,13 @@ def main() -> None:
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "cases": []}
+    bandwidth = copy_bandwidth()
+    report["bandwidth_bytes_per_s"] = bandwidth
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for case in CASES:
         if args.cases and not any(s in case[0] for s in args.cases):
             continue
-        report["cases"].append(sweep(*case, quick=args.quick))
+        report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"tune_attention_{report['date']}.json"
     path.write_text(json.dumps(report, indent=1))

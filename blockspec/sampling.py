@@ -41,9 +41,19 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs / probs.sum(-1, keepdim=True)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) (first index on ties); on CUDA one Triton pass over many programs instead of torch's
+    one-block-per-row reduction (10–30x slower at a 128k vocabulary)."""
+    if not logits.is_cuda or logits.shape[-1] == 0 or logits.stride(-1) != 1:
+        return logits.argmax(-1)
+    from blockspec.layers.triton_ops import argmax_rows
+
+    return argmax_rows(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+
+
 def sample_next_tokens(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     """One token per row of `logits` [n, V], row i sampled for reqs[i]."""
-    greedy = logits.argmax(-1).tolist()
+    greedy = greedy_tokens(logits).tolist()
     tokens: list[int] = []
     for i, req in enumerate(reqs):
         if req.params.is_greedy:

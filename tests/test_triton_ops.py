@@ -107,3 +107,28 @@ def test_silu_mul() -> None:
     gate_up = torch.randn(4, 2 * 1500, device=DEVICE)
     gate, up = gate_up.split(1500, dim=-1)
     torch.testing.assert_close(triton_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_cols", [1, 100, 300])
+def test_argmax_rows_matches_torch_with_ties_nan_and_chunks(dtype: torch.dtype, n_cols: int) -> None:
+    """Several chunks per row (block 64): the first index of the max wins across chunks; NaN counts as largest."""
+    torch.manual_seed(0)
+    x = torch.randint(-3, 4, (7, n_cols), device=DEVICE).to(dtype)  # small integers: many ties
+    x[1] = float("-inf")
+    if n_cols > 70:
+        x[2, 65] = 50.0
+        x[2, 130 % n_cols] = 50.0  # tie in a later chunk: the earlier index wins
+        x[3, 80] = float("nan")
+        x[3, 5] = float("inf")
+    got = triton_ops.argmax_rows(x, block=64)
+    assert got.dtype == torch.int64
+    torch.testing.assert_close(got, x.float().argmax(-1))
+    assert triton_ops.argmax_rows(x[:0], block=64).shape == (0,)
+
+
+def test_greedy_tokens_keeps_leading_dims() -> None:
+    from blockspec.sampling import greedy_tokens
+
+    x = torch.randn(2, 3, 50, device=DEVICE)
+    torch.testing.assert_close(greedy_tokens(x), x.argmax(-1))

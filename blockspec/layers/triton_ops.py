@@ -1,5 +1,5 @@
 """Small fused Triton kernels for the decode loop: RMSNorm(+residual add), [q/k norm +] rope on q and k [+ K/V
-cache store], SiLU·mul.
+cache store], SiLU·mul, and row argmax (greedy tokens from logits).
 
 Each replaces 6–16 elementwise torch launches; inside CUDA graphs launch count is what costs."""
 from __future__ import annotations
@@ -158,4 +158,56 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _chunk_argmax_kernel(x_ptr, best_val_ptr, best_idx_ptr, n_cols, stride_x, num_chunks, BLOCK: tl.constexpr):
+    """Per (row, chunk of BLOCK columns): the chunk's max and its first column; a chunk holding NaN reports NaN
+    and its first NaN (torch.argmax counts NaN as the largest value)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    is_nan = x != x
+    first_nan = tl.min(tl.where(is_nan, cols, n_cols), 0)
+    x = tl.where(is_nan, float("-inf"), x)
+    top = tl.max(x, 0)
+    first = tl.min(tl.where(x == top, cols, n_cols), 0)
+    has_nan = first_nan < n_cols
+    top = tl.where(has_nan, float("nan"), top)
+    first = tl.where(has_nan, first_nan, first)
+    tl.store(best_val_ptr + row * num_chunks + chunk, top)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, first)
+
+
+@triton.jit
+def _pick_argmax_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK_CHUNKS)
+    valid = chunks < num_chunks
+    vals = tl.load(best_val_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
+    idxs = tl.load(best_idx_ptr + row * num_chunks + chunks, mask=valid, other=2**31 - 1)
+    is_nan = vals != vals
+    any_nan = tl.max(is_nan.to(tl.int32), 0) > 0
+    top = tl.max(tl.where(is_nan, float("-inf"), vals), 0)
+    winner = tl.where(any_nan, is_nan, vals == top) & valid
+    tl.store(out_ptr + row, tl.min(tl.where(winner, idxs, 2**31 - 1), 0).to(tl.int64))
+
+
+def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """torch.argmax(x, -1) for 2-D x (first index on ties, NaN largest) in two short launches: per-chunk maxima
+    over many programs, then one pick per row. int64 [rows]."""
+    rows, n_cols = x.shape
+    assert x.stride(-1) == 1 and n_cols < 2**31 - 1
+    num_chunks = triton.cdiv(n_cols, block)
+    best_val = torch.empty((rows, num_chunks), dtype=torch.float32, device=x.device)
+    best_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    _chunk_argmax_kernel[(rows, num_chunks)](x, best_val, best_idx, n_cols, x.stride(0), num_chunks, BLOCK=block,
+                                             num_warps=8)
+    _pick_argmax_kernel[(rows,)](best_val, best_idx, out, num_chunks, BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
+                                 num_warps=1)
     return out

@@ -14,6 +14,7 @@ from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into
 from blockspec.runner.forward_batch import ForwardBatch
+from blockspec.sampling import greedy_tokens
 
 
 class DraftAttention(nn.Module):
@@ -99,8 +100,8 @@ class DFlashDraftModel(nn.Module):
         """argmax of `logits` per row; without scaling or softcap, straight from the model-dtype logits (exact: the
         fp32 cast preserves order and ties)."""
         if self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping:
-            return lm_head(hidden).argmax(-1)
-        return self.logits(hidden, lm_head).argmax(-1)
+            return greedy_tokens(lm_head(hidden))
+        return greedy_tokens(self.logits(hidden, lm_head))
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
         logits = lm_head(hidden).float() * self.config.output_multiplier

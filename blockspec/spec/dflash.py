@@ -19,7 +19,7 @@ from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRow
 from blockspec.runner.cuda_graph import GraphedForward
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.runner.worker import TargetWorker
-from blockspec.sampling import sampling_probs
+from blockspec.sampling import greedy_tokens, sampling_probs
 from blockspec.spec.acceptance import greedy_accept, rejection_accept
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class DFlashWorker(TargetWorker):
     def _draft_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """Draft logits for every block row [T, V] (row 0 of each block is unused) and their argmax."""
         logits = self.draft.logits(self._draft_hidden(batch), self.runner.model.lm_head)
-        return logits, logits.argmax(-1)
+        return logits, greedy_tokens(logits)
 
     def _materialise_draft_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.draft.materialise_context(aux_hidden, positions, slots, self.draft_pool)
@@ -146,7 +146,7 @@ class DFlashWorker(TargetWorker):
         draft_argmax = self.draft.argmax(self._draft_hidden(draft_batch), self.runner.model.lm_head).view(bs, b)
         logits, _ = self._verify_forward(self._verify_batch(draft_batch, draft_argmax[:, 1:], float_logits=False))
         assert logits is not None
-        target_argmax = logits.argmax(-1).view(bs, b)
+        target_argmax = greedy_tokens(logits).view(bs, b)
         accepted = (draft_argmax[:, 1:] == target_argmax[:, :-1]).to(torch.int64).cumprod(1).sum(1, keepdim=True)
         return (torch.cat([accepted, draft_argmax, target_argmax], dim=1),)
 
@@ -218,7 +218,7 @@ class DFlashWorker(TargetWorker):
             draft_batch, proposals_device, draft_probs = self.propose(reqs)
             logits = self.verify(draft_batch, proposals_device)
             # NOTE: greedy requests need only this device→host copy per cycle (sampled ones also sync in acceptance).
-            host = torch.cat([proposals_device, logits.argmax(-1)], dim=1).tolist()
+            host = torch.cat([proposals_device, greedy_tokens(logits)], dim=1).tolist()
         committed: list[list[int]] = []
         for i, req in enumerate(reqs):
             proposals, target_argmax = host[i][: b - 1], host[i][b - 1:]
