@@ -8,7 +8,7 @@ import torch
 import triton
 
 from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
-from blockspec.attention.triton_kernels import LOG2E, paged_attention_kernel
+from blockspec.attention.triton_kernels import LOG2E, merge_splits_kernel, paged_attention_kernel
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch
 
@@ -41,6 +41,7 @@ BLOCK_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 2), 256, 32, min_splits=2)
 EXTEND_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 3), 528, 1024)
 SMALL_EXTEND_POLICY = LaunchPolicy(KernelTiles(32, 128, 4, 2), 528, 1024)  # < 2 waves of 64-row programs
 TWO_WAVES = 264  # programs: two waves of an H200's 132 SMs
+MERGE_TILE = 8192  # fp32 partials one merge program holds: heads x splits x head dim
 
 
 def launch_policy(rows_per_request: int, batch_size: int, num_kv_heads: int) -> LaunchPolicy:
@@ -77,19 +78,6 @@ class TritonAttentionBackend(PagedBackendBase):
         super().__init__(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal)
         self.block_d = max(16, triton.next_power_of_2(head_dim))
         self.max_splits = max_splits
-        # NOTE: split-K merge counters, one per (row block, request x KV head); all 0 between launches (the kernel
-        # resets them). Grown only outside CUDA graph capture (warm-up runs come first).
-        self._tickets: Optional[torch.Tensor] = None
-        self._retired_tickets: list[torch.Tensor] = []  # NOTE: graphs captured earlier still point at these
-
-    def tickets(self, count: int, device: torch.device) -> torch.Tensor:
-        if self._tickets is None or self._tickets.numel() < count or self._tickets.device != device:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"split-K tickets for {count} row blocks were not allocated before graph capture")
-            if self._tickets is not None:
-                self._retired_tickets.append(self._tickets)
-            self._tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        return self._tickets
 
     def choose_splits(self, batch_size: int, rows_per_request: int, policy: LaunchPolicy, max_seq_len: int) -> int:
         programs = batch_size * self.num_kv_heads * triton.cdiv(rows_per_request, policy.tiles.block_m)
@@ -145,9 +133,8 @@ class TritonAttentionBackend(PagedBackendBase):
         table = batch.req_to_token
         tiles = meta.tiles
         grid = (triton.cdiv(meta.max_q_len * group, tiles.block_m), batch.batch_size * self.num_kv_heads, splits)
-        tickets = self.tickets(grid[0] * grid[1], q.device) if splits > 1 else batch.seq_lens
         paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, part_acc, part_max, part_sum, tickets,
+            q, k_cache, v_cache, out, part_acc, part_max, part_sum,
             table, batch.req_rows, meta.q_starts, meta.q_lens, batch.seq_lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             out.stride(0), out.stride(1), self.num_heads * splits, splits, 1,
@@ -155,6 +142,13 @@ class TritonAttentionBackend(PagedBackendBase):
             NUM_KV_HEADS=self.num_kv_heads, GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, CAUSAL=causal,
             USE_WINDOW=window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            GPU_FENCE=q.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
+        if splits > 1:
+            heads_per_program = max(1, min(triton.next_power_of_2(self.num_heads), MERGE_TILE // (splits * self.block_d)))
+            merge_splits_kernel[(num_tokens, triton.cdiv(self.num_heads, heads_per_program))](
+                out, part_acc, part_max, part_sum,
+                out.stride(0), out.stride(1), self.num_heads * splits, splits, 1, self.num_heads,
+                HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits, BLOCK_H=heads_per_program,
+            )
         return out.reshape(num_tokens, -1)
