@@ -2,7 +2,8 @@
 
 Times target verify, draft propose and the whole spec cycle (one scheduler step) at several batch sizes and
 contexts, CUDA graphs on and off, per attention backend (`--backends triton flashinfer`: same run, same shapes);
-the memory-bandwidth floor measured in the same run; target-only decode; and z-lab's `dflash_generate` on the
+the memory-bandwidth floor (weight and KV bytes read per step ÷ copy bandwidth measured in the same run; the
+embedding table is not read, only its rows); target-only decode; and z-lab's `dflash_generate` on the
 same shapes. Writes benchmarks/results/step_latency_<date>.json (+ .png).
 """
 from __future__ import annotations
@@ -126,7 +127,9 @@ def run_blockspec(
         start = time.perf_counter()
         engine = Engine(**flags)
         startup = time.perf_counter() - start
-        weights = param_bytes(engine.runner.model)
+        model = engine.runner.model
+        # NOTE: bytes read per step: the embedding table is not (only a few rows), unless it is the tied lm_head.
+        weights = param_bytes(model) - (0 if model.config.tie_word_embeddings else param_bytes(model.model.embed_tokens))
         draft_weights = param_bytes(engine.worker.draft) + engine.runner.model.lm_head.weight.numel() * 2 if spec else 0
         cfg = engine.runner.target_config
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
