@@ -145,9 +145,9 @@ def test_launch_policy_and_split_count() -> None:
         64, 40, BLOCK_POLICY, 8202) == 1
 
 
-@pytest.mark.parametrize("merge_tile", [32, 128])
+@pytest.mark.parametrize("merge_tile", [32, 128, 96])
 def test_merge_over_head_blocks(monkeypatch: pytest.MonkeyPatch, merge_tile: int) -> None:
-    """The split merge covers heads in blocks (1 or 2 of 6 heads per program here, masked at the end)."""
+    """The split merge covers heads in blocks (1 or 4 of 6 heads per program here, masked at the end)."""
     import blockspec.attention.triton_backend as triton_backend_module
 
     monkeypatch.setattr(triton_backend_module, "MERGE_TILE", merge_tile)

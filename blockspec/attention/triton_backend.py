@@ -44,6 +44,12 @@ TWO_WAVES = 264  # programs: two waves of an H200's 132 SMs
 MERGE_TILE = 8192  # fp32 partials one merge program holds: heads x splits x head dim
 
 
+def merge_heads_per_program(splits: int, block_d: int) -> int:
+    """The largest power of two of heads whose partials fit MERGE_TILE (at least 1)."""
+    fit = max(1, MERGE_TILE // (splits * block_d))
+    return 1 << (fit.bit_length() - 1)
+
+
 def launch_policy(rows_per_request: int, batch_size: int, num_kv_heads: int) -> LaunchPolicy:
     """rows_per_request = query tokens x GQA group (decode 1 x group, verify/draft block x group)."""
     if rows_per_request <= 16:
@@ -145,7 +151,7 @@ class TritonAttentionBackend(PagedBackendBase):
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         if splits > 1:
-            heads_per_program = max(1, min(triton.next_power_of_2(self.num_heads), MERGE_TILE // (splits * self.block_d)))
+            heads_per_program = min(triton.next_power_of_2(self.num_heads), merge_heads_per_program(splits, self.block_d))
             merge_splits_kernel[(num_tokens, triton.cdiv(self.num_heads, heads_per_program))](
                 out, part_acc, part_max, part_sum,
                 out.stride(0), out.stride(1), self.num_heads * splits, splits, 1, self.num_heads,

@@ -196,10 +196,10 @@ def _pick_argmax_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_C
 
 
 def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """torch.argmax(x, -1) for 2-D x (first index on ties, NaN largest) in two short launches: per-chunk maxima
-    over many programs, then one pick per row. int64 [rows]."""
+    """torch.argmax(x, -1) for 2-D fp32/fp16/bf16 x, compared in fp32 (first index on ties, NaN largest), in two
+    short launches: per-chunk maxima over many programs, then one pick per row. int64 [rows]."""
     rows, n_cols = x.shape
-    assert x.stride(-1) == 1 and n_cols < 2**31 - 1
+    assert x.stride(-1) == 1 and n_cols + block <= 2**31 - 1  # int32 column indices
     num_chunks = triton.cdiv(n_cols, block)
     best_val = torch.empty((rows, num_chunks), dtype=torch.float32, device=x.device)
     best_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=x.device)
