@@ -88,7 +88,8 @@ def copy_bandwidth() -> float:
 
 
 def sweep(
-    name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool, bandwidth: float, wide: bool = False
+    name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool, bandwidth: float, wide: bool = False,
+    default_only: bool = False,
 ) -> dict[str, Any]:
     batch, pool, q = make_batch(mode, bs, context, new)
     backend = TritonAttentionBackend(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
@@ -111,7 +112,9 @@ def sweep(
             us, error = float("inf"), repr(exc)[:80]
         results.append({"tiles": vars(tiles), "splits": split, "us": us, "error": error})
 
-    if wide:  # every tile x (warps, stages) pair at the split counts that matter at this batch size
+    if default_only:
+        pass
+    elif wide:  # every tile x (warps, stages) pair at the split counts that matter at this batch size
         wide_splits = [1, 2] if bs >= 16 else [4, 8, 16]
         for block_m, block_n, (warps, stages), split in itertools.product(
             (16, 64), (32, 64, 128), ((4, 2), (4, 3), (8, 2), (8, 3)), wide_splits
@@ -120,8 +123,8 @@ def sweep(
     else:
         for block_m, block_n, split in itertools.product(block_ms, (32, 64, 128), splits):
             run(KernelTiles(block_m, block_n, 4, 2), split)
-    best = min(results[1:], key=lambda r: r["us"])
-    if not quick and not wide:
+    best = min(results, key=lambda r: r["us"])
+    if not quick and not wide and not default_only:
         for warps, stages in itertools.product((2, 4, 8), (1, 2, 3, 4)):
             tiles = KernelTiles(best["tiles"]["block_m"], best["tiles"]["block_n"], warps, stages)
             run(tiles, best["splits"])
@@ -138,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="skip the warps x stages sweep")
+    parser.add_argument("--default-only", action="store_true", help="time only the engine's own launch policy")
     parser.add_argument("--wide", action="store_true", help="rows 16/64 x keys 32/64/128 x (warps, stages) x splits")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -149,7 +153,7 @@ def main() -> None:
     for case in CASES:
         if args.cases and not any(s in case[0] for s in args.cases):
             continue
-        report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth, wide=args.wide))
+        report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth, wide=args.wide, default_only=args.default_only))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"tune_attention_{report['date']}.json"
     path.write_text(json.dumps(report, indent=1))

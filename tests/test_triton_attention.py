@@ -161,3 +161,27 @@ def test_merge_over_head_blocks(monkeypatch: pytest.MonkeyPatch, merge_tile: int
     meta.num_splits = 2
     batch.attn_meta = meta
     torch.testing.assert_close(backend.forward(q, k, v, 0, batch), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.VERIFY, ForwardMode.DRAFT, ForwardMode.DECODE, ForwardMode.EXTEND])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_unmasked_bulk_tiles_with_padded_head_dim(mode: ForwardMode, splits: int) -> None:
+    """Head dim 24 (padded to 32 lanes): whole visible tiles take the unmasked path with only the head-dim mask,
+    the causal edge and the split ends the masked one."""
+    heads, kv_heads, head_dim = 4, 2, 24
+    new = {ForwardMode.DECODE: [1, 1], ForwardMode.EXTEND: [8, 5]}.get(mode, [8, 8])  # verify/draft: uniform
+    batch, pool_a, pool_b, q, k, v = make_case(mode, [70, 33], new, 1, heads, kv_heads, head_dim, torch.float32)
+    reference = TorchAttentionBackend(pool_a, head_dim ** -0.5)
+    batch.attn_meta = reference.plan(batch)
+    expected = reference.forward(q, k, v, 0, batch)
+    backend = TritonAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim)
+    meta = backend.plan(batch)
+    meta.tiles, meta.num_splits = KernelTiles(16, 16, 4, 2), splits
+    batch.attn_meta = meta
+    torch.testing.assert_close(backend.forward(q, k, v, 0, batch), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_uniform_modes_refuse_ragged_batches() -> None:
+    """Decode / verify / draft batches are planned as uniform: ragged token counts are refused, not mis-planned."""
+    with pytest.raises(ValueError, match="same number of tokens"):
+        make_case(ForwardMode.VERIFY, [70, 33], [8, 5], 1, 4, 2, 16, torch.float32)

@@ -64,6 +64,8 @@ def build_batch(
     """
     device = req_to_token.device
     extend_lens = [len(t) for t in token_ids]
+    if mode is not ForwardMode.EXTEND and len(set(extend_lens)) > 1:
+        raise ValueError(f"{mode.value} batches add the same number of tokens per request, got {extend_lens}")
     seq_lens = [s + n for s, n in zip(start_positions, extend_lens)]
     bs, total = len(extend_lens), sum(extend_lens)
     lens = torch.tensor(extend_lens, dtype=torch.int64)
