@@ -165,9 +165,8 @@ def test_merge_over_head_blocks(monkeypatch: pytest.MonkeyPatch, merge_tile: int
 
 @pytest.mark.parametrize("mode", [ForwardMode.VERIFY, ForwardMode.DRAFT, ForwardMode.DECODE, ForwardMode.EXTEND])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_unmasked_bulk_tiles_with_padded_head_dim(mode: ForwardMode, splits: int) -> None:
-    """Head dim 24 (padded to 32 lanes): whole visible tiles take the unmasked path with only the head-dim mask,
-    the causal edge and the split ends the masked one."""
+def test_padded_head_dim_small_tiles(mode: ForwardMode, splits: int) -> None:
+    """Head dim 24 (padded to 32 lanes, masked) with 16-key tiles: many whole tiles, a causal edge, split ends."""
     heads, kv_heads, head_dim = 4, 2, 24
     new = {ForwardMode.DECODE: [1, 1], ForwardMode.EXTEND: [8, 5]}.get(mode, [8, 8])  # verify/draft: uniform
     batch, pool_a, pool_b, q, k, v = make_case(mode, [70, 33], new, 1, heads, kv_heads, head_dim, torch.float32)

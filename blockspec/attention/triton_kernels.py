@@ -15,55 +15,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(
-    q, acc, row_max, row_sum, table, start, hi, k_cache_ptr, v_cache_ptr, head_offset, stride_kv_slot, dims, q_pos,
-    row_valid, qk_scale_log2, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step over keys start .. start+BLOCK_N-1. Unmasked tiles (MASKED False) must be whole and
-    visible to every row: no bounds, causal or window masks, and every row's max stays finite."""
-    cols = start + tl.arange(0, BLOCK_N)
-    col_valid = cols < hi
-    if MASKED:
-        slots = tl.load(table + cols, mask=col_valid, other=0).to(tl.int64)
-    else:
-        slots = tl.load(table + cols).to(tl.int64)
-    kv_offsets = slots[:, None] * stride_kv_slot + head_offset + dims[None, :]
-    if MASKED:
-        kv_mask = col_valid[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    elif BLOCK_D == HEAD_DIM:
-        k = tl.load(k_cache_ptr + kv_offsets)
-        v = tl.load(v_cache_ptr + kv_offsets)
-    else:
-        k = tl.load(k_cache_ptr + kv_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale_log2
-    if MASKED:
-        allowed = row_valid[:, None] & col_valid[None, :]
-        distance = q_pos[:, None] - cols[None, :]
-        if CAUSAL:
-            allowed = allowed & (distance >= 0)
-        if USE_WINDOW:
-            allowed = allowed & (distance < window)
-            if not CAUSAL:
-                allowed = allowed & (-distance < window)
-        scores = tl.where(allowed, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    else:
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        safe_max = new_max
-    probs = tl.exp2(scores - safe_max[:, None])
-    correction = tl.exp2(row_max - safe_max)
-    row_sum = row_sum * correction + tl.sum(probs, 1)
-    acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-    return acc, new_max, row_sum
-
-
-@triton.jit
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     req_to_token_ptr, req_rows_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr,
@@ -109,31 +60,35 @@ def paged_attention_kernel(
     lo = kv_begin + pid_split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
 
-    # NOTE: keys before `bulk_end` are visible to every row of this program (before the smallest query position,
-    # whole tiles, inside the split, no window), so their tiles skip all masking; the rest take the masked path.
-    visible_end = kv_end
-    if CAUSAL:
-        visible_end = tl.minimum(kv_end, seq_len - q_len + (pid_m * BLOCK_M) // GROUP + 1)
-    bulk_end = lo + tl.maximum(tl.minimum(hi, visible_end) - lo, 0) // BLOCK_N * BLOCK_N
-    if USE_WINDOW:
-        bulk_end = lo
-
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = req_to_token_ptr + table_row * stride_table_row
-    for start in range(lo, bulk_end, BLOCK_N):
-        acc, row_max, row_sum = _attend_tile(
-            q, acc, row_max, row_sum, table, start, hi, k_cache_ptr, v_cache_ptr, kv_head * stride_kv_head,
-            stride_kv_slot, dims, q_pos, row_valid, qk_scale_log2, window,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, USE_WINDOW, DOT_PRECISION,
-        )
-    for start in range(bulk_end, hi, BLOCK_N):
-        acc, row_max, row_sum = _attend_tile(
-            q, acc, row_max, row_sum, table, start, hi, k_cache_ptr, v_cache_ptr, kv_head * stride_kv_head,
-            stride_kv_slot, dims, q_pos, row_valid, qk_scale_log2, window,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, USE_WINDOW, DOT_PRECISION,
-        )
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_valid = cols < hi
+        slots = tl.load(table + cols, mask=col_valid, other=0).to(tl.int64)
+        kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
+        kv_mask = col_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale_log2
+        allowed = row_valid[:, None] & col_valid[None, :]
+        distance = q_pos[:, None] - cols[None, :]
+        if CAUSAL:
+            allowed = allowed & (distance >= 0)
+        if USE_WINDOW:
+            allowed = allowed & (distance < window)
+            if not CAUSAL:
+                allowed = allowed & (-distance < window)
+        scores = tl.where(allowed, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        correction = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        row_max = new_max
 
     o_offsets = (q_start + token)[:, None].to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
     if NUM_SPLITS == 1:
