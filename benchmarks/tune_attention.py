@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import itertools
 import json
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -73,6 +74,17 @@ def graph_us(backend: TritonAttentionBackend, q: torch.Tensor, batch: ForwardBat
     return start.elapsed_time(end) * 1e3 / (5 * launches)
 
 
+def load_candidate(path: Path) -> type[TritonAttentionBackend]:
+    """The Triton backend with its two kernels taken from `path` (an A/B of a kernel change within one run)."""
+    spec = importlib.util.spec_from_file_location("candidate_attention_kernels", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return type("CandidateBackend", (TritonAttentionBackend,), {
+        "attention_kernel": module.paged_attention_kernel, "merge_kernel": module.merge_splits_kernel,
+    })
+
+
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 2 GiB device copy."""
     src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
@@ -89,13 +101,19 @@ def copy_bandwidth() -> float:
 
 def sweep(
     name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool, bandwidth: float, wide: bool = False,
-    default_only: bool = False,
+    default_only: bool = False, candidate: Optional[type[TritonAttentionBackend]] = None,
 ) -> dict[str, Any]:
     batch, pool, q = make_batch(mode, bs, context, new)
     backend = TritonAttentionBackend(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
     default: TritonAttentionMeta = backend.plan(batch)
     batch.attn_meta = default
     reference = backend.forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, kv_stored=True).float()
+    candidate_result: dict[str, Any] = {}
+    if candidate is not None:  # same run, same batch, the engine's launch policy: candidate kernels vs current
+        contender = candidate(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
+        got = contender.forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, kv_stored=True).float()
+        error = ((got - reference).norm() / reference.norm()).item()
+        candidate_result = {"us": graph_us(contender, q, batch), "error": error}
     rows = new * HEADS // KV_HEADS
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)]
     splits = [1] if mode is ForwardMode.EXTEND else [1, 2, 4, 8, 16]
@@ -132,28 +150,35 @@ def sweep(
     floor_us = bs * (context + new) * 2 * KV_HEADS * HEAD_DIM * 2 / bandwidth * 1e6  # K and V read once
     print(f"== {name}: default {results[0]['us']:.1f} us {results[0]['tiles']} splits {results[0]['splits']}"
           f" (KV read floor {floor_us:.1f} us)")
+    if candidate_result:
+        print(f"   candidate kernels: {candidate_result['us']:.1f} us (relative error {candidate_result['error']:.1e})")
     for r in ranked[:4]:
         print(f"   {r['us']:7.1f} us  {r['tiles']} splits {r['splits']}")
-    return {"case": name, "default": results[0], "ranked": ranked[:12], "kv_floor_us": floor_us}
+    return {"case": name, "default": results[0], "ranked": ranked[:12], "kv_floor_us": floor_us,
+            "candidate": candidate_result or None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="skip the warps x stages sweep")
+    parser.add_argument("--candidate", type=Path, help="a .py file defining paged_attention_kernel and "
+                        "merge_splits_kernel with the current signatures: timed against the current kernels")
     parser.add_argument("--default-only", action="store_true", help="time only the engine's own launch policy")
     parser.add_argument("--wide", action="store_true", help="rows 16/64 x keys 32/64/128 x (warps, stages) x splits")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "cases": []}
+    candidate = load_candidate(args.candidate) if args.candidate else None
     bandwidth = copy_bandwidth()
     report["bandwidth_bytes_per_s"] = bandwidth
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for case in CASES:
         if args.cases and not any(s in case[0] for s in args.cases):
             continue
-        report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth, wide=args.wide, default_only=args.default_only))
+        report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth, wide=args.wide, default_only=args.default_only,
+                                     candidate=candidate))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"tune_attention_{report['date']}.json"
     path.write_text(json.dumps(report, indent=1))

@@ -70,6 +70,10 @@ class TritonAttentionMeta:
 
 
 class TritonAttentionBackend(PagedBackendBase):
+    # NOTE: the kernels as attributes so a benchmark can time a candidate kernel (same signature) against these.
+    attention_kernel = paged_attention_kernel
+    merge_kernel = merge_splits_kernel
+
     def __init__(
         self,
         pool: KVPool,
@@ -139,7 +143,7 @@ class TritonAttentionBackend(PagedBackendBase):
         table = batch.req_to_token
         tiles = meta.tiles
         grid = (triton.cdiv(meta.max_q_len * group, tiles.block_m), batch.batch_size * self.num_kv_heads, splits)
-        paged_attention_kernel[grid](
+        self.attention_kernel[grid](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
             table, batch.req_rows, meta.q_starts, meta.q_lens, batch.seq_lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
@@ -152,7 +156,7 @@ class TritonAttentionBackend(PagedBackendBase):
         )
         if splits > 1:
             heads_per_program = min(triton.next_power_of_2(self.num_heads), merge_heads_per_program(splits, self.block_d))
-            merge_splits_kernel[(num_tokens, triton.cdiv(self.num_heads, heads_per_program))](
+            self.merge_kernel[(num_tokens, triton.cdiv(self.num_heads, heads_per_program))](
                 out, part_acc, part_max, part_sum,
                 out.stride(0), out.stride(1), self.num_heads * splits, splits, 1, self.num_heads,
                 HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits, BLOCK_H=heads_per_program,
