@@ -197,6 +197,22 @@ def print_backend_comparison(rows: list[dict[str, Any]], backends: list[str]) ->
         print(f"{backend:>10} bs {bs:>3} ctx {context:>5}: " + "  ".join(parts))
 
 
+def goal_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """#4's goals per backend and context: bs-1 DFlash cycle / floor (<= 1.25) and bs-32 / bs-1 cycle (<= 2)."""
+    index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"]}
+    goals = []
+    for (backend, bs, context), one in sorted(index.items()):
+        thirty_two = index.get((backend, 32, context))
+        if bs != 1:
+            continue
+        goal = {"backend": backend, "context": context, "bs1_cycle_over_floor": one["cycle_over_floor"]}
+        if thirty_two is not None:
+            goal["bs32_over_bs1_cycle"] = thirty_two["cycle_ms"] / one["cycle_ms"]
+            goal["bs32_over_bs1_graph_alone"] = thirty_two["greedy_cycle_ms"] / one["greedy_cycle_ms"]
+        goals.append(goal)
+    return goals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64])
@@ -237,6 +253,10 @@ def main() -> None:
     for ref in reference:
         print("dflash reference:", ref)
     print_backend_comparison(rows, args.backends)
+    report["goals"] = goal_summary(rows)
+    path.write_text(json.dumps(report, indent=1))
+    for goal in report["goals"]:
+        print("goals:", ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in goal.items()))
 
 
 if __name__ == "__main__":
