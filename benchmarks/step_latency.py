@@ -202,9 +202,9 @@ def goal_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"]}
     goals = []
     for (backend, bs, context), one in sorted(index.items()):
-        thirty_two = index.get((backend, 32, context))
         if bs != 1:
             continue
+        thirty_two = index.get((backend, 32, context))
         goal = {"backend": backend, "context": context, "bs1_cycle_over_floor": one["cycle_over_floor"]}
         if thirty_two is not None:
             goal["bs32_over_bs1_cycle"] = thirty_two["cycle_ms"] / one["cycle_ms"]

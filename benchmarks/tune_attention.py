@@ -20,6 +20,7 @@ import torch
 from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend, TritonAttentionMeta
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+from step_latency import read_bandwidth
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CASES = [  # name, mode, batch size, cached context, new tokens per request
@@ -85,20 +86,6 @@ def load_candidate(path: Path) -> type[TritonAttentionBackend]:
     })
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device copy."""
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * 2**31 * 10 / (start.elapsed_time(end) / 1e3)
-
-
 def sweep(
     name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool, bandwidth: float, wide: bool = False,
     default_only: bool = False, candidate: Optional[type[TritonAttentionBackend]] = None,
@@ -130,15 +117,13 @@ def sweep(
             us, error = float("inf"), repr(exc)[:80]
         results.append({"tiles": vars(tiles), "splits": split, "us": us, "error": error})
 
-    if default_only:
-        pass
-    elif wide:  # every tile x (warps, stages) pair at the split counts that matter at this batch size
+    if wide and not default_only:  # every tile x (warps, stages) at the split counts that matter at this size
         wide_splits = [1, 2] if bs >= 16 else [4, 8, 16]
         for block_m, block_n, (warps, stages), split in itertools.product(
             (16, 64), (32, 64, 128), ((4, 2), (4, 3), (8, 2), (8, 3)), wide_splits
         ):
             run(KernelTiles(block_m, block_n, warps, stages), split)
-    else:
+    elif not default_only:
         for block_m, block_n, split in itertools.product(block_ms, (32, 64, 128), splits):
             run(KernelTiles(block_m, block_n, 4, 2), split)
     best = min(results, key=lambda r: r["us"])
@@ -171,14 +156,14 @@ def main() -> None:
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "cases": []}
     candidate = load_candidate(args.candidate) if args.candidate else None
-    bandwidth = copy_bandwidth()
+    bandwidth = read_bandwidth()
     report["bandwidth_bytes_per_s"] = bandwidth
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for case in CASES:
         if args.cases and not any(s in case[0] for s in args.cases):
             continue
-        report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth, wide=args.wide, default_only=args.default_only,
-                                     candidate=candidate))
+        report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth, wide=args.wide,
+                                     default_only=args.default_only, candidate=candidate))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"tune_attention_{report['date']}.json"
     path.write_text(json.dumps(report, indent=1))
