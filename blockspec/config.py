@@ -34,6 +34,7 @@ class EngineConfig:
     speculative_num_draft_tokens: Optional[int] = None
     cuda_graph_bs: list[int] = field(default_factory=lambda: list(DEFAULT_CUDA_GRAPH_BS))
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False  # greedy DFlash: launch cycle N+1 before committing cycle N on the host
     enforce_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 4096
     piecewise_cuda_graph_tokens: Optional[list[int]] = None  # explicit token buckets for piecewise graphs
@@ -59,7 +60,8 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("skip_tokenizer_init", "trust_remote_code", "disable_cuda_graph", "enforce_piecewise_cuda_graph"):
+        for name in ("skip_tokenizer_init", "trust_remote_code", "disable_cuda_graph", "disable_overlap_schedule",
+                     "enforce_piecewise_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("device", "dtype", "attention_backend", "log_level", "load_format"):

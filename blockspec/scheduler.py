@@ -13,6 +13,7 @@ from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.request import Finish, FinishReason, Req
 from blockspec.sampling import make_generator, sample_next_tokens
+from blockspec.spec.pending import OverlapWorker, PendingCycle
 from blockspec.tokenizer import IncrementalDetokenizer, find_stop
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ class Scheduler:
         self.spec_verify_ct = 0  # (request, verify forward) pairs
         self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
         self.spec_accept_histogram = [0] * (worker.decode_slots_per_req + 1)
+        # NOTE: overlap schedule: the decode cycle launched last step, committed by the next step (spec/pending.py).
+        self.overlap = not config.disable_overlap_schedule and all(
+            callable(getattr(worker, name, None)) for name in ("can_overlap", "launch_cycle", "finish_cycle")
+        )
+        self.pending: Optional[PendingCycle] = None
 
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, req: Req) -> None:
@@ -114,13 +120,15 @@ class Scheduler:
         done = self.collect_finished()
         reqs, lens = self._schedule_extend()
         if reqs:
+            self._drain()
             logits = self.worker.extend(reqs, lens)
             ready = [i for i, req in enumerate(reqs) if req.pending_len == 0]
             if ready:
                 tokens = sample_next_tokens(logits[ready], [reqs[i] for i in ready])
                 for i, token in zip(ready, tokens):
                     self._commit(reqs[i], [token])
-        else:
+        elif not self._overlapped_decode():
+            self._drain()
             decode_reqs = self._reserve_decode()
             if decode_reqs:
                 for req, tokens in zip(decode_reqs, self.worker.decode(decode_reqs)):
@@ -129,6 +137,47 @@ class Scheduler:
                     if self.worker.is_speculative:
                         self._record_spec(req, committed)
         return done + self.collect_finished()
+
+    # ---- overlap schedule ------------------------------------------------------------------
+    def _overlapped_decode(self) -> bool:
+        """Launches this step's cycle, then commits last step's while the device runs it. False (nothing done) when
+        the batch cannot overlap: sampled requests, or no room for slots two blocks ahead (the synchronous step may
+        then retract)."""
+        decode_reqs = [r for r in self.running if r.pending_len == 1 and not r.finished]
+        if not (self.overlap and decode_reqs):
+            return False
+        worker: OverlapWorker = self.worker  # type: ignore[assignment]
+        if not worker.can_overlap(decode_reqs):
+            return False
+        # NOTE: a carried request's kv_len lags one uncommitted cycle (<= B tokens), which writes B slots past it.
+        ahead = 2 * self.worker.decode_slots_per_req
+        if any(r.kv_len + ahead > self.table.max_context_len for r in decode_reqs):
+            return False
+        needed = sum(self.allocator.extra_pages_needed(r, r.kv_len + ahead) for r in decode_reqs)
+        if needed * self.allocator.page_size > self.allocator.free_slots:
+            return False
+        self.allocator.grow_many(decode_reqs, [r.kv_len + ahead for r in decode_reqs], self.table)
+        launched = worker.launch_cycle(decode_reqs, self.pending)
+        if self.pending is not None:
+            self._commit_cycle(self.pending, keep_ahead=self.worker.decode_slots_per_req)
+        self.pending = launched
+        return True
+
+    def _drain(self) -> None:
+        """Commits the cycle in flight, if any (nothing runs after it, so rejected slots are released)."""
+        if self.pending is not None:
+            cycle, self.pending = self.pending, None
+            self._commit_cycle(cycle, keep_ahead=0)
+
+    def _commit_cycle(self, cycle: PendingCycle, keep_ahead: int) -> None:
+        """Commits a launched cycle's tokens; each request keeps slots to kv_len + keep_ahead (the cycle after it)."""
+        worker: OverlapWorker = self.worker  # type: ignore[assignment]
+        for req, tokens in zip(cycle.reqs, worker.finish_cycle(cycle)):
+            if tokens is None:  # finished or aborted since the launch
+                continue
+            committed = self._commit(req, tokens)
+            self.allocator.shrink(req, req.kv_len + keep_ahead)
+            self._record_spec(req, committed)
 
     def _decode_headroom(self, num_running: int) -> int:
         pages = self.allocator.pages_for(self.worker.decode_slots_per_req) + 1

@@ -138,3 +138,34 @@ def test_greedy_cycle_graph_equals_eager(tiny: Path) -> None:
     for req in reqs:
         engine.scheduler.abort(req.rid)
     engine.scheduler.step()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_overlap_schedule_with_graphs(tiny: Path, page_size: int) -> None:
+    """Overlapped greedy DFlash with the cycle graph: same tokens and acceptance as the synchronous schedule, and a
+    steady-state step launches the next cycle without any synchronising device call (sync debug mode 'error')."""
+    sync, sync_engine = run(tiny, True, device="cuda", page_size=page_size, disable_overlap_schedule=True)
+    target_only, _ = run(tiny, False, device="cuda", page_size=page_size)
+    engine = Engine(model_path=str(tiny / "target"), dtype="float32", max_total_tokens=4096, skip_tokenizer_init=True,
+                    chunked_prefill_size=16, cuda_graph_bs=[1, 2, 4, 8], page_size=page_size,
+                    speculative_algorithm="DFLASH", speculative_draft_model_path=str(tiny / "draft"))
+    scheduler = engine.scheduler
+    reqs, _ = engine.make_requests(input_ids=PROMPTS[:8], sampling_params=GREEDY)
+    for req in reqs:
+        scheduler.add_request(req)
+    checked = 0
+    while scheduler.has_work:
+        steady = scheduler.pending is not None and not scheduler.waiting and all(
+            r.pending_len == 1 for r in scheduler.running)
+        if steady:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            scheduler.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked += steady
+    assert checked > 5
+    assert [r.output_ids for r in reqs] == sync[:8] == target_only[:8]
+    assert scheduler.spec_verify_ct > 0 and engine.runner.forward_counts["graph"] > 0
+    info = engine.get_server_info()
+    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]

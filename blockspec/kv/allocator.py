@@ -120,5 +120,9 @@ class ReqToTokenTable:
         """table[rows[i], cols[i]] = slots[i] for all i: one host→device copy and one scatter."""
         if not rows:
             return
-        packed = torch.tensor([rows, cols, slots], dtype=torch.int64).to(self.table.device)
+        on_cuda = self.table.device.type == "cuda"
+        # NOTE: pinned and non-blocking: a pageable copy would make the host wait for the device (no overlap).
+        packed = torch.tensor([rows, cols, slots], dtype=torch.int64, pin_memory=on_cuda).to(
+            self.table.device, non_blocking=on_cuda
+        )
         self.table[packed[0], packed[1]] = packed[2]

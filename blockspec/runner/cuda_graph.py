@@ -168,3 +168,11 @@ class GraphedForward:
         self.rows[:bs].copy_(rows.rows, non_blocking=True)
         seq_lens_cpu = rows.rows[:, -1].tolist() if self.host_planner is not None else None
         return self._launch(bs, self._padded(bs), seq_lens_cpu)
+
+    def replay_device_rows(self, rows: torch.Tensor) -> GraphOutputs:
+        """Replays for rows already on the device (e.g. computed from the previous cycle's outputs): no host data, so
+        the host does not wait for the device. Not for host-planned backends (they plan from host seq_lens)."""
+        assert self.host_planner is None, f"{self.name}: a host-planned graph needs host rows"
+        bs = rows.shape[0]
+        self.rows[:bs].copy_(rows)
+        return self._launch(bs, self._padded(bs), None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -15,12 +15,13 @@ from blockspec.models.config import load_target_config
 from blockspec.models.dflash_draft import DFlashDraftModel, load_draft_model
 from blockspec.models.draft_config import DraftConfig, load_draft_config
 from blockspec.request import Req
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
 from blockspec.runner.cuda_graph import GraphedForward
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.runner.worker import TargetWorker
 from blockspec.sampling import greedy_tokens, sampling_probs
 from blockspec.spec.acceptance import greedy_accept, rejection_accept
+from blockspec.spec.pending import PendingCycle, device_index, host_copy, next_cycle_rows
 
 logger = logging.getLogger(__name__)
 
@@ -148,21 +149,67 @@ class DFlashWorker(TargetWorker):
         assert logits is not None
         target_argmax = greedy_tokens(logits).view(bs, b)
         accepted = (draft_argmax[:, 1:] == target_argmax[:, :-1]).to(torch.int64).cumprod(1).sum(1, keepdim=True)
+        if self.simulate_accept_len is not None:
+            accepted = torch.full_like(accepted, self.simulated_accepted())
         return (torch.cat([accepted, draft_argmax, target_argmax], dim=1),)
 
-    @torch.inference_mode()
-    def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[int]]:
-        """Per request [accepted, d_0..d_{B-1}, t_0..t_{B-1}] (see _greedy_cycle) on the host: one graph replay and
-        one device→host copy."""
-        rows = self._draft_rows(reqs)
-        if self.cycle_graph is not None and self.cycle_graph.can_run_rows(rows):
+    def can_overlap(self, reqs: Sequence[Req]) -> bool:
+        """Greedy batches on the one-graph cycle path (or all-eager) can run a cycle ahead of the host's commit."""
+        return (self.cycle_graph is not None or self.draft_graph is None) and all(r.params.is_greedy for r in reqs)
+
+    def _cycle_on_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The greedy cycle's [bs, 1 + 2B] tokens for device rows (UniformRows layout), in a tensor of its own."""
+        bs = rows.shape[0]
+        if self.cycle_graph is not None and bs <= self.cycle_graph.batch_sizes[-1]:
             self.runner.forward_counts["graph"] += 1
-            (tokens,) = self.cycle_graph.replay_rows(rows)
-        else:
-            self.runner.forward_counts["eager"] += 1
-            (tokens,) = self._greedy_cycle(rows.to_batch(self.runner.req_to_token.table, self.runner.max_positions))
-        assert tokens is not None
-        return tokens[: len(reqs)].tolist()
+            (tokens,) = self.cycle_graph.replay_device_rows(rows)
+            assert tokens is not None
+            return tokens.clone()  # NOTE: the next replay of any graph overwrites its outputs
+        self.runner.forward_counts["eager"] += 1
+        table = self.runner.req_to_token.table
+        # NOTE: eager planning reads seq_lens on the host (a sync); captured graphs do not.
+        batch = uniform_batch(ForwardMode.DRAFT, rows, table, rows[:, -1].tolist(), (), self.runner.max_positions)
+        (tokens,) = self._greedy_cycle(batch)
+        return tokens
+
+    @torch.inference_mode()
+    def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle:
+        """Launches a greedy cycle without waiting for it. Requests of `carry` (launched, not yet committed) take
+        their input rows from its device outputs; the others from the host. The cycle's requests are ordered
+        carried first. The scheduler has given each request slots up to kv_len + B (+ B more when carried)."""
+        carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
+        carried = [req for req in reqs if id(req) in carried_at]
+        fresh = [req for req in reqs if id(req) not in carried_at]
+        parts = []
+        if carried:
+            assert carry is not None
+            index = device_index([carried_at[id(req)] for req in carried], len(carry.reqs), self.runner.device)
+            parts.append(next_cycle_rows(carry, index, self.block_size))
+        if fresh:
+            parts.append(self._draft_rows(fresh).rows.to(self.runner.device, non_blocking=True))
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        tokens = self._cycle_on_rows(rows)
+        host_tokens, ready = host_copy(tokens)
+        return PendingCycle(carried + fresh, rows, tokens, host_tokens, ready)
+
+    def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]:
+        """Waits for `cycle` and returns each request's committed tokens (None for one that finished since the
+        launch: its cycle is discarded), advancing kv_len past them."""
+        committed: list[Optional[list[int]]] = []
+        b = self.block_size
+        for req, row in zip(cycle.reqs, cycle.wait()):
+            if req.finished:
+                committed.append(None)
+                continue
+            accepted, target_argmax = row[0], row[b + 1:]
+            # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
+            req.kv_len += accepted + 1
+            committed.append(row[2:2 + accepted] + [target_argmax[accepted]])
+        return committed
+
+    def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[int]]:
+        """Per request [accepted, d_0..d_{B-1}, t_0..t_{B-1}] (see _greedy_cycle) on the host, nothing committed."""
+        return self.launch_cycle(reqs).wait()
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req]) -> tuple[ForwardBatch, torch.Tensor, dict[int, torch.Tensor]]:
@@ -204,39 +251,34 @@ class DFlashWorker(TargetWorker):
     @torch.inference_mode()
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
+        if self.can_overlap(reqs):
+            cycle = self.launch_cycle(reqs)
+            by_req = {id(req): tokens for req, tokens in zip(cycle.reqs, self.finish_cycle(cycle))}
+            return [by_req[id(req)] or [] for req in reqs]
         b = self.block_size
-        logits: torch.Tensor | None = None
-        draft_probs: dict[int, torch.Tensor] = {}
-        # NOTE: without the cycle graph (FlashInfer) the draft and verify graphs still serve greedy batches.
-        use_cycle_path = self.cycle_graph is not None or self.draft_graph is None
-        device_accepted: list[int] | None = None
-        if use_cycle_path and all(req.params.is_greedy for req in reqs):
-            rows = self.greedy_cycle_tokens(reqs)
-            device_accepted = [row[0] for row in rows]
-            host = [row[2:] for row in rows]  # [d_1..d_{B-1} | t_0..t_{B-1}], as below
-        else:
-            draft_batch, proposals_device, draft_probs = self.propose(reqs)
-            logits = self.verify(draft_batch, proposals_device)
-            # NOTE: greedy requests need only this device→host copy per cycle (sampled ones also sync in acceptance).
-            host = torch.cat([proposals_device, greedy_tokens(logits)], dim=1).tolist()
+        draft_batch, proposals_device, draft_probs = self.propose(reqs)
+        logits = self.verify(draft_batch, proposals_device)
+        # NOTE: greedy requests need only this device→host copy per cycle (sampled ones also sync in acceptance).
+        host = torch.cat([proposals_device, greedy_tokens(logits)], dim=1).tolist()
         committed: list[list[int]] = []
         for i, req in enumerate(reqs):
             proposals, target_argmax = host[i][: b - 1], host[i][b - 1:]
             if self.simulate_accept_len is not None:
-                accepted = min(b - 1, round(self.simulate_accept_len) - 1)
-                bonus = target_argmax[accepted]
-            elif device_accepted is not None:
-                accepted = device_accepted[i]
+                accepted = self.simulated_accepted()
                 bonus = target_argmax[accepted]
             elif i not in draft_probs:
                 accepted, bonus = greedy_accept(proposals, target_argmax)
             else:
-                assert logits is not None
                 accepted, bonus = rejection_accept(proposals, draft_probs[i], logits[i], req.params, req.generator)
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
             req.kv_len += accepted + 1
             committed.append(proposals[:accepted] + [bonus])
         return committed
+
+    def simulated_accepted(self) -> int:
+        """Proposals counted as accepted under --speculative-simulate-accept-len (benchmarking only)."""
+        assert self.simulate_accept_len is not None
+        return max(0, min(self.block_size - 1, round(self.simulate_accept_len) - 1))
 
 
 def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker]:
@@ -248,7 +290,7 @@ def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker
     dtype = pick_dtype(config, device)
     draft_bytes = KVPool.bytes_per_slot(draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim, dtype)
     runner = ModelRunner(
-        config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=block_size,
+        config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=2 * block_size,  # NOTE: overlap reserves 2 blocks ahead
         hidden_capture_layer_ids=tuple(draft_config.target_layer_ids),
     )
     draft = load_draft_model(

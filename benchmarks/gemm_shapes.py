@@ -1,0 +1,95 @@
+"""cuBLAS (torch.nn.functional.linear) on the Llama-3.1-8B GEMM shapes of a DFlash cycle, bf16, on one GPU.
+
+For each weight (qkv, o_proj, gate_up, down, lm_head, draft fc) and token count M (1 request x block 10 up to 64
+requests), times one F.linear as 20 launches inside a CUDA graph, and compares it with the memory floor (weight bytes
+÷ copy bandwidth measured in this run) and with the same GEMM at M padded up to a multiple of 64 and split into two
+halves along N — the variants an engine could pick when cuBLAS's choice for M is poor. Writes JSON to --out."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from step_latency import read_bandwidth
+
+SHAPES = {  # name: (in_features, out_features)
+    "qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+    "lm_head": (4096, 128256), "draft_fc": (20480, 4096),
+}
+
+
+def graph_us(fn: Callable[[], Any], launches: int = 20) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * launches)
+
+
+def time_shape(name: str, k: int, n: int, m: int, bandwidth: float) -> dict[str, Any]:
+    weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    padded_m = -(-m // 64) * 64
+    x_padded = torch.zeros(padded_m, k, dtype=torch.bfloat16, device="cuda")
+    x_padded[:m] = x
+    halves = weight[: n // 2], weight[n // 2:]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    row = {
+        "shape": name, "m": m, "k": k, "n": n,
+        "floor_us": n * k * 2 / bandwidth * 1e6,
+        "tflops_at_1us": 2 * m * n * k / 1e6 / 1e12,
+        "linear_us": graph_us(lambda: F.linear(x, weight)),
+        "padded_us": graph_us(lambda: F.linear(x_padded, weight)) if padded_m != m else None,
+        "split_n_us": graph_us(lambda: (torch.matmul(x, halves[0].t(), out=out[:, : n // 2]),
+                                        torch.matmul(x, halves[1].t(), out=out[:, n // 2:]))),
+    }
+    row["linear_over_floor"] = row["linear_us"] / row["floor_us"]
+    row["linear_tflops"] = row["tflops_at_1us"] / row["linear_us"]
+    del weight
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[10, 40, 160, 320, 640])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    bandwidth = read_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "torch": torch.__version__,
+              "bandwidth_bytes_per_s": bandwidth, "rows": []}
+    print(f"{'shape':>9} {'M':>4} {'linear us':>10} {'x floor':>8} {'TFLOP/s':>8} {'padded':>8} {'split N':>8}")
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        for m in args.tokens:
+            row = time_shape(name, k, n, m, bandwidth)
+            report["rows"].append(row)
+            padded = f"{row['padded_us']:8.1f}" if row["padded_us"] is not None else f"{'-':>8}"
+            print(f"{name:>9} {m:>4} {row['linear_us']:10.1f} {row['linear_over_floor']:8.2f} "
+                  f"{row['linear_tflops']:8.0f} {padded} {row['split_n_us']:8.1f}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gemm_shapes_{report['date']}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

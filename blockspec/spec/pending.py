@@ -1,0 +1,74 @@
+"""A greedy DFlash cycle in flight: launched on the device now, committed on the host one scheduler step later.
+
+The overlap schedule launches cycle N+1 before it commits cycle N: N+1's input rows are computed on the device from
+N's outputs (the bonus token target[accepted] and the new sequence length), so the host's bookkeeping for N (commit,
+finish checks, slot release, stats) runs while the device works on N+1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+from blockspec.request import Req
+
+
+@dataclass
+class PendingCycle:
+    """`reqs[i]` ran with input rows `rows[i]` (UniformRows layout: [bonus, mask x (B-1) | req→token row | seq_len])
+    and produced `tokens[i]` = [accepted | draft argmax x B | target argmax x B] (DFlashWorker._greedy_cycle), both on
+    the device. `host_tokens` is the host copy of `tokens`, readable once `ready` has completed (None: no device)."""
+
+    reqs: list[Req]
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    ready: Optional[torch.cuda.Event]
+
+    def wait(self) -> list[list[int]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_tokens.tolist()
+
+
+class OverlapWorker(Protocol):
+    """A worker whose decode step can run one cycle ahead of the host's commit (see PendingCycle)."""
+
+    def can_overlap(self, reqs: Sequence[Req]) -> bool: ...
+
+    def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle: ...
+
+    def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]: ...
+
+
+def next_cycle_rows(cycle: PendingCycle, index: Optional[torch.Tensor], block_size: int) -> torch.Tensor:
+    """Input rows of the next cycle for `cycle.reqs[index]` (all of them when index is None), from device outputs
+    alone: the bonus token target[accepted], the same mask tokens and req→token row, seq_len + accepted + 1.
+
+    NOTE: valid only for requests that did not finish in `cycle` (a finished request's next cycle is discarded)."""
+    rows, tokens = cycle.rows, cycle.tokens
+    if index is not None:
+        rows, tokens = rows[index], tokens[index]
+    accepted = tokens[:, :1]
+    bonus = tokens.gather(1, accepted + 1 + block_size)
+    return torch.cat([bonus, rows[:, 1:block_size + 1], rows[:, block_size + 1:] + accepted + 1], dim=1)
+
+
+def host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+    """An asynchronous device→host copy of `tokens` into pinned memory and the event that marks it done."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def device_index(positions: list[int], size: int, device: torch.device) -> Optional[torch.Tensor]:
+    """`positions` as a device index without a synchronising copy; None when it is 0..size-1 (no gather needed)."""
+    if positions == list(range(size)):
+        return None
+    index = torch.tensor(positions, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return index.to(device, non_blocking=True)

@@ -1,0 +1,152 @@
+"""Overlap schedule for greedy DFlash (spec/pending.py): cycle N+1 is launched from cycle N's device outputs before
+the host commits N. Output, acceptance and pool state must equal the synchronous schedule's and target-only output,
+with requests finishing mid-pipeline, arriving mid-decode, aborted, retracted, and mixed with sampled requests."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from blockspec import Engine
+from blockspec.request import Req
+from blockspec.spec.pending import PendingCycle, next_cycle_rows
+from draft_training import train_tiny_draft
+from engine_testing import assert_engine_idle
+from tiny_models import save_tiny_draft, save_tiny_model
+
+pytest.importorskip("dflash.model")
+
+PROMPTS = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33, 5, 9, 26)]
+MAX_NEW = [48, 5, 17, 30, 2, 41, 9, 48, 23]  # finishes spread over many cycles
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("overlap")
+    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
+    trained = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
+    train_tiny_draft(trained, target, steps=200)
+    trained.save_pretrained(root / "draft")
+    return root
+
+
+def engine_for(root: Path, draft: bool = True, **extra: Any) -> Engine:
+    args: dict[str, Any] = dict(
+        model_path=str(root / "target"), device="cpu", dtype="float32", page_size=4, max_total_tokens=4096,
+        chunked_prefill_size=16, skip_tokenizer_init=True,
+    )
+    if draft:
+        args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
+    args.update(extra)
+    return Engine(**args)
+
+
+def greedy(max_new: int) -> dict[str, Any]:
+    return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+
+
+def run(engine: Engine, prompts: list[list[int]], max_new: list[int]) -> tuple[list[Req], int]:
+    """Adds the requests, steps to the end; returns them and how many steps left a cycle in flight."""
+    reqs, _ = engine.make_requests(input_ids=prompts, sampling_params=[greedy(n) for n in max_new])
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    overlapped = 0
+    while engine.scheduler.has_work:
+        engine.scheduler.step()
+        overlapped += engine.scheduler.pending is not None
+    return reqs, overlapped
+
+
+def test_overlap_equals_synchronous_and_target(root: Path) -> None:
+    expected = [o["output_ids"] for o in engine_for(root, draft=False).generate(
+        input_ids=PROMPTS, sampling_params=[greedy(n) for n in MAX_NEW])]
+    sync_engine = engine_for(root, disable_overlap_schedule=True)
+    sync_reqs, sync_overlapped = run(sync_engine, PROMPTS, MAX_NEW)
+    engine = engine_for(root)
+    reqs, overlapped = run(engine, PROMPTS, MAX_NEW)
+    assert sync_overlapped == 0 and overlapped > 10
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in sync_reqs] == expected
+    assert [r.spec_accept_lengths for r in reqs] == [r.spec_accept_lengths for r in sync_reqs]
+    assert engine.scheduler.spec_stats() == sync_engine.scheduler.spec_stats()
+    assert [r.finish.to_dict() for r in reqs] == [r.finish.to_dict() for r in sync_reqs]  # type: ignore[union-attr]
+    assert_engine_idle(engine)
+
+
+def test_arrivals_and_aborts_mid_pipeline(root: Path) -> None:
+    """Requests join while a cycle is in flight (their prefill drains it), others are aborted with one in flight."""
+    expected = engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=greedy(40))
+    engine = engine_for(root)
+    scheduler = engine.scheduler
+    reqs, _ = engine.make_requests(input_ids=PROMPTS, sampling_params=greedy(40))
+    for req in reqs[:3]:
+        scheduler.add_request(req)
+    later = list(reqs[3:])
+    aborted: set[str] = set()
+    step = 0
+    while scheduler.has_work or later:
+        scheduler.step()
+        step += 1
+        if later and step % 4 == 0 and scheduler.pending is not None:
+            scheduler.add_request(later.pop(0))
+        if step >= 9 and not aborted and scheduler.pending is not None:
+            victim = scheduler.pending.reqs[0]
+            assert scheduler.abort(victim.rid)
+            aborted.add(victim.rid)
+    assert aborted
+    for req, want in zip(reqs, expected):
+        if req.rid in aborted:
+            assert req.finish is not None and req.finish.reason.value == "abort"
+            assert req.output_ids == want["output_ids"][: len(req.output_ids)]
+        else:
+            assert req.output_ids == want["output_ids"]
+    assert_engine_idle(engine)
+
+
+def test_small_pool_falls_back_and_retracts(root: Path) -> None:
+    """Too few free slots for two blocks ahead: the step drains and runs synchronously (and may retract)."""
+    expected = engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=greedy(48))
+    engine = engine_for(root, max_total_tokens=160)
+    reqs, overlapped = run(engine, PROMPTS, [48] * len(PROMPTS))
+    assert [r.output_ids for r in reqs] == [o["output_ids"] for o in expected]
+    assert engine.scheduler.num_retractions > 0 and overlapped > 0
+    assert_engine_idle(engine)
+
+
+def test_sampled_request_drains_the_pipeline(root: Path) -> None:
+    """A sampled request in the batch switches to the synchronous cycle; greedy ones stay lossless."""
+    expected = engine_for(root, draft=False).generate(input_ids=PROMPTS[:4], sampling_params=greedy(30))
+    engine = engine_for(root)
+    params = [greedy(30)] * 4 + [{"temperature": 0.8, "max_new_tokens": 12, "seed": 1, "ignore_eos": True}]
+    outputs = engine.generate(input_ids=PROMPTS[:5], sampling_params=params)
+    assert [o["output_ids"] for o in outputs[:4]] == [o["output_ids"] for o in expected]
+    assert len(outputs[4]["output_ids"]) == 12
+    assert engine.scheduler.pending is None or all(r.finished for r in engine.scheduler.pending.reqs)
+    assert_engine_idle(engine)
+
+
+def test_next_cycle_rows_from_device_outputs() -> None:
+    block = 4
+    mask = 7
+    rows = torch.tensor([[11, mask, mask, mask, 3, 20], [12, mask, mask, mask, 5, 30], [13, mask, mask, mask, 6, 40]])
+    # [accepted | draft x 4 | target x 4]
+    tokens = torch.tensor([
+        [2, 0, 21, 22, 23, 21, 22, 50, 51],
+        [0, 0, 31, 32, 33, 60, 61, 62, 63],
+        [3, 0, 41, 42, 43, 41, 42, 43, 70],
+    ])
+    cycle = PendingCycle([], rows, tokens, tokens, None)
+    assert next_cycle_rows(cycle, None, block).tolist() == [
+        [50, mask, mask, mask, 3, 23], [60, mask, mask, mask, 5, 31], [70, mask, mask, mask, 6, 44],
+    ]
+    picked = next_cycle_rows(cycle, torch.tensor([2, 0]), block).tolist()
+    assert picked == [[70, mask, mask, mask, 6, 44], [50, mask, mask, mask, 3, 23]]
+
+
+def test_flag_turns_overlap_off(root: Path) -> None:
+    assert engine_for(root).scheduler.overlap
+    assert not engine_for(root, disable_overlap_schedule=True).scheduler.overlap
+    assert not engine_for(root, draft=False).scheduler.overlap
+    with pytest.raises(ValueError, match="disable_overlap_schedule"):
+        engine_for(root, disable_overlap_schedule="yes")
