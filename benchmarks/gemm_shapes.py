@@ -2,8 +2,8 @@
 
 For each weight (qkv, o_proj, gate_up, down, lm_head, draft fc) and token count M (1 request x block 10 up to 64
 requests), times one F.linear as 20 launches inside a CUDA graph, and compares it with the memory floor (weight bytes
-÷ copy bandwidth measured in this run) and with the same GEMM at M padded up to a multiple of 64 and split into two
-halves along N — the variants an engine could pick when cuBLAS's choice for M is poor. Writes JSON to --out."""
+÷ copy bandwidth measured in this run) and with variants an engine could pick per captured batch size when cuBLAS's
+choice for that M is poor: M padded up, the output split into two GEMMs. Writes JSON to --out."""
 from __future__ import annotations
 
 import argparse
@@ -42,26 +42,33 @@ def graph_us(fn: Callable[[], Any], launches: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (5 * launches)
 
 
+def pad_to(m: int, multiple: int) -> int:
+    return -(-m // multiple) * multiple
+
+
 def time_shape(name: str, k: int, n: int, m: int, bandwidth: float) -> dict[str, Any]:
+    """F.linear at M tokens, and variants: M padded to a multiple of 64 / 128 (when it is not), the output split in
+    two GEMMs at n/2 and (for qkv) at the q | kv boundary."""
     weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    padded_m = -(-m // 64) * 64
-    x_padded = torch.zeros(padded_m, k, dtype=torch.bfloat16, device="cuda")
-    x_padded[:m] = x
-    halves = weight[: n // 2], weight[n // 2:]
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    row = {
-        "shape": name, "m": m, "k": k, "n": n,
-        "floor_us": n * k * 2 / bandwidth * 1e6,
-        "tflops_at_1us": 2 * m * n * k / 1e6 / 1e12,
-        "linear_us": graph_us(lambda: F.linear(x, weight)),
-        "padded_us": graph_us(lambda: F.linear(x_padded, weight)) if padded_m != m else None,
-        "split_n_us": graph_us(lambda: (torch.matmul(x, halves[0].t(), out=out[:, : n // 2]),
-                                        torch.matmul(x, halves[1].t(), out=out[:, n // 2:]))),
-    }
+
+    def split_at(cut: int) -> Callable[[], Any]:
+        first, second = weight[:cut], weight[cut:]
+        return lambda: (torch.matmul(x, first.t(), out=out[:, :cut]), torch.matmul(x, second.t(), out=out[:, cut:]))
+
+    row: dict[str, Any] = {"shape": name, "m": m, "k": k, "n": n, "floor_us": n * k * 2 / bandwidth * 1e6,
+                           "linear_us": graph_us(lambda: F.linear(x, weight))}
+    for multiple in (64, 128):
+        padded = pad_to(m, multiple)
+        if padded != m:
+            x_padded = torch.zeros(padded, k, dtype=torch.bfloat16, device="cuda")
+            row[f"pad{multiple}_us"] = graph_us(lambda: F.linear(x_padded, weight))
+    row["split_half_us"] = graph_us(split_at(n // 2))
+    if name == "qkv":
+        row["split_q_kv_us"] = graph_us(split_at(k))
     row["linear_over_floor"] = row["linear_us"] / row["floor_us"]
-    row["linear_tflops"] = row["tflops_at_1us"] / row["linear_us"]
-    del weight
+    row["linear_tflops"] = 2 * m * n * k / (row["linear_us"] * 1e-6) / 1e12
     return row
 
 
@@ -76,15 +83,16 @@ def main() -> None:
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "torch": torch.__version__,
               "bandwidth_bytes_per_s": bandwidth, "rows": []}
-    print(f"{'shape':>9} {'M':>4} {'linear us':>10} {'x floor':>8} {'TFLOP/s':>8} {'padded':>8} {'split N':>8}")
+    variants = ("pad64_us", "pad128_us", "split_half_us", "split_q_kv_us")
+    print(f"{'shape':>9} {'M':>4} {'linear us':>10} {'x floor':>8} {'TFLOP/s':>8} " + " ".join(f"{v[:-3]:>10}" for v in variants))
     for name in args.shapes:
         k, n = SHAPES[name]
         for m in args.tokens:
             row = time_shape(name, k, n, m, bandwidth)
             report["rows"].append(row)
-            padded = f"{row['padded_us']:8.1f}" if row["padded_us"] is not None else f"{'-':>8}"
+            cells = " ".join(f"{row[v]:10.1f}" if v in row else f"{'-':>10}" for v in variants)
             print(f"{name:>9} {m:>4} {row['linear_us']:10.1f} {row['linear_over_floor']:8.2f} "
-                  f"{row['linear_tflops']:8.0f} {padded} {row['split_n_us']:8.1f}", flush=True)
+                  f"{row['linear_tflops']:8.0f} {cells}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gemm_shapes_{report['date']}.json"
     path.write_text(json.dumps(report, indent=1))
