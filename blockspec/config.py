@@ -34,7 +34,7 @@ class EngineConfig:
     speculative_num_draft_tokens: Optional[int] = None
     cuda_graph_bs: list[int] = field(default_factory=lambda: list(DEFAULT_CUDA_GRAPH_BS))
     disable_cuda_graph: bool = False
-    disable_overlap_schedule: bool = False  # greedy DFlash: launch cycle N+1 before committing cycle N on the host
+    disable_overlap_schedule: bool = False  # greedy decode: launch step N+1 before committing step N on the host
     enforce_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 4096
     piecewise_cuda_graph_tokens: Optional[list[int]] = None  # explicit token buckets for piecewise graphs

@@ -62,7 +62,8 @@ class Scheduler:
         self.spec_verify_ct = 0  # (request, verify forward) pairs
         self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
         self.spec_accept_histogram = [0] * (worker.decode_slots_per_req + 1)
-        # NOTE: overlap schedule: the decode cycle launched last step, committed by the next step (spec/pending.py).
+        # NOTE: overlap schedule (greedy decode, target-only or DFlash): the cycle launched last step, committed by the
+        # next step (spec/pending.py).
         self.overlap = not config.disable_overlap_schedule and all(
             callable(getattr(worker, name, None)) for name in ("can_overlap", "launch_cycle", "finish_cycle")
         )
@@ -177,7 +178,8 @@ class Scheduler:
                 continue
             committed = self._commit(req, tokens)
             self.allocator.shrink(req, req.kv_len + keep_ahead)
-            self._record_spec(req, committed)
+            if self.worker.is_speculative:
+                self._record_spec(req, committed)
 
     def _decode_headroom(self, num_running: int) -> int:
         pages = self.allocator.pages_for(self.worker.decode_slots_per_req) + 1

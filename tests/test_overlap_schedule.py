@@ -11,7 +11,7 @@ import torch
 
 from blockspec import Engine
 from blockspec.request import Req
-from blockspec.spec.pending import PendingCycle, next_cycle_rows
+from blockspec.spec.pending import PendingCycle, next_cycle_rows, next_decode_rows
 from draft_training import train_tiny_draft
 from engine_testing import assert_engine_idle
 from tiny_models import save_tiny_draft, save_tiny_model
@@ -147,6 +147,27 @@ def test_next_cycle_rows_from_device_outputs() -> None:
 def test_flag_turns_overlap_off(root: Path) -> None:
     assert engine_for(root).scheduler.overlap
     assert not engine_for(root, disable_overlap_schedule=True).scheduler.overlap
-    assert not engine_for(root, draft=False).scheduler.overlap
+    assert engine_for(root, draft=False).scheduler.overlap  # target-only greedy decode overlaps too
     with pytest.raises(ValueError, match="disable_overlap_schedule"):
         engine_for(root, disable_overlap_schedule="yes")
+
+
+def test_target_only_overlap_equals_synchronous(root: Path) -> None:
+    """Target-only greedy decode overlaps too (next token = the device argmax): same tokens and finishes."""
+    sync_reqs, sync_overlapped = run(engine_for(root, draft=False, disable_overlap_schedule=True), PROMPTS, MAX_NEW)
+    engine = engine_for(root, draft=False)
+    reqs, overlapped = run(engine, PROMPTS, MAX_NEW)
+    assert sync_overlapped == 0 and overlapped > 20
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in sync_reqs]
+    assert [len(r.output_ids) for r in reqs] == MAX_NEW
+    assert [r.finish.to_dict() for r in reqs] == [r.finish.to_dict() for r in sync_reqs]  # type: ignore[union-attr]
+    assert engine.scheduler.spec_verify_ct == 0
+    assert_engine_idle(engine)
+
+
+def test_next_decode_rows_from_device_outputs() -> None:
+    rows = torch.tensor([[11, 3, 20], [12, 5, 30]])
+    tokens = torch.tensor([[40], [41]])
+    cycle = PendingCycle([], rows, tokens, tokens, None)
+    assert next_decode_rows(cycle, None).tolist() == [[40, 3, 21], [41, 5, 31]]
+    assert next_decode_rows(cycle, torch.tensor([1])).tolist() == [[41, 5, 31]]

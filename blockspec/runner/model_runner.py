@@ -16,7 +16,7 @@ from blockspec.models.config import TargetConfig, load_target_config
 from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
 from blockspec.runner.cuda_graph import GraphedForward
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
 from blockspec.runner.piecewise_graph import AuxConsumer, PiecewiseGraphRunner, default_buckets
 
 logger = logging.getLogger(__name__)
@@ -163,3 +163,19 @@ class ModelRunner:
             return self._replayed(graph.replay_rows(rows))
         self.forward_counts["eager"] += 1
         return self.model(rows.to_batch(self.req_to_token.table, self.max_positions), self.attention)
+
+    def can_replay_device_rows(self, mode: ForwardMode) -> bool:
+        """Whether a uniform batch of `mode` can run from device rows without host planning (graph or eager)."""
+        graph = self.graphs.get(mode)
+        return graph is None or graph.host_planner is None
+
+    @torch.inference_mode()
+    def forward_device_rows(self, mode: ForwardMode, rows: torch.Tensor) -> ModelOutput:
+        """A uniform batch from device rows (UniformRows layout): graph replay without any host data, else eager
+        (whose planning reads seq_lens on the host: a sync)."""
+        graph = self.graphs.get(mode)
+        if graph is not None and graph.host_planner is None and rows.shape[0] <= graph.batch_sizes[-1]:
+            return self._replayed(graph.replay_device_rows(rows))
+        self.forward_counts["eager"] += 1
+        batch = uniform_batch(mode, rows, self.req_to_token.table, rows[:, -1].tolist(), (), self.max_positions)
+        return self.model(batch, self.attention)

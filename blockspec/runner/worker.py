@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -10,7 +10,8 @@ from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, build_batch
 from blockspec.runner.model_runner import ModelRunner
-from blockspec.sampling import sample_next_tokens
+from blockspec.sampling import greedy_tokens, sample_next_tokens
+from blockspec.spec.pending import PendingCycle, host_copy, launch_rows, next_decode_rows
 
 
 class TargetWorker:
@@ -58,16 +59,47 @@ class TargetWorker:
         batch = self.build_extend_batch(reqs, chunk_lens)
         return self.run_extend(batch, reqs).logits
 
-    def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
-        """One token per request; the scheduler has given each request a slot at position kv_len."""
-        rows = UniformRows.build(
+    def _decode_rows(self, reqs: Sequence[Req]) -> UniformRows:
+        """[last token | req→token row | kv_len + 1] per request: one new token at position kv_len."""
+        return UniformRows.build(
             ForwardMode.DECODE,
             [[req.all_ids[-1]] for req in reqs],
             [req.pool_row for req in reqs],  # type: ignore[misc]
             [req.kv_len + 1 for req in reqs],
             self.runner.device,
         )
-        logits = self.runner.forward_uniform(rows).logits
+
+    def can_overlap(self, reqs: Sequence[Req]) -> bool:
+        """Greedy batches whose decode runs from device rows can run a step ahead of the host's commit."""
+        return self.runner.can_replay_device_rows(ForwardMode.DECODE) and all(r.params.is_greedy for r in reqs)
+
+    @torch.inference_mode()
+    def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle:
+        """Launches a greedy decode step without waiting for it (spec/pending.py): requests of `carry` take their
+        token and length from its device outputs. The scheduler has given each request slots up to kv_len + 2."""
+        device = self.runner.device
+        ordered, rows = launch_rows(
+            reqs, carry, next_decode_rows, lambda fresh: self._decode_rows(fresh).rows.to(device, non_blocking=True),
+            device,
+        )
+        tokens = greedy_tokens(self.runner.forward_device_rows(ForwardMode.DECODE, rows).logits).view(-1, 1)
+        host_tokens, ready = host_copy(tokens)
+        return PendingCycle(ordered, rows, tokens, host_tokens, ready)
+
+    def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]:
+        """Waits for `cycle`; each request's token (None for one that finished since the launch), kv_len advanced."""
+        committed: list[Optional[list[int]]] = []
+        for req, row in zip(cycle.reqs, cycle.wait()):
+            if req.finished:
+                committed.append(None)
+                continue
+            req.kv_len += 1
+            committed.append(row)
+        return committed
+
+    def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
+        """One token per request; the scheduler has given each request a slot at position kv_len."""
+        logits = self.runner.forward_uniform(self._decode_rows(reqs)).logits
         for req in reqs:
             req.kv_len += 1
         return [[token] for token in sample_next_tokens(logits, reqs)]

@@ -21,7 +21,7 @@ from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.runner.worker import TargetWorker
 from blockspec.sampling import greedy_tokens, sampling_probs
 from blockspec.spec.acceptance import greedy_accept, rejection_accept
-from blockspec.spec.pending import PendingCycle, device_index, host_copy, next_cycle_rows
+from blockspec.spec.pending import PendingCycle, host_copy, launch_rows, next_cycle_rows
 
 logger = logging.getLogger(__name__)
 
@@ -177,20 +177,14 @@ class DFlashWorker(TargetWorker):
         """Launches a greedy cycle without waiting for it. Requests of `carry` (launched, not yet committed) take
         their input rows from its device outputs; the others from the host. The cycle's requests are ordered
         carried first. The scheduler has given each request slots up to kv_len + B (+ B more when carried)."""
-        carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
-        carried = [req for req in reqs if id(req) in carried_at]
-        fresh = [req for req in reqs if id(req) not in carried_at]
-        parts = []
-        if carried:
-            assert carry is not None
-            index = device_index([carried_at[id(req)] for req in carried], len(carry.reqs), self.runner.device)
-            parts.append(next_cycle_rows(carry, index, self.block_size))
-        if fresh:
-            parts.append(self._draft_rows(fresh).rows.to(self.runner.device, non_blocking=True))
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        device = self.runner.device
+        reqs_in_order, rows = launch_rows(
+            reqs, carry, lambda cycle, index: next_cycle_rows(cycle, index, self.block_size),
+            lambda fresh: self._draft_rows(fresh).rows.to(device, non_blocking=True), device,
+        )
         tokens = self._cycle_on_rows(rows)
         host_tokens, ready = host_copy(tokens)
-        return PendingCycle(carried + fresh, rows, tokens, host_tokens, ready)
+        return PendingCycle(reqs_in_order, rows, tokens, host_tokens, ready)
 
     def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]:
         """Waits for `cycle` and returns each request's committed tokens (None for one that finished since the

@@ -1,13 +1,14 @@
-"""A greedy DFlash cycle in flight: launched on the device now, committed on the host one scheduler step later.
+"""A greedy decode cycle in flight: launched on the device now, committed on the host one scheduler step later.
 
 The overlap schedule launches cycle N+1 before it commits cycle N: N+1's input rows are computed on the device from
-N's outputs (the bonus token target[accepted] and the new sequence length), so the host's bookkeeping for N (commit,
-finish checks, slot release, stats) runs while the device works on N+1.
+N's outputs (target-only decode: the argmax token, sequence length + 1; DFlash: the bonus token target[accepted],
+sequence length + accepted + 1), so the host's bookkeeping for N (commit, finish checks, slot release, stats) runs
+while the device works on N+1.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -16,9 +17,9 @@ from blockspec.request import Req
 
 @dataclass
 class PendingCycle:
-    """`reqs[i]` ran with input rows `rows[i]` (UniformRows layout: [bonus, mask x (B-1) | req→token row | seq_len])
-    and produced `tokens[i]` = [accepted | draft argmax x B | target argmax x B] (DFlashWorker._greedy_cycle), both on
-    the device. `host_tokens` is the host copy of `tokens`, readable once `ready` has completed (None: no device)."""
+    """`reqs[i]` ran with input rows `rows[i]` (UniformRows layout: [q token ids | req→token row | seq_len]) and
+    produced `tokens[i]` (the worker's layout; DFlash: [accepted | draft argmax x B | target argmax x B]), both on the
+    device. `host_tokens` is the host copy of `tokens`, readable once `ready` has completed (None: no device)."""
 
     reqs: list[Req]
     rows: torch.Tensor
@@ -40,6 +41,35 @@ class OverlapWorker(Protocol):
     def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle: ...
 
     def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]: ...
+
+
+def launch_rows(
+    reqs: Sequence[Req],
+    carry: Optional[PendingCycle],
+    carried_rows: Callable[[PendingCycle, Optional[torch.Tensor]], torch.Tensor],
+    fresh_rows: Callable[[list[Req]], torch.Tensor],
+    device: torch.device,
+) -> tuple[list[Req], torch.Tensor]:
+    """The next cycle's requests (those of `carry` first, in carry's order) and device input rows: carried ones
+    derived on the device from carry's outputs by `carried_rows(carry, index)`, the others from the host."""
+    carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
+    carried = [req for req in reqs if id(req) in carried_at]
+    fresh = [req for req in reqs if id(req) not in carried_at]
+    parts = []
+    if carried:
+        assert carry is not None
+        parts.append(carried_rows(carry, device_index([carried_at[id(r)] for r in carried], len(carry.reqs), device)))
+    if fresh:
+        parts.append(fresh_rows(fresh))
+    return carried + fresh, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def next_decode_rows(cycle: PendingCycle, index: Optional[torch.Tensor]) -> torch.Tensor:
+    """Target-only decode: rows [token | req→token row | seq_len], tokens [argmax] → [argmax | row | seq_len + 1]."""
+    rows, tokens = cycle.rows, cycle.tokens
+    if index is not None:
+        rows, tokens = rows[index], tokens[index]
+    return torch.cat([tokens, rows[:, 1:2], rows[:, 2:] + 1], dim=1)
 
 
 def next_cycle_rows(cycle: PendingCycle, index: Optional[torch.Tensor], block_size: int) -> torch.Tensor:
