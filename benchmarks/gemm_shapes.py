@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -16,30 +15,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from step_latency import read_bandwidth
+from step_latency import graphed_us as graph_us, read_bandwidth, save_report
 
 SHAPES = {  # name: (in_features, out_features)
     "qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
     "lm_head": (4096, 128256), "draft_fc": (20480, 4096),
 }
-
-
-def graph_us(fn: Callable[[], Any], launches: int = 20) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * launches)
 
 
 def pad_to(m: int, multiple: int) -> int:
@@ -93,10 +74,7 @@ def main() -> None:
             cells = " ".join(f"{row[v]:10.1f}" if v in row else f"{'-':>10}" for v in variants)
             print(f"{name:>9} {m:>4} {row['linear_us']:10.1f} {row['linear_over_floor']:8.2f} "
                   f"{row['linear_tflops']:8.0f} {cells}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gemm_shapes_{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    save_report(args.out, "gemm_shapes", report)
 
 
 if __name__ == "__main__":

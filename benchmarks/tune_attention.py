@@ -9,7 +9,6 @@ import argparse
 import datetime
 import importlib.util
 import itertools
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend, TritonAttentionMeta
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
-from step_latency import read_bandwidth
+from step_latency import graphed_us, read_bandwidth, save_report
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CASES = [  # name, mode, batch size, cached context, new tokens per request
@@ -58,21 +57,7 @@ def make_batch(mode: ForwardMode, bs: int, context: int, new: int) -> tuple[Forw
 
 def graph_us(backend: TritonAttentionBackend, q: torch.Tensor, batch: ForwardBatch, launches: int = 20) -> float:
     k = v = q[:, :KV_HEADS]
-    for _ in range(2):
-        backend.forward(q, k, v, 0, batch, kv_stored=True)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            backend.forward(q, k, v, 0, batch, kv_stored=True)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * launches)
+    return graphed_us(lambda: backend.forward(q, k, v, 0, batch, kv_stored=True), launches)
 
 
 def load_candidate(path: Path) -> type[TritonAttentionBackend]:
@@ -164,10 +149,7 @@ def main() -> None:
             continue
         report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth, wide=args.wide,
                                      default_only=args.default_only, candidate=candidate))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"tune_attention_{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    save_report(args.out, "tune_attention", report)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,8 @@ class Scheduler:
         done = self.collect_finished()
         reqs, lens = self._schedule_extend()
         if reqs:
-            self._drain()
+            # NOTE: a cycle in flight stays so: its requests have no prompt work (pending_len 1) and are not retracted
+            # here; the next decode step carries them and adds the newly prefilled ones.
             logits = self.worker.extend(reqs, lens)
             ready = [i for i, req in enumerate(reqs) if req.pending_len == 0]
             if ready:
@@ -142,8 +143,8 @@ class Scheduler:
     # ---- overlap schedule ------------------------------------------------------------------
     def _overlapped_decode(self) -> bool:
         """Launches this step's cycle, then commits last step's while the device runs it. False (nothing done) when
-        the batch cannot overlap: sampled requests, or no room for slots two blocks ahead (the synchronous step may
-        then retract)."""
+        the batch cannot overlap: sampled requests, a host-planned graph, or no room for slots two blocks ahead (the
+        synchronous step, after draining, may then retract)."""
         decode_reqs = [r for r in self.running if r.pending_len == 1 and not r.finished]
         if not (self.overlap and decode_reqs):
             return False
@@ -158,10 +159,9 @@ class Scheduler:
         if needed * self.allocator.page_size > self.allocator.free_slots:
             return False
         self.allocator.grow_many(decode_reqs, [r.kv_len + ahead for r in decode_reqs], self.table)
-        launched = worker.launch_cycle(decode_reqs, self.pending)
-        if self.pending is not None:
-            self._commit_cycle(self.pending, keep_ahead=self.worker.decode_slots_per_req)
-        self.pending = launched
+        previous, self.pending = self.pending, worker.launch_cycle(decode_reqs, self.pending)
+        if previous is not None:
+            self._commit_cycle(previous, keep_ahead=self.worker.decode_slots_per_req)
         return True
 
     def _drain(self) -> None:

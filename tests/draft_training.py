@@ -1,6 +1,8 @@
 """Trains a tiny DFlash draft on a tiny target's own greedy continuations (test helper, CPU, seconds)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
@@ -65,3 +67,14 @@ def full_block_cycles(lengths: list[int], max_new_tokens: int, block: int) -> li
         kept.append(n)
         produced += n
     return kept
+
+
+def save_trained_pair(root: Path) -> Path:
+    """root/target (tiny Llama) and root/draft (2-layer, block 8, taps [0, 2], trained 200 steps); returns root."""
+    from tiny_models import save_tiny_draft, save_tiny_model
+
+    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
+    draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
+    train_tiny_draft(draft, target, steps=200)
+    draft.save_pretrained(root / "draft")
+    return root

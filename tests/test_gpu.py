@@ -40,15 +40,9 @@ def test_triton_real_sizes(mode: ForwardMode, prefix: list[int], new: list[int],
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from draft_training import train_tiny_draft
-    from tiny_models import save_tiny_draft, save_tiny_model
+    from draft_training import save_trained_pair
 
-    root = tmp_path_factory.mktemp("gpu")
-    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
-    draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
-    train_tiny_draft(draft, target, steps=200)
-    draft.save_pretrained(root / "draft")
-    return root
+    return save_trained_pair(tmp_path_factory.mktemp("gpu"))
 
 
 run = run_prompts
