@@ -13,7 +13,7 @@ from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.request import Finish, FinishReason, Req
 from blockspec.sampling import make_generator, sample_next_tokens
-from blockspec.spec.pending import OverlapWorker, PendingCycle
+from blockspec.spec.pending import PendingCycle
 from blockspec.tokenizer import IncrementalDetokenizer, find_stop
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,13 @@ class Worker(Protocol):
     def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor: ...
 
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
+
+    # the overlap schedule (spec/pending.py): a greedy decode step launched now, committed one step later
+    def can_overlap(self, reqs: Sequence[Req]) -> bool: ...
+
+    def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle: ...
+
+    def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]: ...
 
 
 class Scheduler:
@@ -64,9 +71,7 @@ class Scheduler:
         self.spec_accept_histogram = [0] * (worker.decode_slots_per_req + 1)
         # NOTE: overlap schedule (greedy decode, target-only or DFlash): the cycle launched last step, committed by the
         # next step (spec/pending.py).
-        self.overlap = not config.disable_overlap_schedule and all(
-            callable(getattr(worker, name, None)) for name in ("can_overlap", "launch_cycle", "finish_cycle")
-        )
+        self.overlap = not config.disable_overlap_schedule
         self.pending: Optional[PendingCycle] = None
 
     # ---- requests in and out -------------------------------------------------------------
@@ -148,18 +153,16 @@ class Scheduler:
         decode_reqs = [r for r in self.running if r.pending_len == 1 and not r.finished]
         if not (self.overlap and decode_reqs):
             return False
-        worker: OverlapWorker = self.worker  # type: ignore[assignment]
-        if not worker.can_overlap(decode_reqs):
+        if not self.worker.can_overlap(decode_reqs):
             return False
         # NOTE: a carried request's kv_len lags one uncommitted cycle (<= B tokens), which writes B slots past it.
         ahead = 2 * self.worker.decode_slots_per_req
         if any(r.kv_len + ahead > self.table.max_context_len for r in decode_reqs):
             return False
-        needed = sum(self.allocator.extra_pages_needed(r, r.kv_len + ahead) for r in decode_reqs)
-        if needed * self.allocator.page_size > self.allocator.free_slots:
+        if not self._slots_fit(decode_reqs, ahead):
             return False
         self.allocator.grow_many(decode_reqs, [r.kv_len + ahead for r in decode_reqs], self.table)
-        previous, self.pending = self.pending, worker.launch_cycle(decode_reqs, self.pending)
+        previous, self.pending = self.pending, self.worker.launch_cycle(decode_reqs, self.pending)
         if previous is not None:
             self._commit_cycle(previous, keep_ahead=self.worker.decode_slots_per_req)
         return True
@@ -172,8 +175,7 @@ class Scheduler:
 
     def _commit_cycle(self, cycle: PendingCycle, keep_ahead: int) -> None:
         """Commits a launched cycle's tokens; each request keeps slots to kv_len + keep_ahead (the cycle after it)."""
-        worker: OverlapWorker = self.worker  # type: ignore[assignment]
-        for req, tokens in zip(cycle.reqs, worker.finish_cycle(cycle)):
+        for req, tokens in zip(cycle.reqs, self.worker.finish_cycle(cycle)):
             if tokens is None:  # finished or aborted since the launch
                 continue
             committed = self._commit(req, tokens)
@@ -226,8 +228,7 @@ class Scheduler:
         slots = self.worker.decode_slots_per_req
         while True:
             decode_reqs = [r for r in self.running if r.pending_len == 1 and not r.finished]
-            needed = sum(self.allocator.extra_pages_needed(r, r.kv_len + slots) for r in decode_reqs)
-            if needed * self.allocator.page_size <= self.allocator.free_slots:
+            if self._slots_fit(decode_reqs, slots):
                 break
             victim = self.running[-1]
             if len(self.running) == 1:
@@ -236,6 +237,11 @@ class Scheduler:
             self._retract(victim)
         self.allocator.grow_many(decode_reqs, [req.kv_len + slots for req in decode_reqs], self.table)
         return decode_reqs
+
+    def _slots_fit(self, reqs: list[Req], ahead: int) -> bool:
+        """Whether the free pool can give every request slots up to kv_len + ahead."""
+        needed = sum(self.allocator.extra_pages_needed(r, r.kv_len + ahead) for r in reqs)
+        return needed * self.allocator.page_size <= self.allocator.free_slots
 
     def _retract(self, req: Req) -> None:
         logger.info("KV pool full: retracting %s to the waiting queue", req.rid)

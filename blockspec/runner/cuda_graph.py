@@ -169,6 +169,10 @@ class GraphedForward:
         seq_lens_cpu = rows.rows[:, -1].tolist() if self.host_planner is not None else None
         return self._launch(bs, self._padded(bs), seq_lens_cpu)
 
+    def can_run_device_rows(self, batch_size: int) -> bool:
+        """Device rows carry no host seq_lens, so host-planned graphs cannot take them."""
+        return self.host_planner is None and batch_size <= self.batch_sizes[-1]
+
     def replay_device_rows(self, rows: torch.Tensor) -> GraphOutputs:
         """Replays for rows already on the device (e.g. computed from the previous cycle's outputs): no host data, so
         the host does not wait for the device. Not for host-planned backends (they plan from host seq_lens)."""

@@ -174,8 +174,11 @@ class ModelRunner:
         """A uniform batch from device rows (UniformRows layout): graph replay without any host data, else eager
         (whose planning reads seq_lens on the host: a sync)."""
         graph = self.graphs.get(mode)
-        if graph is not None and graph.host_planner is None and rows.shape[0] <= graph.batch_sizes[-1]:
+        if graph is not None and graph.can_run_device_rows(rows.shape[0]):
             return self._replayed(graph.replay_device_rows(rows))
         self.forward_counts["eager"] += 1
-        batch = uniform_batch(mode, rows, self.req_to_token.table, rows[:, -1].tolist(), (), self.max_positions)
-        return self.model(batch, self.attention)
+        return self.model(self.device_rows_batch(mode, rows), self.attention)
+
+    def device_rows_batch(self, mode: ForwardMode, rows: torch.Tensor) -> ForwardBatch:
+        """The eager batch for device rows. NOTE: eager planning reads seq_lens on the host (a sync)."""
+        return uniform_batch(mode, rows, self.req_to_token.table, rows[:, -1].tolist(), (), self.max_positions)

@@ -15,7 +15,7 @@ from blockspec.models.config import load_target_config
 from blockspec.models.dflash_draft import DFlashDraftModel, load_draft_model
 from blockspec.models.draft_config import DraftConfig, load_draft_config
 from blockspec.request import Req
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
+from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows
 from blockspec.runner.cuda_graph import GraphedForward
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.runner.worker import TargetWorker
@@ -159,17 +159,13 @@ class DFlashWorker(TargetWorker):
 
     def _cycle_on_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The greedy cycle's [bs, 1 + 2B] tokens for device rows (UniformRows layout), in a tensor of its own."""
-        bs = rows.shape[0]
-        if self.cycle_graph is not None and bs <= self.cycle_graph.batch_sizes[-1]:
+        if self.cycle_graph is not None and self.cycle_graph.can_run_device_rows(rows.shape[0]):
             self.runner.forward_counts["graph"] += 1
             (tokens,) = self.cycle_graph.replay_device_rows(rows)
             assert tokens is not None
             return tokens.clone()  # NOTE: the next replay of any graph overwrites its outputs
         self.runner.forward_counts["eager"] += 1
-        table = self.runner.req_to_token.table
-        # NOTE: eager planning reads seq_lens on the host (a sync); captured graphs do not.
-        batch = uniform_batch(ForwardMode.DRAFT, rows, table, rows[:, -1].tolist(), (), self.runner.max_positions)
-        (tokens,) = self._greedy_cycle(batch)
+        (tokens,) = self._greedy_cycle(self.runner.device_rows_batch(ForwardMode.DRAFT, rows))
         return tokens
 
     @torch.inference_mode()
@@ -245,10 +241,8 @@ class DFlashWorker(TargetWorker):
     @torch.inference_mode()
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
-        if self.can_overlap(reqs):
-            cycle = self.launch_cycle(reqs)
-            by_req = {id(req): tokens for req, tokens in zip(cycle.reqs, self.finish_cycle(cycle))}
-            return [by_req[id(req)] or [] for req in reqs]
+        if self.can_overlap(reqs):  # NOTE: without a carry the cycle keeps the order of reqs (none is finished)
+            return [tokens or [] for tokens in self.finish_cycle(self.launch_cycle(reqs))]
         b = self.block_size
         draft_batch, proposals_device, draft_probs = self.propose(reqs)
         logits = self.verify(draft_batch, proposals_device)

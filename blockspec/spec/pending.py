@@ -8,7 +8,7 @@ while the device works on N+1.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -31,16 +31,6 @@ class PendingCycle:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_tokens.tolist()
-
-
-class OverlapWorker(Protocol):
-    """A worker whose decode step can run one cycle ahead of the host's commit (see PendingCycle)."""
-
-    def can_overlap(self, reqs: Sequence[Req]) -> bool: ...
-
-    def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle: ...
-
-    def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]: ...
 
 
 def launch_rows(
