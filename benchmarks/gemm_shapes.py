@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from blockspec.layers.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_linear
 from step_latency import graphed_us as graph_us, read_bandwidth, save_report
@@ -77,11 +76,7 @@ def cold_skinny(name: str, k: int, n: int, m: int, bandwidth: float) -> dict[str
     row: dict[str, Any] = {"shape": name, "m": m, "k": k, "n": n, "floor_us": floor_us,
                            "cublas_us": rotated(lambda w: torch.matmul(x, w.t(), out=out)), "triton": []}
     for config in SKINNY_SWEEP:
-        try:
-            got = skinny_linear(x, weights[0], config=config).float()
-        except triton.runtime.errors.OutOfResources as exc:  # e.g. shared memory for wide tiles x deep pipelines
-            row["triton"].append({"config": vars(config), "us": float("inf"), "error": str(exc)[:80]})
-            continue
+        got = skinny_linear(x, weights[0], config=config).float()
         error = ((got - expected).norm() / expected.norm()).item()
         us = rotated(lambda w: skinny_linear(x, w, out, config)) if error < 1e-2 else float("inf")
         row["triton"].append({"config": vars(config), "us": us, "error": error})
