@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -16,7 +15,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from blockspec.layers.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_linear
 from step_latency import graphed_us as graph_us, read_bandwidth, save_report
 
 SHAPES = {  # name: (in_features, out_features)
@@ -55,44 +53,10 @@ def time_shape(name: str, k: int, n: int, m: int, bandwidth: float) -> dict[str,
     return row
 
 
-SKINNY_SWEEP = [SkinnyConfig(bn, bk, warps, stages) for bn, bk, warps, stages in itertools.product(
-    (16, 32, 64), (256, 512), (4, 8), (3, 4, 6))]
-L2_FLUSH_BYTES = 512 * 2**20  # weights rotated over at least this many bytes, so no launch finds its weight in L2
-
-
-def cold_skinny(name: str, k: int, n: int, m: int, bandwidth: float) -> dict[str, Any]:
-    """cuBLAS vs the skinny Triton GEMM (every SKINNY_SWEEP config) at M <= 16, each launch on another copy of the
-    weight (as inside a cycle, where every weight is read once): µs per GEMM and × the weight-read floor."""
-    copies = max(1, -(-L2_FLUSH_BYTES // (n * k * 2)))
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-
-    def rotated(gemm: Callable[[torch.Tensor], Any]) -> float:
-        return graph_us(lambda: [gemm(w) for w in weights], launches=max(1, 20 // copies)) / copies
-
-    expected = F.linear(x, weights[0]).float()
-    floor_us = n * k * 2 / bandwidth * 1e6
-    row: dict[str, Any] = {"shape": name, "m": m, "k": k, "n": n, "floor_us": floor_us,
-                           "cublas_us": rotated(lambda w: torch.matmul(x, w.t(), out=out)), "triton": []}
-    for config in SKINNY_SWEEP:
-        got = skinny_linear(x, weights[0], config=config).float()
-        error = ((got - expected).norm() / expected.norm()).item()
-        us = rotated(lambda w: skinny_linear(x, w, out, config)) if error < 1e-2 else float("inf")
-        row["triton"].append({"config": vars(config), "us": us, "error": error})
-    best = min(row["triton"], key=lambda r: r["us"])
-    row["best_triton"] = best
-    print(f"{name:>9} M {m:>2}: cuBLAS {row['cublas_us']:7.1f} us ({row['cublas_us'] / floor_us:.2f}x floor), "
-          f"Triton best {best['us']:7.1f} us ({best['us'] / floor_us:.2f}x) {best['config']}", flush=True)
-    return row
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, nargs="+", default=[10, 40, 160, 320, 640])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--skinny", action="store_true",
-                        help="instead: cuBLAS vs the skinny Triton GEMM sweep at M <= 16, weights cold in L2")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     bandwidth = read_bandwidth()
@@ -100,12 +64,6 @@ def main() -> None:
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "torch": torch.__version__,
               "bandwidth_bytes_per_s": bandwidth, "rows": []}
-    if args.skinny:
-        for name in args.shapes:
-            for m in (t for t in args.tokens if t <= MAX_ROWS):
-                report["rows"].append(cold_skinny(name, *SHAPES[name], m, bandwidth))
-        save_report(args.out, "gemm_skinny", report)
-        return
     variants = ("pad64_us", "pad128_us", "split_half_us", "split_q_kv_us")
     print(f"{'shape':>9} {'M':>4} {'linear us':>10} {'x floor':>8} {'TFLOP/s':>8} " + " ".join(f"{v[:-3]:>10}" for v in variants))
     for name in args.shapes:
