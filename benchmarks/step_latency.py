@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -108,6 +109,48 @@ def read_bandwidth() -> float:
     return 2 * 2 * 2**30 / (ms / 1e3)  # bytes read + written per second
 
 
+def read_only_bandwidth() -> float:
+    """Bytes per second a reduction reads (no writes): the other bound beside the copy bandwidth."""
+    src = torch.empty(2 * 2**30 // 4, dtype=torch.float32, device="cuda").fill_(1.0)
+    ms = cuda_ms(lambda: src.sum(), 20)
+    del src
+    return 2 * 2**30 / (ms / 1e3)
+
+
+class DeviceSampler:
+    """Mean SM clock (MHz) and board power (W) while the `with` block runs, sampled every `period_s` by a thread
+    (NVML via torch.cuda; empty where it is unavailable). Explains runs that are power-limited rather than slow."""
+
+    def __init__(self, period_s: float = 0.005) -> None:
+        self.period_s = period_s
+        self.clocks: list[float] = []
+        self.power: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.clocks.append(float(torch.cuda.clock_rate()))
+                self.power.append(float(torch.cuda.power_draw()) / 1e3)  # mW → W
+            except Exception:  # noqa: BLE001 (no NVML: no telemetry, the timing stands)
+                return
+
+    def __enter__(self) -> "DeviceSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        if not self.clocks:
+            return {}
+        return {"sm_clock_mhz": sum(self.clocks) / len(self.clocks), "min_sm_clock_mhz": min(self.clocks),
+                "power_w": sum(self.power) / len(self.power)}
+
+
 def param_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -134,8 +177,10 @@ def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int) ->
             worker.cycle_graph = None
     reqs = prefill(engine, bs, context)
     # NOTE: cycle_ms is the steady-state step of a decode loop; synced_step_ms waits for the device around each step.
-    result: dict[str, float] = {"synced_step_ms": cuda_ms(scheduler.step, repeat),
-                                "cycle_ms": steady_ms(scheduler.step, repeat)}
+    result: dict[str, float] = {"synced_step_ms": cuda_ms(scheduler.step, repeat)}
+    with DeviceSampler() as sampler:
+        result["cycle_ms"] = steady_ms(scheduler.step, repeat)
+    result.update(sampler.summary())
     if scheduler.overlap:  # the same loop with the overlap schedule off (each cycle committed before the next)
         scheduler.overlap = False
         result["sync_cycle_ms"] = steady_ms(scheduler.step, repeat)
@@ -274,13 +319,15 @@ def main() -> None:
     parser.add_argument("--skip-reference", action="store_true")
     args = parser.parse_args()
     bandwidth = read_bandwidth()
-    print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    read_only = read_only_bandwidth()
+    print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s, read-only {read_only / 1e12:.2f} TB/s", flush=True)
     reference = [] if args.skip_reference else [run_reference(Path("."), c, 64) for c in args.contexts]
     commit = os.environ.get("BLOCKSPEC_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit or "unknown",
-              "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth, "accept_len": args.accept_len,
+              "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth,
+              "read_only_bandwidth_bytes_per_s": read_only, "accept_len": args.accept_len,
               "backends": args.backends, "flashinfer": flashinfer_version(),
               "rows": [], "dflash_reference": reference}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,207 @@
+"""Does prefetching a GEMM's weight into L2 during an idle window make a skinny GEMM faster? (H200, 8B shapes)
+
+Each "layer" is an idle window (a spin kernel standing in for attention, `--window-us`) followed by a GEMM of
+M = `--tokens` rows against its own weight (every layer another copy, so weights are cold as in a forward). Variants,
+all timed as one CUDA graph of `--layers` layers: the GEMMs alone; window + GEMM; window + GEMM with the weight
+prefetched on a side stream from the window's start, per prefetch kind (bulk `cp.async.bulk.prefetch.L2`, one
+`prefetch.global.L2` per line, or real loads kept alive by a never-taken store) and program count; the prefetch alone
+(hints return before the data arrives, so only the load kind times a transfer); and load + GEMM back to back, which
+less the load alone is the GEMM reading a warm L2 (what a perfect prefetch could buy). Writes JSON to --out."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from step_latency import read_bandwidth, save_report
+
+CHUNK_BYTES = 4096  # one bulk prefetch per chunk (a multiple of 16 bytes, as cp.async.bulk requires)
+
+
+@triton.jit
+def _prefetch_l2_kernel(base_ptr, num_chunks, chunks_per_program, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p issues one bulk L2 prefetch of CHUNK bytes for chunks [p * chunks_per_program, ...)."""
+    first = tl.program_id(0) * chunks_per_program
+    last = tl.minimum(first + chunks_per_program, num_chunks)
+    for start in range(first, last, BLOCK):
+        # NOTE: chunks past `last` are clamped onto it: a repeated prefetch of a resident line is free.
+        chunk = tl.minimum(start + tl.arange(0, BLOCK), last - 1)
+        addresses = base_ptr + chunk.to(tl.int64) * CHUNK
+        tl.inline_asm_elementwise(
+            f"cp.async.bulk.prefetch.L2.global [$1], {CHUNK}; mov.u32 $0, 0;", "=r,l", [addresses],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )
+
+
+def prefetch_to_l2(tensor: torch.Tensor, programs: int = 32) -> None:
+    """Issues L2 prefetches for every byte of the contiguous CUDA `tensor` on the current stream."""
+    assert tensor.is_cuda and tensor.is_contiguous()
+    num_bytes = tensor.numel() * tensor.element_size()
+    num_chunks = triton.cdiv(num_bytes, CHUNK_BYTES)
+    if num_bytes % CHUNK_BYTES or tensor.data_ptr() % 16:
+        num_chunks = num_bytes // CHUNK_BYTES  # a ragged tail stays unprefetched (bulk copies need whole chunks)
+    if num_chunks == 0:
+        return
+    programs = min(programs, num_chunks)
+    per_program = triton.cdiv(num_chunks, programs)
+    raw = tensor.view(-1).view(torch.uint8)
+    _prefetch_l2_kernel[(programs,)](raw, num_chunks, per_program, CHUNK=CHUNK_BYTES, BLOCK=128, num_warps=4)
+
+
+SHAPES = {"o_proj": (4096, 4096), "qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@triton.jit
+def _prefetch_lines_kernel(base_ptr, num_lines, lines_per_program, LINE: tl.constexpr, BLOCK: tl.constexpr):
+    first = tl.program_id(0) * lines_per_program
+    last = tl.minimum(first + lines_per_program, num_lines)
+    for start in range(first, last, BLOCK):
+        line = tl.minimum(start + tl.arange(0, BLOCK), last - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base_ptr + line.to(tl.int64) * LINE],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_lines(tensor: torch.Tensor, programs: int) -> None:
+    """The alternative to bulk prefetch: one prefetch.global.L2 per 128-byte line."""
+    num_lines = tensor.numel() * tensor.element_size() // 128
+    per_program = triton.cdiv(num_lines, programs)
+    _prefetch_lines_kernel[(programs,)](tensor.view(-1).view(torch.uint8), num_lines, per_program, LINE=128, BLOCK=512)
+
+
+@triton.jit
+def _load_lines_kernel(base_ptr, sink_ptr, num_words, words_per_program, BLOCK: tl.constexpr):
+    first = tl.program_id(0) * words_per_program
+    last = tl.minimum(first + words_per_program, num_words)
+    total = tl.zeros([BLOCK], tl.int32)
+    for start in range(first, last, BLOCK):
+        words = start + tl.arange(0, BLOCK)
+        total ^= tl.load(base_ptr + words, mask=words < last, other=0, eviction_policy="evict_last")
+    # NOTE: the store keeps the loads alive; it (almost) never happens.
+    folded = tl.xor_sum(total, 0)
+    tl.store(sink_ptr + tl.program_id(0), folded, mask=folded == 0x5EED5EED)
+
+
+SINK: dict[int, torch.Tensor] = {}
+
+
+def prefetch_loads(tensor: torch.Tensor, programs: int) -> None:
+    """The alternative that surely lands in L2: the weight read into registers (evict_last) and dropped."""
+    words = tensor.view(-1).view(torch.int32)
+    sink = SINK.setdefault(programs, torch.empty(programs, dtype=torch.int32, device=tensor.device))
+    per_program = triton.cdiv(words.numel(), programs)
+    _load_lines_kernel[(programs,)](words, sink, words.numel(), per_program, BLOCK=2048, num_warps=8)
+
+
+PREFETCHERS: dict[str, Callable[[torch.Tensor, int], None]] = {
+    "bulk": prefetch_to_l2, "line": prefetch_lines, "load": prefetch_loads,
+}
+
+
+def graph_ms(body: Callable[[], None]) -> float:
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    for _ in range(2):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 10
+
+
+def spin_cycles(window_us: float) -> int:
+    """Spin-kernel cycles lasting about `window_us` (calibrated: the spin counts SM clock cycles)."""
+    probe = 200_000
+    us = graph_ms(lambda: torch.cuda._sleep(probe)) * 1e3
+    return int(probe * window_us / us)
+
+
+def run_shape(name: str, tokens: int, layers: int, window_us: float, program_counts: list[int]) -> dict[str, Any]:
+    n, k = SHAPES[name]
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(layers)]
+    x = torch.randn(tokens, k, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    cycles = spin_cycles(window_us)
+
+    def gemms() -> None:
+        for w in weights:
+            torch.matmul(x, w.t(), out=out)
+
+    def windows() -> None:
+        for _ in weights:
+            torch.cuda._sleep(cycles)
+
+    def window_then_gemms() -> None:  # the weight read once right before its GEMM: the GEMM from a warm L2
+        for w in weights:
+            prefetch_loads(w, 132)
+            torch.matmul(x, w.t(), out=out)
+
+    def window_gemms() -> None:
+        for w in weights:
+            torch.cuda._sleep(cycles)
+            torch.matmul(x, w.t(), out=out)
+
+    def prefetched(programs: int, prefetch: Callable[[torch.Tensor, int], None]) -> Callable[[], None]:
+        def body() -> None:
+            main = torch.cuda.current_stream()
+            for w in weights:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    prefetch(w, programs)
+                torch.cuda._sleep(cycles)
+                torch.matmul(x, w.t(), out=out)
+            main.wait_stream(side)
+        return body
+
+    def prefetch_only(programs: int, prefetch: Callable[[torch.Tensor, int], None]) -> Callable[[], None]:
+        def body() -> None:
+            for w in weights:
+                prefetch(w, programs)
+        return body
+
+    row: dict[str, Any] = {"shape": name, "n": n, "k": k, "tokens": tokens, "layers": layers, "window_us": window_us,
+                           "weight_mb": n * k * 2 / 1e6}
+    per_layer = lambda ms: ms * 1e3 / layers  # noqa: E731
+    row["gemm_us"] = per_layer(graph_ms(gemms))
+    row["window_us_measured"] = per_layer(graph_ms(windows))
+    row["window_gemm_us"] = per_layer(graph_ms(window_gemms))
+    row["load_then_gemm_us"] = per_layer(graph_ms(window_then_gemms))
+    for (kind, prefetch), programs in itertools.product(PREFETCHERS.items(), program_counts):
+        row[f"prefetched_{kind}_{programs}_us"] = per_layer(graph_ms(prefetched(programs, prefetch)))
+        row[f"prefetch_only_{kind}_{programs}_us"] = per_layer(graph_ms(prefetch_only(programs, prefetch)))
+    print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["o_proj", "qkv"], choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[10])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--window-us", type=float, default=10.0)
+    parser.add_argument("--programs", type=int, nargs="+", default=[16, 32, 132])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    bandwidth = read_bandwidth()
+    print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    rows = [run_shape(s, t, args.layers, args.window_us, args.programs) for s in args.shapes for t in args.tokens]
+    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "bandwidth_bytes_per_s": bandwidth, "rows": rows}
+    save_report(args.out, "l2_prefetch", report)
+
+
+if __name__ == "__main__":
+    main()
