@@ -35,6 +35,7 @@ CASES = [  # name, mode, batch size, cached context, new tokens per request
     ("verify bs64 ctx512", ForwardMode.VERIFY, 64, 512, 10),
     ("verify bs64 ctx4096", ForwardMode.VERIFY, 64, 4096, 10),
     ("draft bs1 ctx512", ForwardMode.DRAFT, 1, 512, 10),
+    ("draft bs32 ctx512", ForwardMode.DRAFT, 32, 512, 10),
     ("draft bs32 ctx4096", ForwardMode.DRAFT, 32, 4096, 10),
     ("draft bs64 ctx4096", ForwardMode.DRAFT, 64, 4096, 10),
     ("extend bs1 x256", ForwardMode.EXTEND, 1, 0, 256),
