@@ -75,9 +75,11 @@ def load_candidate(path: Path) -> type[TritonAttentionBackend]:
 def sweep(
     name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool, bandwidth: float, wide: bool = False,
     default_only: bool = False, candidate: Optional[type[TritonAttentionBackend]] = None,
+    sweep_candidate: bool = False,
 ) -> dict[str, Any]:
     batch, pool, q = make_batch(mode, bs, context, new)
-    backend = TritonAttentionBackend(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
+    swept = candidate if sweep_candidate and candidate is not None else TritonAttentionBackend
+    backend = swept(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
     default: TritonAttentionMeta = backend.plan(batch)
     batch.attn_meta = default
     reference = backend.forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, kv_stored=True).float()
@@ -105,10 +107,10 @@ def sweep(
 
     if wide and not default_only:  # every tile x (warps, stages) at the split counts that matter at this size
         wide_splits = [1, 2] if bs >= 16 else [4, 8, 16]
-        for block_m, block_n, (warps, stages), split in itertools.product(
-            (16, 64), (32, 64, 128), ((4, 2), (4, 3), (8, 2), (8, 3)), wide_splits
+        for block_m, block_n, (warps, stages), split, edges_only in itertools.product(
+            (16, 64), (32, 64, 128), ((4, 2), (4, 3), (8, 2), (8, 3)), wide_splits, (False, True)
         ):
-            run(KernelTiles(block_m, block_n, warps, stages), split)
+            run(KernelTiles(block_m, block_n, warps, stages, edges_only), split)
     elif not default_only:
         for block_m, block_n, split in itertools.product(block_ms, (32, 64, 128), splits):
             run(KernelTiles(block_m, block_n, 4, 2), split)
@@ -135,8 +137,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the warps x stages sweep")
     parser.add_argument("--candidate", type=Path, help="a .py file defining paged_attention_kernel and "
                         "merge_splits_kernel with the current signatures: timed against the current kernels")
+    parser.add_argument("--sweep-candidate", action="store_true",
+                        help="sweep launch shapes over the --candidate kernels instead of the current ones")
     parser.add_argument("--default-only", action="store_true", help="time only the engine's own launch policy")
-    parser.add_argument("--wide", action="store_true", help="rows 16/64 x keys 32/64/128 x (warps, stages) x splits")
+    parser.add_argument("--wide", action="store_true",
+                        help="rows 16/64 x keys 32/64/128 x (warps, stages) x splits x edge-only masks or not")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
@@ -149,7 +154,8 @@ def main() -> None:
         if args.cases and not any(s in case[0] for s in args.cases):
             continue
         report["cases"].append(sweep(*case, quick=args.quick, bandwidth=bandwidth, wide=args.wide,
-                                     default_only=args.default_only, candidate=candidate))
+                                     default_only=args.default_only, candidate=candidate,
+                                     sweep_candidate=args.sweep_candidate))
     save_report(args.out, "tune_attention", report)
 
 

@@ -11,7 +11,8 @@ triton = pytest.importorskip("triton")
 
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from blockspec.attention.triton_backend import (  # noqa: E402
-    BLOCK_POLICY, DECODE_POLICY, EXTEND_POLICY, SMALL_EXTEND_POLICY, KernelTiles, TritonAttentionBackend, launch_policy,
+    BLOCK_POLICY, DECODE_POLICY, EXTEND_POLICY, SMALL_EXTEND_POLICY, WIDE_BLOCK_POLICY, KernelTiles, TritonAttentionBackend,
+    launch_policy,
 )
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable  # noqa: E402
 from blockspec.kv.pool import KVPool  # noqa: E402
@@ -105,7 +106,10 @@ def test_kv_stored_skips_the_backend_store(backend_kind: str) -> None:
     torch.testing.assert_close(pool_b.k[0], pool_a.k[0])
 
 
-@pytest.mark.parametrize("tiles", [KernelTiles(16, 32, 4, 2), KernelTiles(64, 64, 4, 3), KernelTiles(128, 32, 8, 2)])
+@pytest.mark.parametrize("tiles", [
+    KernelTiles(16, 32, 4, 2), KernelTiles(64, 64, 4, 3), KernelTiles(128, 32, 8, 2),
+    KernelTiles(16, 32, 4, 2, mask_edges_only=True), KernelTiles(64, 64, 4, 3, mask_edges_only=True),
+])
 @pytest.mark.parametrize("mode,prefix,new", [
     (ForwardMode.EXTEND, [16, 3], [40, 70]), (ForwardMode.VERIFY, [4, 90, 13], [8, 8, 8]),
     (ForwardMode.DRAFT, [4, 90], [8, 8]),
@@ -130,14 +134,16 @@ def test_every_tile_shape_matches_torch(tiles: KernelTiles, mode: ForwardMode, p
 def test_launch_policy_and_split_count() -> None:
     """Llama-8B heads (32/8): decode rows 4, a 10-token verify block 40, a 256-token extend 1024."""
     backend = TritonAttentionBackend(None, 1.0, 32, 8, 128)  # type: ignore[arg-type]
-    assert launch_policy(4, 1, 8) is DECODE_POLICY and launch_policy(40, 32, 8) is BLOCK_POLICY
+    assert launch_policy(4, 1, 8) is DECODE_POLICY and launch_policy(40, 16, 8) is BLOCK_POLICY
+    assert launch_policy(40, 32, 8) is WIDE_BLOCK_POLICY and WIDE_BLOCK_POLICY.tiles.mask_edges_only
     assert launch_policy(1024, 1, 8) is SMALL_EXTEND_POLICY and launch_policy(1024, 8, 8) is EXTEND_POLICY
 
     def splits(rows: int, bs: int, max_seq: int) -> int:
         return backend.choose_splits(bs, rows, launch_policy(rows, bs, 8), max_seq)
 
     assert splits(40, 1, 8202) == 16 and splits(40, 4, 8202) == 8  # small batches: fill the GPU with splits
-    assert splits(40, 32, 8202) == 2 and splits(40, 64, 8202) == 2  # at least min_splits even when programs abound
+    assert splits(40, 16, 8202) == 2  # at least min_splits even when programs abound
+    assert splits(40, 32, 8202) == 1 and splits(40, 64, 8202) == 1  # from 256 (request, KV head) pairs: unsplit
     assert splits(40, 1, 40) == 1  # never below min_split_keys keys per split
     assert splits(4, 64, 8202) == 2 and splits(4, 1, 8202) == 16
     assert splits(1024, 1, 256) == 1 and splits(1024, 1, 8192) == 2  # extends split only over long cached prefixes
@@ -165,7 +171,8 @@ def test_merge_over_head_blocks(monkeypatch: pytest.MonkeyPatch, merge_tile: int
 
 @pytest.mark.parametrize("mode", [ForwardMode.VERIFY, ForwardMode.DRAFT, ForwardMode.DECODE, ForwardMode.EXTEND])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_padded_head_dim_small_tiles(mode: ForwardMode, splits: int) -> None:
+@pytest.mark.parametrize("mask_edges_only", [False, True])
+def test_padded_head_dim_small_tiles(mode: ForwardMode, splits: int, mask_edges_only: bool) -> None:
     """Head dim 24 (padded to 32 lanes, masked) with 16-key tiles: many whole tiles, a causal edge, split ends."""
     heads, kv_heads, head_dim = 4, 2, 24
     new = {ForwardMode.DECODE: [1, 1], ForwardMode.EXTEND: [8, 5]}.get(mode, [8, 8])  # verify/draft: uniform
@@ -175,7 +182,7 @@ def test_padded_head_dim_small_tiles(mode: ForwardMode, splits: int) -> None:
     expected = reference.forward(q, k, v, 0, batch)
     backend = TritonAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim)
     meta = backend.plan(batch)
-    meta.tiles, meta.num_splits = KernelTiles(16, 16, 4, 2), splits
+    meta.tiles, meta.num_splits = KernelTiles(16, 16, 4, 2, mask_edges_only), splits
     batch.attn_meta = meta
     torch.testing.assert_close(backend.forward(q, k, v, 0, batch), expected, atol=1e-4, rtol=1e-4)
 

@@ -14,12 +14,14 @@ from blockspec.runner.forward_batch import ForwardBatch
 
 @dataclass(frozen=True)
 class KernelTiles:
-    """Launch shape of paged_attention_kernel: (token, head) rows and keys per step, warps, pipeline stages."""
+    """Launch shape of paged_attention_kernel: (token, head) rows and keys per step, warps, pipeline stages, and
+    whether scores are masked only in the key blocks that need it (see the kernel)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    mask_edges_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,14 @@ class LaunchPolicy:
 
 # NOTE: measured on an H200 with 8B shapes (benchmarks/tune_attention.py, results/tune_attention_*.json): decode
 # (<= 16 rows per request) wants narrow tiles, verify/draft blocks wide tiles; both want >= 2 splits (bs 16..64)
-# and up to 16 at batch 1 (down to 32 keys per split); long extends wide tiles, deeper pipelining, no split.
+# and up to 16 at batch 1 (down to 32 keys per split); long extends wide tiles, deeper pipelining, no split. From
+# 256 (request, KV head) pairs on, verify/draft blocks run 64 keys per step with edge-only masks, unsplit
+# (bs 32 x 512: 27 vs 32 us; x 4096: 149 vs 157; tune_attention_2026-12-01_0be37a2_*).
 DECODE_POLICY = LaunchPolicy(KernelTiles(16, 128, 4, 3), 512, 256, min_splits=2)
 BLOCK_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 2), 256, 32, min_splits=2)
-EXTEND_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 3), 528, 1024)
+WIDE_BLOCK_POLICY = LaunchPolicy(KernelTiles(64, 64, 4, 3, mask_edges_only=True), 256, 64)
+WIDE_BLOCK_PAIRS = 256  # batch size x KV heads from which WIDE_BLOCK_POLICY applies
+EXTEND_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 3, mask_edges_only=True), 528, 1024)
 SMALL_EXTEND_POLICY = LaunchPolicy(KernelTiles(32, 128, 4, 2), 528, 1024)  # < 2 waves of 64-row programs
 TWO_WAVES = 264  # programs: two waves of an H200's 132 SMs
 MERGE_TILE = 8192  # fp32 partials one merge program holds: heads x splits x head dim
@@ -55,7 +61,7 @@ def launch_policy(rows_per_request: int, batch_size: int, num_kv_heads: int) -> 
     if rows_per_request <= 16:
         return DECODE_POLICY
     if rows_per_request <= 64:
-        return BLOCK_POLICY
+        return WIDE_BLOCK_POLICY if batch_size * num_kv_heads >= WIDE_BLOCK_PAIRS else BLOCK_POLICY
     wide_programs = batch_size * num_kv_heads * triton.cdiv(rows_per_request, EXTEND_POLICY.tiles.block_m)
     return EXTEND_POLICY if wide_programs >= TWO_WAVES else SMALL_EXTEND_POLICY
 
@@ -152,7 +158,7 @@ class TritonAttentionBackend(PagedBackendBase):
             NUM_KV_HEADS=self.num_kv_heads, GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, CAUSAL=causal,
             USE_WINDOW=window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            MASK_EDGES_ONLY=tiles.mask_edges_only, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         if splits > 1:
             heads_per_program = min(triton.next_power_of_2(self.num_heads), merge_heads_per_program(splits, self.block_d))

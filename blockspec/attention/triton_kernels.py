@@ -15,51 +15,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_keys(
-    acc, row_max, row_sum, q, table, k_cache_ptr, v_cache_ptr, kv_head, stride_kv_slot, stride_kv_head,
-    begin, end, row_valid, q_pos, dims, dim_valid, qk_scale_log2, window,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Online softmax over keys [begin, end). MASKED=False is for key blocks that are whole (end - begin a multiple
-    of BLOCK_N) and that every row may see: no key/causal/window masks (padded rows have q = 0: finite scores)."""
-    for start in range(begin, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        if MASKED:
-            col_valid = cols < end
-            slots = tl.load(table + cols, mask=col_valid, other=0).to(tl.int64)
-        else:
-            slots = tl.load(table + cols).to(tl.int64)
-        kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
-        if MASKED:
-            kv_mask = col_valid[:, None] & dim_valid[None, :]
-            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_cache_ptr + kv_offsets)
-            v = tl.load(v_cache_ptr + kv_offsets)
-        else:
-            k = tl.load(k_cache_ptr + kv_offsets, mask=dim_valid[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + kv_offsets, mask=dim_valid[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale_log2
-        if MASKED:
-            allowed = row_valid[:, None] & col_valid[None, :]
-            distance = q_pos[:, None] - cols[None, :]
-            if CAUSAL:
-                allowed = allowed & (distance >= 0)
-            if USE_WINDOW:
-                allowed = allowed & (distance < window)
-                if not CAUSAL:
-                    allowed = allowed & (-distance < window)
-            scores = tl.where(allowed, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probs = tl.exp2(scores - safe_max[:, None])
-        correction = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * correction + tl.sum(probs, 1)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-        row_max = new_max
-    return acc, row_max, row_sum
+def _mask_scores(scores, row_valid, col_valid, q_pos, cols, window, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
+    allowed = row_valid[:, None] & col_valid[None, :]
+    distance = q_pos[:, None] - cols[None, :]
+    if CAUSAL:
+        allowed = allowed & (distance >= 0)
+    if USE_WINDOW:
+        allowed = allowed & (distance < window)
+        if not CAUSAL:
+            allowed = allowed & (-distance < window)
+    return tl.where(allowed, scores, float("-inf"))
 
 
 @triton.jit
@@ -71,12 +36,13 @@ def paged_attention_kernel(
     qk_scale_log2, window,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr,
 ):
     """Scores are kept in log2 units (qk_scale_log2 = softmax scale * log2 e) so every exponential is an exp2; with
-    NUM_SPLITS > 1 each program stores its rows' (acc, max, sum) partials for merge_splits_kernel. Whole key blocks
-    that every row of the program sees run without masks; the rest (the causal diagonal, the ragged end, windowed
-    layers) with them."""
+    NUM_SPLITS > 1 each program stores its rows' (acc, max, sum) partials for merge_splits_kernel. With
+    MASK_EDGES_ONLY, scores are masked only in key blocks that some row may not see (the causal diagonal, the ragged
+    end, every block of a windowed layer; padded rows have q = 0, so their unmasked scores stay finite): faster with
+    wide key tiles, slower with narrow ones (the branch costs more than the mask), so the launch policy picks."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_split = tl.program_id(2)
@@ -116,22 +82,34 @@ def paged_attention_kernel(
         seen_by_all = tl.minimum(hi, first_q_pos + 1)
     if USE_WINDOW:
         seen_by_all = lo
-    unmasked_end = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N
-
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = req_to_token_ptr + table_row * stride_table_row
-    acc, row_max, row_sum = _attend_keys(
-        acc, row_max, row_sum, q, table, k_cache_ptr, v_cache_ptr, kv_head, stride_kv_slot, stride_kv_head,
-        lo, unmasked_end, row_valid, q_pos, dims, dim_valid, qk_scale_log2, window,
-        BLOCK_N, False, HEAD_DIM == BLOCK_D, CAUSAL, USE_WINDOW, DOT_PRECISION,
-    )
-    acc, row_max, row_sum = _attend_keys(
-        acc, row_max, row_sum, q, table, k_cache_ptr, v_cache_ptr, kv_head, stride_kv_slot, stride_kv_head,
-        unmasked_end, hi, row_valid, q_pos, dims, dim_valid, qk_scale_log2, window,
-        BLOCK_N, True, HEAD_DIM == BLOCK_D, CAUSAL, USE_WINDOW, DOT_PRECISION,
-    )
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_valid = cols < hi
+        slots = tl.load(table + cols, mask=col_valid, other=0).to(tl.int64)
+        kv_offsets = slots[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
+        if HEAD_DIM == BLOCK_D:
+            kv_mask = col_valid[:, None]
+        else:
+            kv_mask = col_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale_log2
+        if MASK_EDGES_ONLY:
+            if start + BLOCK_N > seen_by_all:
+                scores = _mask_scores(scores, row_valid, col_valid, q_pos, cols, window, CAUSAL, USE_WINDOW)
+        else:
+            scores = _mask_scores(scores, row_valid, col_valid, q_pos, cols, window, CAUSAL, USE_WINDOW)
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        correction = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        row_max = new_max
 
     o_offsets = (q_start + token)[:, None].to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
     if NUM_SPLITS == 1:
