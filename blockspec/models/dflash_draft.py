@@ -4,11 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.kv.pool import KVPool, LayerKVStore
 from blockspec.layers.activation import GatedMLP
+from blockspec.layers.linear import StackedLinear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
@@ -23,9 +25,8 @@ class DraftAttention(nn.Module):
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -33,8 +34,12 @@ class DraftAttention(nn.Module):
     def store_context_kv(self, context: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, store: LayerKVStore) -> None:
         """k = rope(k_norm(k_proj(c))), v = v_proj(c) written at store.slots (on CUDA in the rope launch)."""
         t = context.shape[0]
-        k = self.k_proj(context).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(context).view(t, self.num_kv_heads, self.head_dim)
+        # NOTE: one GEMM for k|v: rows q_size.. of the stacked weight (a view, no copy).
+        bias = self.qkv_proj.bias
+        kv = F.linear(context, self.qkv_proj.weight[self.q_size:], None if bias is None else bias[self.q_size:])
+        k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         _, k, kv_stored = rotary.apply(positions, None, k, v, QKNorm.of(None, self.k_norm), store)
         if not kv_stored:
             store.write(k, v)
@@ -43,9 +48,10 @@ class DraftAttention(nn.Module):
         self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         store = backend.pool.layer_store(self.layer_id, batch.out_cache_loc)
         rotated_q, k, kv_stored = rotary.apply(batch.positions, q, k, v, QKNorm.of(self.q_norm, self.k_norm), store)
         assert rotated_q is not None
