@@ -3,6 +3,7 @@ stops inside an accepted block; pools free afterwards; bad draft configs fail cl
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,8 @@ def test_fused_rope_kv_store_is_lossless(models: dict[str, Any], monkeypatch: py
     """The CUDA path's one-launch rope + K/V store (Triton interpreter on CPU) in target, draft and draft context:
     DFlash output equals target-only output, and the draft proposes as it does without the fused kernel."""
     pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("forces the Triton kernel onto CPU tensors: needs the interpreter (with CUDA the GPU tests cover it)")
     root = models["root"]
     prompts, params = PROMPTS[:4], {**GREEDY, "max_new_tokens": 12}
     expected = [o["output_ids"] for o in engine_for(root, None, 4).generate(input_ids=prompts, sampling_params=params)]
