@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plot_common import plt, save_beside
 from step_latency import read_bandwidth, save_report
 
 CHUNK_BYTES = 4096  # one bulk prefetch per chunk (a multiple of 16 bytes, as cp.async.bulk requires)
@@ -186,6 +187,27 @@ def run_shape(name: str, tokens: int, layers: int, window_us: float, program_cou
     return row
 
 
+def plot(report: dict[str, Any], json_path: Path) -> Path:
+    """Per shape: window + GEMM without and with each prefetch kind (best program count), and the bound: window +
+    a GEMM reading a warm L2."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    rows = report["rows"]
+    series: dict[str, list[float]] = {"window + GEMM": [r["window_gemm_us"] for r in rows]}
+    for kind in PREFETCHERS:
+        series[f"+ {kind} prefetch"] = [min(v for k, v in r.items() if k.startswith(f"prefetched_{kind}_")) for r in rows]
+    warm = [r["load_then_gemm_us"] - min(v for k, v in r.items() if k.startswith("prefetch_only_load_")) for r in rows]
+    series["window + GEMM from warm L2"] = [r["window_us_measured"] + w for r, w in zip(rows, warm)]
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([x + (i - len(series) / 2 + 0.5) * width for x in range(len(rows))], values, width=width, label=label)
+    ax.set_xticks(range(len(rows)), [f"{r['shape']} M={r['tokens']}" for r in rows], fontsize=8)
+    ax.set_ylabel("µs per layer")
+    ax.set_title(f"L2 prefetch during a {rows[0]['window_us']:.0f} µs window · {report['gpu']} · {report['date']} · "
+                 f"{report['commit']}", fontsize=9)
+    ax.legend(fontsize=7)
+    return save_beside(fig, json_path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=["o_proj", "qkv"], choices=sorted(SHAPES))
@@ -200,7 +222,7 @@ def main() -> None:
     rows = [run_shape(s, t, args.layers, args.window_us, args.programs) for s in args.shapes for t in args.tokens]
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "commit": os.environ.get("BLOCKSPEC_COMMIT", "unknown"), "bandwidth_bytes_per_s": bandwidth, "rows": rows}
-    save_report(args.out, "l2_prefetch", report)
+    print(plot(report, save_report(args.out, "l2_prefetch", report)))
 
 
 if __name__ == "__main__":
