@@ -21,59 +21,43 @@ import triton
 import triton.language as tl
 
 from plot_common import plt, save_beside
-from step_latency import read_bandwidth, save_report
+from step_latency import graphed_us, read_bandwidth, save_report
 
 CHUNK_BYTES = 4096  # one bulk prefetch per chunk (a multiple of 16 bytes, as cp.async.bulk requires)
-
-
-@triton.jit
-def _prefetch_l2_kernel(base_ptr, num_chunks, chunks_per_program, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p issues one bulk L2 prefetch of CHUNK bytes for chunks [p * chunks_per_program, ...)."""
-    first = tl.program_id(0) * chunks_per_program
-    last = tl.minimum(first + chunks_per_program, num_chunks)
-    for start in range(first, last, BLOCK):
-        # NOTE: chunks past `last` are clamped onto it: a repeated prefetch of a resident line is free.
-        chunk = tl.minimum(start + tl.arange(0, BLOCK), last - 1)
-        addresses = base_ptr + chunk.to(tl.int64) * CHUNK
-        tl.inline_asm_elementwise(
-            f"cp.async.bulk.prefetch.L2.global [$1], {CHUNK}; mov.u32 $0, 0;", "=r,l", [addresses],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )
-
-
-def prefetch_to_l2(tensor: torch.Tensor, programs: int = 32) -> None:
-    """Issues L2 prefetches for every byte of the contiguous CUDA `tensor` on the current stream."""
-    assert tensor.is_cuda and tensor.is_contiguous()
-    num_bytes = tensor.numel() * tensor.element_size()
-    num_chunks = triton.cdiv(num_bytes, CHUNK_BYTES)
-    if num_bytes % CHUNK_BYTES or tensor.data_ptr() % 16:
-        num_chunks = num_bytes // CHUNK_BYTES  # a ragged tail stays unprefetched (bulk copies need whole chunks)
-    if num_chunks == 0:
-        return
-    programs = min(programs, num_chunks)
-    per_program = triton.cdiv(num_chunks, programs)
-    raw = tensor.view(-1).view(torch.uint8)
-    _prefetch_l2_kernel[(programs,)](raw, num_chunks, per_program, CHUNK=CHUNK_BYTES, BLOCK=128, num_warps=4)
-
-
+LINE_BYTES = 128
 SHAPES = {"o_proj": (4096, 4096), "qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 @triton.jit
-def _prefetch_lines_kernel(base_ptr, num_lines, lines_per_program, LINE: tl.constexpr, BLOCK: tl.constexpr):
-    first = tl.program_id(0) * lines_per_program
-    last = tl.minimum(first + lines_per_program, num_lines)
+def _prefetch_kernel(base_ptr, num_units, units_per_program, UNIT: tl.constexpr, BLOCK: tl.constexpr,
+                     BULK: tl.constexpr):
+    """Program p hints units [p * units_per_program, ...) of UNIT bytes into L2: one `cp.async.bulk.prefetch.L2`
+    per unit (BULK) or one `prefetch.global.L2` per unit (a 128-byte line)."""
+    first = tl.program_id(0) * units_per_program
+    last = tl.minimum(first + units_per_program, num_units)
     for start in range(first, last, BLOCK):
-        line = tl.minimum(start + tl.arange(0, BLOCK), last - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base_ptr + line.to(tl.int64) * LINE],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        # NOTE: units past `last` are clamped onto it: a repeated prefetch of a resident line is free.
+        unit = tl.minimum(start + tl.arange(0, BLOCK), last - 1)
+        addresses = base_ptr + unit.to(tl.int64) * UNIT
+        if BULK:
+            tl.inline_asm_elementwise(f"cp.async.bulk.prefetch.L2.global [$1], {UNIT}; mov.u32 $0, 0;", "=r,l",
+                                      [addresses], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addresses],
+                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch_lines(tensor: torch.Tensor, programs: int) -> None:
-    """The alternative to bulk prefetch: one prefetch.global.L2 per 128-byte line."""
-    num_lines = tensor.numel() * tensor.element_size() // 128
-    per_program = triton.cdiv(num_lines, programs)
-    _prefetch_lines_kernel[(programs,)](tensor.view(-1).view(torch.uint8), num_lines, per_program, LINE=128, BLOCK=512)
+def prefetch_hints(tensor: torch.Tensor, programs: int, bulk: bool) -> None:
+    """Hints every whole unit (4 KB bulk chunk or 128-byte line) of the contiguous CUDA `tensor` into L2."""
+    assert tensor.is_cuda and tensor.is_contiguous() and tensor.data_ptr() % 16 == 0
+    unit = CHUNK_BYTES if bulk else LINE_BYTES
+    num_units = tensor.numel() * tensor.element_size() // unit  # a ragged tail stays unhinted
+    if num_units == 0:
+        return
+    programs = min(programs, num_units)
+    per_program = triton.cdiv(num_units, programs)
+    _prefetch_kernel[(programs,)](tensor.view(-1).view(torch.uint8), num_units, per_program, UNIT=unit,
+                                  BLOCK=128 if bulk else 512, BULK=bulk, num_warps=4)
 
 
 @triton.jit
@@ -101,25 +85,15 @@ def prefetch_loads(tensor: torch.Tensor, programs: int) -> None:
 
 
 PREFETCHERS: dict[str, Callable[[torch.Tensor, int], None]] = {
-    "bulk": prefetch_to_l2, "line": prefetch_lines, "load": prefetch_loads,
+    "bulk": lambda tensor, programs: prefetch_hints(tensor, programs, bulk=True),
+    "line": lambda tensor, programs: prefetch_hints(tensor, programs, bulk=False),
+    "load": prefetch_loads,
 }
 
 
 def graph_ms(body: Callable[[], None]) -> float:
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(2):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 10
+    """ms of one replay of `body` captured as a CUDA graph."""
+    return graphed_us(body, launches=1) / 1e3
 
 
 def spin_cycles(window_us: float) -> int:
