@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from step_latency import graphed_us as graph_us, read_bandwidth, save_report
+from device_timing import graphed_us as graph_us, read_bandwidth, save_report
 
 SHAPES = {  # name: (in_features, out_features)
     "qkv": (4096, 6144), "o_proj": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from plot_common import plt, save_beside
-from step_latency import graphed_us, read_bandwidth, save_report
+from device_timing import graphed_us, read_bandwidth, save_report
 
 CHUNK_BYTES = 4096  # one bulk prefetch per chunk (a multiple of 16 bytes, as cp.async.bulk requires)
 LINE_BYTES = 128

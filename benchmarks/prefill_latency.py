@@ -20,7 +20,8 @@ import torch
 from blockspec import Engine
 from blockspec.request import Req, SamplingParams
 from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
-from step_latency import cuda_ms, write_configs
+from device_timing import cuda_ms
+from step_latency import write_configs
 
 
 def make_reqs(engine: Engine, batch_size: int, tokens: int) -> list[Req]:

@@ -15,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockspec import Engine
-from step_latency import cuda_ms, prefill, write_configs
+from device_timing import cuda_ms
+from step_latency import prefill, write_configs
 
 
 def profile_batch(engine: Engine, bs: int, context: int, modes: list[str], host_profile: bool) -> None:

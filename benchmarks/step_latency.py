@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from blockspec import Engine
+from device_timing import DeviceSampler, cuda_ms, read_bandwidth, read_only_bandwidth, steady_ms
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -47,108 +47,6 @@ def write_configs(root: Path) -> tuple[Path, Path]:
     (root / "target" / "config.json").write_text(json.dumps(LLAMA_8B))
     (root / "draft" / "config.json").write_text(json.dumps(DRAFT))
     return root / "target", root / "draft"
-
-
-def cuda_ms(fn: Callable[[], Any], repeat: int) -> float:
-    """Median wall time of fn() in ms, synchronised around each call (what a request sees)."""
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def steady_ms(fn: Callable[[], Any], repeat: int) -> float:
-    """Mean wall time of `repeat` back-to-back fn() calls in ms, synchronised only before the first and after the
-    last: the per-step time of a decode loop in steady state (an overlapped step's work runs behind the next)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / repeat
-
-
-def graphed_us(fn: Callable[[], Any], launches: int = 20) -> float:
-    """Mean µs of one fn() call when `launches` of them are replayed from one CUDA graph (launch gaps as in the
-    engine's graphs); fn is run twice first (compiles, settles the allocator)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * launches)
-
-
-def save_report(out_dir: Path, stem: str, report: dict[str, Any]) -> Path:
-    """Writes `report` as out_dir/<stem>_<report date>.json and says so."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stem}_{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
-    return path
-
-
-def read_bandwidth() -> float:
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = cuda_ms(lambda: dst.copy_(src), 20)
-    del src, dst
-    return 2 * 2 * 2**30 / (ms / 1e3)  # bytes read + written per second
-
-
-def read_only_bandwidth() -> float:
-    """Bytes per second a reduction reads (no writes): the other bound beside the copy bandwidth."""
-    src = torch.empty(2 * 2**30 // 4, dtype=torch.float32, device="cuda").fill_(1.0)
-    ms = cuda_ms(lambda: src.sum(), 20)
-    del src
-    return 2 * 2**30 / (ms / 1e3)
-
-
-class DeviceSampler:
-    """Mean SM clock (MHz) and board power (W) while the `with` block runs, sampled every `period_s` by a thread
-    (NVML via torch.cuda; empty where it is unavailable). Explains runs that are power-limited rather than slow."""
-
-    def __init__(self, period_s: float = 0.005) -> None:
-        self.period_s = period_s
-        self.clocks: list[float] = []
-        self.power: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            try:
-                self.clocks.append(float(torch.cuda.clock_rate()))
-                self.power.append(float(torch.cuda.power_draw()) / 1e3)  # mW → W
-            except Exception:  # noqa: BLE001 (no NVML: no telemetry, the timing stands)
-                return
-
-    def __enter__(self) -> "DeviceSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict[str, float]:
-        if not self.clocks:
-            return {}
-        return {"sm_clock_mhz": sum(self.clocks) / len(self.clocks), "min_sm_clock_mhz": min(self.clocks),
-                "power_w": sum(self.power) / len(self.power)}
 
 
 def param_bytes(module: torch.nn.Module) -> int:

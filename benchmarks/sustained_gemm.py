@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from plot_common import plt, save_beside
-from step_latency import DeviceSampler, save_report
+from device_timing import DeviceSampler, save_report
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o_proj": (4096, 4096),
           "lm_head": (128256, 4096)}

@@ -19,7 +19,7 @@ import torch
 from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend, TritonAttentionMeta
 from blockspec.kv.pool import KVPool
 from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
-from step_latency import graphed_us, read_bandwidth, save_report
+from device_timing import graphed_us, read_bandwidth, save_report
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CASES = [  # name, mode, batch size, cached context, new tokens per request
