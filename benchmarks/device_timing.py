@@ -79,14 +79,36 @@ def read_only_bandwidth() -> float:
     return 2 * 2**30 / (ms / 1e3)
 
 
+# NOTE: NVML clock-event reason bits (nvmlClocksEventReasons): why the SM clock is below its maximum right now.
+CLOCK_EVENT_REASONS = {"sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
+                       "hw_power_brake": 0x80}
+
+
+def _clock_event_reader() -> Callable[[], int] | None:
+    try:
+        import pynvml
+
+        handle = torch.cuda._get_pynvml_handler()
+        read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        read(handle)
+        return lambda: int(read(handle))
+    except Exception:  # noqa: BLE001 (no NVML: no reasons, the timing stands)
+        return None
+
+
 class DeviceSampler:
     """Mean SM clock (MHz) and board power (W) while the `with` block runs, sampled every `period_s` by a thread
-    (NVML via torch.cuda; empty where it is unavailable). Explains runs that are power-limited rather than slow."""
+    (NVML via torch.cuda; empty where it is unavailable), and the share of samples in which each clock-event reason
+    (power cap, thermal, ...) held. NVML averages clock and power over up to 1 s, so only loops that long read true;
+    the reasons are instantaneous. Explains runs that are power-limited rather than slow."""
 
     def __init__(self, period_s: float = 0.005) -> None:
         self.period_s = period_s
         self.clocks: list[float] = []
         self.power: list[float] = []
+        self.reasons: list[int] = []
+        self._read_reasons = _clock_event_reader()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -95,6 +117,8 @@ class DeviceSampler:
             try:
                 self.clocks.append(float(torch.cuda.clock_rate()))
                 self.power.append(float(torch.cuda.power_draw()) / 1e3)  # mW → W
+                if self._read_reasons is not None:
+                    self.reasons.append(self._read_reasons())
             except Exception:  # noqa: BLE001 (no NVML: no telemetry, the timing stands)
                 return
 
@@ -109,5 +133,9 @@ class DeviceSampler:
     def summary(self) -> dict[str, float]:
         if not self.clocks:
             return {}
-        return {"sm_clock_mhz": sum(self.clocks) / len(self.clocks), "min_sm_clock_mhz": min(self.clocks),
-                "power_w": sum(self.power) / len(self.power)}
+        result = {"sm_clock_mhz": sum(self.clocks) / len(self.clocks), "min_sm_clock_mhz": min(self.clocks),
+                  "power_w": sum(self.power) / len(self.power)}
+        for name, bit in CLOCK_EVENT_REASONS.items():
+            if self.reasons:
+                result[f"share_{name}"] = sum(1 for r in self.reasons if r & bit) / len(self.reasons)
+        return result

@@ -14,6 +14,7 @@ import datetime
 import gc
 import itertools
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -65,7 +66,7 @@ def prefill(engine: Engine, bs: int, context: int) -> list:
     return reqs
 
 
-def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int) -> dict[str, float]:
+def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int, sustained_s: float) -> dict[str, float]:
     runner, worker, scheduler = engine.runner, engine.worker, engine.scheduler
     saved = (dict(runner.graphs), getattr(worker, "draft_graph", None), getattr(worker, "cycle_graph", None))
     if not graphs:
@@ -90,6 +91,11 @@ def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int) ->
         result["verify_ms"] = cuda_ms(lambda: worker.verify(draft_batch, proposals), repeat)
         result["propose_ms"] = cuda_ms(lambda: worker.propose(reqs), repeat)
         result["greedy_cycle_ms"] = cuda_ms(lambda: worker.greedy_cycle_tokens(reqs), repeat)
+        if sustained_s > 0:  # NOTE: nothing is committed, so the context stays put however long the loop runs
+            n = max(repeat, math.ceil(sustained_s * 1e3 / result["greedy_cycle_ms"]))
+            with DeviceSampler() as sampler:
+                result["sustained_greedy_cycle_ms"] = steady_ms(lambda: worker.greedy_cycle_tokens(reqs), n)
+            result.update({f"sustained_{k}": v for k, v in sampler.summary().items()})
     for req in reqs:
         scheduler.abort(req.rid)
     scheduler.collect_finished()
@@ -105,7 +111,7 @@ def run_blockspec(
     target_dir, draft_dir = write_configs(root)
     rows: list[dict[str, Any]] = []
     max_tokens = max(args.batch_sizes) * (max(args.contexts) + 512)
-    for backend, spec in itertools.product(args.backends, (True, False)):
+    for backend, spec in itertools.product(args.backends, (True,) if args.spec_only else (True, False)):
         flags: dict[str, Any] = dict(model_path=str(target_dir), load_format="dummy", dtype="bfloat16",
                                      attention_backend=backend,
                                      skip_tokenizer_init=True, max_total_tokens=max_tokens,
@@ -127,8 +133,8 @@ def run_blockspec(
         for context in args.contexts:
             for bs in args.batch_sizes:
                 floor_bytes = weights + draft_weights + bs * context * (kv_per_token + draft_kv_per_token)
-                for graphs in (True, False):
-                    m = measure(engine, bs, context, graphs, args.repeat)
+                for graphs in (True,) if args.graphs_only else (True, False):
+                    m = measure(engine, bs, context, graphs, args.repeat, args.sustained_s if graphs else 0.0)
                     row = {"backend": backend, "spec": spec, "bs": bs, "context": context, "graphs": graphs, **m,
                            "floor_ms": floor_bytes / bandwidth * 1e3, "startup_s": startup}
                     row["cycle_over_floor"] = row["cycle_ms"] / row["floor_ms"]
@@ -201,6 +207,9 @@ def goal_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if "sync_cycle_ms" in one and "sync_cycle_ms" in thirty_two:
                 goal["bs32_over_bs1_sync_cycle"] = thirty_two["sync_cycle_ms"] / one["sync_cycle_ms"]
             goal["bs32_over_bs1_graph_alone"] = thirty_two["greedy_cycle_ms"] / one["greedy_cycle_ms"]
+            if "sustained_greedy_cycle_ms" in one and "sustained_greedy_cycle_ms" in thirty_two:
+                goal["bs32_over_bs1_sustained_graph"] = (thirty_two["sustained_greedy_cycle_ms"]
+                                                         / one["sustained_greedy_cycle_ms"])
         goals.append(goal)
     return goals
 
@@ -215,6 +224,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--spec-only", action="store_true", help="skip the target-only engine")
+    parser.add_argument("--graphs-only", action="store_true", help="skip the rows with CUDA graphs off")
+    parser.add_argument("--sustained-s", type=float, default=0.0,
+                        help="also replay the greedy-cycle graph for this many seconds (clock and power settle)")
+    parser.add_argument("--tag", default="", help="suffix of the result file name, e.g. an A/B label")
     args = parser.parse_args()
     bandwidth = read_bandwidth()
     read_only = read_only_bandwidth()
@@ -227,9 +241,10 @@ def main() -> None:
               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth,
               "read_only_bandwidth_bytes_per_s": read_only, "accept_len": args.accept_len,
               "backends": args.backends, "flashinfer": flashinfer_version(),
+              "pdl": os.environ.get("BLOCKSPEC_PDL", "1") != "0",
               "rows": [], "dflash_reference": reference}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"step_latency_{report['date']}.json"
+    path = args.out / f"step_latency_{report['date']}{'_' + args.tag if args.tag else ''}.json"
 
     def save(rows: list[dict[str, Any]]) -> None:  # NOTE: after every engine, so a cut-short run keeps its rows
         report["rows"] = rows

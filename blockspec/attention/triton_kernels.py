@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from blockspec.layers.pdl import wait_for_previous_grid
+
 LOG2E = 1.4426950408889634
 
 
@@ -37,12 +39,14 @@ def paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Scores are kept in log2 units (qk_scale_log2 = softmax scale * log2 e) so every exponential is an exp2; with
     NUM_SPLITS > 1 each program stores its rows' (acc, max, sum) partials for merge_splits_kernel. With
     MASK_EDGES_ONLY, scores are masked only in key blocks that some row may not see (the causal diagonal, the ragged
     end, every block of a windowed layer; padded rows have q = 0, so their unmasked scores stay finite): faster with
     wide key tiles, slower with narrow ones (the branch costs more than the mask), so the launch policy picks."""
+    wait_for_previous_grid(PDL)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_split = tl.program_id(2)
@@ -127,8 +131,10 @@ def merge_splits_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out = sum_s w_s acc_s / sum_s w_s sum_s, w_s = 2^(max_s - max), for BLOCK_H heads of one token."""
+    wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_valid = heads < num_heads

@@ -10,10 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -36,7 +39,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     r2 = residual.view(-1, shape[-1]) if residual is not None else x2
     _rmsnorm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), shape[-1], eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(shape[-1]),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(shape[-1]), **pdl_launch(x),
     )
     return out.view(shape)
 
@@ -78,9 +81,10 @@ def _rope_store_kernel(
     eps, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_cache_slot, stride_cache_head, stride_table, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HAS_Q: tl.constexpr, QK_NORM: tl.constexpr, STORE: tl.constexpr,
+    HAS_Q: tl.constexpr, QK_NORM: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per token: [q/k head norm], rope on q and k in place, [rotated k and v into the KV cache]."""
+    wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)
@@ -136,12 +140,14 @@ def rope_norm_store(
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), cos_table.stride(0), query.shape[1], num_kv_heads,
         HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(query.shape[1]), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        HAS_Q=q is not None, QK_NORM=qk_norm is not None, STORE=store is not None,
+        HAS_Q=q is not None, QK_NORM=qk_norm is not None, STORE=store is not None, **pdl_launch(k),
     )
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride_in, stride_out, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -157,14 +163,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = width // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block,
+                                                    **pdl_launch(gate_up))
     return out
 
 
 @triton.jit
-def _chunk_argmax_kernel(x_ptr, best_val_ptr, best_idx_ptr, n_cols, stride_x, num_chunks, BLOCK: tl.constexpr):
+def _chunk_argmax_kernel(x_ptr, best_val_ptr, best_idx_ptr, n_cols, stride_x, num_chunks, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Per (row, chunk of BLOCK columns): the chunk's max and its first column; a chunk holding NaN reports NaN
     and its first NaN (torch.argmax counts NaN as the largest value)."""
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -182,7 +191,9 @@ def _chunk_argmax_kernel(x_ptr, best_val_ptr, best_idx_ptr, n_cols, stride_x, nu
 
 
 @triton.jit
-def _pick_argmax_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr):
+def _pick_argmax_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_chunks, BLOCK_CHUNKS: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, BLOCK_CHUNKS)
     valid = chunks < num_chunks
@@ -207,7 +218,7 @@ def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     if rows == 0:
         return out
     _chunk_argmax_kernel[(rows, num_chunks)](x, best_val, best_idx, n_cols, x.stride(0), num_chunks, BLOCK=block,
-                                             num_warps=8)
+                                             num_warps=8, **pdl_launch(x))
     _pick_argmax_kernel[(rows,)](best_val, best_idx, out, num_chunks, BLOCK_CHUNKS=triton.next_power_of_2(num_chunks),
-                                 num_warps=1)
+                                 num_warps=1, **pdl_launch(x))
     return out

@@ -1,0 +1,44 @@
+"""Programmatic dependent launch (PDL) for the engine's Triton kernels on Hopper and newer GPUs.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still finishing, so its launch
+latency hides behind that kernel's tail (inside CUDA graphs too). Its programs then wait, before reading anything,
+until the previous grid has completed and its writes are visible (`griddepcontrol.wait`), and at once allow the next
+PDL kernel to launch (`griddepcontrol.launch_dependents`). Set BLOCKSPEC_PDL=0 to launch every kernel plainly."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: a CUDA device of compute capability >= 9.0, unless
+    BLOCKSPEC_PDL=0. Never under the Triton CPU interpreter."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("BLOCKSPEC_PDL", "1") == "0":
+        return False
+    return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(tensor: torch.Tensor) -> dict[str, bool]:
+    """Launch keywords for a kernel taking a PDL constexpr, whose tensors live where `tensor` does."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(tensor.device) else {}
+
+
+@triton.jit
+def wait_for_previous_grid(PDL: tl.constexpr):
+    """First statement of every PDL kernel, before any load and any early return: a program that returned without
+    waiting could let the whole grid complete before the grid it depends on, and break the chain of waits."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
