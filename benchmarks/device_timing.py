@@ -84,16 +84,15 @@ CLOCK_EVENT_REASONS = {"sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x
                        "hw_power_brake": 0x80}
 
 
-def _clock_event_reader() -> Callable[[], int] | None:
+def _nvml_reader(name: str, fallback: str | None = None) -> Callable[[], int] | None:
     try:
         import pynvml
 
         handle = torch.cuda._get_pynvml_handler()
-        read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        read = getattr(pynvml, name, None) or getattr(pynvml, fallback or name)
         read(handle)
         return lambda: int(read(handle))
-    except Exception:  # noqa: BLE001 (no NVML: no reasons, the timing stands)
+    except Exception:  # noqa: BLE001 (no NVML: no reading, the timing stands)
         return None
 
 
@@ -101,14 +100,18 @@ class DeviceSampler:
     """Mean SM clock (MHz) and board power (W) while the `with` block runs, sampled every `period_s` by a thread
     (NVML via torch.cuda; empty where it is unavailable), and the share of samples in which each clock-event reason
     (power cap, thermal, ...) held. NVML averages clock and power over up to 1 s, so only loops that long read true;
-    the reasons are instantaneous. Explains runs that are power-limited rather than slow."""
+    the reasons are instantaneous; `energy_j` is the board's energy counter over the block (J). Explains runs that
+    are power-limited rather than slow."""
 
     def __init__(self, period_s: float = 0.005) -> None:
         self.period_s = period_s
         self.clocks: list[float] = []
         self.power: list[float] = []
         self.reasons: list[int] = []
-        self._read_reasons = _clock_event_reader()
+        self._read_reasons = _nvml_reader("nvmlDeviceGetCurrentClocksEventReasons",
+                                          "nvmlDeviceGetCurrentClocksThrottleReasons")
+        self._read_energy_mj = _nvml_reader("nvmlDeviceGetTotalEnergyConsumption")
+        self.energy_j: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -123,18 +126,23 @@ class DeviceSampler:
                 return
 
     def __enter__(self) -> "DeviceSampler":
+        self._energy_start = self._read_energy_mj() if self._read_energy_mj is not None else None
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        if self._energy_start is not None and self._read_energy_mj is not None:
+            self.energy_j = (self._read_energy_mj() - self._energy_start) / 1e3
 
     def summary(self) -> dict[str, float]:
         if not self.clocks:
             return {}
         result = {"sm_clock_mhz": sum(self.clocks) / len(self.clocks), "min_sm_clock_mhz": min(self.clocks),
                   "power_w": sum(self.power) / len(self.power)}
+        if self.energy_j is not None:
+            result["energy_j"] = self.energy_j
         for name, bit in CLOCK_EVENT_REASONS.items():
             if self.reasons:
                 result[f"share_{name}"] = sum(1 for r in self.reasons if r & bit) / len(self.reasons)

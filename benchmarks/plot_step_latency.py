@@ -25,6 +25,10 @@ def plot(path: Path) -> Path:
                           and r["spec"] and r["graphs"]), key=lambda r: r["bs"])
             ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], "^-", label=f"DFlash cycle, graphs on, {backend}")
         floor = sorted((r for r in rows if r["context"] == context and r["spec"] and r["graphs"]), key=lambda r: r["bs"])
+        sustained = [r for r in floor if "sustained_greedy_cycle_ms" in r]
+        if sustained:
+            ax.plot([r["bs"] for r in sustained], [r["sustained_greedy_cycle_ms"] for r in sustained], "x-.",
+                    label="DFlash cycle graph, sustained (power settled)")
         ax.plot([r["bs"] for r in floor], [r["floor_ms"] for r in floor], "k:", label="DFlash floor (bytes / BW)")
         for ref in report.get("dflash_reference", []):
             if ref.get("context") == context:

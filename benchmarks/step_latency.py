@@ -96,6 +96,8 @@ def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int, su
             with DeviceSampler() as sampler:
                 result["sustained_greedy_cycle_ms"] = steady_ms(lambda: worker.greedy_cycle_tokens(reqs), n)
             result.update({f"sustained_{k}": v for k, v in sampler.summary().items()})
+            if sampler.energy_j is not None:
+                result["sustained_energy_per_cycle_j"] = sampler.energy_j / n
     for req in reqs:
         scheduler.abort(req.rid)
     scheduler.collect_finished()

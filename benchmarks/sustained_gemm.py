@@ -48,6 +48,9 @@ def measure(name: str, m: int, seconds: float) -> dict[str, Any]:
     flop = 2 * m * n * k
     row = {"shape": name, "m": m, "burst_us": burst_us, "sustained_us": sustained_us,
            "burst_tflops": flop / burst_us / 1e6, "sustained_tflops": flop / sustained_us / 1e6, **sampler.summary()}
+    if sampler.energy_j is not None:
+        row["sustained_mj_per_gemm"] = sampler.energy_j * 1e3 / (replays * len(weights))
+        row["sustained_pj_per_flop"] = sampler.energy_j * 1e12 / (replays * len(weights) * flop)
     print({key: round(v, 1) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
     return row
 
