@@ -62,7 +62,8 @@ def graph_us(backend: TritonAttentionBackend, q: torch.Tensor, batch: ForwardBat
 
 
 def load_candidate(path: Path) -> type[TritonAttentionBackend]:
-    """The Triton backend with its two kernels taken from `path` (an A/B of a kernel change within one run)."""
+    """The Triton backend with its two kernels taken from `path` (an A/B of a kernel change within one run). A
+    candidate without the PDL constexpr launches plainly: run with BLOCKSPEC_PDL=0 to compare like with like."""
     spec = importlib.util.spec_from_file_location("candidate_attention_kernels", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

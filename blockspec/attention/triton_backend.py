@@ -160,7 +160,7 @@ class TritonAttentionBackend(PagedBackendBase):
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, CAUSAL=causal,
             USE_WINDOW=window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             MASK_EDGES_ONLY=tiles.mask_edges_only, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            **pdl_launch(q),
+            **pdl_launch(q, self.attention_kernel),
         )
         if splits > 1:
             heads_per_program = min(triton.next_power_of_2(self.num_heads), merge_heads_per_program(splits, self.block_d))
@@ -168,6 +168,6 @@ class TritonAttentionBackend(PagedBackendBase):
                 out, part_acc, part_max, part_sum,
                 out.stride(0), out.stride(1), self.num_heads * splits, splits, 1, self.num_heads,
                 HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits, BLOCK_H=heads_per_program,
-                **pdl_launch(q),
+                **pdl_launch(q, self.merge_kernel),
             )
         return out.reshape(num_tokens, -1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -21,17 +22,20 @@ def _device_supports_pdl(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA device of compute capability >= 9.0, unless
-    BLOCKSPEC_PDL=0. Never under the Triton CPU interpreter."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    """Whether kernels on `device` launch with PDL: an NVIDIA device of compute capability >= 9.0, unless
+    BLOCKSPEC_PDL=0. Never under the Triton CPU interpreter, nor on ROCm (griddepcontrol is PTX)."""
+    if device.type != "cuda" or torch.version.hip is not None or triton.knobs.runtime.interpret:
         return False
     if os.environ.get("BLOCKSPEC_PDL", "1") == "0":
         return False
     return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(tensor: torch.Tensor) -> dict[str, bool]:
-    """Launch keywords for a kernel taking a PDL constexpr, whose tensors live where `tensor` does."""
+def pdl_launch(tensor: torch.Tensor, kernel: Optional[triton.JITFunction] = None) -> dict[str, bool]:
+    """Launch keywords for a kernel whose tensors live where `tensor` does: PDL on where enabled and the kernel takes
+    the PDL constexpr (a `kernel` without one, e.g. a benchmark's candidate, launches plainly)."""
+    if kernel is not None and "PDL" not in kernel.arg_names:
+        return {}
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(tensor.device) else {}
 
 
