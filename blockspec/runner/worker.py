@@ -88,14 +88,7 @@ class TargetWorker:
 
     def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]:
         """Waits for `cycle`; each request's token (None for one that finished since the launch), kv_len advanced."""
-        committed: list[Optional[list[int]]] = []
-        for req, row in zip(cycle.reqs, cycle.wait()):
-            if req.finished:
-                committed.append(None)
-                continue
-            req.kv_len += 1
-            committed.append(row)
-        return committed
+        return cycle.commit(lambda row: row)  # NOTE: a decode row is [argmax]
 
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
         """One token per request; the scheduler has given each request a slot at position kv_len."""

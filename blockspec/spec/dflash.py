@@ -185,17 +185,14 @@ class DFlashWorker(TargetWorker):
     def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]:
         """Waits for `cycle` and returns each request's committed tokens (None for one that finished since the
         launch: its cycle is discarded), advancing kv_len past them."""
-        committed: list[Optional[list[int]]] = []
         b = self.block_size
-        for req, row in zip(cycle.reqs, cycle.wait()):
-            if req.finished:
-                committed.append(None)
-                continue
-            accepted, target_argmax = row[0], row[b + 1:]
+
+        def accepted_and_bonus(row: list[int]) -> list[int]:
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
-            req.kv_len += accepted + 1
-            committed.append(row[2:2 + accepted] + [target_argmax[accepted]])
-        return committed
+            accepted = row[0]
+            return row[2:2 + accepted] + [row[b + 1 + accepted]]
+
+        return cycle.commit(accepted_and_bonus)
 
     def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[int]]:
         """Per request [accepted, d_0..d_{B-1}, t_0..t_{B-1}] (see _greedy_cycle) on the host, nothing committed."""

@@ -32,6 +32,19 @@ class PendingCycle:
             self.ready.synchronize()
         return self.host_tokens.tolist()
 
+    def commit(self, committed_tokens: Callable[[list[int]], list[int]]) -> list[Optional[list[int]]]:
+        """Waits, then per request the tokens `committed_tokens(row)` picks from its output row, kv_len advanced
+        past them; None for a request that finished since the launch (its cycle is discarded)."""
+        committed: list[Optional[list[int]]] = []
+        for req, row in zip(self.reqs, self.wait()):
+            if req.finished:
+                committed.append(None)
+                continue
+            tokens = committed_tokens(row)
+            req.kv_len += len(tokens)
+            committed.append(tokens)
+        return committed
+
 
 def launch_rows(
     reqs: Sequence[Req],
