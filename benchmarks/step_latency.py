@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from blockspec import Engine
+from blockspec.layers.pdl import pdl_enabled
 from device_timing import DeviceSampler, cuda_ms, read_bandwidth, read_only_bandwidth, steady_ms
 
 LLAMA_8B = dict(
@@ -243,7 +244,7 @@ def main() -> None:
               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth,
               "read_only_bandwidth_bytes_per_s": read_only, "accept_len": args.accept_len,
               "backends": args.backends, "flashinfer": flashinfer_version(),
-              "pdl": os.environ.get("BLOCKSPEC_PDL", "1") != "0",
+              "pdl": pdl_enabled(torch.device("cuda")),
               "rows": [], "dflash_reference": reference}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step_latency_{report['date']}{'_' + args.tag if args.tag else ''}.json"

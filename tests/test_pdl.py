@@ -76,6 +76,15 @@ def test_pdl_is_off_on_cpu() -> None:
 
 
 def test_pdl_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The env switch alone decides on a capable GPU (faked here, so the test also runs on CPU)."""
+    import triton
+
+    from blockspec.layers import pdl
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: True)
+    monkeypatch.delenv("BLOCKSPEC_PDL", raising=False)
+    assert pdl_enabled(torch.device("cuda", 0))
     monkeypatch.setenv("BLOCKSPEC_PDL", "0")
     assert not pdl_enabled(torch.device("cuda", 0))
 
