@@ -18,7 +18,7 @@ import torch
 
 from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend, TritonAttentionMeta
 from blockspec.kv.pool import KVPool
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+from blockspec.batch import ForwardBatch, ForwardMode, build_batch
 from device_timing import graphed_us, read_bandwidth, save_report
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -49,7 +49,7 @@ class Engine:
 
     def _build_workers(self) -> tuple[ModelRunner, Worker]:
         if self.config.speculative_algorithm == "DFLASH":
-            from blockspec.spec.dflash import build_dflash_worker
+            from blockspec.speculative.dflash import build_dflash_worker
 
             return build_dflash_worker(self.config)
         runner = ModelRunner(self.config)

@@ -13,7 +13,7 @@ from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.request import Finish, FinishReason, Req
 from blockspec.sampling import make_generator, sample_next_tokens
-from blockspec.spec.pending import PendingCycle
+from blockspec.speculative.pending import PendingCycle
 from blockspec.tokenizer import IncrementalDetokenizer, find_stop
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class Worker(Protocol):
 
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
 
-    # the overlap schedule (spec/pending.py): a greedy decode step launched now, committed one step later
+    # the overlap schedule (speculative/pending.py): a greedy decode step launched now, committed one step later
     def can_overlap(self, reqs: Sequence[Req]) -> bool: ...
 
     def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle: ...
@@ -70,7 +70,7 @@ class Scheduler:
         self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
         self.spec_accept_histogram = [0] * (worker.decode_slots_per_req + 1)
         # NOTE: overlap schedule (greedy decode, target-only or DFlash): the cycle launched last step, committed by the
-        # next step (spec/pending.py).
+        # next step (speculative/pending.py).
         self.overlap = not config.disable_overlap_schedule
         self.pending: Optional[PendingCycle] = None
 

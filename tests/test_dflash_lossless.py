@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blockspec import Engine
-from blockspec.spec.acceptance import greedy_accept
+from blockspec.speculative.acceptance import greedy_accept
 from draft_training import train_tiny_draft
 from engine_testing import prefilled
 from tiny_models import save_tiny_draft, save_tiny_model

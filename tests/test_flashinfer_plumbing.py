@@ -14,7 +14,7 @@ import torch
 
 from blockspec.attention.factory import resolve_backend_name
 from blockspec.attention.torch_backend import TorchAttentionBackend
-from blockspec.runner.forward_batch import ForwardMode
+from blockspec.batch import ForwardMode
 
 BACKEND_MODULE = "blockspec.attention.flashinfer_backend"
 
@@ -163,7 +163,7 @@ def test_graphed_forward_replans_before_every_replay(
 
     from blockspec.attention.base import graph_planner
     from blockspec.runner.cuda_graph import GraphedForward
-    from blockspec.runner.forward_batch import build_batch
+    from blockspec.batch import build_batch
     from test_triton_attention import make_case
 
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)

@@ -9,7 +9,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from blockspec import Engine  # noqa: E402
-from blockspec.runner.forward_batch import ForwardMode  # noqa: E402
+from blockspec.batch import ForwardMode  # noqa: E402
 from engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
 
 

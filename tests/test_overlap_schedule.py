@@ -1,4 +1,4 @@
-"""Overlap schedule for greedy DFlash (spec/pending.py): cycle N+1 is launched from cycle N's device outputs before
+"""Overlap schedule for greedy DFlash (speculative/pending.py): cycle N+1 is launched from cycle N's device outputs before
 the host commits N. Output must equal the synchronous schedule's and target-only output, with requests finishing
 mid-pipeline, arriving mid-decode, aborted, retracted, and mixed with sampled requests; acceptance stats equal the
 synchronous schedule's when nothing is retracted (the slots reserved ahead shift when a small pool retracts)."""
@@ -12,7 +12,7 @@ import torch
 
 from blockspec import Engine
 from blockspec.request import Req
-from blockspec.spec.pending import PendingCycle, next_cycle_rows, next_decode_rows
+from blockspec.speculative.pending import PendingCycle, next_cycle_rows, next_decode_rows
 from draft_training import save_trained_pair
 from engine_testing import assert_engine_idle
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blockspec import Engine
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, build_batch
+from blockspec.batch import ForwardBatch, ForwardMode, build_batch
 from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, bucket_for, default_buckets
 from blockspec.request import Req, SamplingParams
 from tiny_models import save_tiny_model
@@ -121,7 +121,7 @@ def test_dflash_refuses_runner_without_aux_capture(tmp_path: Path) -> None:
     from blockspec.models.draft_config import load_draft_config
     from blockspec.kv.pool import KVPool
     from blockspec.runner.model_runner import ModelRunner
-    from blockspec.spec.dflash import DFlashWorker
+    from blockspec.speculative.dflash import DFlashWorker
     from tiny_models import save_tiny_draft
 
     target = save_tiny_model("llama", tmp_path / "target")

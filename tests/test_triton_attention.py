@@ -17,7 +17,7 @@ from blockspec.attention.triton_backend import (  # noqa: E402
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable  # noqa: E402
 from blockspec.kv.pool import KVPool  # noqa: E402
 from blockspec.request import Req, SamplingParams  # noqa: E402
-from blockspec.runner.forward_batch import ForwardMode, build_batch  # noqa: E402
+from blockspec.batch import ForwardMode, build_batch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from blockspec.kv.pool import KVPool
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
+from blockspec.batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(Protocol):

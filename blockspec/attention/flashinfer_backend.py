@@ -19,7 +19,7 @@ import torch
 
 from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
 from blockspec.kv.pool import KVPool
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
+from blockspec.batch import ForwardBatch, ForwardMode
 
 Wrapper = Union[flashinfer.BatchPrefillWithPagedKVCacheWrapper, flashinfer.BatchDecodeWithPagedKVCacheWrapper]
 LayerKey = tuple[bool, int]  # (causal, FlashInfer window_left; -1 = no window)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from blockspec.attention.base import layer_is_causal, layer_window
 from blockspec.kv.pool import KVPool
-from blockspec.runner.forward_batch import ForwardBatch
+from blockspec.batch import ForwardBatch
 
 
 @dataclass

@@ -15,7 +15,7 @@ from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into
-from blockspec.runner.forward_batch import ForwardBatch
+from blockspec.batch import ForwardBatch
 from blockspec.sampling import greedy_tokens
 
 
@@ -74,7 +74,7 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
-    """No embedding and no lm_head: the target's are used (see spec/dflash.py)."""
+    """No embedding and no lm_head: the target's are used (see speculative/dflash.py)."""
 
     def __init__(self, config: DraftConfig, max_positions: int) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from blockspec.layers.norm import RMSNorm
 from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.config import TargetConfig
-from blockspec.runner.forward_batch import ForwardBatch
+from blockspec.batch import ForwardBatch
 
 
 @dataclass

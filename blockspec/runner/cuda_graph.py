@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from blockspec.attention.base import GraphPlanner
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
+from blockspec.batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from blockspec.models.config import TargetConfig, load_target_config
 from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
 from blockspec.runner.cuda_graph import GraphedForward
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
+from blockspec.batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
 from blockspec.runner.piecewise_graph import AuxConsumer, PiecewiseGraphRunner, default_buckets
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import torch
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.models.llama import CausalLM, ModelOutput
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode
+from blockspec.batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import torch
 
 from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows, build_batch
+from blockspec.batch import ForwardBatch, ForwardMode, UniformRows, build_batch
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sampling import greedy_tokens, sample_next_tokens
-from blockspec.spec.pending import PendingCycle, host_copy, launch_rows, next_decode_rows
+from blockspec.speculative.pending import PendingCycle, host_copy, launch_rows, next_decode_rows
 
 
 class TargetWorker:
@@ -75,7 +75,7 @@ class TargetWorker:
 
     @torch.inference_mode()
     def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle:
-        """Launches a greedy decode step without waiting for it (spec/pending.py): requests of `carry` take their
+        """Launches a greedy decode step without waiting for it (speculative/pending.py): requests of `carry` take their
         token and length from its device outputs. The scheduler has given each request slots up to kv_len + 2."""
         device = self.runner.device
         ordered, rows = launch_rows(

@@ -13,7 +13,7 @@ from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target_model
-from blockspec.runner.forward_batch import ForwardMode, build_batch
+from blockspec.batch import ForwardMode, build_batch
 
 
 class TargetFeatures:

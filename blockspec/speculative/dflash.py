@@ -15,13 +15,13 @@ from blockspec.models.config import load_target_config
 from blockspec.models.dflash_draft import DFlashDraftModel, load_draft_model
 from blockspec.models.draft_config import DraftConfig, load_draft_config
 from blockspec.request import Req
-from blockspec.runner.forward_batch import ForwardBatch, ForwardMode, UniformRows
+from blockspec.batch import ForwardBatch, ForwardMode, UniformRows
 from blockspec.runner.cuda_graph import GraphedForward
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.runner.worker import TargetWorker
 from blockspec.sampling import greedy_tokens, sampling_probs
-from blockspec.spec.acceptance import greedy_accept, rejection_accept
-from blockspec.spec.pending import PendingCycle, host_copy, launch_rows, next_cycle_rows
+from blockspec.speculative.acceptance import greedy_accept, rejection_accept
+from blockspec.speculative.pending import PendingCycle, host_copy, launch_rows, next_cycle_rows
 
 logger = logging.getLogger(__name__)
 
