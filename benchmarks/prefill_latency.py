@@ -46,7 +46,7 @@ def run_extend(engine: Engine, reqs: list[Req], piecewise: Optional[PiecewiseGra
     engine.runner.piecewise = piecewise
     for req in reqs:
         req.kv_len = 0
-    engine.worker.extend(reqs, [req.prompt_len for req in reqs])
+    engine.worker.extend_logits(reqs, [req.prompt_len for req in reqs])
 
 
 def extend_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> float:

@@ -30,19 +30,13 @@ def profile_batch(engine: Engine, bs: int, context: int, modes: list[str], host_
         pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
     for req in reqs:
         engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
-    graphs, draft_graph = dict(engine.runner.graphs), worker.draft_graph
 
     def two_step() -> None:
         batch, proposals, _ = worker.propose(reqs)
         worker.verify(batch, proposals)
 
     for label in modes:
-        if label == "eager":
-            engine.runner.graphs.clear()
-            worker.draft_graph = None
-        else:
-            engine.runner.graphs.update(graphs)
-            worker.draft_graph = draft_graph
+        engine.runner.graphs.enabled = label != "eager"
         cycle = (lambda: worker.greedy_cycle_tokens(reqs)) if label == "greedy-cycle" else two_step
         wall_ms = cuda_ms(cycle, 20)
         torch.cuda.synchronize()
@@ -57,8 +51,7 @@ def profile_batch(engine: Engine, bs: int, context: int, modes: list[str], host_
               f"wall {wall_ms:.2f} ms; scheduler step {step_ms:.2f} ms ====")
         for e in events[:24]:
             print(f"{e.device_time_total / 5 / 1e3:8.3f} ms  {e.count // 5:5d}x  {e.key[:90]}")
-    engine.runner.graphs.update(graphs)
-    worker.draft_graph = draft_graph
+    engine.runner.graphs.enabled = True
     for req in reqs:
         scheduler.abort(req.rid)
     scheduler.collect_finished()

@@ -69,22 +69,17 @@ def prefill(engine: Engine, bs: int, context: int) -> list:
 
 def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int, sustained_s: float) -> dict[str, float]:
     runner, worker, scheduler = engine.runner, engine.worker, engine.scheduler
-    saved = (dict(runner.graphs), getattr(worker, "draft_graph", None), getattr(worker, "cycle_graph", None))
-    if not graphs:
-        runner.graphs.clear()
-        if hasattr(worker, "draft_graph"):
-            worker.draft_graph = None
-            worker.cycle_graph = None
+    runner.graphs.enabled = graphs
     reqs = prefill(engine, bs, context)
     # NOTE: cycle_ms is the steady-state step of a decode loop; synced_step_ms waits for the device around each step.
     result: dict[str, float] = {"synced_step_ms": cuda_ms(scheduler.step, repeat)}
     with DeviceSampler() as sampler:
         result["cycle_ms"] = steady_ms(scheduler.step, repeat)
     result.update(sampler.summary())
-    if scheduler.overlap:  # the same loop with the overlap schedule off (each cycle committed before the next)
-        scheduler.overlap = False
+    if scheduler.steps.overlap:  # the same loop with the overlap schedule off (each cycle committed before the next)
+        scheduler.steps.overlap = False
         result["sync_cycle_ms"] = steady_ms(scheduler.step, repeat)
-        scheduler.overlap = True
+        scheduler.steps.overlap = True
     if worker.is_speculative:
         for req in reqs:
             engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
@@ -102,9 +97,7 @@ def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int, su
     for req in reqs:
         scheduler.abort(req.rid)
     scheduler.collect_finished()
-    runner.graphs.update(saved[0])
-    if hasattr(worker, "draft_graph"):
-        worker.draft_graph, worker.cycle_graph = saved[1], saved[2]
+    runner.graphs.enabled = True
     return result
 
 

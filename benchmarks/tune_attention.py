@@ -16,7 +16,9 @@ from typing import Any, Optional
 
 import torch
 
-from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend, TritonAttentionMeta
+from blockspec.attention.triton_backend import (
+    DEFAULT_ATTENTION_KERNELS, AttentionKernels, KernelTiles, TritonAttentionBackend, TritonAttentionMeta,
+)
 from blockspec.kv.pool import KVPool
 from blockspec.batch import ForwardBatch, ForwardMode, build_batch
 from device_timing import graphed_us, read_bandwidth, save_report
@@ -61,32 +63,31 @@ def graph_us(backend: TritonAttentionBackend, q: torch.Tensor, batch: ForwardBat
     return graphed_us(lambda: backend.forward(q, k, v, 0, batch, kv_stored=True), launches)
 
 
-def load_candidate(path: Path) -> type[TritonAttentionBackend]:
-    """The Triton backend with its two kernels taken from `path` (an A/B of a kernel change within one run). A
-    candidate without the PDL constexpr launches plainly: run with BLOCKSPEC_PDL=0 to compare like with like."""
+def load_candidate(path: Path) -> AttentionKernels:
+    """The two kernels defined in `path`, for TritonAttentionBackend(kernels=...) (an A/B of a kernel change within
+    one run). A candidate without the PDL constexpr launches plainly: run with BLOCKSPEC_PDL=0 to compare like with
+    like."""
     spec = importlib.util.spec_from_file_location("candidate_attention_kernels", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return type("CandidateBackend", (TritonAttentionBackend,), {
-        "attention_kernel": module.paged_attention_kernel, "merge_kernel": module.merge_splits_kernel,
-    })
+    return AttentionKernels(attention=module.paged_attention_kernel, merge=module.merge_splits_kernel)
 
 
 def sweep(
     name: str, mode: ForwardMode, bs: int, context: int, new: int, quick: bool, bandwidth: float, wide: bool = False,
-    default_only: bool = False, candidate: Optional[type[TritonAttentionBackend]] = None,
+    default_only: bool = False, candidate: Optional[AttentionKernels] = None,
     sweep_candidate: bool = False,
 ) -> dict[str, Any]:
     batch, pool, q = make_batch(mode, bs, context, new)
-    swept = candidate if sweep_candidate and candidate is not None else TritonAttentionBackend
-    backend = swept(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
+    swept = candidate if sweep_candidate and candidate is not None else DEFAULT_ATTENTION_KERNELS
+    backend = TritonAttentionBackend(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM, kernels=swept)
     default: TritonAttentionMeta = backend.plan(batch)
     batch.attn_meta = default
     reference = backend.forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, kv_stored=True).float()
     candidate_result: dict[str, Any] = {}
     if candidate is not None:  # same run, same batch, the engine's launch policy: candidate kernels vs current
-        contender = candidate(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM)
+        contender = TritonAttentionBackend(pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM, kernels=candidate)
         got = contender.forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, kv_stored=True).float()
         error = ((got - reference).norm() / reference.norm()).item()
         candidate_result = {"us": graph_us(contender, q, batch), "error": error}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -28,7 +28,6 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # rows of the T tokens whose logits are wanted
     req_to_token: torch.Tensor  # the whole req→token table (read-only here)
     capture_layer_ids: tuple[int, ...] = ()  # target layers whose outputs are returned for every token
-    input_embeds: Optional[torch.Tensor] = None  # [T, H] replaces the embedding lookup when given
     uniform_q_len: Optional[int] = None  # every request has this many new tokens (decode / verify / draft)
     max_seq_len_hint: Optional[int] = None  # upper bound of seq_lens, fixed for a captured graph
     float_logits: bool = True  # False: logits stay in the model dtype (callers that only take the argmax)
@@ -43,10 +42,6 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def prefix_lens_cpu(self) -> list[int]:
-        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
 
 
 def build_batch(
@@ -141,6 +136,33 @@ class UniformRows:
         return uniform_batch(
             self.mode, rows, req_to_token, seq_lens_cpu, self.capture_layer_ids, max_seq_len_hint
         )
+
+
+@dataclass
+class DeviceRows:
+    """A uniform batch whose rows (UniformRows layout) are already on the device, e.g. derived from the previous
+    step's outputs by the overlap schedule: replaying a graph from them needs no host data."""
+
+    mode: ForwardMode
+    rows: torch.Tensor  # [bs, q + 2] int64, on the device
+    capture_layer_ids: tuple[int, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def q(self) -> int:
+        return int(self.rows.shape[1]) - 2
+
+    def to_batch(self, req_to_token: torch.Tensor, max_seq_len_hint: Optional[int] = None) -> ForwardBatch:
+        """The eager batch. NOTE: eager planning reads seq_lens on the host (a device sync)."""
+        return uniform_batch(
+            self.mode, self.rows, req_to_token, self.rows[:, -1].tolist(), self.capture_layer_ids, max_seq_len_hint
+        )
+
+
+GraphInputs = Union[ForwardBatch, UniformRows, DeviceRows]
 
 
 def uniform_batch(

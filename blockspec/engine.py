@@ -9,8 +9,9 @@ import torch
 from blockspec.config import EngineConfig
 from blockspec.request import Req, SamplingParams
 from blockspec.runner.model_runner import ModelRunner
-from blockspec.runner.worker import TargetWorker
-from blockspec.scheduler import Scheduler, Worker
+from blockspec.scheduler import Scheduler
+from blockspec.step.executor import Worker
+from blockspec.step.target_worker import TargetWorker
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)

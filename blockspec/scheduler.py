@@ -1,10 +1,13 @@
-"""Continuous batching: admission by KV budget, chunked prefill, decode, retraction, finish checks."""
+"""Continuous batching: admission by KV budget, chunked prefill, retraction, finish checks.
+
+Each step the scheduler plans what runs (StepPlan) and commits what comes back; how a step runs, what is in flight
+and the overlap schedule belong to the StepExecutor (step/executor.py)."""
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
-from typing import Optional, Protocol, Sequence
+from typing import Optional
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -12,32 +15,12 @@ from transformers import PreTrainedTokenizerBase
 from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.request import Finish, FinishReason, Req
-from blockspec.sampling import make_generator, sample_next_tokens
-from blockspec.speculative.pending import PendingCycle
+from blockspec.sampling import make_generator
+from blockspec.step.executor import StepExecutor, Worker
+from blockspec.step.plan import Committed, ExtendChunk, StepPlan
 from blockspec.tokenizer import IncrementalDetokenizer, find_stop
 
 logger = logging.getLogger(__name__)
-
-
-class Worker(Protocol):
-    @property
-    def decode_slots_per_req(self) -> int: ...
-
-    @property
-    def is_speculative(self) -> bool: ...
-
-    def init_cuda_graphs(self) -> None: ...
-
-    def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor: ...
-
-    def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
-
-    # the overlap schedule (speculative/pending.py): a greedy decode step launched now, committed one step later
-    def can_overlap(self, reqs: Sequence[Req]) -> bool: ...
-
-    def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle: ...
-
-    def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]: ...
 
 
 class Scheduler:
@@ -54,7 +37,7 @@ class Scheduler:
         device: torch.device,
     ) -> None:
         self.config = config
-        self.worker = worker
+        self.steps = StepExecutor(worker, allocator, table, overlap=not config.disable_overlap_schedule)
         self.allocator = allocator
         self.table = table
         self.context_length = context_length
@@ -69,10 +52,6 @@ class Scheduler:
         self.spec_verify_ct = 0  # (request, verify forward) pairs
         self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
         self.spec_accept_histogram = [0] * (worker.decode_slots_per_req + 1)
-        # NOTE: overlap schedule (greedy decode, target-only or DFlash): the cycle launched last step, committed by the
-        # next step (speculative/pending.py).
-        self.overlap = not config.disable_overlap_schedule
-        self.pending: Optional[PendingCycle] = None
 
     # ---- requests in and out -------------------------------------------------------------
     def check_request(self, req: Req) -> None:
@@ -86,7 +65,7 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {req.prompt_len} tokens; the context length is {self.context_length}"
             )
-        if req.prompt_len + self.worker.decode_slots_per_req > self.allocator.total_slots:
+        if req.prompt_len + self.steps.slots_per_decode > self.allocator.total_slots:
             raise ValueError(
                 f"the prompt has {req.prompt_len} tokens and can never fit the KV pool "
                 f"({self.allocator.total_slots} slots); raise max_total_tokens"
@@ -120,77 +99,34 @@ class Scheduler:
 
     # ---- one engine step -------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Runs one forward (an extend batch if any prompt work can be scheduled, else a decode batch).
+        """Runs one step: an extend plan if any prompt work can be scheduled, else a decode step (overlapped with the
+        step in flight when the batch allows it).
 
         Returns the requests that finished (or were aborted) during this step."""
         done = self.collect_finished()
-        reqs, lens = self._schedule_extend()
-        if reqs:
-            # NOTE: a cycle in flight stays so: its requests have no prompt work (pending_len 1) and are not retracted
+        plan = self._schedule_extend()
+        if plan:
+            # NOTE: a step in flight stays so: its requests have no prompt work (pending_len 1) and are not retracted
             # here; the next decode step carries them and adds the newly prefilled ones.
-            logits = self.worker.extend(reqs, lens)
-            ready = [i for i, req in enumerate(reqs) if req.pending_len == 0]
-            if ready:
-                tokens = sample_next_tokens(logits[ready], [reqs[i] for i in ready])
-                for i, token in zip(ready, tokens):
-                    self._commit(reqs[i], [token])
-        elif not self._overlapped_decode():
-            self._drain()
-            decode_reqs = self._reserve_decode()
-            if decode_reqs:
-                for req, tokens in zip(decode_reqs, self.worker.decode(decode_reqs)):
-                    committed = self._commit(req, tokens)
-                    self.allocator.shrink(req, req.kv_len)
-                    if self.worker.is_speculative:
-                        self._record_spec(req, committed)
+            self._apply(self.steps.run(plan))
+        else:
+            committed = self.steps.run_ahead(self._decoding())
+            if committed is None:
+                self._apply(self.steps.drain())
+                committed = self.steps.run(StepPlan(decode=self._make_decode_room()))
+            self._apply(committed)
         return done + self.collect_finished()
 
-    # ---- overlap schedule ------------------------------------------------------------------
-    def _overlapped_decode(self) -> bool:
-        """Launches this step's cycle, then commits last step's while the device runs it. False (nothing done) when
-        the batch cannot overlap: sampled requests, a host-planned graph, or no room for slots two blocks ahead (the
-        synchronous step, after draining, may then retract)."""
-        decode_reqs = [r for r in self.running if r.pending_len == 1 and not r.finished]
-        if not (self.overlap and decode_reqs):
-            return False
-        if not self.worker.can_overlap(decode_reqs):
-            return False
-        # NOTE: a carried request's kv_len lags one uncommitted cycle (<= B tokens), which writes B slots past it.
-        ahead = 2 * self.worker.decode_slots_per_req
-        if any(r.kv_len + ahead > self.table.max_context_len for r in decode_reqs):
-            return False
-        if not self._slots_fit(decode_reqs, ahead):
-            return False
-        self.allocator.grow_many(decode_reqs, [r.kv_len + ahead for r in decode_reqs], self.table)
-        previous, self.pending = self.pending, self.worker.launch_cycle(decode_reqs, self.pending)
-        if previous is not None:
-            self._commit_cycle(previous, keep_ahead=self.worker.decode_slots_per_req)
-        return True
-
-    def _drain(self) -> None:
-        """Commits the cycle in flight, if any (nothing runs after it, so rejected slots are released)."""
-        if self.pending is not None:
-            cycle, self.pending = self.pending, None
-            self._commit_cycle(cycle, keep_ahead=0)
-
-    def _commit_cycle(self, cycle: PendingCycle, keep_ahead: int) -> None:
-        """Commits a launched cycle's tokens; each request keeps slots to kv_len + keep_ahead (the cycle after it)."""
-        for req, tokens in zip(cycle.reqs, self.worker.finish_cycle(cycle)):
-            if tokens is None:  # finished or aborted since the launch
-                continue
-            committed = self._commit(req, tokens)
-            self.allocator.shrink(req, req.kv_len + keep_ahead)
-            if self.worker.is_speculative:
-                self._record_spec(req, committed)
+    def _decoding(self) -> list[Req]:
+        return [r for r in self.running if r.pending_len == 1 and not r.finished]
 
     def _decode_headroom(self, num_running: int) -> int:
-        pages = self.allocator.pages_for(self.worker.decode_slots_per_req) + 1
+        pages = self.allocator.pages_for(self.steps.slots_per_decode) + 1
         return num_running * pages * self.allocator.page_size
 
-    def _schedule_extend(self) -> tuple[list[Req], list[int]]:
+    def _schedule_extend(self) -> StepPlan:
         budget = self.config.chunk_budget or 1 << 62
-        reqs: list[Req] = []
-        lens: list[int] = []
+        plan = StepPlan()
         for req in self.running:
             if budget <= 0 or req.pending_len <= 1:
                 continue
@@ -198,12 +134,11 @@ class Scheduler:
             if not self.allocator.can_grow(req, req.kv_len + n):
                 break
             self.allocator.grow(req, req.kv_len + n, self.table)
-            reqs.append(req)
-            lens.append(n)
+            plan.extend.append(ExtendChunk(req, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests and self.table.free_rows:
             req = self.waiting[0]
-            if req.pending_len + self.worker.decode_slots_per_req > self.allocator.total_slots:
+            if req.pending_len + self.steps.slots_per_decode > self.allocator.total_slots:
                 self.waiting.popleft()
                 req.finish = Finish(FinishReason.LENGTH, message="the sequence no longer fits the KV pool")
                 self.running.append(req)  # collected by collect_finished at the end of this step
@@ -218,30 +153,21 @@ class Scheduler:
             req.pool_row = self.table.acquire()
             self.allocator.grow(req, n, self.table)
             self.running.append(req)
-            reqs.append(req)
-            lens.append(n)
+            plan.extend.append(ExtendChunk(req, n))
             budget -= n
-        return reqs, lens
+        return plan
 
-    def _reserve_decode(self) -> list[Req]:
-        """Gives every decoding request slots for its next step, retracting the newest requests if needed."""
-        slots = self.worker.decode_slots_per_req
+    def _make_decode_room(self) -> list[Req]:
+        """The decoding requests, once the pool has slots for their next step (retracting the newest if needed)."""
         while True:
-            decode_reqs = [r for r in self.running if r.pending_len == 1 and not r.finished]
-            if self._slots_fit(decode_reqs, slots):
-                break
+            decode_reqs = self._decoding()
+            if self.steps.fits(decode_reqs):
+                return decode_reqs
             victim = self.running[-1]
             if len(self.running) == 1:
                 victim.finish = Finish(FinishReason.LENGTH, message="the sequence no longer fits the KV pool")
                 return []
             self._retract(victim)
-        self.allocator.grow_many(decode_reqs, [req.kv_len + slots for req in decode_reqs], self.table)
-        return decode_reqs
-
-    def _slots_fit(self, reqs: list[Req], ahead: int) -> bool:
-        """Whether the free pool can give every request slots up to kv_len + ahead."""
-        needed = sum(self.allocator.extra_pages_needed(r, r.kv_len + ahead) for r in reqs)
-        return needed * self.allocator.page_size <= self.allocator.free_slots
 
     def _retract(self, req: Req) -> None:
         logger.info("KV pool full: retracting %s to the waiting queue", req.rid)
@@ -272,6 +198,12 @@ class Scheduler:
         return finished
 
     # ---- committing tokens -----------------------------------------------------------------
+    def _apply(self, committed: list[Committed]) -> None:
+        for item in committed:
+            appended = self._commit(item.req, item.tokens)
+            if item.verified and self.steps.is_speculative:
+                self._record_spec(item.req, appended)
+
     def _record_spec(self, req: Req, committed: int) -> None:
         req.spec_verify_ct += 1
         req.spec_accept_lengths.append(committed)

@@ -27,6 +27,7 @@ from blockspec.attention.base import graph_planner  # noqa: E402
 from blockspec.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from blockspec.runner.cuda_graph import GraphedForward  # noqa: E402
+from blockspec.runner.graphs import GraphKind  # noqa: E402
 from blockspec.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
 from engine_runs import run_prompts  # noqa: E402
 
@@ -172,7 +173,7 @@ def test_dflash_flashinfer_equals_target_only_and_triton(tiny: Path, page_size: 
     spec, engine = run(tiny, True, attention_backend="flashinfer", page_size=page_size)
     triton_spec, _ = run(tiny, True, attention_backend="triton", page_size=page_size)
     assert engine.runner.attention_backend == "flashinfer"
-    assert engine.worker.draft_graph is not None and engine.runner.forward_counts["graph"] > 0
+    assert engine.runner.graphs.captured(GraphKind.DRAFT) and engine.runner.forward_counts["graph"] > 0
     assert target_engine.runner.forward_counts["graph"] > 0  # the decode graph
     assert engine.runner.forward_counts["eager"] > 0  # 9 prompts > the largest captured batch (8)
     # NOTE: this head_dim-128 tiny pair accepts ~1.47 tokens per cycle (fp32, CPU): multi-token accepts happen.

@@ -10,6 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from blockspec import Engine  # noqa: E402
 from blockspec.batch import ForwardMode  # noqa: E402
+from blockspec.runner.graphs import GraphKind  # noqa: E402
 from engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
 
 
@@ -120,14 +121,14 @@ def test_greedy_cycle_graph_equals_eager(tiny: Path) -> None:
                     cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="DFLASH",
                     speculative_draft_model_path=str(tiny / "draft"))
     worker, runner = engine.worker, engine.runner
-    assert worker.cycle_graph is not None
+    assert runner.graphs.captured(GraphKind.GREEDY_CYCLE)
     reqs = prefilled(engine, PROMPTS[:3], GREEDY)
     for req in reqs:
         runner.allocator.grow(req, req.kv_len + worker.block_size, runner.req_to_token)
     graphed = worker.greedy_cycle_tokens(reqs)
-    cycle_graph, worker.cycle_graph = worker.cycle_graph, None
+    runner.graphs.enabled = False
     eager = worker.greedy_cycle_tokens(reqs)
-    worker.cycle_graph = cycle_graph
+    runner.graphs.enabled = True
     assert graphed == eager
     for req in reqs:
         engine.scheduler.abort(req.rid)
@@ -151,7 +152,7 @@ def test_overlap_schedule_with_graphs(tiny: Path, page_size: int, spec: bool) ->
         scheduler.add_request(req)
     checked = 0
     while scheduler.has_work:
-        steady = scheduler.pending is not None and not scheduler.waiting and all(
+        steady = scheduler.steps.in_flight is not None and not scheduler.waiting and all(
             r.pending_len == 1 for r in scheduler.running)
         if steady:
             torch.cuda.set_sync_debug_mode("error")

@@ -12,7 +12,9 @@ import torch
 
 from blockspec import Engine
 from blockspec.request import Req
-from blockspec.speculative.pending import PendingCycle, next_cycle_rows, next_decode_rows
+from blockspec.speculative.dflash import next_cycle_rows
+from blockspec.step.inflight import InFlightStep
+from blockspec.step.target_worker import next_decode_rows
 from draft_training import save_trained_pair
 from engine_testing import assert_engine_idle
 
@@ -50,7 +52,7 @@ def run(engine: Engine, prompts: list[list[int]], max_new: list[int]) -> tuple[l
     overlapped = 0
     while engine.scheduler.has_work:
         engine.scheduler.step()
-        overlapped += engine.scheduler.pending is not None
+        overlapped += engine.scheduler.steps.in_flight is not None
     return reqs, overlapped
 
 
@@ -82,17 +84,17 @@ def test_arrivals_and_aborts_mid_pipeline(root: Path) -> None:
     aborted: set[str] = set()
     step = mixed = 0
     while scheduler.has_work or later:
-        before = scheduler.pending
+        before = scheduler.steps.in_flight
         scheduler.step()
         step += 1
-        after = scheduler.pending
+        after = scheduler.steps.in_flight
         if before is not None and after is not None and after is not before:
             old_ids, new_ids = {id(r) for r in before.reqs}, {id(r) for r in after.reqs}
             mixed += bool(new_ids - old_ids) and bool(new_ids & old_ids)
-        if later and step % 4 == 0 and scheduler.pending is not None:
+        if later and step % 4 == 0 and scheduler.steps.in_flight is not None:
             scheduler.add_request(later.pop(0))
-        if step >= 9 and not aborted and scheduler.pending is not None:
-            victim = scheduler.pending.reqs[0]
+        if step >= 9 and not aborted and scheduler.steps.in_flight is not None:
+            victim = scheduler.steps.in_flight.reqs[0]
             assert scheduler.abort(victim.rid)
             aborted.add(victim.rid)
     assert mixed > 0
@@ -124,7 +126,7 @@ def test_sampled_request_drains_the_pipeline(root: Path) -> None:
     outputs = engine.generate(input_ids=PROMPTS[:5], sampling_params=params)
     assert [o["output_ids"] for o in outputs[:4]] == [o["output_ids"] for o in expected]
     assert len(outputs[4]["output_ids"]) == 12
-    assert engine.scheduler.pending is None or all(r.finished for r in engine.scheduler.pending.reqs)
+    assert engine.scheduler.steps.in_flight is None or all(r.finished for r in engine.scheduler.steps.in_flight.reqs)
     assert_engine_idle(engine)
 
 
@@ -138,7 +140,7 @@ def test_next_cycle_rows_from_device_outputs() -> None:
         [0, 0, 31, 32, 33, 60, 61, 62, 63],
         [3, 0, 41, 42, 43, 41, 42, 43, 70],
     ])
-    cycle = PendingCycle([], rows, tokens, tokens, None)
+    cycle = InFlightStep([], rows, tokens, tokens, None)
     assert next_cycle_rows(cycle, None, block).tolist() == [
         [50, mask, mask, mask, 3, 23], [60, mask, mask, mask, 5, 31], [70, mask, mask, mask, 6, 44],
     ]
@@ -147,9 +149,9 @@ def test_next_cycle_rows_from_device_outputs() -> None:
 
 
 def test_flag_turns_overlap_off(root: Path) -> None:
-    assert engine_for(root).scheduler.overlap
-    assert not engine_for(root, disable_overlap_schedule=True).scheduler.overlap
-    assert engine_for(root, draft=False).scheduler.overlap  # target-only greedy decode overlaps too
+    assert engine_for(root).scheduler.steps.overlap
+    assert not engine_for(root, disable_overlap_schedule=True).scheduler.steps.overlap
+    assert engine_for(root, draft=False).scheduler.steps.overlap  # target-only greedy decode overlaps too
     with pytest.raises(ValueError, match="disable_overlap_schedule"):
         engine_for(root, disable_overlap_schedule="yes")
 
@@ -170,6 +172,6 @@ def test_target_only_overlap_equals_synchronous(root: Path) -> None:
 def test_next_decode_rows_from_device_outputs() -> None:
     rows = torch.tensor([[11, 3, 20], [12, 5, 30]])
     tokens = torch.tensor([[40], [41]])
-    cycle = PendingCycle([], rows, tokens, tokens, None)
+    cycle = InFlightStep([], rows, tokens, tokens, None)
     assert next_decode_rows(cycle, None).tolist() == [[40, 3, 21], [41, 5, 31]]
     assert next_decode_rows(cycle, torch.tensor([1])).tolist() == [[41, 5, 31]]

@@ -4,6 +4,8 @@ On CPU they run under TRITON_INTERPRET=1 (set by the root conftest; fp32/fp16: t
 wrong); on CUDA natively."""
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import pytest
 import torch
 
@@ -11,9 +13,10 @@ triton = pytest.importorskip("triton")
 
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from blockspec.attention.triton_backend import (  # noqa: E402
-    BLOCK_POLICY, DECODE_POLICY, EXTEND_POLICY, SMALL_EXTEND_POLICY, WIDE_BLOCK_POLICY, KernelTiles, TritonAttentionBackend,
-    launch_policy,
+    BLOCK_POLICY, DECODE_POLICY, DEFAULT_ATTENTION_KERNELS, EXTEND_POLICY, SMALL_EXTEND_POLICY, WIDE_BLOCK_POLICY,
+    AttentionKernels, KernelTiles, TritonAttentionBackend, launch_policy,
 )
+from blockspec.attention.triton_kernels import merge_splits_kernel, paged_attention_kernel  # noqa: E402
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable  # noqa: E402
 from blockspec.kv.pool import KVPool  # noqa: E402
 from blockspec.request import Req, SamplingParams  # noqa: E402
@@ -191,3 +194,37 @@ def test_uniform_modes_refuse_ragged_batches() -> None:
     """Decode / verify / draft batches are planned as uniform: ragged token counts are refused, not mis-planned."""
     with pytest.raises(ValueError, match="same number of tokens"):
         make_case(ForwardMode.VERIFY, [70, 33], [8, 5], 1, 4, 2, 16, torch.float32)
+
+
+def test_backend_launches_the_kernels_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kernels=` (the hook of benchmarks/tune_attention.py): the backend launches those kernels, hands them to
+    pdl_launch, and never the defaults; fresh jit copies of the engine's kernels give the default output exactly."""
+    import blockspec.attention.triton_backend as triton_backend_module
+    from blockspec.layers.pdl import pdl_launch
+
+    assert DEFAULT_ATTENTION_KERNELS == AttentionKernels(paged_attention_kernel, merge_splits_kernel)
+    kernels = AttentionKernels(triton.jit(paged_attention_kernel.fn), triton.jit(merge_splits_kernel.fn))
+    launched: list[str] = []
+    kernels.attention.add_pre_run_hook(lambda *args, **kwargs: launched.append("attention"))
+    kernels.merge.add_pre_run_hook(lambda *args, **kwargs: launched.append("merge"))
+    inspected: list[Any] = []
+
+    def recording_pdl_launch(tensor: torch.Tensor, kernel: Optional[Any] = None) -> dict[str, bool]:
+        inspected.append(kernel)
+        return pdl_launch(tensor, kernel)
+
+    monkeypatch.setattr(triton_backend_module, "pdl_launch", recording_pdl_launch)
+    heads, kv_heads, head_dim = 4, 2, 16
+    batch, pool_a, pool_b, q, k, v = make_case(ForwardMode.VERIFY, [4, 90], [8, 8], 1, heads, kv_heads, head_dim, torch.float32)
+    default = TritonAttentionBackend(pool_a, head_dim ** -0.5, heads, kv_heads, head_dim)
+    candidate = TritonAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim, kernels=kernels)
+    assert default.kernels is DEFAULT_ATTENTION_KERNELS and candidate.kernels is kernels
+    meta = default.plan(batch)
+    meta.num_splits = 2  # both kernels run
+    batch.attn_meta = meta
+    expected = default.forward(q, k, v, 0, batch)
+    assert launched == [] and inspected == [paged_attention_kernel, merge_splits_kernel]
+    inspected.clear()
+    got = candidate.forward(q, k, v, 0, batch)
+    assert launched == ["attention", "merge"] and inspected == [kernels.attention, kernels.merge]
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)

@@ -76,10 +76,22 @@ class TritonAttentionMeta:
     tiles: KernelTiles
 
 
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The two kernels TritonAttentionBackend launches: `attention` with paged_attention_kernel's signature, and
+    `merge` (combines split-K partials) with merge_splits_kernel's. One without the PDL constexpr launches plainly."""
+
+    attention: triton.JITFunction
+    merge: triton.JITFunction
+
+
+DEFAULT_ATTENTION_KERNELS = AttentionKernels(paged_attention_kernel, merge_splits_kernel)
+
+
 class TritonAttentionBackend(PagedBackendBase):
-    # NOTE: the kernels as attributes so a benchmark can time a candidate kernel (same signature) against these.
-    attention_kernel = paged_attention_kernel
-    merge_kernel = merge_splits_kernel
+    """Paged attention with the Triton kernels of triton_kernels.py, launch shapes from `launch_policy`, split-K
+    up to `max_splits`. `kernels` replaces the launched kernels by candidate kernels with the same signature, e.g.
+    for benchmarks/tune_attention.py (default: DEFAULT_ATTENTION_KERNELS); the backend keeps it as `self.kernels`."""
 
     def __init__(
         self,
@@ -91,10 +103,13 @@ class TritonAttentionBackend(PagedBackendBase):
         sliding_windows: Optional[list[Optional[int]]] = None,
         draft_layer_causal: Optional[list[bool]] = None,
         max_splits: int = 16,
+        *,
+        kernels: AttentionKernels = DEFAULT_ATTENTION_KERNELS,
     ) -> None:
         super().__init__(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal)
         self.block_d = max(16, triton.next_power_of_2(head_dim))
         self.max_splits = max_splits
+        self.kernels = kernels
 
     def choose_splits(self, batch_size: int, rows_per_request: int, policy: LaunchPolicy, max_seq_len: int) -> int:
         programs = batch_size * self.num_kv_heads * triton.cdiv(rows_per_request, policy.tiles.block_m)
@@ -150,7 +165,7 @@ class TritonAttentionBackend(PagedBackendBase):
         table = batch.req_to_token
         tiles = meta.tiles
         grid = (triton.cdiv(meta.max_q_len * group, tiles.block_m), batch.batch_size * self.num_kv_heads, splits)
-        self.attention_kernel[grid](
+        self.kernels.attention[grid](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
             table, batch.req_rows, meta.q_starts, meta.q_lens, batch.seq_lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
@@ -160,14 +175,14 @@ class TritonAttentionBackend(PagedBackendBase):
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, CAUSAL=causal,
             USE_WINDOW=window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             MASK_EDGES_ONLY=tiles.mask_edges_only, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            **pdl_launch(q, self.attention_kernel),
+            **pdl_launch(q, self.kernels.attention),
         )
         if splits > 1:
             heads_per_program = min(triton.next_power_of_2(self.num_heads), merge_heads_per_program(splits, self.block_d))
-            self.merge_kernel[(num_tokens, triton.cdiv(self.num_heads, heads_per_program))](
+            self.kernels.merge[(num_tokens, triton.cdiv(self.num_heads, heads_per_program))](
                 out, part_acc, part_max, part_sum,
                 out.stride(0), out.stride(1), self.num_heads * splits, splits, 1, self.num_heads,
                 HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, NUM_SPLITS=splits, BLOCK_H=heads_per_program,
-                **pdl_launch(q, self.merge_kernel),
+                **pdl_launch(q, self.kernels.merge),
             )
         return out.reshape(num_tokens, -1)

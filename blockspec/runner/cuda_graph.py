@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from blockspec.attention.base import GraphPlanner
-from blockspec.batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
+from blockspec.batch import ForwardBatch, ForwardMode, GraphInputs, UniformRows, uniform_batch
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,6 @@ class GraphedForward:
             batch.mode is self.mode
             and batch.uniform_q_len == self.q
             and batch.batch_size <= self.batch_sizes[-1]
-            and batch.input_embeds is None
             and tuple(batch.capture_layer_ids) == self.capture_layer_ids
         )
 
@@ -180,3 +179,22 @@ class GraphedForward:
         bs = rows.shape[0]
         self.rows[:bs].copy_(rows)
         return self._launch(bs, self._padded(bs), None)
+
+    def accepts(self, inputs: GraphInputs) -> bool:
+        """Whether a replay can run `inputs` (a built batch, host rows or device rows)."""
+        if isinstance(inputs, ForwardBatch):
+            return self.can_run(inputs)
+        if isinstance(inputs, UniformRows):
+            return self.can_run_rows(inputs)
+        return (
+            inputs.mode is self.mode and inputs.q == self.q
+            and tuple(inputs.capture_layer_ids) == self.capture_layer_ids
+            and self.can_run_device_rows(inputs.batch_size)
+        )
+
+    def replay_inputs(self, inputs: GraphInputs) -> GraphOutputs:
+        if isinstance(inputs, ForwardBatch):
+            return self.replay(inputs)
+        if isinstance(inputs, UniformRows):
+            return self.replay_rows(inputs)
+        return self.replay_device_rows(inputs.rows)

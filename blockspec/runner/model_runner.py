@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from blockspec.attention.base import AttentionBackend, graph_planner
+from blockspec.attention.base import AttentionBackend
 from blockspec.attention.factory import make_backend, resolve_backend_name
 from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
@@ -15,8 +15,8 @@ from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig, load_target_config
 from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
-from blockspec.runner.cuda_graph import GraphedForward
-from blockspec.batch import ForwardBatch, ForwardMode, UniformRows, uniform_batch
+from blockspec.batch import ForwardBatch, GraphInputs
+from blockspec.runner.graphs import CudaGraphs, GraphKind
 from blockspec.runner.piecewise_graph import AuxConsumer, PiecewiseGraphRunner, default_buckets
 
 logger = logging.getLogger(__name__)
@@ -66,10 +66,13 @@ class ModelRunner:
         self.attention: AttentionBackend = make_backend(
             self.attention_backend, self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         )
-        self.graphs: dict[ForwardMode, GraphedForward] = {}
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        graphs_available = (
+            self.device.type == "cuda" and not config.disable_cuda_graph
+            and self.attention_backend in ("triton", "flashinfer")
+        )
+        self.graphs = CudaGraphs(graphs_available, config.cuda_graph_bs, self.req_to_token, self.max_positions, self.device)
         self.piecewise: Optional[PiecewiseGraphRunner] = None
-        self.forward_counts = {"graph": 0, "eager": 0, "piecewise": 0, "piecewise_fallback": 0}
+        self.piecewise_counts = {"piecewise": 0, "piecewise_fallback": 0}
         logger.info(
             "target %s: %d layers, dtype %s, KV pool %d slots (page %d)",
             cfg.architecture, cfg.num_layers, self.dtype, self.allocator.total_slots, page,
@@ -94,32 +97,25 @@ class ModelRunner:
     @property
     def graphs_enabled(self) -> bool:
         """Full CUDA graphs need CUDA and a backend that plans on the device (Triton) or before replay (FlashInfer)."""
-        return (
-            self.device.type == "cuda" and not self.config.disable_cuda_graph
-            and self.attention_backend in ("triton", "flashinfer")
-        )
+        return self.graphs.available
+
+    @property
+    def forward_counts(self) -> dict[str, int]:
+        """Forwards by how they ran: full graph replays and eager uniform forwards (CudaGraphs.run), piecewise
+        extend replays and extend batches the piecewise graphs could not take."""
+        return {**self.graphs.counts, **self.piecewise_counts}
 
     def eager_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
+        """The target forward → (logits, aux hidden): the eager path and the captured function of target graphs."""
         output = self.model(batch, self.attention)
         return output.logits, output.aux_hidden
 
-    def capture_graph(
-        self,
-        mode: ForwardMode,
-        tokens_per_req: int,
-        capture_layer_ids: tuple[int, ...] = (),
-        run: Optional[Callable[[ForwardBatch], tuple[torch.Tensor | None, ...]]] = None,
-    ) -> None:
-        """Captures `run` (default: the target forward → (logits, aux hidden)) for uniform batches of `mode`."""
-        run = run or self.eager_forward
-        graph = GraphedForward(
-            f"target-{mode.value}", run, mode, tokens_per_req, self.config.cuda_graph_bs, self.req_to_token.table,
-            self.req_to_token.dummy_row, self.max_positions, capture_layer_ids, self.graph_pool,
-            host_planner=graph_planner(self.attention),
-        )
-        with torch.inference_mode():
-            graph.capture()
-        self.graphs[mode] = graph
+    @torch.inference_mode()
+    def forward_uniform(self, kind: GraphKind, inputs: GraphInputs) -> ModelOutput:
+        """A uniform target forward (decode) through the graph registry."""
+        logits, aux = self.graphs.run(kind, inputs, self.eager_forward)
+        assert logits is not None
+        return ModelOutput(logits, aux, None)
 
     def capture_piecewise(self, aux_consumer: Optional[AuxConsumer] = None) -> None:
         """Piecewise graphs for extend batches, in this runner's fixed hidden-capture mode; `aux_consumer` runs inside
@@ -130,55 +126,19 @@ class ModelRunner:
         max_tokens = self.config.piecewise_cuda_graph_max_tokens
         buckets = self.config.piecewise_cuda_graph_tokens or default_buckets(max_tokens)
         self.piecewise = PiecewiseGraphRunner(
-            self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graph_pool,
+            self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graphs.pool,
             aux_consumer,
         )
         with torch.inference_mode():
             self.piecewise.capture()
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ModelOutput:
-        if batch.mode is ForwardMode.EXTEND and self.piecewise is not None:
+    def forward_extend(self, batch: ForwardBatch) -> ModelOutput:
+        """An extend (prefill) batch: piecewise graphs when they can take it, else eager."""
+        if self.piecewise is not None:
             if self.piecewise.can_run(batch):
-                self.forward_counts["piecewise"] += 1
+                self.piecewise_counts["piecewise"] += 1
                 return self.piecewise.forward(batch)
-            self.forward_counts["piecewise_fallback"] += 1
-        graph = self.graphs.get(batch.mode)
-        if graph is not None and graph.can_run(batch):
-            return self._replayed(graph.replay(batch))
-        self.forward_counts["eager"] += 1
+            self.piecewise_counts["piecewise_fallback"] += 1
+        self.graphs.counts["eager"] += 1
         return self.model(batch, self.attention)
-
-    def _replayed(self, outputs: tuple[torch.Tensor | None, ...]) -> ModelOutput:
-        self.forward_counts["graph"] += 1
-        logits, aux = outputs
-        assert logits is not None
-        return ModelOutput(logits, aux, None)
-
-    @torch.inference_mode()
-    def forward_uniform(self, rows: UniformRows) -> ModelOutput:
-        """A uniform batch from host rows: graph replay with one host→device copy, else eager."""
-        graph = self.graphs.get(rows.mode)
-        if graph is not None and graph.can_run_rows(rows):
-            return self._replayed(graph.replay_rows(rows))
-        self.forward_counts["eager"] += 1
-        return self.model(rows.to_batch(self.req_to_token.table, self.max_positions), self.attention)
-
-    def can_replay_device_rows(self, mode: ForwardMode) -> bool:
-        """Whether a uniform batch of `mode` can run from device rows without host planning (graph or eager)."""
-        graph = self.graphs.get(mode)
-        return graph is None or graph.host_planner is None
-
-    @torch.inference_mode()
-    def forward_device_rows(self, mode: ForwardMode, rows: torch.Tensor) -> ModelOutput:
-        """A uniform batch from device rows (UniformRows layout): graph replay without any host data, else eager
-        (whose planning reads seq_lens on the host: a sync)."""
-        graph = self.graphs.get(mode)
-        if graph is not None and graph.can_run_device_rows(rows.shape[0]):
-            return self._replayed(graph.replay_device_rows(rows))
-        self.forward_counts["eager"] += 1
-        return self.model(self.device_rows_batch(mode, rows), self.attention)
-
-    def device_rows_batch(self, mode: ForwardMode, rows: torch.Tensor) -> ForwardBatch:
-        """The eager batch for device rows. NOTE: eager planning reads seq_lens on the host (a sync)."""
-        return uniform_batch(mode, rows, self.req_to_token.table, rows[:, -1].tolist(), (), self.max_positions)

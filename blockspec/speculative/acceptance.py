@@ -1,4 +1,4 @@
-"""Verify-side acceptance for one request: greedy prefix match or speculative rejection sampling."""
+"""Verify-side acceptance: greedy prefix match (batched, on the device) or speculative rejection sampling."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,14 +9,19 @@ from blockspec.request import SamplingParams
 from blockspec.sampling import sampling_probs
 
 
-def greedy_accept(proposals: list[int], target_argmax: list[int]) -> tuple[int, int]:
-    """proposals: d_1..d_{B-1}; target_argmax[j]: target's choice after block token j.
+def forced_accept_count(simulate_accept_len: Optional[float], block_size: int) -> Optional[int]:
+    """Proposals every verify accepts under --speculative-simulate-accept-len (benchmarking only: commits unverified
+    tokens, so output is not lossless); None for real acceptance."""
+    if simulate_accept_len is None:
+        return None
+    return max(0, min(block_size - 1, round(simulate_accept_len) - 1))
 
-    Returns (number accepted, bonus token)."""
-    accepted = 0
-    while accepted < len(proposals) and proposals[accepted] == target_argmax[accepted]:
-        accepted += 1
-    return accepted, target_argmax[accepted]
+
+def greedy_accept_counts(proposals: torch.Tensor, target_argmax: torch.Tensor, forced: Optional[int]) -> torch.Tensor:
+    """[bs, 1] int64: per row the leading proposals d_1..d_{B-1} [bs, B-1] equal to the target's choice before them
+    (target_argmax [bs, B]); greedy_accept on the device, graph-capturable. `forced` replaces it for every row."""
+    accepted = (proposals == target_argmax[:, :-1]).to(torch.int64).cumprod(1).sum(1, keepdim=True)
+    return accepted if forced is None else torch.full_like(accepted, forced)
 
 
 def rejection_accept(

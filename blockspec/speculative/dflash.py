@@ -15,13 +15,13 @@ from blockspec.models.config import load_target_config
 from blockspec.models.dflash_draft import DFlashDraftModel, load_draft_model
 from blockspec.models.draft_config import DraftConfig, load_draft_config
 from blockspec.request import Req
-from blockspec.batch import ForwardBatch, ForwardMode, UniformRows
-from blockspec.runner.cuda_graph import GraphedForward
+from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
-from blockspec.runner.worker import TargetWorker
+from blockspec.runner.graphs import GraphKind
 from blockspec.sampling import greedy_tokens, sampling_probs
-from blockspec.speculative.acceptance import greedy_accept, rejection_accept
-from blockspec.speculative.pending import PendingCycle, host_copy, launch_rows, next_cycle_rows
+from blockspec.speculative.acceptance import forced_accept_count, greedy_accept_counts, rejection_accept
+from blockspec.step.inflight import InFlightStep, host_copy, launch_rows
+from blockspec.step.target_worker import TargetWorker
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,7 @@ class DFlashWorker(TargetWorker):
             runner.attention_backend, draft_pool, dc.num_heads, dc.num_kv_heads, dc.head_dim,
             dc.layer_windows, dc.layer_causal,
         )
-        self.draft_graph: GraphedForward | None = None
-        self.cycle_graph: GraphedForward | None = None
-        # NOTE: benchmarking only (--speculative-simulate-accept-len): commits unverified tokens, output is not lossless.
-        self.simulate_accept_len = runner.config.speculative_simulate_accept_len
+        self.forced_accepted = forced_accept_count(runner.config.speculative_simulate_accept_len, block_size)
 
     @property
     def decode_slots_per_req(self) -> int:
@@ -62,26 +59,14 @@ class DFlashWorker(TargetWorker):
 
     def init_cuda_graphs(self) -> None:
         self.runner.capture_piecewise(aux_consumer=self._materialise_draft_kv)
-        if not self.runner.graphs_enabled:
-            return
-        runner = self.runner
-        runner.capture_graph(ForwardMode.VERIFY, self.block_size, self.capture, self._verify_forward)
-        self.draft_graph = GraphedForward(
-            "draft", self._draft_logits, ForwardMode.DRAFT, self.block_size, self.runner.config.cuda_graph_bs,
-            runner.req_to_token.table, runner.req_to_token.dummy_row, runner.max_positions, (), runner.graph_pool,
-            host_planner=graph_planner(self.draft_attention),
-        )
+        graphs, b = self.runner.graphs, self.block_size
+        target_planner, draft_planner = graph_planner(self.runner.attention), graph_planner(self.draft_attention)
+        graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, b, self.capture, target_planner)
+        graphs.capture(GraphKind.DRAFT, self._draft_logits, ForwardMode.DRAFT, b, (), draft_planner)
         # NOTE: all-greedy batches replay this one graph per cycle: propose → verify → both argmaxes. A backend that
         # plans on the host (FlashInfer) cannot plan the verify half from inside it, so it keeps the two graphs.
-        if graph_planner(self.draft_attention) is None and graph_planner(runner.attention) is None:
-            self.cycle_graph = GraphedForward(
-                "greedy-cycle", self._greedy_cycle, ForwardMode.DRAFT, self.block_size, runner.config.cuda_graph_bs,
-                runner.req_to_token.table, runner.req_to_token.dummy_row, runner.max_positions, (), runner.graph_pool,
-            )
-        with torch.inference_mode():
-            self.draft_graph.capture()
-            if self.cycle_graph is not None:
-                self.cycle_graph.capture()
+        if draft_planner is None and target_planner is None:
+            graphs.capture(GraphKind.GREEDY_CYCLE, self._greedy_cycle, ForwardMode.DRAFT, b)
 
     def _verify_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
         """Target forward over the blocks, then draft K/V for every block row.
@@ -106,7 +91,7 @@ class DFlashWorker(TargetWorker):
         self.draft.materialise_context(aux_hidden, positions, slots, self.draft_pool)
 
     @torch.inference_mode()
-    def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor:
+    def extend_logits(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor:
         batch = self.build_extend_batch(reqs, chunk_lens, self.capture)
         output = self.run_extend(batch, reqs)
         if not output.aux_consumed:  # NOTE: piecewise graphs write the draft KV inside their last segment
@@ -148,28 +133,15 @@ class DFlashWorker(TargetWorker):
         logits, _ = self._verify_forward(self._verify_batch(draft_batch, draft_argmax[:, 1:], float_logits=False))
         assert logits is not None
         target_argmax = greedy_tokens(logits).view(bs, b)
-        accepted = (draft_argmax[:, 1:] == target_argmax[:, :-1]).to(torch.int64).cumprod(1).sum(1, keepdim=True)
-        if self.simulate_accept_len is not None:
-            accepted = torch.full_like(accepted, self.simulated_accepted())
+        accepted = greedy_accept_counts(draft_argmax[:, 1:], target_argmax, self.forced_accepted)
         return (torch.cat([accepted, draft_argmax, target_argmax], dim=1),)
 
-    def can_overlap(self, reqs: Sequence[Req]) -> bool:
+    def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
         """Greedy batches on the one-graph cycle path (or all-eager) can run a cycle ahead of the host's commit."""
-        return (self.cycle_graph is not None or self.draft_graph is None) and all(r.params.is_greedy for r in reqs)
-
-    def _cycle_on_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The greedy cycle's [bs, 1 + 2B] tokens for device rows (UniformRows layout), in a tensor of its own."""
-        if self.cycle_graph is not None and self.cycle_graph.can_run_device_rows(rows.shape[0]):
-            self.runner.forward_counts["graph"] += 1
-            (tokens,) = self.cycle_graph.replay_device_rows(rows)
-            assert tokens is not None
-            return tokens.clone()  # NOTE: the next replay of any graph overwrites its outputs
-        self.runner.forward_counts["eager"] += 1
-        (tokens,) = self._greedy_cycle(self.runner.device_rows_batch(ForwardMode.DRAFT, rows))
-        return tokens
+        return self.runner.graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE) and all(r.params.is_greedy for r in reqs)
 
     @torch.inference_mode()
-    def launch_cycle(self, reqs: Sequence[Req], carry: Optional[PendingCycle] = None) -> PendingCycle:
+    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep:
         """Launches a greedy cycle without waiting for it. Requests of `carry` (launched, not yet committed) take
         their input rows from its device outputs; the others from the host. The cycle's requests are ordered
         carried first. The scheduler has given each request slots up to kv_len + B (+ B more when carried)."""
@@ -178,11 +150,13 @@ class DFlashWorker(TargetWorker):
             reqs, carry, lambda cycle, index: next_cycle_rows(cycle, index, self.block_size),
             lambda fresh: self._draft_rows(fresh).rows.to(device, non_blocking=True), device,
         )
-        tokens = self._cycle_on_rows(rows)
+        (tokens,) = self.runner.graphs.run(GraphKind.GREEDY_CYCLE, DeviceRows(ForwardMode.DRAFT, rows), self._greedy_cycle)
+        assert tokens is not None
+        tokens = tokens.clone()  # NOTE: the next replay of any graph overwrites its outputs
         host_tokens, ready = host_copy(tokens)
-        return PendingCycle(reqs_in_order, rows, tokens, host_tokens, ready)
+        return InFlightStep(reqs_in_order, rows, tokens, host_tokens, ready)
 
-    def finish_cycle(self, cycle: PendingCycle) -> list[Optional[list[int]]]:
+    def finish(self, cycle: InFlightStep) -> list[Optional[list[int]]]:
         """Waits for `cycle` and returns each request's committed tokens (None for one that finished since the
         launch: its cycle is discarded), advancing kv_len past them."""
         b = self.block_size
@@ -195,8 +169,12 @@ class DFlashWorker(TargetWorker):
         return cycle.commit(accepted_and_bonus)
 
     def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[int]]:
-        """Per request [accepted, d_0..d_{B-1}, t_0..t_{B-1}] (see _greedy_cycle) on the host, nothing committed."""
-        return self.launch_cycle(reqs).wait()
+        """Public benchmark and test API: one greedy cycle for `reqs` (slots to kv_len + B given), nothing committed.
+
+        Per request [accepted, d_0..d_{B-1}, t_0..t_{B-1}] (see _greedy_cycle) on the host; through the graph registry
+        like a served cycle (a graph replay, or eager when `runner.graphs.enabled` is False). benchmarks/step_latency.py
+        times it as the cycle without the scheduler; tests compare it graph vs eager and against the committed path."""
+        return self.launch(reqs).wait()
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Req]) -> tuple[ForwardBatch, torch.Tensor, dict[int, torch.Tensor]]:
@@ -206,10 +184,7 @@ class DFlashWorker(TargetWorker):
         draft distributions the proposals were drawn from ({request index: [B-1, V]})."""
         b = self.block_size
         batch = self._draft_rows(reqs).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
-        if self.draft_graph is not None and self.draft_graph.can_run(batch):
-            all_logits, all_argmax = self.draft_graph.replay(batch)
-        else:
-            all_logits, all_argmax = self._draft_logits(batch)
+        all_logits, all_argmax = self.runner.graphs.run(GraphKind.DRAFT, batch, self._draft_logits)
         assert all_logits is not None and all_argmax is not None
         proposals = all_argmax.view(len(reqs), b)[:, 1:].clone()
         draft_probs: dict[int, torch.Tensor] = {}
@@ -225,45 +200,45 @@ class DFlashWorker(TargetWorker):
         """Target logits [bs, B, V] over [bonus, d_1..d_{B-1}]; the draft batch's slots and positions are reused."""
         bs, b = proposals.shape[0], self.block_size
         batch = self._verify_batch(draft_batch, proposals)
-        graph = self.runner.graphs.get(ForwardMode.VERIFY)
-        if graph is not None and graph.can_run(batch):
-            self.runner.forward_counts["graph"] += 1
-            logits, _ = graph.replay(batch)
-        else:
-            self.runner.forward_counts["eager"] += 1
-            logits, _ = self._verify_forward(batch)
+        logits, _ = self.runner.graphs.run(GraphKind.VERIFY, batch, self._verify_forward)
         assert logits is not None
         return logits.view(bs, b, -1)
 
     @torch.inference_mode()
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
-        if self.can_overlap(reqs):  # NOTE: without a carry the cycle keeps the order of reqs (none is finished)
-            return [tokens or [] for tokens in self.finish_cycle(self.launch_cycle(reqs))]
+        if self.can_run_ahead(reqs):  # NOTE: without a carry the cycle keeps the order of reqs (none is finished)
+            return [tokens or [] for tokens in self.finish(self.launch(reqs))]
         b = self.block_size
         draft_batch, proposals_device, draft_probs = self.propose(reqs)
         logits = self.verify(draft_batch, proposals_device)
+        target_argmax = greedy_tokens(logits)
+        accepted_counts = greedy_accept_counts(proposals_device, target_argmax, self.forced_accepted)
         # NOTE: greedy requests need only this device→host copy per cycle (sampled ones also sync in acceptance).
-        host = torch.cat([proposals_device, greedy_tokens(logits)], dim=1).tolist()
+        host = torch.cat([accepted_counts, proposals_device, target_argmax], dim=1).tolist()
         committed: list[list[int]] = []
         for i, req in enumerate(reqs):
-            proposals, target_argmax = host[i][: b - 1], host[i][b - 1:]
-            if self.simulate_accept_len is not None:
-                accepted = self.simulated_accepted()
-                bonus = target_argmax[accepted]
-            elif i not in draft_probs:
-                accepted, bonus = greedy_accept(proposals, target_argmax)
-            else:
+            accepted, proposals, target = host[i][0], host[i][1:b], host[i][b:]
+            bonus = target[accepted]
+            if i in draft_probs and self.forced_accepted is None:
                 accepted, bonus = rejection_accept(proposals, draft_probs[i], logits[i], req.params, req.generator)
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
             req.kv_len += accepted + 1
             committed.append(proposals[:accepted] + [bonus])
         return committed
 
-    def simulated_accepted(self) -> int:
-        """Proposals counted as accepted under --speculative-simulate-accept-len (benchmarking only)."""
-        assert self.simulate_accept_len is not None
-        return max(0, min(self.block_size - 1, round(self.simulate_accept_len) - 1))
+
+def next_cycle_rows(cycle: InFlightStep, index: Optional[torch.Tensor], block_size: int) -> torch.Tensor:
+    """Input rows of the next cycle for `cycle.reqs[index]` (all of them when index is None), from device outputs
+    alone: the bonus token target[accepted], the same mask tokens and req→token row, seq_len + accepted + 1.
+
+    NOTE: valid only for requests that did not finish in `cycle` (a finished request's next cycle is discarded)."""
+    rows, tokens = cycle.rows, cycle.tokens
+    if index is not None:
+        rows, tokens = rows[index], tokens[index]
+    accepted = tokens[:, :1]
+    bonus = tokens.gather(1, accepted + 1 + block_size)
+    return torch.cat([bonus, rows[:, 1:block_size + 1], rows[:, block_size + 1:] + accepted + 1], dim=1)
 
 
 def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker]:

@@ -1,6 +1,6 @@
-"""A greedy decode cycle in flight: launched on the device now, committed on the host one scheduler step later.
+"""A greedy decode step in flight: launched on the device now, committed on the host one engine step later.
 
-The overlap schedule launches cycle N+1 before it commits cycle N: N+1's input rows are computed on the device from
+The overlap schedule (step/executor.py) launches step N+1 before it commits step N: N+1's input rows are computed on the device from
 N's outputs (target-only decode: the argmax token, sequence length + 1; DFlash: the bonus token target[accepted],
 sequence length + accepted + 1), so the host's bookkeeping for N (commit, finish checks, slot release, stats) runs
 while the device works on N+1.
@@ -16,7 +16,7 @@ from blockspec.request import Req
 
 
 @dataclass
-class PendingCycle:
+class InFlightStep:
     """`reqs[i]` ran with input rows `rows[i]` (UniformRows layout: [q token ids | req→token row | seq_len]) and
     produced `tokens[i]` (the worker's layout; DFlash: [accepted | draft argmax x B | target argmax x B]), both on the
     device. `host_tokens` is the host copy of `tokens`, readable once `ready` has completed (None: no device)."""
@@ -34,7 +34,7 @@ class PendingCycle:
 
     def commit(self, committed_tokens: Callable[[list[int]], list[int]]) -> list[Optional[list[int]]]:
         """Waits, then per request the tokens `committed_tokens(row)` picks from its output row, kv_len advanced
-        past them; None for a request that finished since the launch (its cycle is discarded)."""
+        past them; None for a request that finished since the launch (its step is discarded)."""
         committed: list[Optional[list[int]]] = []
         for req, row in zip(self.reqs, self.wait()):
             if req.finished:
@@ -48,12 +48,12 @@ class PendingCycle:
 
 def launch_rows(
     reqs: Sequence[Req],
-    carry: Optional[PendingCycle],
-    carried_rows: Callable[[PendingCycle, Optional[torch.Tensor]], torch.Tensor],
+    carry: Optional[InFlightStep],
+    carried_rows: Callable[[InFlightStep, Optional[torch.Tensor]], torch.Tensor],
     fresh_rows: Callable[[list[Req]], torch.Tensor],
     device: torch.device,
 ) -> tuple[list[Req], torch.Tensor]:
-    """The next cycle's requests (those of `carry` first, in carry's order) and device input rows: carried ones
+    """The next step's requests (those of `carry` first, in carry's order) and device input rows: carried ones
     derived on the device from carry's outputs by `carried_rows(carry, index)`, the others from the host."""
     carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
     carried = [req for req in reqs if id(req) in carried_at]
@@ -65,27 +65,6 @@ def launch_rows(
     if fresh:
         parts.append(fresh_rows(fresh))
     return carried + fresh, parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def next_decode_rows(cycle: PendingCycle, index: Optional[torch.Tensor]) -> torch.Tensor:
-    """Target-only decode: rows [token | req→token row | seq_len], tokens [argmax] → [argmax | row | seq_len + 1]."""
-    rows, tokens = cycle.rows, cycle.tokens
-    if index is not None:
-        rows, tokens = rows[index], tokens[index]
-    return torch.cat([tokens, rows[:, 1:2], rows[:, 2:] + 1], dim=1)
-
-
-def next_cycle_rows(cycle: PendingCycle, index: Optional[torch.Tensor], block_size: int) -> torch.Tensor:
-    """Input rows of the next cycle for `cycle.reqs[index]` (all of them when index is None), from device outputs
-    alone: the bonus token target[accepted], the same mask tokens and req→token row, seq_len + accepted + 1.
-
-    NOTE: valid only for requests that did not finish in `cycle` (a finished request's next cycle is discarded)."""
-    rows, tokens = cycle.rows, cycle.tokens
-    if index is not None:
-        rows, tokens = rows[index], tokens[index]
-    accepted = tokens[:, :1]
-    bonus = tokens.gather(1, accepted + 1 + block_size)
-    return torch.cat([bonus, rows[:, 1:block_size + 1], rows[:, block_size + 1:] + accepted + 1], dim=1)
 
 
 def host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:

@@ -1,0 +1,96 @@
+"""CudaGraphs: the one owner of every full CUDA graph of an engine, and the one place that picks graph or eager.
+
+Graphs are registered by kind (one GraphedForward per kind, holding one graph per captured batch size). Every
+uniform forward of the engine goes through `run(kind, inputs, eager)`: a replay when graphs are on and the kind's
+graph accepts the inputs, else `eager` on the batch built from them; both are counted. `enabled` is the public
+switch (benchmarks time eager steps with `graphs.enabled = False`); turning it off keeps the captured graphs.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable, Optional
+
+import torch
+
+from blockspec.attention.base import GraphPlanner
+from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, GraphInputs
+from blockspec.kv.allocator import ReqToTokenTable
+from blockspec.runner.cuda_graph import GraphedForward, GraphOutputs
+
+EagerForward = Callable[[ForwardBatch], GraphOutputs]
+
+
+class GraphKind(enum.Enum):
+    DECODE = "target-decode"  # target-only decode: 1 token per request
+    VERIFY = "target-verify"  # DFlash verify: B block tokens per request (+ the draft KV materialise)
+    DRAFT = "draft"  # DFlash propose: the draft over [bonus, mask x (B-1)]
+    GREEDY_CYCLE = "greedy-cycle"  # a whole greedy DFlash cycle: propose → verify → both argmaxes → acceptance
+
+
+class CudaGraphs:
+    def __init__(
+        self, available: bool, batch_sizes: list[int], table: ReqToTokenTable, max_positions: int, device: torch.device
+    ) -> None:
+        """`available`: whether this engine captures full graphs at all (CUDA, a graph-capable backend, not
+        disabled by flags); when False `capture` is a no-op and every forward runs eagerly."""
+        self.available = available
+        self.enabled = available
+        self.batch_sizes = batch_sizes
+        self.table = table
+        self.max_positions = max_positions
+        self.pool = torch.cuda.graph_pool_handle() if available and device.type == "cuda" else None
+        self.by_kind: dict[GraphKind, GraphedForward] = {}
+        self.counts = {"graph": 0, "eager": 0}
+
+    def capture(
+        self,
+        kind: GraphKind,
+        fn: EagerForward,
+        mode: ForwardMode,
+        tokens_per_req: int,
+        capture_layer_ids: tuple[int, ...] = (),
+        host_planner: Optional[GraphPlanner] = None,
+    ) -> None:
+        """Captures `fn` for uniform batches of `mode` at every configured batch size."""
+        if not self.available:
+            return
+        graph = GraphedForward(
+            kind.value, fn, mode, tokens_per_req, self.batch_sizes, self.table.table, self.table.dummy_row,
+            self.max_positions, capture_layer_ids, self.pool, host_planner=host_planner,
+        )
+        with torch.inference_mode():
+            graph.capture()
+        self.by_kind[kind] = graph
+
+    def captured(self, kind: GraphKind) -> bool:
+        return kind in self.by_kind
+
+    def __bool__(self) -> bool:
+        return bool(self.by_kind) and self.enabled
+
+    def runs_from_device_rows(self, kind: GraphKind) -> bool:
+        """Whether `kind` runs from device rows without the host waiting on the device: its graph plans on the device,
+        or every forward is eager (off, or nothing captured). False when graphs run but `kind` has no device-planned
+        graph (the overlap schedule would run it eagerly instead of through the host-planned graphs)."""
+        if not self:
+            return True
+        graph = self.by_kind.get(kind)
+        return graph is not None and graph.host_planner is None
+
+    def run(self, kind: GraphKind, inputs: GraphInputs, eager: EagerForward) -> GraphOutputs:
+        """A replay of `kind`'s graph if it is on and accepts `inputs`, else `eager` on the built batch.
+
+        NOTE: replay outputs live in the shared graph pool: valid until the next replay of any graph."""
+        graph = self.by_kind.get(kind) if self.enabled else None
+        if graph is not None and graph.accepts(inputs):
+            self.counts["graph"] += 1
+            return graph.replay_inputs(inputs)
+        self.counts["eager"] += 1
+        return eager(self.eager_batch(inputs))
+
+    def eager_batch(self, inputs: GraphInputs) -> ForwardBatch:
+        if isinstance(inputs, ForwardBatch):
+            return inputs
+        return inputs.to_batch(self.table.table, self.max_positions)
+
+

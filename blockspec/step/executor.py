@@ -1,0 +1,112 @@
+"""StepExecutor: runs each engine step's plan on the worker; owns the decode step's KV slots and the overlap schedule.
+
+Overlap schedule (greedy decode, target-only or DFlash): `run_ahead` launches step N+1 on the device before it
+commits step N, whose host bookkeeping (commit, finish checks, slot release, statistics) then runs while the device
+works. Step N+1's inputs are derived on the device from N's outputs (step/inflight.py), so a request in flight has
+a kv_len that lags one uncommitted step (<= B tokens), and N+1 writes up to B slots past that: requests in flight
+hold slots to kv_len + 2B. `drain` commits the step in flight when the next step cannot overlap.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence
+
+from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+from blockspec.request import Req
+from blockspec.step.inflight import InFlightStep
+from blockspec.step.plan import Committed, StepPlan
+
+
+class Worker(Protocol):
+    """Runs forwards for a step and samples their tokens (step/target_worker.py, speculative/dflash.py)."""
+
+    @property
+    def decode_slots_per_req(self) -> int: ...
+
+    @property
+    def is_speculative(self) -> bool: ...
+
+    def init_cuda_graphs(self) -> None: ...
+
+    def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> list[Optional[int]]: ...
+
+    def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
+
+    def can_run_ahead(self, reqs: Sequence[Req]) -> bool: ...
+
+    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep: ...
+
+    def finish(self, step: InFlightStep) -> list[Optional[list[int]]]: ...
+
+
+class StepExecutor:
+    def __init__(self, worker: Worker, allocator: PageAllocator, table: ReqToTokenTable, overlap: bool) -> None:
+        """`overlap`: the overlap schedule's public switch (benchmarks time the synchronous loop with it off)."""
+        self.worker = worker
+        self.allocator = allocator
+        self.table = table
+        self.overlap = overlap
+        self.in_flight: Optional[InFlightStep] = None
+
+    @property
+    def slots_per_decode(self) -> int:
+        """KV slots one request writes in a decode step (1, or the DFlash block size)."""
+        return self.worker.decode_slots_per_req
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.worker.is_speculative
+
+    def fits(self, reqs: Sequence[Req], ahead: Optional[int] = None) -> bool:
+        """Whether the free pool can give every request slots up to kv_len + ahead (default: one decode step)."""
+        ahead = self.slots_per_decode if ahead is None else ahead
+        needed = sum(self.allocator.extra_pages_needed(r, r.kv_len + ahead) for r in reqs)
+        return needed * self.allocator.page_size <= self.allocator.free_slots
+
+    def run(self, plan: StepPlan) -> list[Committed]:
+        """Runs the plan synchronously: its extend chunks, then one decode step of its decode requests (slots for it
+        are given here; the scheduler made room with `fits`). Nothing of the plan may be in flight."""
+        committed: list[Committed] = []
+        if plan.extend:
+            reqs, lens = [c.req for c in plan.extend], [c.length for c in plan.extend]
+            for req, token in zip(reqs, self.worker.extend(reqs, lens)):
+                if token is not None:
+                    committed.append(Committed(req, [token], verified=False))
+        if plan.decode:
+            assert self.in_flight is None, "drain the step in flight before a synchronous decode step"
+            reqs = plan.decode
+            self.allocator.grow_many(reqs, [req.kv_len + self.slots_per_decode for req in reqs], self.table)
+            for req, tokens in zip(reqs, self.worker.decode(reqs)):
+                self.allocator.shrink(req, req.kv_len)
+                committed.append(Committed(req, tokens, verified=True))
+        return committed
+
+    def run_ahead(self, reqs: list[Req]) -> Optional[list[Committed]]:
+        """Launches a decode step for `reqs`, then commits the step in flight (if any) while the device runs it.
+
+        None (nothing done) when the batch cannot overlap: the schedule is off, sampled requests, a host-planned
+        graph, or no room for slots two steps ahead (the synchronous step, after `drain`, may then retract)."""
+        if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
+            return None
+        ahead = 2 * self.slots_per_decode
+        if any(r.kv_len + ahead > self.table.max_context_len for r in reqs) or not self.fits(reqs, ahead):
+            return None
+        self.allocator.grow_many(reqs, [r.kv_len + ahead for r in reqs], self.table)
+        previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight)
+        return [] if previous is None else self._commit(previous, keep_ahead=self.slots_per_decode)
+
+    def drain(self) -> list[Committed]:
+        """Commits the step in flight, if any (nothing runs after it, so its rejected slots are released)."""
+        if self.in_flight is None:
+            return []
+        step, self.in_flight = self.in_flight, None
+        return self._commit(step, keep_ahead=0)
+
+    def _commit(self, step: InFlightStep, keep_ahead: int) -> list[Committed]:
+        """A launched step's tokens; each request keeps slots to kv_len + keep_ahead (the step after it)."""
+        committed: list[Committed] = []
+        for req, tokens in zip(step.reqs, self.worker.finish(step)):
+            if tokens is None:  # finished or aborted since the launch
+                continue
+            self.allocator.shrink(req, req.kv_len + keep_ahead)
+            committed.append(Committed(req, tokens, verified=True))
+        return committed

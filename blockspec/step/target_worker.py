@@ -1,0 +1,116 @@
+"""TargetWorker: runs a step's forwards for the target alone (no speculation) and samples their tokens."""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence
+
+import torch
+
+from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
+from blockspec.models.llama import ModelOutput
+from blockspec.request import Req
+from blockspec.runner.graphs import GraphKind
+from blockspec.runner.model_runner import ModelRunner
+from blockspec.sampling import greedy_tokens, sample_next_tokens
+from blockspec.step.inflight import InFlightStep, host_copy, launch_rows
+
+
+class TargetWorker:
+    """The decode step commits one token per request; KV for it is one slot per request."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    def decode_slots_per_req(self) -> int:
+        return 1
+
+    @property
+    def is_speculative(self) -> bool:
+        return False
+
+    def init_cuda_graphs(self) -> None:
+        self.runner.graphs.capture(GraphKind.DECODE, self.runner.eager_forward, ForwardMode.DECODE, 1)
+        self.runner.capture_piecewise()
+
+    # ---- extend ------------------------------------------------------------------------------
+    def build_extend_batch(self, reqs: Sequence[Req], chunk_lens: Sequence[int], capture: tuple[int, ...] = ()) -> ForwardBatch:
+        token_ids = [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
+        logits_rows = [end - 1 for end in itertools.accumulate(chunk_lens)]
+        return build_batch(
+            ForwardMode.EXTEND,
+            token_ids,
+            [req.kv_len for req in reqs],
+            [req.pool_row for req in reqs],  # type: ignore[misc]
+            self.runner.req_to_token.table,
+            logits_rows,
+            capture,
+        )
+
+    def run_extend(self, batch: ForwardBatch, reqs: Sequence[Req]) -> ModelOutput:
+        output = self.runner.forward_extend(batch)
+        for req, n in zip(reqs, batch.extend_lens_cpu):
+            req.kv_len += n
+        return output
+
+    def extend_logits(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor:
+        """Computes KV for the next `chunk_lens[i]` pending tokens of each request; last-token logits [bs, V]."""
+        return self.run_extend(self.build_extend_batch(reqs, chunk_lens), reqs).logits
+
+    def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> list[Optional[int]]:
+        """Runs the chunks; per request its first output token once its whole prompt is cached, else None."""
+        logits = self.extend_logits(reqs, chunk_lens)
+        ready = [i for i, req in enumerate(reqs) if req.pending_len == 0]
+        first: list[Optional[int]] = [None] * len(reqs)
+        if ready:
+            for i, token in zip(ready, sample_next_tokens(logits[ready], [reqs[i] for i in ready])):
+                first[i] = token
+        return first
+
+    # ---- decode ------------------------------------------------------------------------------
+    def _decode_rows(self, reqs: Sequence[Req]) -> UniformRows:
+        """[last token | req→token row | kv_len + 1] per request: one new token at position kv_len."""
+        return UniformRows.build(
+            ForwardMode.DECODE,
+            [[req.all_ids[-1]] for req in reqs],
+            [req.pool_row for req in reqs],  # type: ignore[misc]
+            [req.kv_len + 1 for req in reqs],
+            self.runner.device,
+        )
+
+    def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
+        """Greedy batches whose decode runs from device rows can run a step ahead of the host's commit."""
+        return self.runner.graphs.runs_from_device_rows(GraphKind.DECODE) and all(r.params.is_greedy for r in reqs)
+
+    @torch.inference_mode()
+    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep:
+        """Launches a greedy decode step without waiting for it: requests of `carry` take their token and length
+        from its device outputs. The executor has given each request slots up to kv_len + 2."""
+        device = self.runner.device
+        ordered, rows = launch_rows(
+            reqs, carry, next_decode_rows,
+            lambda fresh: self._decode_rows(fresh).rows.to(device, non_blocking=True), device,
+        )
+        logits = self.runner.forward_uniform(GraphKind.DECODE, DeviceRows(ForwardMode.DECODE, rows)).logits
+        tokens = greedy_tokens(logits).view(-1, 1)
+        host_tokens, ready = host_copy(tokens)
+        return InFlightStep(ordered, rows, tokens, host_tokens, ready)
+
+    def finish(self, step: InFlightStep) -> list[Optional[list[int]]]:
+        """Waits for `step`; each request's token (None for one that finished since the launch), kv_len advanced."""
+        return step.commit(lambda row: row)  # NOTE: a decode row is [argmax]
+
+    def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
+        """One token per request; the executor has given each request a slot at position kv_len."""
+        logits = self.runner.forward_uniform(GraphKind.DECODE, self._decode_rows(reqs)).logits
+        for req in reqs:
+            req.kv_len += 1
+        return [[token] for token in sample_next_tokens(logits, reqs)]
+
+
+def next_decode_rows(step: InFlightStep, index: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows [token | req→token row | seq_len] with outputs [argmax] → the next step's [argmax | row | seq_len + 1]."""
+    rows, tokens = step.rows, step.tokens
+    if index is not None:
+        rows, tokens = rows[index], tokens[index]
+    return torch.cat([tokens, rows[:, 1:2], rows[:, 2:] + 1], dim=1)
