@@ -13,13 +13,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from blockspec import Engine
 from blockspec.request import Req, SamplingParams
-from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 from device_timing import cuda_ms
 from step_latency import write_configs
 
@@ -42,8 +41,8 @@ def release(engine: Engine, reqs: list[Req]) -> None:
         engine.runner.req_to_token.release(req.pool_row)
 
 
-def run_extend(engine: Engine, reqs: list[Req], piecewise: Optional[PiecewiseGraphRunner]) -> None:
-    engine.runner.piecewise = piecewise
+def run_extend(engine: Engine, reqs: list[Req], piecewise: bool) -> None:
+    engine.runner.piecewise_enabled = piecewise
     for req in reqs:
         req.kv_len = 0
     engine.worker.extend_logits(reqs, [req.prompt_len for req in reqs])
@@ -52,21 +51,19 @@ def run_extend(engine: Engine, reqs: list[Req], piecewise: Optional[PiecewiseGra
 def extend_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> float:
     """Median ms of one extend of `tokens` prompt tokens over `batch_size` requests with the runner as it is."""
     reqs = make_reqs(engine, batch_size, tokens)
-    piecewise = engine.runner.piecewise
-    ms = cuda_ms(lambda: run_extend(engine, reqs, piecewise), repeat)
+    ms = cuda_ms(lambda: run_extend(engine, reqs, True), repeat)
     release(engine, reqs)
     return ms
 
 
 def eager_vs_piecewise_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> tuple[float, float]:
     """Median ms of eager and piecewise extends, measured alternately (clock or host drift hits both alike)."""
-    piecewise = engine.runner.piecewise
     reqs = make_reqs(engine, batch_size, tokens)
     times: dict[bool, list[float]] = {False: [], True: []}
     for round_index in range(repeat):
         for graphed in (False, True) if round_index % 2 == 0 else (True, False):
-            times[graphed].append(cuda_ms(lambda: run_extend(engine, reqs, piecewise if graphed else None), 1))
-    engine.runner.piecewise = piecewise
+            times[graphed].append(cuda_ms(lambda: run_extend(engine, reqs, graphed), 1))
+    engine.runner.piecewise_enabled = True
     release(engine, reqs)
     return tuple(sorted(t)[len(t) // 2] for t in (times[False], times[True]))  # type: ignore[return-value]
 
@@ -95,7 +92,6 @@ def main() -> None:
             engine = Engine(**flags)
             captures.append({"spec": spec, "engine_start_s": time.perf_counter() - start,
                              "memory_after_start_gib": (torch.cuda.memory_allocated() - before) / 2**30})
-            piecewise = engine.runner.piecewise
             for bs in args.batch_sizes:
                 for tokens in args.tokens:
                     if tokens < bs:
@@ -106,7 +102,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             engine.shutdown()
-            del engine, piecewise
+            del engine
             gc.collect()
             torch.cuda.empty_cache()
     commit = os.environ.get("BLOCKSPEC_COMMIT", "unknown")

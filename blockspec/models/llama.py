@@ -1,4 +1,8 @@
-"""Llama-3.x and Qwen3 causal LMs over the paged KV cache. Parameter names match HF checkpoints."""
+"""Llama-3.x and Qwen3 causal LMs over the paged KV cache. Parameter names match HF checkpoints.
+
+The forward is cut at each attention into pieces (`CausalLM.run_piece`, state in `PieceState`): the eager forward
+runs them with attention in between, and so do the piecewise CUDA graphs, with static buffers.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +18,7 @@ from blockspec.layers.norm import RMSNorm
 from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.config import TargetConfig
+from blockspec.models.pieces import PieceState
 from blockspec.batch import ForwardBatch
 
 
@@ -43,6 +48,16 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k, v [T, Hk, D]: views of the projection qkv [T, (Hq + 2 Hk) D]."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+        )
+
     def project(
         self,
         normed: torch.Tensor,
@@ -53,12 +68,7 @@ class SelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """(q, k, v, kv_stored): q/k normed (Qwen3) and rotated; on CUDA k and v also land in `store` if given.
         With `qkv_out` [T, (Hq + 2 Hk) D] the projection is written there (on CUDA q, k, v are then views of it)."""
-        t = normed.shape[0]
-        qkv = linear_into(self.qkv_proj, normed, qkv_out)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.split_heads(linear_into(self.qkv_proj, normed, qkv_out))
         qk_norm = QKNorm.of(self.q_norm, self.k_norm) if self.qk_norm else None
         rotated_q, k, kv_stored = rotary.apply(positions, q, k, v, qk_norm, store)
         assert rotated_q is not None
@@ -72,46 +82,6 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def pre_attention(
-        self,
-        hidden: torch.Tensor,
-        residual: Optional[torch.Tensor],
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        store: Optional[LayerKVStore] = None,
-        qkv_out: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        """(q, k, v, residual, kv_stored); `hidden` is the previous layer's MLP output (or the embeddings, residual
-        None). With `store`, the new K/V may be written to the cache here (kv_stored tells); `qkv_out` as in
-        SelfAttention.project."""
-        if residual is None:
-            residual = hidden.clone()
-            normed = self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        q, k, v, kv_stored = self.self_attn.project(normed, positions, rotary, store, qkv_out)
-        return q, k, v, residual, kv_stored
-
-    def post_attention(
-        self, attn: torch.Tensor, residual: torch.Tensor, mlp_out: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp output, residual); the layer's output is their sum. `mlp_out`: optional buffer for the MLP output."""
-        normed, residual = self.post_attention_layernorm.add_and_norm(self.self_attn.o_proj(attn), residual)
-        return self.mlp(normed, mlp_out), residual
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: Optional[torch.Tensor],
-        rotary: RotaryEmbedding,
-        batch: ForwardBatch,
-        backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        layer_id = self.self_attn.layer_id
-        store = backend.pool.layer_store(layer_id, batch.out_cache_loc)
-        q, k, v, residual, kv_stored = self.pre_attention(hidden, residual, batch.positions, rotary, store)
-        return self.post_attention(backend.forward(q, k, v, layer_id, batch, kv_stored=kv_stored), residual)
 
 
 class DecoderModel(nn.Module):
@@ -140,19 +110,91 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    # ---- pieces: the model code between two attentions ----------------------------------------------
+    @property
+    def num_pieces(self) -> int:
+        """One piece before each layer's attention, plus the last (after the last attention)."""
+        return len(self.model.layers) + 1
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k, v [T, Hk, D] as views of a projection buffer (the same layout in every layer)."""
+        return self.model.layers[0].self_attn.split_heads(qkv)
+
+    def run_piece(self, index: int, state: PieceState) -> None:
+        """Runs piece `index` of `num_pieces` on `state` (see PieceState for what it reads and leaves there):
+        0: embed + layer 0 up to attention; i in 1..L-1: layer i-1 after attention (o_proj, post-attention norm,
+        MLP, capture of its output) + layer i up to attention; L: layer L-1 after attention + final norm.
+        "Up to attention": input norm, q/k/v projection, q/k norm (Qwen3), rope, K/V stored at state.kv_slots."""
+        layers = self.model.layers
+        if index == 0:
+            assert all(0 <= layer_id < len(layers) for layer_id in state.capture_layer_ids), state.capture_layer_ids
+            state.residual = state.place(self.embed(state.input_ids), state.residual)
+            self._prepare_attention(0, layers[0].input_layernorm(state.residual), state)
+            return
+        self._finish_layer(index - 1, state)
+        if index < len(layers):
+            self._prepare_attention(index, self._add_mlp_out_and_norm(layers[index].input_layernorm, state), state)
+        else:
+            state.hidden = state.place(self._add_mlp_out_and_norm(self.model.norm, state), state.hidden)
+
+    def _add_mlp_out_and_norm(self, norm: RMSNorm, state: PieceState) -> torch.Tensor:
+        """norm(residual + mlp_out); the sum becomes the residual."""
+        assert state.mlp_out is not None and state.residual is not None
+        normed, residual = norm.add_and_norm(state.mlp_out, state.residual)
+        state.residual = state.place(residual, state.residual)
+        return normed
+
+    def _prepare_attention(self, layer_id: int, normed: torch.Tensor, state: PieceState) -> None:
+        """Layer `layer_id` from its normed input to q, k, v in the state, its K/V stored in the cache."""
+        attention = self.model.layers[layer_id].self_attn
+        store = state.kv_pool.layer_store(layer_id, state.kv_slots)
+        qkv_out = state.buffer(state.qkv)
+        q, k, v, kv_stored = attention.project(normed, state.positions, self.model.rotary, store, qkv_out)
+        if qkv_out is not None:
+            static_q, static_k, _ = attention.split_heads(qkv_out)
+            q, k = state.place(q, static_q), state.place(k, static_k)
+        if not kv_stored:
+            store.write(k, v)
+        state.q, state.k, state.v = q, k, v
+
+    def _finish_layer(self, layer_id: int, state: PieceState) -> None:
+        """Layer `layer_id` after attention: leaves its MLP output in state.mlp_out (its output: + residual)."""
+        layer = self.model.layers[layer_id]
+        assert state.attn_out is not None and state.residual is not None
+        attended = layer.self_attn.o_proj(state.attn_out)
+        normed, residual = layer.post_attention_layernorm.add_and_norm(attended, state.residual)
+        state.residual = state.place(residual, state.residual)
+        state.mlp_out = state.place(layer.mlp(normed, state.buffer(state.mlp_out)), state.mlp_out)
+        self._capture_output(layer_id, state)
+
+    def _capture_output(self, layer_id: int, state: PieceState) -> None:
+        """The output of layer `layer_id` (mlp_out + residual) into its column block(s) of state.aux."""
+        assert state.mlp_out is not None and state.residual is not None
+        hidden_size = state.mlp_out.shape[-1]
+        for column, captured_id in enumerate(state.capture_layer_ids):
+            if captured_id != layer_id:
+                continue
+            if state.aux is None:
+                state.aux = state.mlp_out.new_empty(state.mlp_out.shape[0], len(state.capture_layer_ids) * hidden_size)
+            block = state.aux[:, column * hidden_size:(column + 1) * hidden_size]
+            torch.add(state.mlp_out, state.residual, out=block)
+
+    # ---- eager forward ----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> ModelOutput:
+        """The pieces with attention in between (the pieces already stored K/V, hence kv_stored). NOTE: captured
+        inside full CUDA graphs (decode / verify / greedy cycle): no host syncs, no data-dependent Python here or in
+        the pieces."""
         batch.attn_meta = backend.plan(batch)
-        hidden = batch.input_embeds if batch.input_embeds is not None else self.embed(batch.input_ids)
-        residual: Optional[torch.Tensor] = None
-        captured: dict[int, torch.Tensor] = {}
-        capture = set(batch.capture_layer_ids)
-        for layer_id, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, self.model.rotary, batch, backend)
-            if layer_id in capture:
-                captured[layer_id] = hidden + residual  # the output of layer `layer_id`
-        aux = torch.cat([captured[i] for i in batch.capture_layer_ids], dim=-1) if captured else None
-        assert residual is not None
-        hidden, _ = self.model.norm.add_and_norm(hidden, residual)
+        state = PieceState(
+            batch.input_ids, batch.positions, batch.out_cache_loc, backend.pool, tuple(batch.capture_layer_ids)
+        )
+        for index in range(self.num_pieces):
+            self.run_piece(index, state)
+            if index < len(self.model.layers):
+                assert state.q is not None and state.k is not None and state.v is not None
+                state.attn_out = backend.forward(state.q, state.k, state.v, index, batch, kv_stored=True)
+        hidden = state.hidden
+        assert hidden is not None
         rows = hidden[batch.logits_rows]
         logits = self.compute_logits(rows) if batch.float_logits else self.lm_head(rows)
-        return ModelOutput(logits, aux, hidden)
+        return ModelOutput(logits, state.aux, hidden)

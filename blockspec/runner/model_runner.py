@@ -72,6 +72,7 @@ class ModelRunner:
         )
         self.graphs = CudaGraphs(graphs_available, config.cuda_graph_bs, self.req_to_token, self.max_positions, self.device)
         self.piecewise: Optional[PiecewiseGraphRunner] = None
+        self.piecewise_enabled = True  # NOTE: public switch (benchmarks time eager extends); keeps the captured graphs
         self.piecewise_counts = {"piecewise": 0, "piecewise_fallback": 0}
         logger.info(
             "target %s: %d layers, dtype %s, KV pool %d slots (page %d)",
@@ -135,7 +136,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_extend(self, batch: ForwardBatch) -> ModelOutput:
         """An extend (prefill) batch: piecewise graphs when they can take it, else eager."""
-        if self.piecewise is not None:
+        if self.piecewise is not None and self.piecewise_enabled:
             if self.piecewise.can_run(batch):
                 self.piecewise_counts["piecewise"] += 1
                 return self.piecewise.forward(batch)

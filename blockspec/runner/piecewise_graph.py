@@ -1,12 +1,13 @@
 """Piecewise CUDA graphs for prefill/extend: graphs for everything between attentions, attention eager.
 
-The target forward is cut at each attention into L+1 segments: [embed + layer 0 pre-attention],
-[layer i-1 post-attention + layer i pre-attention] for i in 1..L-1, and [layer L-1 post-attention + final norm].
-Each segment reads and writes fixed buffers (sized for the largest bucket, sliced per bucket), so one graph per
-(segment, token bucket) can be replayed for any batch whose token count rounds up to that bucket. Segments also
-store the new K/V (fused with rope) at a static slot buffer whose padding rows point at the dummy slot, so padding
-never writes a real KV slot; attention runs eagerly between segments on the real tokens only, reading q/k/v as views
-of the segment's projection buffer and writing its output into the next segment's input buffer.
+The segments are the model's pieces (`CausalLM.run_piece`, the same code the eager forward runs): [embed + layer 0
+up to attention], [layer i-1 after attention + layer i up to attention] for i in 1..L-1, and [layer L-1 after
+attention + final norm]. Here they run on static buffers (sized for the largest bucket, sliced per bucket) that
+they leave their results in, so one graph per (segment, token bucket) can be replayed for any batch whose token
+count rounds up to that bucket. Segments also store the new K/V (fused with rope) at a static slot buffer whose
+padding rows point at the dummy slot, so padding never writes a real KV slot; attention runs eagerly between
+segments on the real tokens only, reading q/k/v as views of the projection buffer and writing its output into the
+next segment's input buffer.
 
 The hidden-capture mode (which layer outputs are returned for every token) is fixed at construction and used both
 at capture and at replay; a batch asking for another mode is refused by `can_run` and runs eagerly.
@@ -22,6 +23,7 @@ import torch
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.models.llama import CausalLM, ModelOutput
+from blockspec.models.pieces import PieceState
 from blockspec.batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -65,70 +67,43 @@ class PiecewiseGraphRunner:
         self.device = device
         self.pool = pool
         self.aux_consumer = aux_consumer if capture_layer_ids else None
-        self.num_layers = cfg.num_layers
         n, h, dtype = self.buckets[-1], cfg.hidden_size, model.lm_head.weight.dtype
 
         def buffer(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=kind, device=device)
 
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.head_shapes = ((cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim))
+        attention_width = cfg.num_heads * cfg.head_dim
         self.input_ids = buffer(n, kind=torch.int64)
         self.positions = buffer(n, kind=torch.int64)
         self.out_cache_loc = buffer(n, kind=torch.int64)
-        self.qkv = buffer(n, self.q_size + 2 * self.kv_size)
-        self.attn = buffer(n, self.q_size)
+        self.qkv = buffer(n, attention_width + 2 * cfg.num_kv_heads * cfg.head_dim)
+        self.attn = buffer(n, attention_width)
         self.residual = buffer(n, h)
         self.mlp_out = buffer(n, h)
         self.hidden = buffer(n, h)
         self.aux_all = buffer(n, len(capture_layer_ids) * h)  # the captured layers side by side, in order
+        # NOTE: views for inspection only; the model's pieces write aux_all
         self.aux = {layer_id: self.aux_all[:, i * h:(i + 1) * h] for i, layer_id in enumerate(capture_layer_ids)}
+        self.states: dict[int, PieceState] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
-    def qkv_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [n, Hq, D], k, v [n, Hk, D]: views of the static projection buffer (what attention reads)."""
-        q, k, v = self.qkv[:n].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        (hq, d), (hk, _) = self.head_shapes
-        return q.view(n, hq, d), k.view(n, hk, d), v.view(n, hk, d)
-
-    # ---- segments (pure functions of the buffers, sliced to n tokens) ------------------------
-    # NOTE: on CUDA the ops below write the static buffers in place (qkv projection, in-place rope + K/V store,
-    # in-place residual add, MLP into mlp_out), so nothing is copied between segments and attention except the
-    # embeddings into `residual` (segment 0) and the final hidden; the other copies only run on CPU (eager segment
-    # tests), where those ops return new tensors.
-    def _pre_attention(self, layer_id: int, n: int, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
-        """Layer `layer_id` up to attention; its K/V land in the cache at out_cache_loc (padding: the dummy slot)."""
-        store = self.backend.pool.layer_store(layer_id, self.out_cache_loc[:n])
-        q, k, v, residual, kv_stored = self.model.model.layers[layer_id].pre_attention(
-            hidden, residual, self.positions[:n], self.model.model.rotary, store, self.qkv[:n]
-        )
-        for produced, static in zip((q, k, residual), (*self.qkv_views(n)[:2], self.residual[:n])):
-            if produced.data_ptr() != static.data_ptr():
-                static.copy_(produced)
-        if not kv_stored:
-            store.write(k, v)
-
-    def _finish_layer(self, layer_id: int, n: int) -> torch.Tensor:
-        """Runs layer `layer_id`'s post-attention part; leaves its MLP output in self.mlp_out."""
-        layer = self.model.model.layers[layer_id]
-        _, residual = layer.post_attention(self.attn[:n], self.residual[:n], self.mlp_out[:n])
-        if residual.data_ptr() != self.residual.data_ptr():
-            self.residual[:n].copy_(residual)
-        if layer_id in self.aux:
-            torch.add(self.mlp_out[:n], self.residual[:n], out=self.aux[layer_id][:n])
-        return self.mlp_out[:n]
+    def piece_state(self, n: int) -> PieceState:
+        """The model's piece state over the first n rows of the static buffers (one per bucket, made once)."""
+        if n not in self.states:
+            self.states[n] = PieceState(
+                self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n], self.backend.pool,
+                self.capture_layer_ids, static_buffers=True, qkv=self.qkv[:n], attn_out=self.attn[:n],
+                residual=self.residual[:n], mlp_out=self.mlp_out[:n], aux=self.aux_all[:n], hidden=self.hidden[:n],
+            )
+        return self.states[n]
 
     def segment(self, index: int, n: int) -> None:
-        if index == 0:
-            self._pre_attention(0, n, self.model.embed(self.input_ids[:n]), None)
-        elif index < self.num_layers:
-            self._pre_attention(index, n, self._finish_layer(index - 1, n), self.residual[:n])
-        else:
-            mlp_out = self._finish_layer(self.num_layers - 1, n)
-            hidden, _ = self.model.model.norm.add_and_norm(mlp_out, self.residual[:n])
-            self.hidden[:n].copy_(hidden)
-            if self.aux_consumer is not None:
-                self.aux_consumer(self.aux_all[:n], self.positions[:n], self.out_cache_loc[:n])
+        """The model's piece `index` on the static buffers of bucket n; the last also feeds the aux consumer.
+        NOTE: padding rows carry slot 0 (the dummy page's), so their K/V (and draft KV) land there."""
+        state = self.piece_state(n)
+        self.model.run_piece(index, state)
+        if index == self.model.num_pieces - 1 and self.aux_consumer is not None:
+            self.aux_consumer(self.aux_all[:n], self.positions[:n], self.out_cache_loc[:n])
 
     # ---- capture and replay -------------------------------------------------------------------
     def capture(self) -> None:
@@ -138,7 +113,7 @@ class PiecewiseGraphRunner:
         for static in (self.input_ids, self.positions, self.out_cache_loc):
             static.zero_()
         for n in reversed(self.buckets):
-            for index in range(self.num_layers + 1):
+            for index in range(self.model.num_pieces):
                 self.segment(index, n)  # NOTE: warm-up compiles kernels before capture
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
@@ -147,14 +122,13 @@ class PiecewiseGraphRunner:
                 self.graphs[(index, n)] = graph
         logger.info(
             "captured piecewise graphs: %d buckets x %d segments in %.1f s, %.0f MiB",
-            len(self.buckets), self.num_layers + 1, time.perf_counter() - start,
+            len(self.buckets), self.model.num_pieces, time.perf_counter() - start,
             (torch.cuda.memory_allocated(self.device) - before) / 2**20,
         )
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (
             batch.mode is ForwardMode.EXTEND
-            and batch.input_embeds is None
             and tuple(batch.capture_layer_ids) == self.capture_layer_ids
             and bucket_for(self.buckets, batch.num_tokens) is not None
         )
@@ -173,10 +147,10 @@ class PiecewiseGraphRunner:
             self.out_cache_loc[t:n].zero_()  # NOTE: slot 0 is the dummy page's: padding rows never touch real KV
         batch.attn_meta = self.backend.plan(batch)
         run: Callable[[int], None] = (lambda i: self.graphs[(i, n)].replay()) if use_graphs else (lambda i: self.segment(i, n))
-        q, k, v = self.qkv_views(t)
-        for index in range(self.num_layers + 1):
+        q, k, v = self.model.split_qkv(self.qkv[:t])  # NOTE: attention runs on the real rows only
+        for index in range(self.model.num_pieces):
             run(index)
-            if index < self.num_layers:
+            if index < self.model.num_pieces - 1:
                 self.backend.forward(q, k, v, index, batch, kv_stored=True, out=self.attn[:t])
         hidden = self.hidden[:t].clone()  # NOTE: the static buffer is overwritten by the next extend
         # NOTE: aux is a view of the static buffer: valid until the next extend (its consumer, if any, already ran).
