@@ -96,16 +96,30 @@ def build_batch(
 
 
 @dataclass
-class UniformRows:
+class RowsLayout:
+    """Rows [q token ids | req→token row | seq_len after this forward] per request of a uniform batch."""
+
+    mode: ForwardMode
+    rows: torch.Tensor  # [bs, q + 2] int64
+    capture_layer_ids: tuple[int, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def q(self) -> int:
+        return int(self.rows.shape[1]) - 2
+
+
+@dataclass
+class UniformRows(RowsLayout):
     """Host-side description of a uniform batch (decode / verify / draft): every request adds q tokens.
 
     `rows[i]` = [q token ids | req→token row | seq_len after this forward]. Positions and KV slots follow on the
     device (positions seq_len-q .. seq_len-1, slots from the req→token table), so one host→device copy of `rows`
-    is the whole input of a forward (a captured graph derives the rest inside the graph)."""
-
-    mode: ForwardMode
-    rows: torch.Tensor  # [bs, q + 2] int64, on the host (pinned when the model is on CUDA)
-    capture_layer_ids: tuple[int, ...] = ()
+    is the whole input of a forward (a captured graph derives the rest inside the graph). The rows are on the host
+    (pinned when the model is on CUDA)."""
 
     @classmethod
     def build(
@@ -121,14 +135,6 @@ class UniformRows:
         rows = torch.tensor(data, dtype=torch.int64, pin_memory=device.type == "cuda")
         return cls(mode, rows, capture_layer_ids)
 
-    @property
-    def batch_size(self) -> int:
-        return int(self.rows.shape[0])
-
-    @property
-    def q(self) -> int:
-        return int(self.rows.shape[1]) - 2
-
     def to_batch(self, req_to_token: torch.Tensor, max_seq_len_hint: Optional[int] = None) -> ForwardBatch:
         """The eager batch: one host→device copy, then the same derivation a captured graph runs."""
         rows = self.rows.to(req_to_token.device, non_blocking=True)
@@ -139,21 +145,9 @@ class UniformRows:
 
 
 @dataclass
-class DeviceRows:
-    """A uniform batch whose rows (UniformRows layout) are already on the device, e.g. derived from the previous
-    step's outputs by the overlap schedule: replaying a graph from them needs no host data."""
-
-    mode: ForwardMode
-    rows: torch.Tensor  # [bs, q + 2] int64, on the device
-    capture_layer_ids: tuple[int, ...] = ()
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.rows.shape[0])
-
-    @property
-    def q(self) -> int:
-        return int(self.rows.shape[1]) - 2
+class DeviceRows(RowsLayout):
+    """A uniform batch whose rows are already on the device, e.g. derived from the previous step's outputs by the
+    overlap schedule: replaying a graph from them needs no host data."""
 
     def to_batch(self, req_to_token: torch.Tensor, max_seq_len_hint: Optional[int] = None) -> ForwardBatch:
         """The eager batch. NOTE: eager planning reads seq_lens on the host (a device sync)."""
