@@ -50,7 +50,7 @@ class Engine:
 
     def _build_workers(self) -> tuple[ModelRunner, Worker]:
         if self.config.speculative_algorithm == "DFLASH":
-            from blockspec.speculative.dflash import build_dflash_worker
+            from blockspec.speculative.build import build_dflash_worker
 
             return build_dflash_worker(self.config)
         runner = ModelRunner(self.config)
@@ -140,6 +140,7 @@ class Engine:
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions,
+            "num_mixed_steps": self.scheduler.steps.mixed_steps,
         }
         if self.worker.is_speculative:
             internal.update(self.scheduler.spec_stats())

@@ -105,7 +105,14 @@ class Scheduler:
         Returns the requests that finished (or were aborted) during this step."""
         done = self.collect_finished()
         plan = self._schedule_extend()
-        if plan:
+        if plan and self.config.enable_mixed_chunk:
+            # NOTE: the running requests decode in the same forward: the step in flight is committed first.
+            self._apply(self.steps.drain())
+            decoding = self._decoding()
+            if decoding and self.steps.fits(decoding):
+                plan.decode = decoding
+            self._apply(self.steps.run(plan))
+        elif plan:
             # NOTE: a step in flight stays so: its requests have no prompt work (pending_len 1) and are not retracted
             # here; the next decode step carries them and adds the newly prefilled ones.
             self._apply(self.steps.run(plan))

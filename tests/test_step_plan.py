@@ -41,7 +41,7 @@ def test_mixed_plan_commits_what_separate_steps_would(models: dict[str, Any], sp
     scheduler, runner = engine.scheduler, engine.runner
     decoding = prefilled(engine, DECODING, GREEDY)
     arriving = [Req(ids, SamplingParams.from_dict(GREEDY)) for ids in ARRIVING]
-    for req in arriving:  # NOTE: admitted by hand: the scheduler plans one part per step today
+    for req in arriving:  # NOTE: admitted by hand, so the plan holds exactly these parts
         scheduler.add_request(req)
         scheduler.waiting.remove(req)
         req.pool_row = runner.req_to_token.acquire()

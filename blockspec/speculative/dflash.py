@@ -2,29 +2,24 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
+import itertools
 from typing import Optional, Sequence
 
 import torch
 
 from blockspec.attention.base import graph_planner
 from blockspec.attention.factory import make_backend
-from blockspec.config import EngineConfig
 from blockspec.kv.pool import KVPool
-from blockspec.models.config import load_target_config
-from blockspec.models.dflash_draft import DFlashDraftModel, load_draft_model
-from blockspec.models.draft_config import DraftConfig, load_draft_config
+from blockspec.models.dflash_draft import DFlashDraftModel
+from blockspec.models.draft_config import DraftConfig
 from blockspec.request import Req
-from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows
-from blockspec.runner.model_runner import ModelRunner, pick_dtype
+from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
+from blockspec.runner.model_runner import ModelRunner
 from blockspec.runner.graphs import GraphKind
 from blockspec.sampling import greedy_tokens, sampling_probs
 from blockspec.speculative.acceptance import forced_accept_count, greedy_accept_counts, rejection_accept
 from blockspec.step.inflight import InFlightStep, host_copy, launch_rows
 from blockspec.step.target_worker import TargetWorker
-
-logger = logging.getLogger(__name__)
-
 
 class DFlashWorker(TargetWorker):
     """Each decode step is one spec cycle: a draft forward and a target verify forward over B tokens/request."""
@@ -209,9 +204,15 @@ class DFlashWorker(TargetWorker):
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
         if self.can_run_ahead(reqs):  # NOTE: without a carry the cycle keeps the order of reqs (none is finished)
             return [tokens or [] for tokens in self.finish(self.launch(reqs))]
+        draft_batch, proposals, draft_probs = self.propose(reqs)
+        return self._accept(reqs, proposals, draft_probs, self.verify(draft_batch, proposals))
+
+    def _accept(
+        self, reqs: Sequence[Req], proposals_device: torch.Tensor, draft_probs: dict[int, torch.Tensor],
+        logits: torch.Tensor,
+    ) -> list[list[int]]:
+        """Each request's committed tokens from its block's target logits [bs, B, V], kv_len advanced past them."""
         b = self.block_size
-        draft_batch, proposals_device, draft_probs = self.propose(reqs)
-        logits = self.verify(draft_batch, proposals_device)
         target_argmax = greedy_tokens(logits)
         accepted_counts = greedy_accept_counts(proposals_device, target_argmax, self.forced_accepted)
         # NOTE: greedy requests need only this device→host copy per cycle (sampled ones also sync in acceptance).
@@ -228,6 +229,41 @@ class DFlashWorker(TargetWorker):
         return committed
 
 
+    @torch.inference_mode()
+    def mixed(
+        self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req]
+    ) -> tuple[list[Optional[int]], list[list[int]]]:
+        """One target forward over prefill chunks and verify blocks (an extend batch: a block is B causal tokens on top
+        of the request's KV), after the draft proposed the blocks; the draft KV of every token is written from the
+        same forward. Returns the chunks' first tokens (see `extend`) and the decode requests' committed tokens.
+        The executor has given decode requests slots for kv_len .. kv_len+B-1."""
+        b, num_chunks = self.block_size, len(reqs)
+        _, proposals, draft_probs = self.propose(decode_reqs)
+        masks = [self.draft_config.mask_token_id] * (b - 1)
+        token_ids = [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
+        token_ids += [[req.all_ids[-1], *masks] for req in decode_reqs]
+        everyone = [*reqs, *decode_reqs]
+        chunk_ends = list(itertools.accumulate(chunk_lens))
+        offset = chunk_ends[-1] if chunk_ends else 0
+        block_rows = [offset + i * b + j for i in range(len(decode_reqs)) for j in range(b)]
+        batch = build_batch(
+            ForwardMode.EXTEND, token_ids, [req.kv_len for req in everyone],
+            [req.pool_row for req in everyone],  # type: ignore[misc]
+            self.runner.req_to_token.table, [end - 1 for end in chunk_ends] + block_rows, self.capture,
+        )
+        proposal_rows = torch.tensor([r for r in block_rows if (r - offset) % b], device=batch.input_ids.device)
+        batch.input_ids[proposal_rows] = proposals.reshape(-1)  # NOTE: the mask placeholders become d_1..d_{B-1}
+        output = self.runner.forward_extend(batch)
+        if not output.aux_consumed:
+            assert output.aux_hidden is not None
+            self._materialise_draft_kv(output.aux_hidden, batch.positions, batch.out_cache_loc)
+        for req, n in zip(reqs, chunk_lens):
+            req.kv_len += n
+        first = self.first_tokens(reqs, output.logits[:num_chunks])
+        block_logits = output.logits[num_chunks:].view(len(decode_reqs), b, -1)
+        return first, self._accept(decode_reqs, proposals, draft_probs, block_logits)
+
+
 def next_cycle_rows(cycle: InFlightStep, index: Optional[torch.Tensor], block_size: int) -> torch.Tensor:
     """Input rows of the next cycle for `cycle.reqs[index]` (all of them when index is None), from device outputs
     alone: the bonus token target[accepted], the same mask tokens and req→token row, seq_len + accepted + 1.
@@ -239,27 +275,3 @@ def next_cycle_rows(cycle: InFlightStep, index: Optional[torch.Tensor], block_si
     accepted = tokens[:, :1]
     bonus = tokens.gather(1, accepted + 1 + block_size)
     return torch.cat([bonus, rows[:, 1:block_size + 1], rows[:, block_size + 1:] + accepted + 1], dim=1)
-
-
-def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker]:
-    assert config.speculative_draft_model_path is not None
-    target_config = load_target_config(config.model_path)
-    draft_config = load_draft_config(config.speculative_draft_model_path, target_config)
-    block_size = config.speculative_num_draft_tokens or draft_config.block_size
-    device = config.resolved_device
-    dtype = pick_dtype(config, device)
-    draft_bytes = KVPool.bytes_per_slot(draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim, dtype)
-    runner = ModelRunner(
-        config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=2 * block_size,  # NOTE: overlap reserves 2 blocks ahead
-        hidden_capture_layer_ids=tuple(draft_config.target_layer_ids),
-    )
-    draft = load_draft_model(
-        config.speculative_draft_model_path, draft_config, runner.dtype, runner.device, runner.max_positions,
-        dummy=config.load_format == "dummy",
-    )
-    draft_pool = KVPool(
-        runner.kv_pool.num_slots, draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim,
-        runner.dtype, runner.device,
-    )
-    logger.info("DFlash draft: %d layers, block %d, taps %s", draft_config.num_layers, block_size, draft_config.target_layer_ids)
-    return runner, DFlashWorker(runner, draft, draft_pool, block_size)

@@ -31,6 +31,10 @@ class Worker(Protocol):
 
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
 
+    def mixed(
+        self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req]
+    ) -> tuple[list[Optional[int]], list[list[int]]]: ...
+
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool: ...
 
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep: ...
@@ -46,6 +50,7 @@ class StepExecutor:
         self.table = table
         self.overlap = overlap
         self.in_flight: Optional[InFlightStep] = None
+        self.mixed_steps = 0  # steps whose one forward carried prefill chunks and decode/verify together
 
     @property
     def slots_per_decode(self) -> int:
@@ -63,21 +68,25 @@ class StepExecutor:
         return needed * self.allocator.page_size <= self.allocator.free_slots
 
     def run(self, plan: StepPlan) -> list[Committed]:
-        """Runs the plan synchronously: its extend chunks, then one decode step of its decode requests (slots for it
-        are given here; the scheduler made room with `fits`). Nothing of the plan may be in flight."""
-        committed: list[Committed] = []
-        if plan.extend:
-            reqs, lens = [c.req for c in plan.extend], [c.length for c in plan.extend]
-            for req, token in zip(reqs, self.worker.extend(reqs, lens)):
-                if token is not None:
-                    committed.append(Committed(req, [token], verified=False))
-        if plan.decode:
+        """Runs the plan synchronously, in one forward when it has both parts (`Worker.mixed`): its extend chunks
+        and one decode step of its decode requests (slots for it are given here; the scheduler made room with
+        `fits`). Nothing of the plan may be in flight."""
+        reqs, lens = [c.req for c in plan.extend], [c.length for c in plan.extend]
+        decode_reqs = plan.decode
+        if decode_reqs:
             assert self.in_flight is None, "drain the step in flight before a synchronous decode step"
-            reqs = plan.decode
-            self.allocator.grow_many(reqs, [req.kv_len + self.slots_per_decode for req in reqs], self.table)
-            for req, tokens in zip(reqs, self.worker.decode(reqs)):
-                self.allocator.shrink(req, req.kv_len)
-                committed.append(Committed(req, tokens, verified=True))
+            grown = [req.kv_len + self.slots_per_decode for req in decode_reqs]
+            self.allocator.grow_many(decode_reqs, grown, self.table)
+        if reqs and decode_reqs:
+            first, decoded = self.worker.mixed(reqs, lens, decode_reqs)
+            self.mixed_steps += 1
+        else:
+            first = self.worker.extend(reqs, lens) if reqs else []
+            decoded = self.worker.decode(decode_reqs) if decode_reqs else []
+        committed = [Committed(req, [token], verified=False) for req, token in zip(reqs, first) if token is not None]
+        for req, tokens in zip(decode_reqs, decoded):
+            self.allocator.shrink(req, req.kv_len)
+            committed.append(Committed(req, tokens, verified=True))
         return committed
 
     def run_ahead(self, reqs: list[Req]) -> Optional[list[Committed]]:

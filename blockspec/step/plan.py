@@ -18,8 +18,7 @@ class ExtendChunk:
 class StepPlan:
     """One engine step: some requests extend (prefill chunks) while others decode a token or verify a block.
 
-    NOTE: the scheduler fills one part per step today; the executor runs a plan with both parts as an extend
-    forward followed by a decode forward (one fused forward for both is the serving issue's next step)."""
+    A plan with both parts runs as one target forward (--enable-mixed-chunk; `Worker.mixed`)."""
 
     extend: list[ExtendChunk] = field(default_factory=list)
     decode: list[Req] = field(default_factory=list)

@@ -59,13 +59,27 @@ class TargetWorker:
 
     def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> list[Optional[int]]:
         """Runs the chunks; per request its first output token once its whole prompt is cached, else None."""
-        logits = self.extend_logits(reqs, chunk_lens)
+        return self.first_tokens(reqs, self.extend_logits(reqs, chunk_lens))
+
+    def first_tokens(self, reqs: Sequence[Req], logits: torch.Tensor) -> list[Optional[int]]:
+        """From last-token logits [bs, V] after an extend: the sampled token of each request whose prompt is now
+        fully cached, None for one still mid-prompt."""
         ready = [i for i, req in enumerate(reqs) if req.pending_len == 0]
         first: list[Optional[int]] = [None] * len(reqs)
         if ready:
             for i, token in zip(ready, sample_next_tokens(logits[ready], [reqs[i] for i in ready])):
                 first[i] = token
         return first
+
+    def mixed(
+        self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req]
+    ) -> tuple[list[Optional[int]], list[list[int]]]:
+        """One extend forward over prefill chunks and the decode requests' last tokens (a chunk of one token each).
+        Returns the chunks' first tokens (see `extend`) and each decode request's token."""
+        first = self.extend([*reqs, *decode_reqs], [*chunk_lens, *[1] * len(decode_reqs)])
+        decoded = first[len(reqs):]
+        assert all(token is not None for token in decoded)
+        return first[:len(reqs)], [[token] for token in decoded if token is not None]
 
     # ---- decode ------------------------------------------------------------------------------
     def _decode_rows(self, reqs: Sequence[Req]) -> UniformRows:

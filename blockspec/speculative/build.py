@@ -1,0 +1,38 @@
+"""Builds the DFlash engine's model runner (KV budget shared with the draft pool) and worker."""
+from __future__ import annotations
+
+import logging
+
+from blockspec.config import EngineConfig
+from blockspec.kv.pool import KVPool
+from blockspec.models.config import load_target_config
+from blockspec.models.dflash_draft import load_draft_model
+from blockspec.models.draft_config import load_draft_config
+from blockspec.runner.model_runner import ModelRunner, pick_dtype
+from blockspec.speculative.dflash import DFlashWorker
+
+logger = logging.getLogger(__name__)
+
+
+def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker]:
+    assert config.speculative_draft_model_path is not None
+    target_config = load_target_config(config.model_path)
+    draft_config = load_draft_config(config.speculative_draft_model_path, target_config)
+    block_size = config.speculative_num_draft_tokens or draft_config.block_size
+    device = config.resolved_device
+    dtype = pick_dtype(config, device)
+    draft_bytes = KVPool.bytes_per_slot(draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim, dtype)
+    runner = ModelRunner(
+        config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=2 * block_size,  # NOTE: overlap reserves 2 blocks ahead
+        hidden_capture_layer_ids=tuple(draft_config.target_layer_ids),
+    )
+    draft = load_draft_model(
+        config.speculative_draft_model_path, draft_config, runner.dtype, runner.device, runner.max_positions,
+        dummy=config.load_format == "dummy",
+    )
+    draft_pool = KVPool(
+        runner.kv_pool.num_slots, draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim,
+        runner.dtype, runner.device,
+    )
+    logger.info("DFlash draft: %d layers, block %d, taps %s", draft_config.num_layers, block_size, draft_config.target_layer_ids)
+    return runner, DFlashWorker(runner, draft, draft_pool, block_size)
