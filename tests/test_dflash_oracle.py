@@ -37,8 +37,8 @@ def run_blockspec(target_dir: Path, draft_dir: Path, page_size: int) -> tuple[li
     return [r.output_ids for r in reqs], [r.spec_accept_lengths for r in reqs], engine
 
 
-# NOTE: taps stay below the last layer: HF's hidden_states[-1] is post-final-norm, so the reference's feature for
-# the last layer differs from "the output of layer i" (z-lab's default spread never taps it either).
+# NOTE: taps below the last layer here; a last-layer tap (the final-normed hidden, HF's hidden_states[-1]) is
+# covered by test_last_layer_tap.py.
 CASES = [
     ("llama", [0, 2], 4, False),
     ("llama", [0, 1, 2], 16, False),

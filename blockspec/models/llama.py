@@ -123,7 +123,8 @@ class CausalLM(nn.Module):
     def run_piece(self, index: int, state: PieceState) -> None:
         """Runs piece `index` of `num_pieces` on `state` (see PieceState for what it reads and leaves there):
         0: embed + layer 0 up to attention; i in 1..L-1: layer i-1 after attention (o_proj, post-attention norm,
-        MLP, capture of its output) + layer i up to attention; L: layer L-1 after attention + final norm.
+        MLP, capture of its output) + layer i up to attention; L: layer L-1 after attention + final norm (and the
+        capture of the final-normed hidden for a tap on layer L-1).
         "Up to attention": input norm, q/k/v projection, q/k norm (Qwen3), rope, K/V stored at state.kv_slots."""
         layers = self.model.layers
         if index == 0:
@@ -136,6 +137,7 @@ class CausalLM(nn.Module):
             self._prepare_attention(index, self._add_mlp_out_and_norm(layers[index].input_layernorm, state), state)
         else:
             state.hidden = state.place(self._add_mlp_out_and_norm(self.model.norm, state), state.hidden)
+            self._capture_output(index - 1, state, state.hidden)
 
     def _add_mlp_out_and_norm(self, norm: RMSNorm, state: PieceState) -> torch.Tensor:
         """norm(residual + mlp_out); the sum becomes the residual."""
@@ -165,10 +167,13 @@ class CausalLM(nn.Module):
         normed, residual = layer.post_attention_layernorm.add_and_norm(attended, state.residual)
         state.residual = state.place(residual, state.residual)
         state.mlp_out = state.place(layer.mlp(normed, state.buffer(state.mlp_out)), state.mlp_out)
-        self._capture_output(layer_id, state)
+        if layer_id < len(self.model.layers) - 1:
+            self._capture_output(layer_id, state)
 
-    def _capture_output(self, layer_id: int, state: PieceState) -> None:
-        """The output of layer `layer_id` (mlp_out + residual) into its column block(s) of state.aux."""
+    def _capture_output(self, layer_id: int, state: PieceState, final_normed: Optional[torch.Tensor] = None) -> None:
+        """The tapped feature of layer `layer_id` into its column block(s) of state.aux: the layer's output
+        (mlp_out + residual), or `final_normed` (the last layer's, given by the last piece). NOTE: the last layer's
+        tap is the state after the final norm, as HF's hidden_states[-1], which z-lab's drafts are trained on."""
         assert state.mlp_out is not None and state.residual is not None
         hidden_size = state.mlp_out.shape[-1]
         for column, captured_id in enumerate(state.capture_layer_ids):
@@ -177,7 +182,10 @@ class CausalLM(nn.Module):
             if state.aux is None:
                 state.aux = state.mlp_out.new_empty(state.mlp_out.shape[0], len(state.capture_layer_ids) * hidden_size)
             block = state.aux[:, column * hidden_size:(column + 1) * hidden_size]
-            torch.add(state.mlp_out, state.residual, out=block)
+            if final_normed is not None:
+                block.copy_(final_normed)
+            else:
+                torch.add(state.mlp_out, state.residual, out=block)
 
     # ---- eager forward ----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> ModelOutput:

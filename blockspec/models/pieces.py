@@ -39,7 +39,8 @@ class PieceState:
     attn_out: Optional[torch.Tensor] = None  # [T, Hq * D] output of the attention the last piece stopped at
     residual: Optional[torch.Tensor] = None  # [T, H] residual stream
     mlp_out: Optional[torch.Tensor] = None  # [T, H] MLP output of the last finished layer (its output: + residual)
-    aux: Optional[torch.Tensor] = None  # [T, len(capture_layer_ids) * H] the captured layer outputs
+    # [T, len(capture_layer_ids) * H] the captured layer outputs (for the last layer: the final-normed hidden)
+    aux: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None  # [T, H] final-normed hidden, set by the last piece
 
     def buffer(self, static: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

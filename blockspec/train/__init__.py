@@ -7,7 +7,7 @@ Recipe (z-lab has not published theirs; this follows the DFlash paper):
    draft learns the target's own distribution. Cached as JSON lines keyed by prompt index; a rerun generates only
    what is missing (the default cache lives under $BLOCKSPEC_CACHE or ~/.cache/blockspec, `--cache-dir` moves it).
 2. Features (features.py): the blockspec target model run as one extend forward with hidden capture at
-   `target_layer_ids` (output of layer i, before the final norm): the same tensors inference feeds the draft.
+   `target_layer_ids` (output of layer i; the final-normed state for the last layer): what inference feeds the draft.
 3. Training (blocks.py, trainer.py): anchors sampled in the response; block = [token at anchor, mask × (B-1)] at
    the anchor's positions; context = projected features of every token before the anchor; labels = the next B-1
    tokens; cross-entropy through the frozen target lm_head, weighted exp(-(k-1)/γ) by block position k; target

@@ -1,7 +1,8 @@
 """Target features for training: the blockspec target model run as one extend forward with hidden capture.
 
 The features are exactly what inference feeds the draft: for each token, the concatenated outputs of the target
-layers `target_layer_ids` (residual stream after layer i, before the final norm), from the same model code."""
+layers `target_layer_ids` (residual stream after layer i; for the last layer the final-normed state, as HF's
+`hidden_states[-1]`), from the same model code."""
 from __future__ import annotations
 
 from pathlib import Path
