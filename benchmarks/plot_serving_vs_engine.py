@@ -1,0 +1,44 @@
+"""Plots a serving_vs_engine_<date>_<commit>.json: server ÷ engine throughput and server tok/s vs closed-loop
+concurrency, one line per shape and mode (the Poisson run as a lone marker at its mean in-flight requests)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from plot_common import finish_axis, plt, save_beside
+
+
+def plot(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    rows: list[dict[str, Any]] = report["rows"]
+    fig, (ratio_ax, tok_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for index, key in enumerate(sorted({(r["shape"], r["mode"]) for r in rows})):
+        color = f"C{index}"
+        label = f"{key[0]} {key[1]}"
+        closed = sorted((r for r in rows if (r["shape"], r["mode"]) == key and r["concurrency"] != "poisson"),
+                        key=lambda r: r["concurrency"])
+        x = [r["concurrency"] for r in closed]
+        ratio_ax.plot(x, [r["server_over_engine"] for r in closed], "o-", color=color, label=label)
+        tok_ax.plot(x, [r["server_tok_s"] for r in closed], "o-", color=color, label=f"{label} server")
+        if closed:
+            tok_ax.axhline(closed[0]["engine_tok_s"], color=color, ls=":", alpha=0.7, label=f"{label} engine")
+        for r in rows:
+            if (r["shape"], r["mode"]) == key and r["concurrency"] == "poisson":
+                ratio_ax.plot([max(1.0, r["mean_in_flight"])], [r["server_over_engine"]], "x", color=color, ms=9,
+                              label=f"{label} Poisson {r['rate']:.1f} req/s")
+    ratio_ax.axhline(0.9, color="gray", ls="--", alpha=0.6, label="goal 0.90")
+    finish_axis(ratio_ax, "concurrent clients", "server tok/s ÷ engine tok/s", "server ÷ engine")
+    finish_axis(tok_ax, "concurrent clients", "output tokens/s", "throughput (dotted: offline engine)")
+    ticks = sorted({r["concurrency"] for r in rows if r["concurrency"] != "poisson"})
+    for ax in (ratio_ax, tok_ax):
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+    fig.suptitle(f"{report['gpu']} · {report['date']} · commit {report['commit']}", fontsize=10)
+    out = save_beside(fig, path)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    print(plot(Path(sys.argv[1])))

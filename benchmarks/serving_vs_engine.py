@@ -1,0 +1,269 @@
+"""The same work through the offline engine and through the HTTP server (issue 18's benchmark).
+
+Per shape (`llama8b`: Llama-3.1-8B config + 5-layer draft; `smollm2`: SmolLM2-135M config + the shipped draft; both
+with dummy weights unless --model-dir/--draft-dir; `tiny`: a CPU smoke shape) and mode (`dflash` with a simulated
+accept length, `target`): N random-token prompts, greedy, ignore_eos, fixed new tokens. First `Engine.generate` on
+all of them in a process of its own (engine tok/s), then `python -m blockspec.serve` with the same engine flags and
+streaming closed-loop clients on `/generate` (input_ids; spread over --client-procs processes) at each concurrency,
+plus one Poisson-arrival run: server tok/s, server ÷ engine, TTFT and inter-chunk latency (ITL) p50/p99, the
+server's accept length. The demo pair with real weights: --shapes smollm2 --model-dir <converted SmolLM2 dir>
+--accept-len 0 (the shipped draft has its weights). A run split over commands: --merge the earlier JSONs.
+Writes benchmarks/results/serving_vs_engine_<date>_<commit>[_tag].json after every phase, then a PNG beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, cast
+
+from blockspec.bench.serving import load_prompts
+from serving_vs_engine_support import (
+    DEFAULT_ACCEPT, ROOT, SHAPES, ServerProcess, Shape, client_namespace, log_tail, materialise, measure_level,
+    run_engine_phase,
+)
+
+MODES = ("dflash", "target")
+POISSON_FRACTION = 0.8  # default Poisson rate: this fraction of the top closed-loop level's request throughput
+
+
+def _csv(kind: type, choices: Optional[tuple[str, ...]] = None) -> Any:
+    def parse(text: str) -> list[Any]:
+        values = [kind(v.strip()) for v in text.split(",") if v.strip()]
+        bad = [v for v in values if choices is not None and v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list{' of ' + ', '.join(choices) if choices else ''}, got {text!r}")
+        return values
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", type=_csv(str, SHAPES), default=["smollm2", "llama8b"], help="smollm2,llama8b,tiny")
+    parser.add_argument("--modes", type=_csv(str, MODES), default=list(MODES), help="dflash,target")
+    parser.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32, 64], help="closed-loop clients, e.g. 1,8,32,64")
+    parser.add_argument("--poisson-rate", type=float, help=f"requests/s of the Poisson run (default {POISSON_FRACTION} x "
+                        "the request throughput at 64 clients, else at the most clients; 0 skips it)")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--max-rounds", type=int, default=0, help="a closed-loop level sends at most this many "
+                        "prompts per client (0: all --num-prompts; e.g. 16 shortens the 1-client level)")
+    parser.add_argument("--client-procs", type=int, default=4, help="client processes sharing each level's clients")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=64, help="prompts of the warm-up generate / warm-up level")
+    parser.add_argument("--warmup-new-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--accept-len", type=float, help="simulated accept length of dflash (default: llama8b "
+                        f"{DEFAULT_ACCEPT['llama8b']}, smollm2 {DEFAULT_ACCEPT['smollm2']}; <= 0: real acceptance)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--model-dir", type=Path, help="a real target checkpoint instead of the shape's config.json")
+    parser.add_argument("--draft-dir", type=Path, help="a real draft instead of the shape's (smollm2: the shipped one)")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), help="default: dummy, or auto with --model-dir")
+    parser.add_argument("--tokenizer-path", type=Path, help="a tokenizer directory: detokenization is measured too "
+                        "(default: --skip-tokenizer-init)")
+    parser.add_argument("--extra-flags", default="", help="more `blockspec serve` flags for both sides, written with "
+                        "'=', e.g. --extra-flags=\"--enable-mixed-chunk --enforce-piecewise-cuda-graph\" "
+                        "(server-only flags go to the server alone)")
+    parser.add_argument("--tag", default="", help="suffix of the result file name")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for the server to get healthy")
+    parser.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds for the whole engine phase")
+    parser.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier result JSONs whose rows (and "
+                        "engines, errors) come first in this one: a run split over several commands")
+    parser.add_argument("--no-plot", action="store_true")
+    return parser
+
+
+def extra_engine_kwargs(extra: list[str]) -> dict[str, Any]:
+    """The EngineConfig keywords that `blockspec serve` flags in `extra` change from their defaults."""
+    from blockspec.server.args import parse_serve_args
+
+    base = parse_serve_args(["--model-path", "unused"]).engine
+    changed = parse_serve_args(["--model-path", "unused", *extra]).engine
+    return {k: v for k, v in changed.items() if k not in base or base[k] != v}
+
+
+def serve_flags(kwargs: dict[str, Any]) -> list[str]:
+    """Engine keywords as `blockspec serve` flags (each flag is its EngineConfig field, dashed)."""
+    flags: list[str] = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def engine_kwargs(shape: Shape, mode: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+    load_format = args.load_format or ("auto" if args.model_dir else "dummy")
+    kwargs: dict[str, Any] = dict(
+        model_path=str(shape.target), load_format=load_format, device=args.device, dtype=args.dtype,
+        max_running_requests=args.max_running_requests, random_seed=args.seed,
+        skip_tokenizer_init=args.tokenizer_path is None,
+        tokenizer_path=str(args.tokenizer_path) if args.tokenizer_path else None,
+    )
+    if mode == "dflash":
+        if shape.draft is None:
+            raise ValueError(f"shape {shape.name} has no draft: pass --draft-dir")
+        accept = DEFAULT_ACCEPT[shape.name] if args.accept_len is None else args.accept_len
+        kwargs.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(shape.draft),
+                      speculative_simulate_accept_len=accept if accept > 0 else None)
+    kwargs.update(extra)
+    return kwargs
+
+
+def commit_id() -> str:
+    env = os.environ.get("BLOCKSPEC_COMMIT")
+    if env:
+        return env
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return out.stdout.strip() or "unknown"
+
+
+class Report:
+    """The result JSON, rewritten after every phase so a cut-short run keeps what it measured."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        date = datetime.date.today().isoformat()
+        commit = commit_id()
+        args.out.mkdir(parents=True, exist_ok=True)
+        self.path = args.out / f"serving_vs_engine_{date}_{commit}{'_' + args.tag if args.tag else ''}.json"
+        flags = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        self.data: dict[str, Any] = {"gpu": "cpu", "date": date, "commit": commit, "flags": flags, "engines": {},
+                                     "errors": [], "rows": []}
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: list[str], extra: dict[str, Any],
+             prompts: list[list[int]], workdir: Path, report: Report) -> None:
+    """Engine phase, then server phase, for one shape and mode; rows appended (and saved) as they are measured."""
+    kwargs = engine_kwargs(shape, mode, args, extra)
+    key = f"{shape.name}/{mode}"
+    report.data["engines"][key] = kwargs
+    spec = {"engine": kwargs, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
+            "warmup": min(args.warmup, len(prompts)), "warmup_new_tokens": args.warmup_new_tokens}
+    print(f"== {key}: engine", flush=True)
+    engine = run_engine_phase(spec, workdir, args.engine_timeout)
+    report.data["gpu"] = engine.pop("gpu")
+    report.data["engines"][key + ":result"] = engine
+    report.save()
+    print(f"   engine {engine['engine_tok_s']:.0f} tok/s ({engine['engine_wall_s']:.2f} s)", flush=True)
+    print(f"== {key}: server", flush=True)
+    base = {"shape": shape.name, "mode": mode, "engine_tok_s": engine["engine_tok_s"],
+            "engine_accept_length": engine["engine_accept_length"], "num_prompts": len(prompts),
+            "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens}
+    log_path = workdir / f"server_{shape.name}_{mode}.log"
+    try:
+        run_server_levels(ServerProcess(serve_flags(kwargs) + extra_tokens, log_path, args.startup_timeout), args,
+                          prompts, base, report)
+    except (RuntimeError, OSError) as exc:
+        raise RuntimeError(f"{exc}\nserver log tail:\n{log_tail(log_path)}") from exc
+
+
+def run_server_levels(process: ServerProcess, args: argparse.Namespace, prompts: list[list[int]], base: dict[str, Any],
+                      report: Report) -> None:
+    with process as server:
+        warm = prompts[: min(args.warmup, len(prompts))]
+        if warm:
+            measure_level(client_namespace(server.base_url, args.warmup_new_tokens, args.request_timeout), warm,
+                          len(warm), 0.0, args.seed)
+        ns = client_namespace(server.base_url, args.max_new_tokens, args.request_timeout)
+        levels: list[dict[str, Any]] = []
+        for concurrency in args.concurrency:
+            sent = prompts[: args.max_rounds * concurrency] if args.max_rounds > 0 else prompts
+            levels.append(measure_level(ns, sent, concurrency, 0.0, args.seed, args.client_procs))
+            add_row(report, base, levels[-1])
+        rate = args.poisson_rate
+        if rate is None and levels:
+            top = next((l for l in levels if l["concurrency"] == 64), max(levels, key=lambda l: l["concurrency"]))
+            rate = POISSON_FRACTION * top["request_throughput"]
+        if rate:
+            add_row(report, base, measure_level(ns, prompts, None, rate, args.seed, args.client_procs))
+
+
+def add_row(report: Report, base: dict[str, Any], level: dict[str, Any]) -> None:
+    row = {**base, **level}
+    row["server_over_engine"] = row["server_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
+    report.data["rows"].append(row)
+    report.save()
+    print("   " + describe(row), flush=True)
+
+
+def describe(row: dict[str, Any]) -> str:
+    accept = row.get("server_accept_length")
+    conc = f"{row['concurrency']}" + (f"@{row['rate']:.1f}/s" if row["concurrency"] == "poisson" else "")
+    ratio = row["server_over_engine"]
+    return (f"{row['shape']:>8} {row['mode']:>6} {conc:>14} {row['engine_tok_s']:>10.0f} {row['server_tok_s']:>10.0f} "
+            f"{ratio if ratio is not None else float('nan'):>6.2f} {row['ttft_p50_ms']:>8.1f} {row['ttft_p99_ms']:>8.1f} "
+            f"{row['itl_p50_ms']:>7.2f} {row['itl_p99_ms']:>7.2f} {'-' if accept is None else f'{accept:.2f}':>6} "
+            f"{row['completed']}/{row['completed'] + row['failed']}")
+
+
+HEADER = (f"{'shape':>8} {'mode':>6} {'concurrency':>14} {'engine t/s':>10} {'server t/s':>10} {'s/e':>6} "
+          f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ("num_prompts", "prompt_len", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    extra_tokens = shlex.split(args.extra_flags)
+    extra = extra_engine_kwargs(extra_tokens)
+    report = Report(args)
+    for earlier in args.merge:
+        data = json.loads(earlier.read_text())
+        for key in ("rows", "errors"):
+            report.data[key] += data.get(key, [])
+        report.data["engines"].update(data.get("engines", {}))
+        report.data["gpu"] = data.get("gpu", report.data["gpu"])
+    report.save()
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="serving_vs_engine_") as tmp:
+        for name in args.shapes:
+            shape = materialise(name, Path(tmp), args.model_dir, args.draft_dir)
+            prompt_ns = argparse.Namespace(seed=args.seed, dataset_name="random", num_prompts=args.num_prompts,
+                                           random_input_len=args.prompt_len)
+            prompts = cast(list[list[int]], load_prompts(prompt_ns, shape.vocab_size))
+            for mode in args.modes:
+                start = time.perf_counter()
+                try:
+                    run_pair(shape, mode, args, extra_tokens, extra, prompts, Path(tmp), report)
+                except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+                    failed = True
+                    report.data["errors"].append({"shape": name, "mode": mode, "error": str(exc)})
+                    report.save()
+                    print(f"!! {name}/{mode} failed: {exc}", file=sys.stderr, flush=True)
+                print(f"   {name}/{mode} took {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"wrote {report.path}")
+    if not args.no_plot and report.data["rows"]:
+        from plot_serving_vs_engine import plot
+
+        print(f"wrote {plot(report.path)}")
+    print(HEADER)
+    for row in report.data["rows"]:
+        print(describe(row))
+    return 1 if failed or any(row["failed"] for row in report.data["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

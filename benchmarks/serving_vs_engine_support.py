@@ -1,0 +1,278 @@
+"""Pieces of benchmarks/serving_vs_engine.py: the model shapes (config.json files for dummy weights), engine flags
+as `blockspec serve` flags, the offline-engine phase (its own process: `python serving_vs_engine_support.py engine
+SPEC OUT`), the server process, and the client levels (closed loop from blockspec.bench.serving, Poisson arrivals)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Empty
+from types import TracebackType
+from typing import Any, Optional
+
+import httpx
+
+from blockspec.bench.client import accept_length_between, avg_accept_length, get_server_info
+from blockspec.bench.report import percentile
+from blockspec.bench.serving import RequestResult, one_request, run_level
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_DRAFT = ROOT / "blockspec" / "assets" / "smollm2-135m-dflash-b16"
+SMOLLM2 = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_act="silu",
+    rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0,
+    bos_token_id=1, eos_token_id=2,
+)
+TINY = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+    max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+)
+TINY_DRAFT = dict(
+    architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+    max_position_embeddings=1024, rope_theta=10000.0, block_size=4, num_target_layers=4,
+    dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 2]},
+)
+DEFAULT_ACCEPT = {"llama8b": 4.0, "smollm2": 3.2, "tiny": 2.0}
+SHAPES = tuple(DEFAULT_ACCEPT)
+
+
+@dataclass
+class Shape:
+    name: str
+    target: Path
+    draft: Optional[Path]
+    vocab_size: int
+
+
+def _write_config(directory: Path, config: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def materialise(name: str, root: Path, model_dir: Optional[Path], draft_dir: Optional[Path]) -> Shape:
+    """The target and draft directories of a shape: config.json alone (dummy weights) unless `model_dir` /
+    `draft_dir` point at real checkpoints."""
+    if name == "llama8b":
+        from step_latency import write_configs
+
+        target, draft = write_configs(root / "llama8b")
+    elif name == "smollm2":
+        target, draft = _write_config(root / "smollm2", SMOLLM2), SMOLLM2_DRAFT
+    elif name == "tiny":
+        target, draft = _write_config(root / "tiny", TINY), _write_config(root / "tiny-draft", TINY_DRAFT)
+    else:
+        raise ValueError(f"unknown shape {name!r}; one of {', '.join(SHAPES)}")
+    target = model_dir or target
+    vocab = int(json.loads((target / "config.json").read_text())["vocab_size"])
+    return Shape(name, target, draft_dir or draft, vocab)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+
+def run_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
+    """Runs `engine_main` in a fresh process (its device memory is gone when it exits); its result dict."""
+    spec_path, out_path, log_path = workdir / "engine_spec.json", workdir / "engine_out.json", workdir / "engine.log"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    with log_path.open("w") as log:
+        proc = subprocess.run([sys.executable, __file__, "engine", str(spec_path), str(out_path)], stdout=log,
+                              stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT, timeout=timeout)
+    if proc.returncode != 0 or not out_path.is_file():
+        raise RuntimeError(f"engine phase failed (exit {proc.returncode}):\n{log_tail(log_path)}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    return result
+
+
+def engine_main(spec_path: Path, out_path: Path) -> None:
+    import torch
+
+    from blockspec import Engine
+
+    spec = json.loads(spec_path.read_text())
+    prompts: list[list[int]] = spec["prompts"]
+    params = {"temperature": 0.0, "max_new_tokens": spec["max_new_tokens"], "ignore_eos": True}
+    engine = Engine(**spec["engine"])
+    cuda = engine.runner.device.type == "cuda"
+    if spec["warmup"] > 0:
+        engine.generate(input_ids=prompts[: spec["warmup"]], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
+    before = engine.get_server_info()
+    start = time.perf_counter()
+    outputs = engine.generate(input_ids=prompts, sampling_params=params)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    after = engine.get_server_info()
+    assert isinstance(outputs, list)
+    tokens = sum(len(out["output_ids"]) for out in outputs)
+    result = {
+        "engine_tok_s": tokens / wall, "engine_wall_s": wall, "engine_output_tokens": tokens,
+        "engine_accept_length": accept_length_between(before, after),
+        "engine_forward_counts": after["internal_states"][0].get("forward_counts"),
+        "gpu": torch.cuda.get_device_name(engine.runner.device) if cuda else "cpu",
+    }
+    engine.shutdown()
+    out_path.write_text(json.dumps(result))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """`python -m blockspec.serve` on a free loopback port; healthy on enter, SIGTERM (then SIGKILL) on exit."""
+
+    def __init__(self, flags: list[str], log_path: Path, startup_timeout: float, stop_timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "blockspec.serve", *flags, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path = log_path
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def __enter__(self) -> "ServerProcess":
+        with self.log_path.open("w") as log:
+            # NOTE: a session of its own, so a server that ignores SIGTERM is killed with every process it started.
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before it was healthy")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"server not healthy after {self.startup_timeout:.0f}s")
+
+    def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def client_namespace(base_url: str, max_new_tokens: int, timeout: float) -> argparse.Namespace:
+    """What blockspec.bench.serving's client reads: /generate with input_ids, streamed, greedy, ignore_eos."""
+    return argparse.Namespace(backend="sglang", base_url=base_url, api_key=None, model=None, timeout=timeout,
+                              disable_tqdm=True, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: float, seed: int) -> tuple[list[RequestResult], float]:
+    """Requests sent at exponential gaps (mean 1/rate s), none waiting on another; (results, first send to last end)."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=ns.base_url, timeout=ns.timeout, limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one_request(client, ns, prompt, ns.max_new_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def _clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
+             seed: int) -> tuple[list[RequestResult], float]:
+    if concurrency is None:
+        return asyncio.run(run_poisson(ns, prompts, rate, seed))
+    return asyncio.run(run_level(ns, prompts, concurrency))
+
+
+def _client_process(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
+                    seed: int, barrier: Any, queue: Any) -> None:
+    barrier.wait()
+    start = time.monotonic()
+    results, _ = _clients(ns, prompts, concurrency, rate, seed)
+    queue.put((start, time.monotonic(), results))
+
+
+def run_clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
+                procs: int) -> tuple[list[RequestResult], float]:
+    """The clients spread over `procs` processes (one Python event loop cannot parse SSE at engine speed): process i
+    takes prompts i::n and its share of the clients (or rate/n: merged Poisson streams are one Poisson stream);
+    the duration runs from the first start to the last end (time.monotonic is one clock for all processes)."""
+    n = max(1, min(procs, len(prompts), concurrency or len(prompts)))
+    if n == 1:
+        return _clients(ns, prompts, concurrency, rate, seed)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
+    shares = [None if concurrency is None else concurrency // n + (i < concurrency % n) for i in range(n)]
+    workers = [ctx.Process(target=_client_process, args=(ns, prompts[i::n], shares[i], rate / n, seed + i, barrier, queue),
+                           daemon=True) for i in range(n)]
+    for worker in workers:
+        worker.start()
+    barrier.wait(timeout=300)
+    outs: list[tuple[float, float, list[RequestResult]]] = []
+    while len(outs) < n:
+        try:
+            outs.append(queue.get(timeout=1.0))
+        except Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):
+                raise RuntimeError("a client process died") from None
+    for worker in workers:
+        worker.join()
+    return [r for out in outs for r in out[2]], max(o[1] for o in outs) - min(o[0] for o in outs)
+
+
+def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
+                  procs: int = 1) -> dict[str, Any]:
+    """One closed-loop level (`concurrency` clients) or, with concurrency None, one Poisson run at `rate` req/s."""
+    before = get_server_info(ns.base_url)
+    results, duration = run_clients(ns, prompts, concurrency, rate, seed, procs)
+    after = get_server_info(ns.base_url)
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok]
+    gaps = [g for r in ok for g in r.chunk_gaps]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    errors = [r.error for r in results if not r.ok]
+    duration = max(duration, 1e-9)
+    return {
+        "concurrency": "poisson" if concurrency is None else concurrency, "rate": rate if concurrency is None else None,
+        "server_tok_s": sum(r.output_tokens for r in ok) / duration, "request_throughput": len(ok) / duration,
+        "completed": len(ok), "failed": len(errors), "duration_s": duration,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+        "itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
+        "tpot_p50_ms": percentile(tpots, 50) * 1e3, "tpot_p99_ms": percentile(tpots, 99) * 1e3,
+        "e2e_p50_ms": percentile([r.latency for r in ok], 50) * 1e3,
+        "mean_in_flight": sum(r.latency for r in ok) / duration,  # NOTE: Little's law over the run's own requests
+        "server_accept_length": accept_length_between(before, after), "server_avg_accept_length": avg_accept_length(after),
+        "first_error": errors[0] if errors else "",
+    }
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["engine"] or len(sys.argv) != 4:
+        sys.exit("usage: serving_vs_engine_support.py engine SPEC.json OUT.json")
+    engine_main(Path(sys.argv[2]), Path(sys.argv[3]))

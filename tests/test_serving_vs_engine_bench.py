@@ -1,0 +1,63 @@
+"""benchmarks/serving_vs_engine.py on CPU: the flag plumbing, and one end-to-end run of the tiny shape (engine
+process, then a real `python -m blockspec.serve` with streaming clients and a Poisson run) writing its JSON rows."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from serving_vs_engine import extra_engine_kwargs, serve_flags  # noqa: E402
+
+ROW_KEYS = {"shape", "mode", "concurrency", "engine_tok_s", "server_tok_s", "server_over_engine", "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_accept_length"}
+
+
+def test_extra_flags_become_engine_kwargs_and_serve_flags() -> None:
+    extra = extra_engine_kwargs(["--enable-mixed-chunk", "--cuda-graph-bs", "1", "2", "--max-queued-requests", "9"])
+    assert extra == {"enable_mixed_chunk": True, "cuda_graph_bs": [1, 2]}
+    flags = serve_flags({"model_path": "m", "skip_tokenizer_init": True, "tokenizer_path": None,
+                         "disable_cuda_graph": False, "cuda_graph_bs": [1, 2], "speculative_simulate_accept_len": 3.2})
+    assert flags == ["--model-path", "m", "--skip-tokenizer-init", "--cuda-graph-bs", "1", "2",
+                     "--speculative-simulate-accept-len", "3.2"]
+
+
+def test_help() -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_vs_engine.py"), "--help"], capture_output=True,
+                         text=True, check=True)
+    assert "--extra-flags" in out.stdout
+
+
+@pytest.mark.slow
+def test_tiny_end_to_end(tmp_path: Path) -> None:
+    root = BENCHMARKS.parent
+    # NOTE: one intra-op thread per process, as in the CPU suite: the engine and the server share two cores.
+    env = dict(os.environ, OMP_NUM_THREADS="1", BLOCKSPEC_COMMIT="test",
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    command = [sys.executable, str(BENCHMARKS / "serving_vs_engine.py"), "--shapes", "tiny", "--device", "cpu",
+               "--num-prompts", "4", "--prompt-len", "12", "--max-new-tokens", "8", "--concurrency", "1,2",
+               "--warmup", "2", "--warmup-new-tokens", "4", "--extra-flags=--disable-overlap-schedule",
+               "--out", str(tmp_path), "--tag", "smoke", "--startup-timeout", "120"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("serving_vs_engine_*_test_smoke.json")
+    assert path.with_suffix(".png").is_file()
+    report = json.loads(path.read_text())
+    assert report["gpu"] == "cpu" and report["commit"] == "test" and not report["errors"]
+    assert report["engines"]["tiny/dflash"]["disable_overlap_schedule"] is True
+    rows = report["rows"]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [
+        ("dflash", 1), ("dflash", 2), ("dflash", "poisson"), ("target", 1), ("target", 2), ("target", "poisson")
+    ]
+    for row in rows:
+        assert ROW_KEYS <= set(row)
+        assert row["completed"] == 4 and row["failed"] == 0
+        assert row["server_tok_s"] > 0 and row["engine_tok_s"] > 0 and row["ttft_p50_ms"] > 0
+        assert (row["server_accept_length"] is not None) == (row["mode"] == "dflash")
+    assert all(r["rate"] > 0 for r in rows if r["concurrency"] == "poisson")
