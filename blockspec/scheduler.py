@@ -147,7 +147,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.pending_len + self.steps.slots_per_decode > self.allocator.total_slots:
                 self.waiting.popleft()
-                req.finish = Finish(FinishReason.LENGTH, message="the sequence no longer fits the KV pool")
+                req.finish = Finish(FinishReason.ABORT, message="the sequence no longer fits the KV pool")
                 self.running.append(req)  # collected by collect_finished at the end of this step
                 continue
             n = min(req.pending_len, budget)
@@ -172,7 +172,7 @@ class Scheduler:
                 return decode_reqs
             victim = self.running[-1]
             if len(self.running) == 1:
-                victim.finish = Finish(FinishReason.LENGTH, message="the sequence no longer fits the KV pool")
+                victim.finish = Finish(FinishReason.ABORT, message="the sequence no longer fits the KV pool")
                 return []
             self._retract(victim)
 

@@ -85,10 +85,10 @@ def test_prompt_that_never_fits_is_rejected_before_queueing(tiny, make_engine) -
         engine.generate(input_ids=[[5, 6, 7], [9] * 40], sampling_params=GREEDY)
     assert not engine.scheduler.waiting and not engine.scheduler.running
     # The boundary: a prompt of total_slots - 1 tokens is served (one slot for the first decode step); once the
-    # sequence outgrows the whole pool it ends with finish "length" and says why.
+    # sequence outgrows the whole pool it is aborted (finish "abort") and says why.
     out = engine.generate(input_ids=[9] * 31, sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
     assert len(out["output_ids"]) == 2
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "message": "the sequence no longer fits the KV pool"}
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "the sequence no longer fits the KV pool"}
 
 
 def test_context_length(tiny, make_engine) -> None:

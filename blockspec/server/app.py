@@ -7,11 +7,12 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.engine import Engine
 from blockspec.server.args import ServerSettings
@@ -43,6 +44,44 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """413 for a body over `limit` bytes: up front from Content-Length, else as the bytes arrive.
+
+    Not FastAPI's `max_body_size`: when Content-Length is over its limit it swaps whatever response the app sends
+    for a plain-text "Content Too Large", so no exception handler can give it the OpenAI error shape."""
+
+    def __init__(self, app: ASGIApp, limit: int, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.limit = limit
+        self.metrics = metrics
+
+    def error(self) -> APIError:
+        return APIError(413, f"body: larger than the server's limit of {self.limit} bytes (--max-request-bytes)", "body")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            self.metrics.http_errors.labels(status="413").inc()
+            await JSONResponse(self.error().body(), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    # NOTE: FastAPI re-raises an HTTPException met while reading the body; http_error answers it.
+                    raise HTTPException(413, self.error().message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) if parts else "body"
@@ -50,13 +89,16 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str:
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
+    # NOTE: a union reports one error per member; a ValueError raised by our own validators is the one that matters.
+    chosen = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else None)
+    first: dict[str, Any] = dict(chosen) if chosen else {"loc": ("body",), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return APIError(400, f"body: malformed JSON ({first.get('ctx', {}).get('error', first['msg'])})", "body")
-    loc = tuple(first.get("loc", ("body",)))
-    # NOTE: union fields report the failing member type as the last loc element (e.g. "str", "list[int]").
-    while len(loc) > 2 and isinstance(loc[-1], str) and ("[" in loc[-1] or loc[-1] in ("str", "int", "float", "bool", "dict")):
-        loc = loc[:-1]
+    # NOTE: union fields name the failing member type in loc (e.g. "str", "list[int]"), after the field's own name.
+    loc = tuple(
+        p for i, p in enumerate(first.get("loc", ("body",)))
+        if i < 2 or not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool", "dict")))
+    )
     param = _loc_to_param(loc)
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}", param)
@@ -75,6 +117,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
             yield
         finally:
             state.loop.stop()
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="blockspec", lifespan=lifespan)
     app.state.blockspec = state
@@ -90,7 +133,8 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return await api_error(request, APIError(exc.status_code, str(exc.detail)))
+        param = "body" if exc.status_code == 413 else None
+        return await api_error(request, APIError(exc.status_code, str(exc.detail), param))
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> Response:
@@ -105,11 +149,16 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
 
     app.include_router(openai_router)
     app.include_router(native_router)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_bytes, metrics=metrics)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
     return app
 
 
-def get_state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.blockspec
+def get_state_of(app: FastAPI) -> ServerState:
+    state: ServerState = app.state.blockspec
     return state
+
+
+def get_state(request: Request) -> ServerState:
+    return get_state_of(request.app)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -11,6 +12,10 @@ from blockspec.config import ATTENTION_BACKENDS, EngineConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+DEFAULT_SHUTDOWN_GRACE_S = 20.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5
 
 
 @dataclass
@@ -21,6 +26,10 @@ class ServerSettings:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     served_model_name: Optional[str] = None
     log_level: str = "warning"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
 
 
 @dataclass
@@ -67,6 +76,18 @@ _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="waiting requests beyond it get 503")),
     ("--served-model-name", dict(help="model id reported by /v1/models (default: the model path)")),
     ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS)),
+    ("--max-request-bytes", dict(type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="request bodies larger than this get 413 (default 16 MiB, far above any context length of text)")),
+    ("--shutdown-grace-s", dict(
+        type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+        help="on SIGTERM/SIGINT, in-flight requests get this long to finish; then streams end with an SSE error event "
+             "and the others get 503 (default 20: below Kubernetes' 30 s from SIGTERM to SIGKILL)",
+    )),
+    ("--header-timeout-s", dict(
+        type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+        help="a connection must deliver a complete request head this long after it opens or its last response ends; "
+             "else it is closed, with a 408 if it sent part of one (default 10)",
+    )),
+    ("--timeout-keep-alive", dict(type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE, help="seconds an idle keep-alive connection stays open (uvicorn's, default 5)")),
 ]
 
 
@@ -115,6 +136,14 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
         parser.error(f"--max-queued-requests must be >= 1, got {server.max_queued_requests}")
     if server.api_key is not None and not server.api_key:
         parser.error("--api-key must not be empty")
+    if server.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes must be >= 1, got {server.max_request_bytes}")
+    if not (math.isfinite(server.shutdown_grace_s) and server.shutdown_grace_s >= 0):
+        parser.error(f"--shutdown-grace-s must be a finite number >= 0, got {server.shutdown_grace_s}")
+    if not (math.isfinite(server.header_timeout_s) and server.header_timeout_s > 0):
+        parser.error(f"--header-timeout-s must be a finite number > 0, got {server.header_timeout_s}")
+    if server.timeout_keep_alive < 1:
+        parser.error(f"--timeout-keep-alive must be >= 1, got {server.timeout_keep_alive}")
     try:
         EngineConfig.from_kwargs(**engine)
     except ValueError as exc:

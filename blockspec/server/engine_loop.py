@@ -1,6 +1,6 @@
 """The engine thread: the only thread that touches the Engine once serving starts.
 
-HTTP handlers talk to it through an inbox (add / abort / call) and get results back on per-submission asyncio
+HTTP handlers talk to it through an inbox (add / abort / fail / call) and get results back on per-submission asyncio
 queues, fed with `loop.call_soon_threadsafe` after every scheduler step.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, TypeVar
 from blockspec.engine import Engine
 from blockspec.request import FinishReason, Req
 from blockspec.server.metrics import ServerMetrics
+from blockspec.server.submission import Delta, Submission
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,49 +32,6 @@ class EngineStoppedError(RuntimeError):
 
 
 @dataclass
-class Delta:
-    """New output of request `index` of a submission since the previous Delta; `output` is set on the last one."""
-
-    index: int
-    text: str
-    ids: list[int]
-    output: Optional[dict[str, Any]] = None
-    error: Optional[str] = None
-    status: int = 500  # HTTP status that goes with `error`
-
-    @property
-    def final(self) -> bool:
-        return self.output is not None or self.error is not None
-
-
-class Submission:
-    """The requests of one HTTP call; their Deltas arrive on one asyncio queue, tagged by index."""
-
-    def __init__(self, reqs: list[Req], stream: bool, loop: asyncio.AbstractEventLoop) -> None:
-        self.reqs = reqs
-        self.stream = stream
-        self.loop = loop
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.pending = set(range(len(reqs)))
-
-    def push(self, delta: Delta) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    async def next(self) -> Delta:
-        delta = await self.queue.get()
-        if delta.final:
-            self.pending.discard(delta.index)
-        return delta
-
-    @property
-    def done(self) -> bool:
-        return not self.pending
-
-
-@dataclass
 class _Tracked:
     req: Req
     submission: Submission
@@ -81,6 +39,7 @@ class _Tracked:
     sent_ids: int = 0
     sent_text: int = 0
     stops: list[str] = field(default_factory=list)
+    client_aborted: bool = False
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -103,9 +62,15 @@ class EngineLoop:
         self._thread: Optional[threading.Thread] = None
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
-        self._inflight = 0  # submitted, not yet finished (guarded by _lock)
-        self._num_running = 0  # published by the engine thread after each step
+        self.max_running = engine.config.max_running_requests
+        # NOTE: guarded by _lock. _num_running/_num_waiting are the scheduler's counts after the last step;
+        # _fresh counts requests submitted since that step's inbox drain (not in those counts yet).
+        self._num_running = 0
+        self._num_waiting = 0
+        self._fresh = 0
+        self._handled = 0  # NOTE: engine thread only: requests taken from the inbox since the last snapshot
         self._stopped = False
+        self.draining = False
         self.alive = False
 
     # ---- HTTP side ---------------------------------------------------------------------------
@@ -125,7 +90,23 @@ class EngineLoop:
     @property
     def num_queued(self) -> int:
         with self._lock:
-            return max(0, self._inflight - self._num_running)
+            return self._queued()
+
+    def _queued(self) -> int:
+        """Requests waiting for a running slot (call with _lock held)."""
+        # NOTE: fresh requests take the running slots that were free at the last step, unless requests already
+        # wait (then the pool or the prefill budget, not the slot count, is what holds them back).
+        free = self.max_running - self._num_running if self._num_waiting == 0 else 0
+        return self._num_waiting + max(0, self._fresh - free)
+
+    def begin_drain(self) -> None:
+        """Shutdown has begun: new submissions get EngineStoppedError; what is in flight carries on."""
+        with self._lock:
+            self.draining = True
+
+    def fail_in_flight(self, message: str) -> None:
+        """Ends every request in flight with `message` (503) on the engine thread, freeing its KV."""
+        self._inbox.put(("fail", message))
 
     def submit(self, reqs: list[Req], stream: bool) -> Submission:
         """Queues validated requests (see Engine.make_requests); raises QueueFullError beyond the queue limit."""
@@ -135,10 +116,13 @@ class EngineLoop:
         with self._lock:
             if self._stopped or not self.alive:
                 raise EngineStoppedError("the engine is not running")
-            queued = self._inflight - self._num_running
-            if queued + len(reqs) > self.max_queued_requests:
+            if self.draining:
+                raise EngineStoppedError("the server is shutting down")
+            queued = self._queued()
+            self._fresh += len(reqs)
+            if self._queued() > self.max_queued_requests:
+                self._fresh -= len(reqs)
                 raise QueueFullError(f"{queued} requests are waiting (limit {self.max_queued_requests}); retry later")
-            self._inflight += len(reqs)
             self._inbox.put(("add", submission))
         return submission
 
@@ -192,6 +176,7 @@ class EngineLoop:
         kind = message[0]
         if kind == "add":
             submission: Submission = message[1]
+            self._handled += len(submission.reqs)
             for index, req in enumerate(submission.reqs):
                 tracked = _Tracked(req, submission, index, stops=list(req.params.stop))
                 if req.rid in self._tracked:
@@ -203,8 +188,15 @@ class EngineLoop:
                     self._finish(tracked, error=str(exc), status=400)
                     continue
                 self._tracked[req.rid] = tracked
+            if not self.engine.scheduler.has_work:  # NOTE: all refused: no step follows to take the snapshot
+                self._snapshot()
         elif kind == "abort":
+            tracked = self._tracked.get(message[1])
+            if tracked is not None:
+                tracked.client_aborted = True
             self.engine.scheduler.abort(message[1])
+        elif kind == "fail":
+            self._fail_all(message[1], drain_inbox=False, status=503)
         elif kind == "call":
             fn, future = message[1], message[2]
             if future.set_running_or_notify_cancel():
@@ -222,10 +214,16 @@ class EngineLoop:
         for tracked in self._tracked.values():
             if tracked.submission.stream:
                 self._push_delta(tracked, final=False)
+        self._snapshot()
+        self.metrics.on_step(self.engine, self.num_queued)
+
+    def _snapshot(self) -> None:
         scheduler = self.engine.scheduler
         with self._lock:
             self._num_running = len(scheduler.running)
-        self.metrics.on_step(self.engine, self.num_queued)
+            self._num_waiting = len(scheduler.waiting)
+            self._fresh -= self._handled
+            self._handled = 0
 
     def _push_delta(
         self, tracked: _Tracked, final: bool, output: Optional[dict[str, Any]] = None, error: Optional[str] = None, status: int = 500
@@ -245,15 +243,15 @@ class EngineLoop:
 
     def _finish(self, tracked: _Tracked, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req
-        with self._lock:
-            self._inflight -= 1
         if error is not None:
             self._push_delta(tracked, final=True, error=error, status=status)
             return
         output = Engine.output_of(req)
         output["meta_info"]["e2e_latency"] = (now or time.monotonic()) - req.arrival_time
         self.metrics.on_finish(req, now or time.monotonic())
-        if req.finish is not None and req.finish.reason == FinishReason.ABORT:
+        # NOTE: an abort the engine decided (the KV pool ran out) is an answer: finish_reason {"type": "abort",
+        # "message": ...}; only the client's own abort becomes an error.
+        if req.finish is not None and req.finish.reason == FinishReason.ABORT and tracked.client_aborted:
             self._push_delta(tracked, final=True, output=output, error=req.finish.message or "aborted", status=400)
         else:
             self._push_delta(tracked, final=True, output=output)
@@ -268,8 +266,7 @@ class EngineLoop:
             logger.exception("could not release the KV of failed requests")
         for rid in list(self._tracked):
             self._finish(self._tracked.pop(rid), error=message, status=status)
-        with self._lock:
-            self._num_running = len(scheduler.running)
+        self._snapshot()
         try:  # requests still in the inbox never reached the scheduler
             while drain_inbox:
                 message_ = self._inbox.get_nowait()

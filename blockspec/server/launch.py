@@ -1,30 +1,70 @@
 """Starting the server: in the foreground (the CLI) or on a background thread (tests, notebooks)."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import signal
+import socket
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from types import FrameType
+from typing import Optional, Sequence
 
 import uvicorn
+from fastapi import FastAPI
 
 from blockspec.engine import Engine
-from blockspec.server.app import create_app
+from blockspec.server.app import create_app, get_state_of
 from blockspec.server.args import ServeArgs, ServerSettings, parse_serve_args
+from blockspec.server.engine_loop import EngineLoop
+from blockspec.server.http_protocol import h11_protocol_with_header_timeout
 
 logger = logging.getLogger(__name__)
+SHUTDOWN_MARGIN_S = 5
+DRAIN_MESSAGE = "the server is shutting down and the request did not finish within the shutdown grace period"
 
 
-def _uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
-    return uvicorn.Config(
+class DrainingServer(uvicorn.Server):
+    """uvicorn's graceful shutdown (stop accepting, let in-flight responses finish) with a deadline of our own: after
+    `grace_s` the engine ends what is still running with 503s / SSE error events, before uvicorn would cut the
+    connections (its own timeout is `grace_s` plus a margin to deliver them)."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        self.engine_loop.begin_drain()
+        deadline = asyncio.get_running_loop().call_later(self.grace_s, self.engine_loop.fail_in_flight, DRAIN_MESSAGE)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+
+def _make_server(app: FastAPI, settings: ServerSettings) -> DrainingServer:
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        http=h11_protocol_with_header_timeout(settings.header_timeout_s),
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",
-        timeout_graceful_shutdown=5,
+        timeout_keep_alive=settings.timeout_keep_alive,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + SHUTDOWN_MARGIN_S,
     )
+    return DrainingServer(config, get_state_of(app).loop, settings.shutdown_grace_s)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, frame: Optional[FrameType]) -> None:
+    raise _Terminated()
 
 
 def run_server(args: ServeArgs) -> int:
@@ -35,13 +75,16 @@ def run_server(args: ServeArgs) -> int:
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"blockspec serve: error: could not load the model: {exc}", file=sys.stderr)
         return 1
-    app = create_app(engine, args.server)
-    server = uvicorn.Server(_uvicorn_config(app, args.server))
+    server = _make_server(create_app(engine, args.server), args.server)
     print(f"blockspec: serving {args.engine['model_path']} on http://{args.server.host}:{args.server.port}", file=sys.stderr, flush=True)
+    # NOTE: uvicorn drains on SIGINT/SIGTERM, then re-raises the signal; ours makes that a clean exit too.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
+    except (KeyboardInterrupt, _Terminated):
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     engine.shutdown()
     return 0
 
@@ -57,7 +100,7 @@ class BackgroundServer:
         self.settings = settings or ServerSettings(port=0)
         self.engine = engine
         self.app = create_app(engine, self.settings)
-        self._server = uvicorn.Server(_uvicorn_config(self.app, self.settings))
+        self._server = _make_server(self.app, self.settings)
         self._thread = threading.Thread(target=self._server.run, name="blockspec-http", daemon=True)
         self._startup_timeout = startup_timeout
         self.port = 0

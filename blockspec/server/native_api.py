@@ -10,10 +10,11 @@ from fastapi.responses import Response, StreamingResponse
 import blockspec
 from blockspec.engine import Engine
 from blockspec.request import SamplingParams
-from blockspec.server.engine_loop import EngineStoppedError, Submission
+from blockspec.server.engine_loop import EngineStoppedError
 from blockspec.server.metrics import CONTENT_TYPE
 from blockspec.server.protocol import AbortRequest, GenerateRequest
 from blockspec.server.state import APIError, ClientGone, ServerState, new_id, sse
+from blockspec.server.submission import Submission
 
 router = APIRouter()
 _RENAMES = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
@@ -26,12 +27,12 @@ def _state(request: Request) -> ServerState:
     return get_state(request)
 
 
-def _inputs(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]], bool, str]:
+async def _inputs(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]], bool, str]:
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "text: pass exactly one of text or input_ids", "text")
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
-        return [state.encode(t, "text") for t in texts], isinstance(body.text, str), "text"
+        return await state.encode(texts, "text"), isinstance(body.text, str), "text"
     ids = body.input_ids
     assert ids is not None
     if isinstance(ids[0], int):
@@ -42,7 +43,7 @@ def _inputs(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]],
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     state = _state(request)
-    batch, single, prompt_param = _inputs(state, body)
+    batch, single, prompt_param = await _inputs(state, body)
     raw = body.sampling_params
     if isinstance(raw, list):
         if len(raw) != len(batch):
@@ -92,7 +93,8 @@ async def _generate_stream(state: ServerState, submission: Submission, request: 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    return Response(status_code=200 if _state(request).loop.alive else 503)
+    loop = _state(request).loop
+    return Response(status_code=200 if loop.alive and not loop.draining else 503)
 
 
 async def _server_info(request: Request) -> dict[str, Any]:

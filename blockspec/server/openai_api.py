@@ -8,9 +8,9 @@ from typing import Any, AsyncIterator, Optional, cast
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from blockspec.server.engine_loop import Submission
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from blockspec.server.state import APIError, ClientGone, ServerState, finish_fields, new_id, sse, usage
+from blockspec.server.submission import Submission
 
 router = APIRouter()
 _RENAMES = {"max_new_tokens": "max_tokens", "sampling_params": "body"}
@@ -38,7 +38,11 @@ def _submit(state: ServerState, body: _SamplingFields, batch: list[list[int]], r
 
 def _choice_finish(output: dict[str, Any]) -> dict[str, Any]:
     kind, matched = finish_fields(output)
-    return {"finish_reason": kind, "matched_stop": matched}
+    fields: dict[str, Any] = {"finish_reason": kind, "matched_stop": matched}
+    message = (output["meta_info"].get("finish_reason") or {}).get("message")
+    if kind == "abort" and message:
+        fields["abort_message"] = message
+    return fields
 
 
 def _error_event(status: int, message: str) -> str:
@@ -62,7 +66,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
-    ids = state.chat_ids([m.as_template_input() for m in body.messages])
+    ids = await state.chat_ids([m.as_template_input() for m in body.messages])
     rid = new_id("chatcmpl")
     submission = _submit(state, body, [ids], body.requested_max_tokens, None, "messages", rid)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
@@ -105,9 +109,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     prompt = body.prompt
     # NOTE: pydantic matched exactly one member of the Prompt union, so lists are homogeneous.
     if isinstance(prompt, str):
-        batch = [state.encode(prompt, "prompt")]
+        batch = await state.encode([prompt], "prompt")
     elif isinstance(prompt[0], str):
-        batch = [state.encode(p, "prompt") for p in cast(list[str], prompt)]
+        batch = await state.encode(cast(list[str], prompt), "prompt")
     elif isinstance(prompt[0], int):
         batch = [list(cast(list[int], prompt))]
     else:

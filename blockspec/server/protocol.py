@@ -3,14 +3,38 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"); no tokenizer or UTF-8 response can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"invalid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}") from exc
+    return text
+
+
+def _strings_valid(value: Any) -> Any:
+    if isinstance(value, str):
+        _valid_unicode(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _strings_valid(item)
+    elif isinstance(value, list):
+        for item in value:
+            _strings_valid(item)
+    return value
+
+
+Text = Annotated[str, Field(strict=True), AfterValidator(_valid_unicode)]
 
 Temperature = Annotated[float, Field(strict=True, ge=0.0)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0)]
 MinP = Annotated[float, Field(strict=True, ge=0.0, le=1.0)]
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
 TokenId = Annotated[int, Field(strict=True, ge=0)]
-Stop = Union[StrictStr, list[StrictStr], None]
+Stop = Union[Text, list[Text], None]
 
 
 class _Lenient(BaseModel):
@@ -24,7 +48,7 @@ class StreamOptions(_Lenient):
 class _SamplingFields(_Lenient):
     """OpenAI sampling fields shared by chat and completions (plus SGLang's extensions)."""
 
-    model: Optional[StrictStr] = None
+    model: Optional[Text] = None
     max_tokens: Optional[PositiveInt] = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -41,7 +65,7 @@ class _SamplingFields(_Lenient):
     presence_penalty: Annotated[float, Field(strict=True)] = 0.0
     frequency_penalty: Annotated[float, Field(strict=True)] = 0.0
     logprobs: Optional[Union[StrictBool, StrictInt]] = None
-    user: Optional[StrictStr] = None
+    user: Optional[Text] = None
 
     @field_validator("n")
     @classmethod
@@ -93,13 +117,13 @@ class _SamplingFields(_Lenient):
 
 class TextPart(_Lenient):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[StrictStr, list[TextPart], None] = None
-    name: Optional[StrictStr] = None
+    content: Union[Text, list[TextPart], None] = None
+    name: Optional[Text] = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -120,13 +144,13 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-Prompt = Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)], Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+Prompt = Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)], Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
     echo: StrictBool = False
-    suffix: Optional[StrictStr] = None
+    suffix: Optional[Text] = None
     best_of: Optional[StrictInt] = None
 
     @field_validator("echo")
@@ -154,10 +178,10 @@ class CompletionRequest(_SamplingFields):
 class GenerateRequest(_Lenient):
     """SGLang's native /generate: exactly one of `text` / `input_ids`; lists make a batch."""
 
-    text: Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1)], None] = None
+    text: Union[Text, Annotated[list[Text], Field(min_length=1)], None] = None
     input_ids: Union[Annotated[list[StrictInt], Field(min_length=1)], Annotated[list[list[StrictInt]], Field(min_length=1)], None] = None
-    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
-    rid: Union[StrictStr, list[StrictStr], None] = None
+    sampling_params: Annotated[Union[dict[str, Any], list[dict[str, Any]], None], AfterValidator(_strings_valid)] = None
+    rid: Union[Text, list[Text], None] = None
     stream: StrictBool = False
     return_logprob: StrictBool = False
 
@@ -170,4 +194,4 @@ class GenerateRequest(_Lenient):
 
 
 class AbortRequest(_Lenient):
-    rid: StrictStr
+    rid: Text

@@ -5,8 +5,9 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator, Callable, Optional, Sequence, TypeVar
 
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
@@ -14,12 +15,14 @@ from transformers import PreTrainedTokenizerBase
 from blockspec.engine import Engine
 from blockspec.request import Req, SamplingParams
 from blockspec.server.args import ServerSettings
-from blockspec.server.engine_loop import Delta, EngineLoop, EngineStoppedError, QueueFullError, Submission
+from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError
 from blockspec.server.metrics import ServerMetrics
+from blockspec.server.submission import Delta, Submission
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 DISCONNECT_POLL_S = 0.5
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -57,6 +60,9 @@ class ServerState:
     context_length: int
     vocab_size: int
     created: int
+    # NOTE: one thread, so the tokenizer copy is never used concurrently (HF fast tokenizers mutate their state
+    # per call) and tokenization never runs on the event loop.
+    tokenize_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="blockspec-tokenize"))
 
     @classmethod
     def build(cls, engine: Engine, settings: ServerSettings, metrics: ServerMetrics) -> "ServerState":
@@ -72,16 +78,24 @@ class ServerState:
         return self.settings.served_model_name or self.engine.config.model_path
 
     # ---- inputs --------------------------------------------------------------------------------
-    def encode(self, text: str, param: str) -> list[int]:
-        if self.tokenizer is None:
-            raise APIError(400, f"{param}: text input needs a tokenizer; this server runs with --skip-tokenizer-init", param)
-        return list(self.tokenizer.encode(text))
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn)
 
-    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        if self.tokenizer is None:
+    async def encode(self, texts: list[str], param: str) -> list[list[int]]:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise APIError(400, f"{param}: text input needs a tokenizer; this server runs with --skip-tokenizer-init", param)
+        try:
+            return await self._off_loop(lambda: [list(tokenizer.encode(text)) for text in texts])
+        except Exception as exc:
+            raise APIError(400, f"{param}: the tokenizer rejected it: {exc}", param) from exc
+
+    async def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             raise APIError(400, "messages: chat needs a tokenizer; this server runs with --skip-tokenizer-init", "messages")
         try:
-            return chat_to_ids(self.tokenizer, messages)
+            return await self._off_loop(lambda: chat_to_ids(tokenizer, messages))
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", "messages") from exc
         except Exception as exc:  # a chat template may raise anything (e.g. jinja's TemplateError)
