@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 

@@ -3,6 +3,10 @@ template, SSE parsing, and polling the server until it is idle."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -77,3 +81,34 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server_process(args: list[str], entry: tuple[str, ...] = ("-m", "blockspec.serve")) -> tuple[subprocess.Popen[str], str]:
+    """A real `blockspec serve` process on a free port (CPU, one thread), once /health answers 200; (process, url)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, *entry, *args, "--port", str(port), "--device", "cpu", "--dtype", "float32"],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read() if proc.stdout else "the server exited")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)

@@ -1,12 +1,7 @@
 """`blockspec serve` / `python -m blockspec.serve`: SGLang flag names, fail-fast validation, a real process."""
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,9 +10,8 @@ import pytest
 from blockspec.cli import main
 from blockspec.config import EngineConfig
 from blockspec.server.args import config_fields_without_flag, parse_serve_args
-from server_support import save_text_model
+from server_support import save_text_model, start_server_process
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_engine_config_field_has_a_flag() -> None:
@@ -92,33 +86,12 @@ def test_unloadable_model_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "could not load the model" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("entry", [["-m", "blockspec.serve"], ["-m", "blockspec.cli", "serve"]])
 def test_serve_process_answers_and_stops_on_sigint(entry: list[str], tmp_path: Path) -> None:
     model = save_text_model(tmp_path / "model")
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, *entry, "--model-path", str(model), "--port", str(port), "--device", "cpu",
-         "--dtype", "float32", "--max-total-tokens", "4096", "--page-size", "4"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc, url = start_server_process(["--model-path", str(model), "--max-total-tokens", "4096", "--page-size", "4"],
+                                     tuple(entry))
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         reply = httpx.post(url + "/v1/completions", json={"prompt": "Janet", "max_tokens": 3, "ignore_eos": True}, timeout=30)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGINT)

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from blockspec import Engine
 from draft_training import train_tiny_draft

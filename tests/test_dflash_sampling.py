@@ -1,7 +1,6 @@
 """DFlash at temperature > 0 samples exactly the target's distribution (rejection sampling is lossless)."""
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from pathlib import Path
 

@@ -2,11 +2,7 @@
 SSE error event and the others with a 503, all in the OpenAI error shape. Plus the hardening flags."""
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,9 +14,8 @@ import pytest
 from blockspec import Engine
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings, parse_serve_args
-from server_support import save_text_model, sse_payloads
+from server_support import save_text_model, sse_payloads, start_server_process
 
-REPO = Path(__file__).resolve().parents[1]
 GRACE_S = 1.5
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -111,31 +106,12 @@ def test_stop_drains_in_flight_requests(tmp_path: Path) -> None:
     assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
     model = save_text_model(tmp_path / "model")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "blockspec.serve", "--model-path", str(model), "--port", str(port), "--device", "cpu",
-         "--dtype", "float32", "--max-total-tokens", "16384", "--shutdown-grace-s", str(GRACE_S)],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc, url = start_server_process(
+        ["--model-path", str(model), "--max-total-tokens", "16384", "--shutdown-grace-s", str(GRACE_S)]
     )
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         clients = _start_clients(url)
         shutdown_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)

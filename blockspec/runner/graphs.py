@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from blockspec.attention.base import GraphPlanner
-from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, GraphInputs
+from blockspec.batch import ForwardBatch, ForwardMode, GraphInputs
 from blockspec.kv.allocator import ReqToTokenTable
 from blockspec.runner.cuda_graph import GraphedForward, GraphOutputs
 

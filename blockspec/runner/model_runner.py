@@ -13,7 +13,7 @@ from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig, load_target_config
-from blockspec.models.llama import CausalLM, ModelOutput
+from blockspec.models.llama import ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
 from blockspec.batch import ForwardBatch, GraphInputs
 from blockspec.runner.graphs import CudaGraphs, GraphKind
