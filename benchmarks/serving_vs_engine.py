@@ -3,7 +3,8 @@
 Per shape (`llama8b`: Llama-3.1-8B config + 5-layer draft; `smollm2`: SmolLM2-135M config + the shipped draft; both
 with dummy weights unless --model-dir/--draft-dir; `tiny`: a CPU smoke shape) and mode (`dflash` with a simulated
 accept length, `target`): N random-token prompts, greedy, ignore_eos, fixed new tokens. First `Engine.generate` on
-all of them in a process of its own (engine tok/s), then `python -m blockspec.serve` with the same engine flags and
+all of them in a process of its own (engine tok/s at full batch), and each closed-loop level's work in waves of
+that many prompts (the engine number that level's row compares with), then `python -m blockspec.serve` with the same engine flags and
 streaming closed-loop clients on `/generate` (input_ids; spread over --client-procs processes) at each concurrency,
 plus one Poisson-arrival run: server tok/s, server ÷ engine, TTFT and inter-chunk latency (ITL) p50/p99, the
 server's accept length. The demo pair with real weights: --shapes smollm2 --model-dir <converted SmolLM2 dir>
@@ -159,7 +160,8 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
     key = f"{shape.name}/{mode}"
     report.data["engines"][key] = kwargs
     spec = {"engine": kwargs, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
-            "warmup": min(args.warmup, len(prompts)), "warmup_new_tokens": args.warmup_new_tokens}
+            "warmup": min(args.warmup, len(prompts)), "warmup_new_tokens": args.warmup_new_tokens,
+            "levels": [(c, len(level_prompts(prompts, c, args))) for c in args.concurrency]}
     print(f"== {key}: engine", flush=True)
     engine = run_engine_phase(spec, workdir, args.engine_timeout)
     report.data["gpu"] = engine.pop("gpu")
@@ -168,6 +170,8 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
     print(f"   engine {engine['engine_tok_s']:.0f} tok/s ({engine['engine_wall_s']:.2f} s)", flush=True)
     print(f"== {key}: server", flush=True)
     base = {"shape": shape.name, "mode": mode, "engine_tok_s": engine["engine_tok_s"],
+            "engine_full_batch_tok_s": engine["engine_tok_s"],
+            "engine_tok_s_by_concurrency": engine["engine_tok_s_by_concurrency"],
             "engine_accept_length": engine["engine_accept_length"], "num_prompts": len(prompts),
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens}
     log_path = workdir / f"server_{shape.name}_{mode}.log"
@@ -188,7 +192,7 @@ def run_server_levels(process: ServerProcess, args: argparse.Namespace, prompts:
         ns = client_namespace(server.base_url, args.max_new_tokens, args.request_timeout)
         levels: list[dict[str, Any]] = []
         for concurrency in args.concurrency:
-            sent = prompts[: args.max_rounds * concurrency] if args.max_rounds > 0 else prompts
+            sent = level_prompts(prompts, concurrency, args)
             levels.append(measure_level(ns, sent, concurrency, 0.0, args.seed, args.client_procs))
             add_row(report, base, levels[-1])
         rate = args.poisson_rate
@@ -199,8 +203,17 @@ def run_server_levels(process: ServerProcess, args: argparse.Namespace, prompts:
             add_row(report, base, measure_level(ns, prompts, None, rate, args.seed, args.client_procs))
 
 
+def level_prompts(prompts: list[list[int]], concurrency: int, args: argparse.Namespace) -> list[list[int]]:
+    """What a closed-loop level sends (the engine side does the same work at the same concurrency)."""
+    return prompts[: args.max_rounds * concurrency] if args.max_rounds > 0 else prompts
+
+
 def add_row(report: Report, base: dict[str, Any], level: dict[str, Any]) -> None:
     row = {**base, **level}
+    # NOTE: a closed-loop row is compared with the engine doing its work at its concurrency; Poisson with full batches.
+    matching = base["engine_tok_s_by_concurrency"].get(str(row["concurrency"]))
+    if matching is not None:
+        row["engine_tok_s"] = matching
     row["server_over_engine"] = row["server_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
     report.data["rows"].append(row)
     report.save()

@@ -126,8 +126,19 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     after = engine.get_server_info()
     assert isinstance(outputs, list)
     tokens = sum(len(out["output_ids"]) for out in outputs)
+    by_concurrency: dict[str, float] = {}
+    for concurrency, count in spec["levels"]:
+        # NOTE: the closed-loop level's work in waves of `concurrency` prompts (all equally long: ignore_eos).
+        level_prompts, level_tokens = prompts[:count], 0
+        start = time.perf_counter()
+        for first in range(0, len(level_prompts), concurrency):
+            wave = engine.generate(input_ids=level_prompts[first:first + concurrency], sampling_params=params)
+            assert isinstance(wave, list)
+            level_tokens += sum(len(out["output_ids"]) for out in wave)
+        by_concurrency[str(concurrency)] = level_tokens / (time.perf_counter() - start)
     result = {
         "engine_tok_s": tokens / wall, "engine_wall_s": wall, "engine_output_tokens": tokens,
+        "engine_tok_s_by_concurrency": by_concurrency,
         "engine_accept_length": accept_length_between(before, after),
         "engine_forward_counts": after["internal_states"][0].get("forward_counts"),
         "gpu": torch.cuda.get_device_name(engine.runner.device) if cuda else "cpu",
