@@ -22,15 +22,14 @@ def plot(path: Path) -> Path:
         x = [r["concurrency"] for r in closed]
         ratio_ax.plot(x, [r["server_over_engine"] for r in closed], "o-", color=color, label=label)
         tok_ax.plot(x, [r["server_tok_s"] for r in closed], "o-", color=color, label=f"{label} server")
-        if closed:
-            tok_ax.axhline(closed[0]["engine_tok_s"], color=color, ls=":", alpha=0.7, label=f"{label} engine")
+        tok_ax.plot(x, [r["engine_tok_s"] for r in closed], "s:", color=color, alpha=0.7, label=f"{label} engine")
         for r in rows:
             if (r["shape"], r["mode"]) == key and r["concurrency"] == "poisson":
                 ratio_ax.plot([max(1.0, r["mean_in_flight"])], [r["server_over_engine"]], "x", color=color, ms=9,
                               label=f"{label} Poisson {r['rate']:.1f} req/s")
     ratio_ax.axhline(0.9, color="gray", ls="--", alpha=0.6, label="goal 0.90")
     finish_axis(ratio_ax, "concurrent clients", "server tok/s ÷ engine tok/s", "server ÷ engine")
-    finish_axis(tok_ax, "concurrent clients", "output tokens/s", "throughput (dotted: offline engine)")
+    finish_axis(tok_ax, "concurrent clients", "output tokens/s", "throughput (dotted: offline engine, same concurrency)")
     ticks = sorted({r["concurrency"] for r in rows if r["concurrency"] != "poisson"})
     for ax in (ratio_ax, tok_ax):
         ax.set_xticks(ticks, [str(t) for t in ticks])

@@ -130,6 +130,8 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     for concurrency, count in spec["levels"]:
         # NOTE: the closed-loop level's work in waves of `concurrency` prompts (all equally long: ignore_eos).
         level_prompts, level_tokens = prompts[:count], 0
+        # NOTE: one untimed wave first: batch sizes the full-batch warm-up never ran may compile kernels.
+        engine.generate(input_ids=level_prompts[:concurrency], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
         start = time.perf_counter()
         for first in range(0, len(level_prompts), concurrency):
             wave = engine.generate(input_ids=level_prompts[first:first + concurrency], sampling_params=params)
