@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -90,6 +90,8 @@ class Engine:
         input_ids: Union[None, list[int], list[list[int]]] = None,
         sampling_params: SamplingArg = None,
         rid: Union[None, str, list[str]] = None,
+        return_logprob: Union[bool, list[bool]] = False,
+        top_logprobs_num: Union[int, list[int]] = 0,
     ) -> tuple[list[Req], bool]:
         """Validates everything first, so a bad request leaves nothing queued."""
         batch, single = self._prompts_to_ids(prompt, input_ids)
@@ -105,6 +107,9 @@ class Engine:
         if rids is not None and len(set(rids)) != len(rids):
             raise ValueError("rid values must be unique within one generate call")
         reqs = [Req(ids, p, rids[i] if rids else None) for i, (ids, p) in enumerate(zip(batch, params))]
+        for req, wanted, top_n in zip(reqs, per_prompt(return_logprob, len(reqs), "return_logprob"),
+                                      per_prompt(top_logprobs_num, len(reqs), "top_logprobs_num")):
+            req.top_logprobs_num = logprob_request(wanted, top_n)
         for req in reqs:
             self.scheduler.check_request(req)
         return reqs, single
@@ -116,8 +121,12 @@ class Engine:
         sampling_params: SamplingArg = None,
         input_ids: Union[None, list[int], list[list[int]]] = None,
         rid: Union[None, str, list[str]] = None,
+        return_logprob: Union[bool, list[bool]] = False,
+        top_logprobs_num: Union[int, list[int]] = 0,
     ) -> Union[dict[str, Any], list[dict[str, Any]]]:
-        reqs, single = self.make_requests(prompt, input_ids, sampling_params, rid)
+        """SGLang's `Engine.generate`; with `return_logprob`, meta_info carries the target's log-probabilities of the
+        output tokens (`output_token_logprobs`) and of its `top_logprobs_num` most likely tokens per position."""
+        reqs, single = self.make_requests(prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num)
         for req in reqs:
             self.scheduler.add_request(req)
         pending = {req.rid for req in reqs}
@@ -167,3 +176,23 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """One value for every prompt, or a list of one per prompt."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ValueError(f"got {len(value)} {name} values for {count} prompts")
+        return value
+    return [value] * count
+
+
+def logprob_request(return_logprob: Any, top_logprobs_num: Any) -> Optional[int]:
+    """Req.top_logprobs_num from the request fields (None: no logprobs)."""
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
+    if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_logprobs_num!r}")
+    if top_logprobs_num and not return_logprob:
+        raise ValueError("top_logprobs_num needs return_logprob")
+    return top_logprobs_num if return_logprob else None

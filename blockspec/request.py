@@ -122,6 +122,11 @@ class Req:
         self.first_token_time: Optional[float] = None
         self.spec_verify_ct = 0
         self.spec_accept_lengths: list[int] = []
+        # NOTE: logprobs (None: not asked for). Workers append one entry per token they return; the scheduler cuts
+        # the lists back to the output when a finish condition stops the commit mid-block.
+        self.top_logprobs_num: Optional[int] = None
+        self.output_token_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
 
     @property
     def output_ids(self) -> list[int]:
@@ -140,6 +145,10 @@ class Req:
     def finished(self) -> bool:
         return self.finish is not None
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs_num is not None
+
     def meta_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
             "id": self.rid,
@@ -147,6 +156,13 @@ class Req:
             "completion_tokens": self.num_output_tokens,
             "finish_reason": self.finish.to_dict() if self.finish else None,
         }
+        if self.wants_logprobs:  # NOTE: SGLang's layout: (logprob, token id, text) with text left out
+            info["output_token_logprobs"] = [
+                (logprob, token, None) for logprob, token in zip(self.output_token_logprobs, self.output_ids)
+            ]
+            info["output_top_logprobs"] = [
+                [(logprob, token, None) for token, logprob in top] for top in self.output_top_logprobs
+            ]
         if self.spec_verify_ct:
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = self.num_output_tokens / self.spec_verify_ct  # as SGLang reports it

@@ -64,3 +64,19 @@ def sample_next_tokens(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
         probs = sampling_probs(logits[i], req.params)
         tokens.append(int(torch.multinomial(probs, 1, generator=req.generator).item()))
     return tokens
+
+
+def append_logprobs(req: Req, logits: torch.Tensor, tokens: Sequence[int]) -> None:
+    """Records the target's log-probabilities of `tokens` for `req`: row i of `logits` [len(tokens), V] is the
+    distribution token i was chosen from. The raw model distribution (log_softmax of the logits, before temperature,
+    top-k/top-p), as SGLang and vLLM report by default; with the request's top_logprobs_num most likely tokens."""
+    assert req.top_logprobs_num is not None and logits.shape[0] == len(tokens)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])[:, 0].tolist()
+    req.output_token_logprobs.extend(chosen)
+    top_n = min(req.top_logprobs_num, logits.shape[-1])
+    if top_n == 0:
+        req.output_top_logprobs.extend([] for _ in tokens)
+        return
+    values, ids = logprobs.topk(top_n, dim=-1)
+    req.output_top_logprobs.extend(list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist()))

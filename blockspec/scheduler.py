@@ -232,12 +232,17 @@ class Scheduler:
             return 0
         if req.first_token_time is None and tokens:
             req.first_token_time = time.monotonic()
-        for appended, token in enumerate(tokens, start=1):
+        appended = 0
+        for token in tokens:
             req.all_ids.append(token)
+            appended += 1
             req.finish = self._check_finish(req, token)
             if req.finish is not None:
-                return appended
-        return len(tokens)
+                break
+        if req.wants_logprobs:
+            del req.output_token_logprobs[req.num_output_tokens:]
+            del req.output_top_logprobs[req.num_output_tokens:]
+        return appended
 
     def _check_finish(self, req: Req, token: int) -> Optional[Finish]:
         params = req.params

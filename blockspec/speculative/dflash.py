@@ -16,7 +16,7 @@ from blockspec.request import Req
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.runner.graphs import GraphKind
-from blockspec.sampling import greedy_tokens, sampling_probs
+from blockspec.sampling import append_logprobs, greedy_tokens, sampling_probs
 from blockspec.speculative.acceptance import forced_accept_count, greedy_accept_counts, rejection_accept
 from blockspec.step.inflight import InFlightStep, host_copy, launch_rows
 from blockspec.step.target_worker import TargetWorker
@@ -133,7 +133,9 @@ class DFlashWorker(TargetWorker):
 
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
         """Greedy batches on the one-graph cycle path (or all-eager) can run a cycle ahead of the host's commit."""
-        return self.runner.graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE) and all(r.params.is_greedy for r in reqs)
+        return self.runner.graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE) and all(
+            r.params.is_greedy and not r.wants_logprobs for r in reqs
+        )
 
     @torch.inference_mode()
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep:
@@ -226,6 +228,8 @@ class DFlashWorker(TargetWorker):
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
             req.kv_len += accepted + 1
             committed.append(proposals[:accepted] + [bonus])
+            if req.wants_logprobs:  # NOTE: block row j is the target's distribution of committed token j
+                append_logprobs(req, logits[i, :accepted + 1], committed[-1])
         return committed
 
 

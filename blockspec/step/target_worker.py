@@ -11,7 +11,7 @@ from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
 from blockspec.runner.graphs import GraphKind
 from blockspec.runner.model_runner import ModelRunner
-from blockspec.sampling import greedy_tokens, sample_next_tokens
+from blockspec.sampling import append_logprobs, greedy_tokens, sample_next_tokens
 from blockspec.step.inflight import InFlightStep, host_copy, launch_rows
 
 
@@ -69,6 +69,8 @@ class TargetWorker:
         if ready:
             for i, token in zip(ready, sample_next_tokens(logits[ready], [reqs[i] for i in ready])):
                 first[i] = token
+                if reqs[i].wants_logprobs:
+                    append_logprobs(reqs[i], logits[i:i + 1], [token])
         return first
 
     def mixed(
@@ -94,7 +96,9 @@ class TargetWorker:
 
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
         """Greedy batches whose decode runs from device rows can run a step ahead of the host's commit."""
-        return self.runner.graphs.runs_from_device_rows(GraphKind.DECODE) and all(r.params.is_greedy for r in reqs)
+        return self.runner.graphs.runs_from_device_rows(GraphKind.DECODE) and all(
+            r.params.is_greedy and not r.wants_logprobs for r in reqs
+        )
 
     @torch.inference_mode()
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep:
@@ -117,9 +121,12 @@ class TargetWorker:
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
         """One token per request; the executor has given each request a slot at position kv_len."""
         logits = self.runner.forward_uniform(GraphKind.DECODE, self._decode_rows(reqs)).logits
-        for req in reqs:
+        tokens = sample_next_tokens(logits, reqs)
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
             req.kv_len += 1
-        return [[token] for token in sample_next_tokens(logits, reqs)]
+            if req.wants_logprobs:
+                append_logprobs(req, logits[i:i + 1], [token])
+        return [[token] for token in tokens]
 
 
 def next_decode_rows(step: InFlightStep, index: Optional[torch.Tensor]) -> torch.Tensor:
