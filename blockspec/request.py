@@ -27,6 +27,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: dict[str, float] = field(default_factory=dict)  # token id (as a string, like OpenAI's) -> bias
 
     @classmethod
     def from_dict(cls, raw: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -71,10 +76,31 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to numbers")
+        for token, bias in self.logit_bias.items():
+            if not (isinstance(token, str) and token.isdigit()) and not (isinstance(token, int) and not isinstance(token, bool) and token >= 0):
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not number(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token!r}")
+        self.logit_bias = {str(int(token)): float(bias) for token, bias in self.logit_bias.items()}
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.min_new_tokens or self.logit_bias)
 
 
 class FinishReason(enum.Enum):
@@ -125,6 +151,7 @@ class Req:
         # NOTE: logprobs (None: not asked for). Workers append one entry per token they return; the scheduler cuts
         # the lists back to the output when a finish condition stops the commit mid-block.
         self.top_logprobs_num: Optional[int] = None
+        self.min_tokens_blocked_ids: set[int] = set()  # EOS + stop_token_ids, set by the scheduler (min_new_tokens)
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
 

@@ -70,6 +70,9 @@ class Scheduler:
                 f"the prompt has {req.prompt_len} tokens and can never fit the KV pool "
                 f"({self.allocator.total_slots} slots); raise max_total_tokens"
             )
+        too_large = [t for t in req.params.logit_bias if int(t) >= self.vocab_size]
+        if too_large:
+            raise ValueError(f"logit_bias token id {too_large[0]} is outside the vocabulary [0, {self.vocab_size})")
         if req.params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
 
@@ -80,6 +83,8 @@ class Scheduler:
             raise ValueError(f"request id {req.rid!r} is already in use by a queued or running request")
         if not req.params.is_greedy:
             req.generator = make_generator(req.params, self.device)
+        if req.params.min_new_tokens:
+            req.min_tokens_blocked_ids = self.eos_token_ids | set(req.params.stop_token_ids)
         if self.tokenizer is not None:
             self.detokenizers[req.rid] = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
         if req.params.max_new_tokens == 0:

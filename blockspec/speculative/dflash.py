@@ -12,6 +12,7 @@ from blockspec.attention.factory import make_backend
 from blockspec.kv.pool import KVPool
 from blockspec.models.dflash_draft import DFlashDraftModel
 from blockspec.models.draft_config import DraftConfig
+from blockspec.penalties import penalized
 from blockspec.request import Req
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
 from blockspec.runner.model_runner import ModelRunner
@@ -134,7 +135,7 @@ class DFlashWorker(TargetWorker):
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
         """Greedy batches on the one-graph cycle path (or all-eager) can run a cycle ahead of the host's commit."""
         return self.runner.graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE) and all(
-            r.params.is_greedy and not r.wants_logprobs for r in reqs
+            r.params.is_greedy and not (r.wants_logprobs or r.params.has_penalties) for r in reqs
         )
 
     @torch.inference_mode()
@@ -223,8 +224,8 @@ class DFlashWorker(TargetWorker):
         for i, req in enumerate(reqs):
             accepted, proposals, target = host[i][0], host[i][1:b], host[i][b:]
             bonus = target[accepted]
-            if i in draft_probs and self.forced_accepted is None:
-                accepted, bonus = rejection_accept(proposals, draft_probs[i], logits[i], req.params, req.generator)
+            if self.forced_accepted is None and (i in draft_probs or req.params.has_penalties):
+                accepted, bonus = self._accept_one(req, proposals, draft_probs.get(i), logits[i])
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
             req.kv_len += accepted + 1
             committed.append(proposals[:accepted] + [bonus])
@@ -232,6 +233,19 @@ class DFlashWorker(TargetWorker):
                 append_logprobs(req, logits[i, :accepted + 1], committed[-1])
         return committed
 
+
+    def _accept_one(
+        self, req: Req, proposals: list[int], draft_probs: Optional[torch.Tensor], logits: torch.Tensor
+    ) -> tuple[int, int]:
+        """(accepted, bonus) for a sampled or penalised request, from its block's target logits [B, V] (penalised per
+        row with the proposals before it counted, see penalties.py)."""
+        if req.params.has_penalties:
+            logits = penalized(logits, req, proposals)
+        if draft_probs is not None:
+            return rejection_accept(proposals, draft_probs, logits, req.params, req.generator)
+        target = logits.argmax(-1)
+        accepted = int(greedy_accept_counts(torch.tensor([proposals], device=target.device), target[None], None))
+        return accepted, int(target[accepted])
 
     @torch.inference_mode()
     def mixed(
