@@ -151,3 +151,31 @@ class Req:
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = self.num_output_tokens / self.spec_verify_ct  # as SGLang reports it
         return info
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What decides whether a request can ever be served; constant for the life of an engine."""
+
+    vocab_size: int
+    context_length: int
+    total_slots: int
+    slots_per_decode: int
+    has_tokenizer: bool
+
+    def check(self, req: Req) -> None:
+        """Raises ValueError for a request that can never be served."""
+        if req.prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in req.all_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if req.prompt_len >= self.context_length:
+            raise ValueError(f"the prompt has {req.prompt_len} tokens; the context length is {self.context_length}")
+        if req.prompt_len + self.slots_per_decode > self.total_slots:
+            raise ValueError(
+                f"the prompt has {req.prompt_len} tokens and can never fit the KV pool "
+                f"({self.total_slots} slots); raise max_total_tokens"
+            )
+        if req.params.stop and not self.has_tokenizer:
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
