@@ -7,7 +7,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from blockspec.config import EngineConfig
-from blockspec.request import Req, SamplingParams
+from blockspec.request import Req, SamplingParams, build_requests
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler import Scheduler
 from blockspec.step.executor import Worker
@@ -93,20 +93,8 @@ class Engine:
     ) -> tuple[list[Req], bool]:
         """Validates everything first, so a bad request leaves nothing queued."""
         batch, single = self._prompts_to_ids(prompt, input_ids)
-        if sampling_params is None or isinstance(sampling_params, dict):
-            params = [SamplingParams.from_dict(sampling_params)] * len(batch)
-        else:
-            if len(sampling_params) != len(batch):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts")
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
         rids = [rid] if isinstance(rid, str) else rid
-        if rids is not None and len(rids) != len(batch):
-            raise ValueError(f"got {len(rids)} rids for {len(batch)} prompts")
-        if rids is not None and len(set(rids)) != len(rids):
-            raise ValueError("rid values must be unique within one generate call")
-        reqs = [Req(ids, p, rids[i] if rids else None) for i, (ids, p) in enumerate(zip(batch, params))]
-        for req in reqs:
-            self.scheduler.check_request(req)
+        reqs = build_requests(batch, sampling_params, rids, self.scheduler.limits)
         return reqs, single
 
     # ---- offline API -----------------------------------------------------------------------

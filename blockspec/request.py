@@ -6,7 +6,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -179,3 +179,23 @@ class RequestLimits:
             )
         if req.params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+
+
+def build_requests(
+    batch: list[list[int]], sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]], rids: Optional[list[str]], limits: RequestLimits
+) -> list[Req]:
+    """Validates everything first (raising ValueError), so a bad request leaves nothing queued."""
+    if sampling_params is None or isinstance(sampling_params, dict):
+        params = [SamplingParams.from_dict(sampling_params)] * len(batch)
+    else:
+        if len(sampling_params) != len(batch):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts")
+        params = [SamplingParams.from_dict(p) for p in sampling_params]
+    if rids is not None and len(rids) != len(batch):
+        raise ValueError(f"got {len(rids)} rids for {len(batch)} prompts")
+    if rids is not None and len(set(rids)) != len(rids):
+        raise ValueError("rid values must be unique within one generate call")
+    reqs = [Req(ids, p, rids[i] if rids else None) for i, (ids, p) in enumerate(zip(batch, params))]
+    for req in reqs:
+        limits.check(req)
+    return reqs
