@@ -7,7 +7,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from blockspec.config import EngineConfig
-from blockspec.request import Req, SamplingParams, build_requests
+from blockspec.request import Req, build_requests
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler import Scheduler
 from blockspec.step.executor import Worker
