@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from blockspec.config import EngineConfig
-from blockspec.request import Req, SamplingParams
+from blockspec.request import Req, build_requests
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler import Scheduler
 from blockspec.step.executor import Worker
@@ -95,23 +95,11 @@ class Engine:
     ) -> tuple[list[Req], bool]:
         """Validates everything first, so a bad request leaves nothing queued."""
         batch, single = self._prompts_to_ids(prompt, input_ids)
-        if sampling_params is None or isinstance(sampling_params, dict):
-            params = [SamplingParams.from_dict(sampling_params)] * len(batch)
-        else:
-            if len(sampling_params) != len(batch):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts")
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
         rids = [rid] if isinstance(rid, str) else rid
-        if rids is not None and len(rids) != len(batch):
-            raise ValueError(f"got {len(rids)} rids for {len(batch)} prompts")
-        if rids is not None and len(set(rids)) != len(rids):
-            raise ValueError("rid values must be unique within one generate call")
-        reqs = [Req(ids, p, rids[i] if rids else None) for i, (ids, p) in enumerate(zip(batch, params))]
+        reqs = build_requests(batch, sampling_params, rids, self.scheduler.limits)
         for req, wanted, top_n in zip(reqs, per_prompt(return_logprob, len(reqs), "return_logprob"),
                                       per_prompt(top_logprobs_num, len(reqs), "top_logprobs_num")):
             req.top_logprobs_num = logprob_request(wanted, top_n)
-        for req in reqs:
-            self.scheduler.check_request(req)
         return reqs, single
 
     # ---- offline API -----------------------------------------------------------------------

@@ -6,7 +6,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -194,3 +194,54 @@ class Req:
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = self.num_output_tokens / self.spec_verify_ct  # as SGLang reports it
         return info
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What decides whether a request can ever be served; constant for the life of an engine."""
+
+    vocab_size: int
+    context_length: int
+    total_slots: int
+    slots_per_decode: int
+    has_tokenizer: bool
+
+    def check(self, req: Req) -> None:
+        """Raises ValueError for a request that can never be served."""
+        if req.prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in req.all_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if req.prompt_len >= self.context_length:
+            raise ValueError(f"the prompt has {req.prompt_len} tokens; the context length is {self.context_length}")
+        if req.prompt_len + self.slots_per_decode > self.total_slots:
+            raise ValueError(
+                f"the prompt has {req.prompt_len} tokens and can never fit the KV pool "
+                f"({self.total_slots} slots); raise max_total_tokens"
+            )
+        too_large = [t for t in req.params.logit_bias if int(t) >= self.vocab_size]
+        if too_large:
+            raise ValueError(f"logit_bias token id {too_large[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if req.params.stop and not self.has_tokenizer:
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+
+
+def build_requests(
+    batch: list[list[int]], sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]], rids: Optional[list[str]], limits: RequestLimits
+) -> list[Req]:
+    """Validates everything first (raising ValueError), so a bad request leaves nothing queued."""
+    if sampling_params is None or isinstance(sampling_params, dict):
+        params = [SamplingParams.from_dict(sampling_params)] * len(batch)
+    else:
+        if len(sampling_params) != len(batch):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts")
+        params = [SamplingParams.from_dict(p) for p in sampling_params]
+    if rids is not None and len(rids) != len(batch):
+        raise ValueError(f"got {len(rids)} rids for {len(batch)} prompts")
+    if rids is not None and len(set(rids)) != len(rids):
+        raise ValueError("rid values must be unique within one generate call")
+    reqs = [Req(ids, p, rids[i] if rids else None) for i, (ids, p) in enumerate(zip(batch, params))]
+    for req in reqs:
+        limits.check(req)
+    return reqs

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
-from blockspec.request import Finish, FinishReason, Req
+from blockspec.request import Finish, FinishReason, Req, RequestLimits
 from blockspec.sampling import make_generator
 from blockspec.step.executor import StepExecutor, Worker
 from blockspec.step.plan import Committed, ExtendChunk, StepPlan
@@ -54,27 +54,15 @@ class Scheduler:
         self.spec_accept_histogram = [0] * (worker.decode_slots_per_req + 1)
 
     # ---- requests in and out -------------------------------------------------------------
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(
+            self.vocab_size, self.context_length, self.allocator.total_slots, self.steps.slots_per_decode, self.tokenizer is not None
+        )
+
     def check_request(self, req: Req) -> None:
         """Raises ValueError for a request that can never be served."""
-        if req.prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in req.all_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if req.prompt_len >= self.context_length:
-            raise ValueError(
-                f"the prompt has {req.prompt_len} tokens; the context length is {self.context_length}"
-            )
-        if req.prompt_len + self.steps.slots_per_decode > self.allocator.total_slots:
-            raise ValueError(
-                f"the prompt has {req.prompt_len} tokens and can never fit the KV pool "
-                f"({self.allocator.total_slots} slots); raise max_total_tokens"
-            )
-        too_large = [t for t in req.params.logit_bias if int(t) >= self.vocab_size]
-        if too_large:
-            raise ValueError(f"logit_bias token id {too_large[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if req.params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+        self.limits.check(req)
 
     def add_request(self, req: Req) -> None:
         self.check_request(req)

@@ -44,7 +44,7 @@ def test_queue_limit_and_shutdown_with_requests_in_flight(engine: Engine) -> Non
             loop.submit(reqs, stream=False)
         first = await asyncio.wait_for(subs[0].next(), 10)
         assert first.ids and not first.final  # streaming deltas flow
-        await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+        await loop.stop()
         for sub in subs:
             while not sub.done:
                 delta = await asyncio.wait_for(sub.next(), 10)
@@ -52,7 +52,7 @@ def test_queue_limit_and_shutdown_with_requests_in_flight(engine: Engine) -> Non
         with pytest.raises(EngineStoppedError):
             loop.submit(reqs, stream=False)
         with pytest.raises(EngineStoppedError):
-            await loop.call(Engine.get_server_info)
+            await loop.call("get_server_info")
 
     asyncio.run(scenario())
     assert not loop.alive

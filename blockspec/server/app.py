@@ -5,7 +5,7 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.engine import Engine
 from blockspec.server.args import ServerSettings
+from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.state import APIError, ClientGone, ServerState
 
@@ -104,11 +105,14 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {message}", param)
 
 
-def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> FastAPI:
+def create_app(engine: Union[Engine, EngineLoop], settings: Optional[ServerSettings] = None) -> FastAPI:
+    """`engine`: an Engine (in-process mode: its core runs on a thread of this process, for tests and notebooks) or
+    an EngineLoop whose engine process is launched already (`blockspec serve`)."""
     settings = settings or ServerSettings()
-    block = engine.worker.decode_slots_per_req
-    metrics = ServerMetrics(max_accept_length=max(block, 1))
-    state = ServerState.build(engine, settings, metrics)
+    loop = engine if isinstance(engine, EngineLoop) else EngineLoop(engine)
+    loop.max_queued_requests = settings.max_queued_requests
+    state = ServerState.build(loop, settings)
+    metrics = state.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -116,7 +120,7 @@ def create_app(engine: Engine, settings: Optional[ServerSettings] = None) -> Fas
         try:
             yield
         finally:
-            state.loop.stop()
+            await state.loop.stop()
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="blockspec", lifespan=lifespan)

@@ -1,26 +1,30 @@
-"""The engine thread: the only thread that touches the Engine once serving starts.
-
-HTTP handlers talk to it through an inbox (add / abort / fail / call) and get results back on per-submission asyncio
-queues, fed with `loop.call_soon_threadsafe` after every scheduler step.
-"""
+"""The server side of the engine boundary: submits requests over ZeroMQ and routes the engine's deltas to their
+Submissions from an asyncio task; notices when the engine is gone."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import dataclasses
 import logging
-import queue
-import threading
+import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import zmq
+import zmq.asyncio
 
 from blockspec.engine import Engine
-from blockspec.request import FinishReason, Req
+from blockspec.request import Req
+from blockspec.server import wire
+from blockspec.server.engine_core import _held_back
+from blockspec.server.engine_process import EngineHandle, EngineThread
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
+__all__ = ["EngineLoop", "EngineStoppedError", "QueueFullError", "EngineLoadError", "_held_back"]
+WATCH_MS = 200
+DIED_MESSAGE = "the engine process died"
 
 
 class QueueFullError(RuntimeError):
@@ -31,69 +35,97 @@ class EngineStoppedError(RuntimeError):
     pass
 
 
-@dataclass
-class _Tracked:
-    req: Req
-    submission: Submission
-    index: int
-    sent_ids: int = 0
-    sent_text: int = 0
-    stops: list[str] = field(default_factory=list)
-    client_aborted: bool = False
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that could still grow into a stop string."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if stop.startswith(text[-n:]):
-                longest = n
-                break
-    return longest
+class EngineLoadError(RuntimeError):
+    pass
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queued_requests: int = 1024) -> None:
-        self.engine = engine
+    def __init__(self, engine: Union[Engine, EngineHandle], metrics: Optional[ServerMetrics] = None, max_queued_requests: int = 1024) -> None:
+        self.handle = EngineThread(engine) if isinstance(engine, Engine) else engine
+        self.info = self.handle.info
         self.metrics = metrics
+        if self.metrics is None and self.info is not None:
+            self.metrics = ServerMetrics(max_accept_length=max(self.info.decode_slots_per_req, 1))
         self.max_queued_requests = max_queued_requests
-        self._inbox: "queue.SimpleQueue[tuple[Any, ...]]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._tracked: dict[str, _Tracked] = {}
-        self._lock = threading.Lock()
-        self.max_running = engine.config.max_running_requests
-        # NOTE: guarded by _lock. _num_running/_num_waiting are the scheduler's counts after the last step;
-        # _fresh counts requests submitted since that step's inbox drain (not in those counts yet).
+        self.on_death: list[Callable[[], None]] = []
+        self._routes: dict[str, tuple[Submission, int]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._next_call = 0
+        # NOTE: _num_running/_num_waiting are the scheduler's counts in the engine's last StepStats; _fresh counts
+        # requests sent since then (not in those counts yet).
         self._num_running = 0
         self._num_waiting = 0
         self._fresh = 0
-        self._handled = 0  # NOTE: engine thread only: requests taken from the inbox since the last snapshot
-        self._stopped = False
+        self._launched = False
+        self._stopping = False
+        self._reader: Optional[asyncio.Task[None]] = None
+        self._stopped = asyncio.Event()
         self.draining = False
         self.alive = False
-
-    # ---- HTTP side ---------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="blockspec-engine", daemon=True)
-        self.alive = True
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        with self._lock:
-            if self._thread is None or self._stopped:
-                return
-            self._stopped = True
-        self._inbox.put(("stop",))
-        self._thread.join(timeout)
+        self.died = False
 
     @property
-    def num_queued(self) -> int:
-        with self._lock:
-            return self._queued()
+    def max_running(self) -> int:
+        return self.info.max_running_requests if self.info is not None else 0
 
-    def _queued(self) -> int:
-        """Requests waiting for a running slot (call with _lock held)."""
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def launch(self, startup_timeout: float = 3600.0) -> None:
+        """Binds the sockets, starts the engine and waits for its Ready; raises EngineLoadError if it cannot load."""
+        if self._launched:
+            return
+        self._launched = True
+        self._dir = tempfile.TemporaryDirectory(prefix="blockspec-zmq-")
+        self._context = zmq.Context()
+        self._to = self._context.socket(zmq.PUSH)
+        self._to.setsockopt(zmq.SNDHWM, 0)
+        self._from = self._context.socket(zmq.PULL)
+        to_addr, from_addr = (f"ipc://{Path(self._dir.name) / name}" for name in ("to_engine", "from_engine"))
+        self._to.bind(to_addr)
+        self._from.bind(from_addr)
+        self.handle.launch(to_addr, from_addr)
+        deadline = time.monotonic() + startup_timeout
+        while not self._from.poll(100):
+            if not self.handle.is_alive() or time.monotonic() > deadline:
+                raise EngineLoadError("the engine exited before it was ready" if time.monotonic() <= deadline else "the engine did not start")
+        message = wire.decode_from_engine(self._from.recv())
+        if isinstance(message, wire.LoadFailed):
+            raise EngineLoadError(message.message)
+        assert isinstance(message, wire.Ready)
+        self.info = message.info
+        if self.metrics is None:
+            self.metrics = ServerMetrics(max_accept_length=max(self.info.decode_slots_per_req, 1))
+        self.alive = True
+
+    def start(self) -> None:
+        """Launches if needed and starts routing on the running event loop."""
+        self.launch()
+        self._stopped = asyncio.Event()
+        self._reader = asyncio.get_running_loop().create_task(self._read(zmq.asyncio.Socket.from_socket(self._from)))
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        if not self._launched or self._stopping:
+            return
+        self._stopping = True
+        if self.alive and self.handle.is_alive():
+            self._send(wire.Stop())
+            try:
+                await asyncio.wait_for(self._stopped.wait(), timeout)
+            except asyncio.TimeoutError:
+                logger.error("the engine did not stop within %.0f s", timeout)
+        self.alive = False
+        await asyncio.get_running_loop().run_in_executor(None, self.handle.join, timeout)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._fail_routes("the server is shutting down", 503)
+        self._to.close(linger=0)
+        self._from.close(linger=0)
+        self._context.term()
+        self._dir.cleanup()
+
+    # ---- HTTP side -----------------------------------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a running slot."""
         # NOTE: fresh requests take the running slots that were free at the last step, unless requests already
         # wait (then the pool or the prefill budget, not the slot count, is what holds them back).
         free = self.max_running - self._num_running if self._num_waiting == 0 else 0
@@ -101,179 +133,110 @@ class EngineLoop:
 
     def begin_drain(self) -> None:
         """Shutdown has begun: new submissions get EngineStoppedError; what is in flight carries on."""
-        with self._lock:
-            self.draining = True
+        self.draining = True
 
     def fail_in_flight(self, message: str) -> None:
-        """Ends every request in flight with `message` (503) on the engine thread, freeing its KV."""
-        self._inbox.put(("fail", message))
+        """Ends every request in flight with `message` (503) in the engine, freeing its KV."""
+        if self.alive:
+            self._send(wire.Fail(message))
+
+    def _send(self, message: wire.ToEngine) -> None:
+        self._to.send(wire.encode(message), copy=False)
 
     def submit(self, reqs: list[Req], stream: bool) -> Submission:
-        """Queues validated requests (see Engine.make_requests); raises QueueFullError beyond the queue limit."""
+        """Queues validated requests; raises QueueFullError beyond the queue limit. Call on the event loop."""
         submission = Submission(reqs, stream, asyncio.get_running_loop())
-        # NOTE: checked and enqueued under the lock, so nothing lands in the inbox after the engine thread's
-        # final drain (it clears `alive` under the same lock first).
-        with self._lock:
-            if self._stopped or not self.alive:
-                raise EngineStoppedError("the engine is not running")
-            if self.draining:
-                raise EngineStoppedError("the server is shutting down")
-            queued = self._queued()
-            self._fresh += len(reqs)
-            if self._queued() > self.max_queued_requests:
-                self._fresh -= len(reqs)
-                raise QueueFullError(f"{queued} requests are waiting (limit {self.max_queued_requests}); retry later")
-            self._inbox.put(("add", submission))
+        if self._stopping or not self.alive:
+            raise EngineStoppedError("the engine is not running")
+        if self.draining:
+            raise EngineStoppedError("the server is shutting down")
+        queued = self.num_queued
+        fresh = [i for i, req in enumerate(reqs) if req.rid not in self._routes]
+        self._fresh += len(fresh)
+        if self.num_queued > self.max_queued_requests:
+            self._fresh -= len(fresh)
+            raise QueueFullError(f"{queued} requests are waiting (limit {self.max_queued_requests}); retry later")
+        now = time.monotonic()
+        for index, req in enumerate(reqs):
+            if index not in fresh:
+                submission.push(Delta(index, "", [], None, f"rid {req.rid!r} is already in flight", 400))
+                continue
+            self._routes[req.rid] = (submission, index)
+            params = dataclasses.asdict(req.params)
+            self._send(wire.AddRequest(req.rid, list(req.all_ids[:req.prompt_len]), params, stream, now))
         return submission
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        if self.alive:
+            self._send(wire.Abort(rid))
 
-    async def call(self, fn: Callable[[Engine], T]) -> T:
-        """Runs `fn(engine)` on the engine thread between two steps."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._stopped or not self.alive:
-                raise EngineStoppedError("the engine is not running")
-            self._inbox.put(("call", fn, future))
-        return await asyncio.wrap_future(future)
+    async def call(self, name: str) -> Any:
+        """Runs the Engine method `name` in the engine between two steps; returns its (msgpack-able) result."""
+        if self._stopping or not self.alive:
+            raise EngineStoppedError("the engine is not running")
+        self._next_call += 1
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[self._next_call] = future
+        self._send(wire.Call(self._next_call, name))
+        return await future
 
-    # ---- engine thread -----------------------------------------------------------------------
-    def _run(self) -> None:
-        scheduler = self.engine.scheduler
-        try:
-            while True:
-                if not self._drain(block=not scheduler.has_work):
-                    break
-                if not scheduler.has_work:
-                    continue
-                try:
-                    self._publish(scheduler.step())
-                except Exception as exc:  # keep serving: fail what was in flight, free its KV
-                    logger.exception("engine step failed")
-                    self._fail_all(f"engine error: {exc}", drain_inbox=False)
-        finally:
-            with self._lock:
-                self.alive = False
-            self._fail_all("the server is shutting down", drain_inbox=True, status=503)
-
-    def _drain(self, block: bool) -> bool:
-        """Handles inbox messages; returns False on stop."""
-        try:
-            message = self._inbox.get() if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
+    # ---- routing -------------------------------------------------------------------------------
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            if message[0] == "stop":
-                return False
-            self._handle(message)
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
+            if not await sock.poll(WATCH_MS):
+                if not self.handle.is_alive() and not self._stopping:
+                    self._on_death()
+                    return
+                continue
+            message = wire.decode_from_engine(await sock.recv())
+            if isinstance(message, wire.Outputs):
+                self._route(message)
+            elif isinstance(message, wire.CallResult):
+                future = self._calls.pop(message.call_id, None)
+                if future is not None and not future.done():
+                    if message.error is None:
+                        future.set_result(message.result)
+                    else:
+                        future.set_exception(RuntimeError(message.error))
+            elif isinstance(message, wire.Stopped):
+                self.alive = False
+                self._fail_calls(EngineStoppedError("the engine is not running"))
+                self._stopped.set()
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "add":
-            submission: Submission = message[1]
-            self._handled += len(submission.reqs)
-            for index, req in enumerate(submission.reqs):
-                tracked = _Tracked(req, submission, index, stops=list(req.params.stop))
-                if req.rid in self._tracked:
-                    self._finish(tracked, error=f"rid {req.rid!r} is already in flight", status=400)
-                    continue
-                try:
-                    self.engine.scheduler.add_request(req)
-                except Exception as exc:
-                    self._finish(tracked, error=str(exc), status=400)
-                    continue
-                self._tracked[req.rid] = tracked
-            if not self.engine.scheduler.has_work:  # NOTE: all refused: no step follows to take the snapshot
-                self._snapshot()
-        elif kind == "abort":
-            tracked = self._tracked.get(message[1])
-            if tracked is not None:
-                tracked.client_aborted = True
-            self.engine.scheduler.abort(message[1])
-        elif kind == "fail":
-            self._fail_all(message[1], drain_inbox=False, status=503)
-        elif kind == "call":
-            fn, future = message[1], message[2]
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(self.engine))
-                except Exception as exc:
-                    future.set_exception(exc)
-
-    def _publish(self, finished: list[Req]) -> None:
-        now = time.monotonic()
-        for req in finished:
-            tracked = self._tracked.pop(req.rid, None)
-            if tracked is not None:
-                self._finish(tracked, now=now)
-        for tracked in self._tracked.values():
-            if tracked.submission.stream:
-                self._push_delta(tracked, final=False)
-        self._snapshot()
-        self.metrics.on_step(self.engine, self.num_queued)
-
-    def _snapshot(self) -> None:
-        scheduler = self.engine.scheduler
-        with self._lock:
-            self._num_running = len(scheduler.running)
-            self._num_waiting = len(scheduler.waiting)
-            self._fresh -= self._handled
-            self._handled = 0
-
-    def _push_delta(
-        self, tracked: _Tracked, final: bool, output: Optional[dict[str, Any]] = None, error: Optional[str] = None, status: int = 500
-    ) -> None:
-        req = tracked.req
-        ids = req.output_ids
-        text_end = len(req.text) if final else len(req.text) - _held_back(req.text, tracked.stops)
-        if not final and len(ids) == tracked.sent_ids and text_end <= tracked.sent_text:
+    def _route(self, message: wire.Outputs) -> None:
+        for out in message.deltas:
+            route = self._routes.get(out.rid)
+            if route is None:
+                continue
+            delta = Delta(route[1], out.text, out.ids, out.output, out.error, out.status)
+            if delta.final:
+                del self._routes[out.rid]
+            route[0].push(delta)
+        stats = message.stats
+        if stats is None or self.metrics is None:
             return
-        # NOTE: req.text only grows, except the stop-string cut on finish; the held-back suffix keeps the
-        # streamed text a prefix of the final text.
-        new_text = req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else ""
-        delta = Delta(tracked.index, new_text, ids[tracked.sent_ids:], output, error, status)
-        tracked.sent_ids = len(ids)
-        tracked.sent_text = max(tracked.sent_text, text_end)
-        tracked.submission.push(delta)
+        self._num_running, self._num_waiting = stats.num_running, stats.num_waiting
+        self._fresh -= stats.handled
+        for finish in stats.finished:
+            self.metrics.on_finish(finish)
+        self.metrics.on_step(stats, self.num_queued)
 
-    def _finish(self, tracked: _Tracked, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
-        req = tracked.req
-        if error is not None:
-            self._push_delta(tracked, final=True, error=error, status=status)
-            return
-        output = Engine.output_of(req)
-        output["meta_info"]["e2e_latency"] = (now or time.monotonic()) - req.arrival_time
-        self.metrics.on_finish(req, now or time.monotonic())
-        # NOTE: an abort the engine decided (the KV pool ran out) is an answer: finish_reason {"type": "abort",
-        # "message": ...}; only the client's own abort becomes an error.
-        if req.finish is not None and req.finish.reason == FinishReason.ABORT and tracked.client_aborted:
-            self._push_delta(tracked, final=True, output=output, error=req.finish.message or "aborted", status=400)
-        else:
-            self._push_delta(tracked, final=True, output=output)
+    def _fail_routes(self, message: str, status: int) -> None:
+        for submission, index in self._routes.values():
+            submission.push(Delta(index, "", [], None, message, status))
+        self._routes.clear()
 
-    def _fail_all(self, message: str, drain_inbox: bool, status: int = 500) -> None:
-        scheduler = self.engine.scheduler
-        for rid in list(self._tracked):
-            scheduler.abort(rid)
-        try:
-            scheduler.collect_finished()
-        except Exception:
-            logger.exception("could not release the KV of failed requests")
-        for rid in list(self._tracked):
-            self._finish(self._tracked.pop(rid), error=message, status=status)
-        self._snapshot()
-        try:  # requests still in the inbox never reached the scheduler
-            while drain_inbox:
-                message_ = self._inbox.get_nowait()
-                if message_[0] == "add":
-                    for index, req in enumerate(message_[1].reqs):
-                        self._finish(_Tracked(req, message_[1], index), error=message, status=status)
-                elif message_[0] == "call" and message_[2].set_running_or_notify_cancel():
-                    message_[2].set_exception(EngineStoppedError(message))
-        except queue.Empty:
-            pass
+    def _fail_calls(self, exc: Exception) -> None:
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(exc)
+        self._calls.clear()
+
+    def _on_death(self) -> None:
+        logger.error("%s; failing %d request(s) in flight", DIED_MESSAGE, len(self._routes))
+        self.alive = False
+        self.died = True
+        self._fail_routes(DIED_MESSAGE, 503)
+        self._fail_calls(EngineStoppedError(DIED_MESSAGE))
+        for callback in self.on_death:
+            callback()

@@ -1,4 +1,5 @@
-"""Starting the server: in the foreground (the CLI) or on a background thread (tests, notebooks)."""
+"""Starting the server: in the foreground with the engine in a process of its own (the CLI), or on a background
+thread with an in-process Engine (tests, notebooks)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,8 @@ from fastapi import FastAPI
 from blockspec.engine import Engine
 from blockspec.server.app import create_app, get_state_of
 from blockspec.server.args import ServeArgs, ServerSettings, parse_serve_args
-from blockspec.server.engine_loop import EngineLoop
+from blockspec.server.engine_loop import EngineLoadError, EngineLoop
+from blockspec.server.engine_process import EngineProcess
 from blockspec.server.http_protocol import h11_protocol_with_header_timeout
 
 logger = logging.getLogger(__name__)
@@ -68,14 +70,21 @@ def _raise_terminated(signum: int, frame: Optional[FrameType]) -> None:
 
 
 def run_server(args: ServeArgs) -> int:
-    """Loads the engine, then serves until interrupted. Returns the process exit code."""
+    """Starts the engine process, then serves until interrupted. Returns the process exit code: 1 when the model
+    cannot be loaded or the engine process dies."""
     logging.basicConfig(level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_loop = EngineLoop(EngineProcess(args.engine, args.server.log_level))
     try:
-        engine = Engine(**args.engine)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+        engine_loop.launch()
+    except EngineLoadError as exc:
         print(f"blockspec serve: error: could not load the model: {exc}", file=sys.stderr)
         return 1
-    server = _make_server(create_app(engine, args.server), args.server)
+    server = _make_server(create_app(engine_loop, args.server), args.server)
+
+    def engine_died() -> None:
+        server.should_exit = True
+
+    engine_loop.on_death.append(engine_died)
     print(f"blockspec: serving {args.engine['model_path']} on http://{args.server.host}:{args.server.port}", file=sys.stderr, flush=True)
     # NOTE: uvicorn drains on SIGINT/SIGTERM, then re-raises the signal; ours makes that a clean exit too.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -85,7 +94,9 @@ def run_server(args: ServeArgs) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-    engine.shutdown()
+    if engine_loop.died:
+        print("blockspec serve: error: the engine process died", file=sys.stderr)
+        return 1
     return 0
 
 

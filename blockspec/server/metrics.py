@@ -4,8 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from blockspec.engine import Engine
-from blockspec.request import Req
+from blockspec.server.wire import FinishStat, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, float("inf"))
@@ -37,31 +36,27 @@ class ServerMetrics:
             "blockspec_spec_position_accept_rate", "Fraction of verifies that accepted draft position N", ["position"], registry=r
         )
 
-    def on_finish(self, req: Req, now: float) -> None:
-        reason = req.finish.reason.value if req.finish is not None else "unknown"
-        self.requests.labels(finish_reason=reason).inc()
-        self.prompt_tokens.inc(req.prompt_len)
-        completion = len(req.output_ids)
-        self.generation_tokens.inc(completion)
-        self.e2e.observe(now - req.arrival_time)
-        if req.first_token_time is not None:
-            self.ttft.observe(req.first_token_time - req.arrival_time)
-            if completion > 1:
-                self.tpot.observe((now - req.first_token_time) / (completion - 1))
-        for committed in req.spec_accept_lengths:
+    def on_finish(self, finish: FinishStat) -> None:
+        self.requests.labels(finish_reason=finish.reason).inc()
+        self.prompt_tokens.inc(finish.prompt_tokens)
+        self.generation_tokens.inc(finish.completion_tokens)
+        self.e2e.observe(finish.e2e)
+        if finish.ttft is not None:
+            self.ttft.observe(finish.ttft)
+            if finish.decode_s is not None and finish.completion_tokens > 1:
+                self.tpot.observe(finish.decode_s / (finish.completion_tokens - 1))
+        for committed in finish.accept_lengths:
             self.accept_per_verify.observe(committed)
 
-    def on_step(self, engine: Engine, num_queued: int) -> None:
-        scheduler = engine.scheduler
-        allocator = engine.runner.allocator
-        self.num_running.set(len(scheduler.running))
+    def on_step(self, stats: StepStats, num_queued: int) -> None:
+        self.num_running.set(stats.num_running)
         self.num_queued.set(num_queued)
-        total, free = allocator.total_slots, allocator.free_slots
+        total, free = stats.kv_total, stats.kv_free
         self.kv_total.set(total)
         self.kv_free.set(free)
         self.kv_usage.set((total - free) / total if total else 0.0)
-        if engine.worker.is_speculative:
-            self.set_spec_stats(scheduler.spec_accept_histogram)
+        if stats.spec_histogram is not None:
+            self.set_spec_stats(stats.spec_histogram)
 
     def set_spec_stats(self, histogram: list[int]) -> None:
         """`histogram[k]` = verifies that committed k tokens; draft position j is accepted when k > j."""

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 import blockspec
-from blockspec.engine import Engine
 from blockspec.request import SamplingParams
 from blockspec.server.engine_loop import EngineStoppedError
 from blockspec.server.metrics import CONTENT_TYPE
@@ -100,7 +99,7 @@ async def health(request: Request) -> Response:
 async def _server_info(request: Request) -> dict[str, Any]:
     state = _state(request)
     try:
-        info = await state.loop.call(Engine.get_server_info)
+        info = await state.loop.call("get_server_info")
     except EngineStoppedError as exc:
         raise APIError(503, str(exc)) from exc
     info.update(
@@ -109,6 +108,7 @@ async def _server_info(request: Request) -> dict[str, Any]:
         max_queued_requests=state.settings.max_queued_requests,
         num_queued_requests=state.loop.num_queued,
         version=blockspec.__version__,
+        engine_pid=state.info.pid,
     )
     return info
 
@@ -125,8 +125,8 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
-    config = _state(request).engine.config
-    return {"model_path": config.model_path, "tokenizer_path": config.tokenizer_path or config.model_path, "is_generation": True}
+    info = _state(request).info
+    return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path, "is_generation": True}
 
 
 @router.get("/metrics")

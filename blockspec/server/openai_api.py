@@ -57,7 +57,7 @@ async def list_models(request: Request) -> dict[str, Any]:
         "object": "model",
         "created": state.created,
         "owned_by": "blockspec",
-        "root": state.engine.config.model_path,
+        "root": state.info.model_path,
         "max_model_len": state.context_length,
     }
     return {"object": "list", "data": [card]}

@@ -12,12 +12,12 @@ from typing import Any, AsyncGenerator, Callable, Optional, Sequence, TypeVar
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
-from blockspec.engine import Engine
-from blockspec.request import Req, SamplingParams
+from blockspec.request import Req, RequestLimits, SamplingParams, build_requests
 from blockspec.server.args import ServerSettings
 from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
+from blockspec.server.wire import EngineInfo
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
@@ -52,7 +52,6 @@ def sse(payload: Any) -> str:
 
 @dataclass
 class ServerState:
-    engine: Engine
     loop: EngineLoop
     settings: ServerSettings
     metrics: ServerMetrics
@@ -65,17 +64,25 @@ class ServerState:
     tokenize_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="blockspec-tokenize"))
 
     @classmethod
-    def build(cls, engine: Engine, settings: ServerSettings, metrics: ServerMetrics) -> "ServerState":
-        tokenizer = None
-        if engine.tokenizer is not None:
-            config = engine.config
-            tokenizer = load_tokenizer(config.tokenizer_path or config.model_path, config.trust_remote_code)
-        loop = EngineLoop(engine, metrics, settings.max_queued_requests)
-        return cls(engine, loop, settings, metrics, tokenizer, engine.scheduler.context_length, engine.scheduler.vocab_size, int(time.time()))
+    def build(cls, loop: EngineLoop, settings: ServerSettings) -> "ServerState":
+        info = loop.info
+        assert info is not None and loop.metrics is not None, "the engine must be launched (or in-process) first"
+        tokenizer = load_tokenizer(info.tokenizer_path, info.trust_remote_code) if info.has_tokenizer else None
+        return cls(loop, settings, loop.metrics, tokenizer, info.context_length, info.vocab_size, int(time.time()))
+
+    @property
+    def info(self) -> EngineInfo:
+        assert self.loop.info is not None
+        return self.loop.info
+
+    @property
+    def limits(self) -> RequestLimits:
+        info = self.info
+        return RequestLimits(info.vocab_size, info.context_length, info.total_slots, info.slots_per_decode, info.has_tokenizer)
 
     @property
     def model_name(self) -> str:
-        return self.settings.served_model_name or self.engine.config.model_path
+        return self.settings.served_model_name or self.info.model_path
 
     # ---- inputs --------------------------------------------------------------------------------
     async def _off_loop(self, fn: Callable[[], T]) -> T:
@@ -122,9 +129,7 @@ class ServerState:
                     name,
                 )
         try:
-            # NOTE: make_requests only reads engine constants (vocab, context length, pool size) for
-            # input_ids prompts, so it is safe off the engine thread.
-            reqs, _ = self.engine.make_requests(input_ids=[list(ids) for ids in batch], sampling_params=list(params), rid=list(rids))
+            reqs = build_requests([list(ids) for ids in batch], list(params), list(rids), self.limits)
         except ValueError as exc:
             param = _param_of(str(exc), prompt_param, renames)
             raise APIError(400, f"{param}: {exc}", param) from exc

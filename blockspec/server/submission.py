@@ -1,4 +1,4 @@
-"""What an HTTP call gets back from the engine thread: a Submission of requests, fed with Deltas."""
+"""What an HTTP call gets back from the engine: a Submission of requests, fed with Deltas on the event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -35,10 +35,8 @@ class Submission:
         self.pending = set(range(len(reqs)))
 
     def push(self, delta: Delta) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        """Call on `loop` (the engine's deltas are routed there)."""
+        self.queue.put_nowait(delta)
 
     async def next(self) -> Delta:
         delta = await self.queue.get()

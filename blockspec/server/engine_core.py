@@ -1,0 +1,251 @@
+"""The engine side of the server: a loop that owns the Engine, takes messages from a ZeroMQ PULL socket between
+scheduler steps (never waiting on them while there is work) and PUSHes every step's output deltas back.
+
+The same loop runs in the engine process (`blockspec serve`) or, for tests, on a thread of the server process."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import zmq
+
+from blockspec.engine import Engine
+from blockspec.request import FinishReason, Req
+from blockspec.server import wire
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 500
+
+
+@dataclass
+class _Tracked:
+    req: Req
+    stream: bool
+    sent_ids: int = 0
+    sent_text: int = 0
+    stops: list[str] = field(default_factory=list)
+    client_aborted: bool = False
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that could still grow into a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if stop.startswith(text[-n:]):
+                longest = n
+                break
+    return longest
+
+
+def engine_info(engine: Engine) -> wire.EngineInfo:
+    config = engine.config
+    limits = engine.scheduler.limits
+    return wire.EngineInfo(
+        model_path=config.model_path,
+        tokenizer_path=config.tokenizer_path or config.model_path,
+        trust_remote_code=config.trust_remote_code,
+        has_tokenizer=engine.tokenizer is not None,
+        context_length=engine.scheduler.context_length,
+        vocab_size=engine.scheduler.vocab_size,
+        total_slots=limits.total_slots,
+        slots_per_decode=limits.slots_per_decode,
+        decode_slots_per_req=engine.worker.decode_slots_per_req,
+        max_running_requests=config.max_running_requests,
+        pid=os.getpid(),
+    )
+
+
+def _finish_stat(req: Req, now: float) -> wire.FinishStat:
+    first = req.first_token_time
+    return wire.FinishStat(
+        reason=req.finish.reason.value if req.finish is not None else "unknown",
+        prompt_tokens=req.prompt_len,
+        completion_tokens=len(req.output_ids),
+        e2e=now - req.arrival_time,
+        ttft=None if first is None else first - req.arrival_time,
+        decode_s=None if first is None else now - first,
+        accept_lengths=list(req.spec_accept_lengths),
+    )
+
+
+class EngineCore:
+    def __init__(self, engine: Engine, to_engine: str, from_engine: str, parent_pid: Optional[int] = None) -> None:
+        self.engine = engine
+        self.to_engine = to_engine
+        self.from_engine = from_engine
+        self.parent_pid = parent_pid
+        self._tracked: dict[str, _Tracked] = {}
+        self._deltas: list[wire.DeltaOut] = []
+        self._finished: list[wire.FinishStat] = []
+        self._handled = 0  # NOTE: requests taken from the socket since the last StepStats
+        self._context = zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._push = self._context.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+
+    def run(self) -> None:
+        self._pull.connect(self.to_engine)
+        self._push.connect(self.from_engine)
+        self._send(wire.Ready(engine_info(self.engine)))
+        scheduler = self.engine.scheduler
+        try:
+            while True:
+                if not self._drain(block=not scheduler.has_work):
+                    break
+                stepped = scheduler.has_work
+                if stepped:
+                    try:
+                        self._publish(scheduler.step())
+                    except Exception as exc:  # keep serving: fail what was in flight, free its KV
+                        logger.exception("engine step failed")
+                        self._fail_all(f"engine error: {exc}")
+                self._flush(stats=stepped or self._handled > 0 or bool(self._deltas))
+        finally:
+            self._fail_all("the server is shutting down", status=503)
+            self._drain_refused("the server is shutting down")
+            self._flush(stats=True)
+            self._send(wire.Stopped())
+            self._pull.close(linger=0)
+            self._push.close(linger=5000)
+            self._context.term()
+
+    def _send(self, message: wire.FromEngine) -> None:
+        self._push.send(wire.encode(message), copy=False)
+
+    def _parent_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    def _drain(self, block: bool) -> bool:
+        """Handles every message that is waiting (waits for one when `block`); returns False on stop."""
+        if block and not self._pull.poll(IDLE_POLL_MS):
+            return not self._parent_gone()
+        while True:
+            try:
+                frame = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            message = wire.decode_to_engine(frame)
+            if isinstance(message, wire.Stop):
+                return False
+            self._handle(message)
+
+    def _handle(self, message: wire.ToEngine) -> None:
+        if isinstance(message, wire.AddRequest):
+            self._add(message)
+        elif isinstance(message, wire.Abort):
+            tracked = self._tracked.get(message.rid)
+            if tracked is not None:
+                tracked.client_aborted = True
+            self.engine.scheduler.abort(message.rid)
+        elif isinstance(message, wire.Fail):
+            self._fail_all(message.message, status=503)
+        elif isinstance(message, wire.Call):
+            try:
+                if message.name.startswith("_"):
+                    raise AttributeError(f"{message.name} is not an engine call")
+                self._send(wire.CallResult(message.call_id, getattr(self.engine, message.name)()))
+            except Exception as exc:
+                self._send(wire.CallResult(message.call_id, error=f"{type(exc).__name__}: {exc}"))
+
+    def _add(self, message: wire.AddRequest) -> None:
+        self._handled += 1
+        try:
+            reqs, _ = self.engine.make_requests(input_ids=[message.input_ids], sampling_params=[message.params], rid=[message.rid])
+        except ValueError as exc:
+            self._deltas.append(wire.DeltaOut(message.rid, "", [], error=str(exc), status=400))
+            return
+        req = reqs[0]
+        req.arrival_time = message.arrival_time
+        tracked = _Tracked(req, message.stream, stops=list(req.params.stop))
+        if req.rid in self._tracked:
+            self._finish(tracked, error=f"rid {req.rid!r} is already in flight", status=400)
+            return
+        try:
+            self.engine.scheduler.add_request(req)
+        except Exception as exc:
+            self._finish(tracked, error=str(exc), status=400)
+            return
+        self._tracked[req.rid] = tracked
+
+    def _publish(self, finished: list[Req]) -> None:
+        now = time.monotonic()
+        for req in finished:
+            tracked = self._tracked.pop(req.rid, None)
+            if tracked is not None:
+                self._finish(tracked, now=now)
+        for tracked in self._tracked.values():
+            if tracked.stream:
+                self._push_delta(tracked, final=False)
+
+    def _flush(self, stats: bool) -> None:
+        if not self._deltas and not stats:
+            return
+        step_stats = None
+        if stats:
+            scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
+            histogram = list(scheduler.spec_accept_histogram) if self.engine.worker.is_speculative else None
+            step_stats = wire.StepStats(
+                len(scheduler.running), len(scheduler.waiting), self._handled, allocator.total_slots, allocator.free_slots,
+                histogram, self._finished,
+            )
+            self._handled = 0
+            self._finished = []
+        self._send(wire.Outputs(self._deltas, step_stats))
+        self._deltas = []
+
+    def _push_delta(self, tracked: _Tracked, final: bool, output: Optional[dict] = None, error: Optional[str] = None, status: int = 500) -> None:
+        req = tracked.req
+        ids = req.output_ids
+        text_end = len(req.text) if final else len(req.text) - _held_back(req.text, tracked.stops)
+        if not final and len(ids) == tracked.sent_ids and text_end <= tracked.sent_text:
+            return
+        # NOTE: req.text only grows, except the stop-string cut on finish; the held-back suffix keeps the
+        # streamed text a prefix of the final text.
+        new_text = req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else ""
+        self._deltas.append(wire.DeltaOut(req.rid, new_text, list(ids[tracked.sent_ids:]), output, error, status))
+        tracked.sent_ids = len(ids)
+        tracked.sent_text = max(tracked.sent_text, text_end)
+
+    def _finish(self, tracked: _Tracked, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
+        req = tracked.req
+        if error is not None:
+            self._push_delta(tracked, final=True, error=error, status=status)
+            return
+        now = now or time.monotonic()
+        output = Engine.output_of(req)
+        output["meta_info"]["e2e_latency"] = now - req.arrival_time
+        self._finished.append(_finish_stat(req, now))
+        # NOTE: an abort the engine decided (the KV pool ran out) is an answer: finish_reason {"type": "abort",
+        # "message": ...}; only the client's own abort becomes an error.
+        if req.finish is not None and req.finish.reason == FinishReason.ABORT and tracked.client_aborted:
+            self._push_delta(tracked, final=True, output=output, error=req.finish.message or "aborted", status=400)
+        else:
+            self._push_delta(tracked, final=True, output=output)
+
+    def _fail_all(self, message: str, status: int = 500) -> None:
+        scheduler = self.engine.scheduler
+        for rid in list(self._tracked):
+            scheduler.abort(rid)
+        try:
+            scheduler.collect_finished()
+        except Exception:
+            logger.exception("could not release the KV of failed requests")
+        for rid in list(self._tracked):
+            self._finish(self._tracked.pop(rid), error=message, status=status)
+
+    def _drain_refused(self, message: str) -> None:
+        """Requests still on the socket never reached the scheduler; calls there stay unanswered (the client fails
+        them itself once it sees Stopped)."""
+        while True:
+            try:
+                frame = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            request = wire.decode_to_engine(frame)
+            if isinstance(request, wire.AddRequest):
+                self._handled += 1
+                self._deltas.append(wire.DeltaOut(request.rid, "", [], error=message, status=503))

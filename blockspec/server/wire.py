@@ -1,0 +1,129 @@
+"""Messages between the server process and the engine process (ZeroMQ frames, msgspec/msgpack encoded)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import msgspec
+
+
+# ---- server -> engine ------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    params: dict[str, Any]
+    stream: bool
+    arrival_time: float  # time.monotonic() in the server process (one clock for every process of a host)
+
+
+class Abort(msgspec.Struct, tag=True):
+    rid: str
+
+
+class Fail(msgspec.Struct, tag=True):
+    """End every request in flight with `message` (503)."""
+
+    message: str
+
+
+class Call(msgspec.Struct, tag=True):
+    """Run the Engine method `name` between two steps; answered by a CallResult with the same `call_id`."""
+
+    call_id: int
+    name: str
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+ToEngine = Union[AddRequest, Abort, Fail, Call, Stop]
+
+
+# ---- engine -> server ------------------------------------------------------------------------
+class EngineInfo(msgspec.Struct):
+    """What the server process needs to know of the engine: limits for validation, names for the API."""
+
+    model_path: str
+    tokenizer_path: str
+    trust_remote_code: bool
+    has_tokenizer: bool
+    context_length: int
+    vocab_size: int
+    total_slots: int
+    slots_per_decode: int
+    decode_slots_per_req: int
+    max_running_requests: int
+    pid: int
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: EngineInfo
+
+
+class LoadFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class DeltaOut(msgspec.Struct):
+    """New output of request `rid` since its previous DeltaOut; `output` or `error` is set on the last one."""
+
+    rid: str
+    text: str
+    ids: list[int]
+    output: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+    status: int = 500
+
+
+class FinishStat(msgspec.Struct):
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    e2e: float
+    ttft: Optional[float]
+    decode_s: Optional[float]  # first token to finish
+    accept_lengths: list[int]
+
+
+class StepStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    handled: int  # requests taken from the socket since the previous StepStats
+    kv_total: int
+    kv_free: int
+    spec_histogram: Optional[list[int]]
+    finished: list[FinishStat]
+
+
+class Outputs(msgspec.Struct, tag=True):
+    deltas: list[DeltaOut]
+    stats: Optional[StepStats] = None
+
+
+class CallResult(msgspec.Struct, tag=True):
+    call_id: int
+    result: Any = None
+    error: Optional[str] = None
+
+
+class Stopped(msgspec.Struct, tag=True):
+    pass
+
+
+FromEngine = Union[Ready, LoadFailed, Outputs, CallResult, Stopped]
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(message: Union[ToEngine, FromEngine]) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_engine(frame: bytes) -> ToEngine:
+    return _to_engine.decode(frame)
+
+
+def decode_from_engine(frame: bytes) -> FromEngine:
+    return _from_engine.decode(frame)
