@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from blockspec import Engine
+
 
 @torch.no_grad()
 def target_continuations(target: PreTrainedModel, num_seqs: int, prompt_len: int, new_tokens: int, seed: int) -> torch.Tensor:
@@ -71,10 +73,25 @@ def full_block_cycles(lengths: list[int], max_new_tokens: int, block: int) -> li
 
 def save_trained_pair(root: Path) -> Path:
     """root/target (tiny Llama) and root/draft (2-layer, block 8, taps [0, 2], trained 200 steps); returns root."""
+    save_trained_target(root)
+    return root
+
+
+def save_trained_target(root: Path) -> PreTrainedModel:
+    """save_trained_pair, returning the target model (the HF oracle)."""
     from tiny_models import save_tiny_draft, save_tiny_model
 
     target = save_tiny_model("llama", root / "target", residual_scale=0.3)
     draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
     train_tiny_draft(draft, target, steps=200)
     draft.save_pretrained(root / "draft")
-    return root
+    return target
+
+
+def cpu_engine(root: Path, spec: bool, **extra: object) -> Engine:
+    """An fp32 CPU engine on root/target (+ root/draft under DFlash), page size 4, 8-token prefill chunks."""
+    args: dict[str, object] = dict(model_path=str(root / "target"), device="cpu", dtype="float32", page_size=4,
+                                   max_total_tokens=4096, chunked_prefill_size=8, skip_tokenizer_init=True)
+    if spec:
+        args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
+    return Engine(**{**args, **extra})

@@ -56,7 +56,15 @@ def test_matches_dflash_reference(tmp_path: Path, kind: str, layer_ids: list[int
     if trained:
         train_tiny_draft(draft, target, steps=200)
         draft.save_pretrained(tmp_path / "draft")
-    outputs, lengths, engine = run_blockspec(tmp_path / "target", tmp_path / "draft", page_size=4)
+    lengths = assert_matches_reference(draft, target, tmp_path, block)
+    if trained:  # the comparison must cover multi-token acceptance, not only rejections
+        assert max(n for cycle_lengths in lengths for n in cycle_lengths) >= 3
+
+
+def assert_matches_reference(draft: torch.nn.Module, target: torch.nn.Module, root: Path, block: int) -> list[list[int]]:
+    """blockspec on root/target + root/draft gives dflash_generate's tokens and per-cycle acceptance for PROMPTS;
+    KV fully free after. Returns blockspec's cycle lengths per prompt."""
+    outputs, lengths, engine = run_blockspec(root / "target", root / "draft", page_size=4)
     for prompt, output, cycle_lengths in zip(PROMPTS, outputs, lengths):
         ref_output, ref_lengths = reference(draft, target, prompt)
         assert output == ref_output
@@ -65,5 +73,4 @@ def test_matches_dflash_reference(tmp_path: Path, kind: str, layer_ids: list[int
         assert sum(cycle_lengths) == len(output) - 1  # the first token comes from prefill
     info = engine.get_server_info()
     assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
-    if trained:  # the comparison must cover multi-token acceptance, not only rejections
-        assert max(n for cycle_lengths in lengths for n in cycle_lengths) >= 3
+    return lengths

@@ -17,11 +17,11 @@ from blockspec import Engine
 from blockspec.batch import ForwardMode, build_batch
 from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 from blockspec.request import Req, SamplingParams
-from draft_training import full_block_cycles, train_tiny_draft
+from draft_training import train_tiny_draft
 from tiny_models import save_tiny_draft, save_tiny_model
 
 pytest.importorskip("dflash.model")
-from test_dflash_oracle import PROMPTS, MAX_NEW, reference, run_blockspec  # noqa: E402
+from test_dflash_oracle import assert_matches_reference  # noqa: E402
 
 LAST = 3  # the tiny targets have 4 layers
 
@@ -77,15 +77,7 @@ def test_last_layer_tap_matches_dflash_reference(
         assert draft.layers[0].self_attn.sliding_window == SLIDING["sliding_window"]
     train_tiny_draft(draft, target, steps=200)  # NOTE: trained on hidden_states[i + 1], the reference's features
     draft.save_pretrained(tmp_path / "draft")
-    outputs, lengths, engine = run_blockspec(tmp_path / "target", tmp_path / "draft", page_size=4)
-    for prompt, output, cycle_lengths in zip(PROMPTS, outputs, lengths):
-        ref_output, ref_lengths = reference(draft, target, prompt)
-        assert output == ref_output
-        expected = full_block_cycles(ref_lengths, MAX_NEW, block)
-        assert cycle_lengths[: len(expected)] == expected
-        assert sum(cycle_lengths) == len(output) - 1  # the first token comes from prefill
-    info = engine.get_server_info()
-    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+    lengths = assert_matches_reference(draft, target, tmp_path, block)
     # NOTE: the comparison must cover multi-token acceptance, or a wrong feature would go unnoticed
     assert max(n for cycle_lengths in lengths for n in cycle_lengths) >= 3
 

@@ -3,17 +3,14 @@ HF's log_softmax over the same sequence, for target-only decoding, DFlash (from 
 target-only), mixed batches and seeded sampling; requests that ask for them never run ahead (overlap)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from transformers import PreTrainedModel
 
-from blockspec import Engine
-from draft_training import train_tiny_draft
+from draft_training import cpu_engine, save_trained_target
 from engine_testing import random_prompts
-from tiny_models import save_tiny_draft, save_tiny_model
 
 PROMPTS = random_prompts([5, 12, 3, 30], seed=5)
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -24,19 +21,10 @@ TOP_N = 3
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("logprobs")
-    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
-    draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
-    train_tiny_draft(draft, target, steps=200)
-    draft.save_pretrained(root / "draft")
-    return {"root": root, "target": target}
+    return {"root": root, "target": save_trained_target(root)}
 
 
-def engine_for(root: Path, spec: bool, **extra: Any) -> Engine:
-    args: dict[str, Any] = dict(model_path=str(root / "target"), device="cpu", dtype="float32", page_size=4,
-                                max_total_tokens=4096, chunked_prefill_size=8, skip_tokenizer_init=True)
-    if spec:
-        args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
-    return Engine(**{**args, **extra})
+engine_for = cpu_engine
 
 
 @torch.no_grad()
