@@ -64,6 +64,9 @@ class _SamplingFields(_Lenient):
     skip_special_tokens: StrictBool = True
     presence_penalty: Annotated[float, Field(strict=True)] = 0.0
     frequency_penalty: Annotated[float, Field(strict=True)] = 0.0
+    repetition_penalty: Annotated[float, Field(strict=True)] = 1.0  # SGLang / vLLM extension
+    min_tokens: Annotated[int, Field(strict=True)] = 0  # SGLang / vLLM extension (SGLang's min_new_tokens)
+    logit_bias: Optional[dict[str, Any]] = None  # NOTE: values checked by SamplingParams (a clear 400)
     logprobs: Optional[Union[StrictBool, StrictInt]] = None
     user: Optional[Text] = None
 
@@ -80,13 +83,6 @@ class _SamplingFields(_Lenient):
         if k != -1 and k < 1:
             raise ValueError("top_k must be -1 (off) or >= 1")
         return k
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; leave them at 0")
-        return value
 
     @field_validator("logprobs")
     @classmethod
@@ -107,6 +103,11 @@ class _SamplingFields(_Lenient):
             "skip_special_tokens": self.skip_special_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             "stop_token_ids": list(self.stop_token_ids or []),
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_tokens,
+            "logit_bias": dict(self.logit_bias or {}),
         }
         return params
 
