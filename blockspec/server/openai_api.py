@@ -30,7 +30,10 @@ def _max_new(state: ServerState, body: _SamplingFields, prompt_len: int, request
 
 
 def _submit(state: ServerState, body: _SamplingFields, batch: list[list[int]], requested: Optional[int], default: Optional[int], prompt_param: str, rid: str) -> Submission:
-    params = [body.sampling_params(_max_new(state, body, len(ids), requested, default)) for ids in batch]
+    """Prompt i's choice j is request i * n + j (the OpenAI choice index)."""
+    n = body.n
+    params = [body.sampling_params(_max_new(state, body, len(ids), requested, default), j) for ids in batch for j in range(n)]
+    batch = [ids for ids in batch for _ in range(n)]
     rids = [rid] if len(batch) == 1 else [f"{rid}-{i}" for i in range(len(batch))]
     reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES)
     return state.submit(reqs, body.stream)
@@ -71,21 +74,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     submission = _submit(state, body, [ids], body.requested_max_tokens, None, "messages", rid)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if body.stream:
-        return StreamingResponse(_chat_stream(state, submission, request, head, body.include_usage), media_type="text/event-stream")
-    output = (await state.collect(submission, request))[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": output["text"]}, "logprobs": None, **_choice_finish(output)}
-    return {**head, "choices": [choice], "usage": usage([output])}
+        return StreamingResponse(_chat_stream(state, submission, request, head, body.include_usage, body.n), media_type="text/event-stream")
+    outputs = await state.collect(submission, request)
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": None, **_choice_finish(o)}
+        for i, o in enumerate(outputs)
+    ]
+    return {**head, "choices": choices, "usage": usage(outputs, body.n)}
 
 
-async def _chat_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+async def _chat_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], include_usage: bool, n: int) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
+    finals: dict[int, dict[str, Any]] = {}
 
-    def chunk(delta: dict[str, Any], finish: Optional[dict[str, Any]] = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, **(finish or {"finish_reason": None})}
+    def chunk(index: int, delta: dict[str, Any], finish: Optional[dict[str, Any]] = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})
 
-    yield chunk({"role": "assistant", "content": ""})
+    for index in range(n):
+        yield chunk(index, {"role": "assistant", "content": ""})
     try:
         async with aclosing(state.deltas(submission, request)) as deltas:
             async for delta in deltas:
@@ -93,11 +101,12 @@ async def _chat_stream(state: ServerState, submission: Submission, request: Requ
                     yield _error_event(delta.status, delta.error)
                     break
                 if delta.text:
-                    yield chunk({"content": delta.text})
+                    yield chunk(delta.index, {"content": delta.text})
                 if delta.output is not None:
-                    yield chunk({}, _choice_finish(delta.output))
-                    if include_usage:
-                        yield sse({**head, "choices": [], "usage": usage([delta.output])})
+                    finals[delta.index] = delta.output
+                    yield chunk(delta.index, {}, _choice_finish(delta.output))
+                    if include_usage and len(finals) == n:
+                        yield sse({**head, "choices": [], "usage": usage([finals[i] for i in range(n)], n)})
     except ClientGone:
         return
     yield sse("[DONE]")
@@ -120,15 +129,15 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     submission = _submit(state, body, batch, body.max_tokens, 16, "prompt", rid)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if body.stream:
-        return StreamingResponse(_completion_stream(state, submission, request, head, body.include_usage), media_type="text/event-stream")
+        return StreamingResponse(_completion_stream(state, submission, request, head, body.include_usage, body.n), media_type="text/event-stream")
     outputs = await state.collect(submission, request)
     choices = [{"index": i, "text": o["text"], "logprobs": None, **_choice_finish(o)} for i, o in enumerate(outputs)]
-    return {**head, "choices": choices, "usage": usage(outputs)}
+    return {**head, "choices": choices, "usage": usage(outputs, body.n)}
 
 
-async def _completion_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+async def _completion_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], include_usage: bool, n: int) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
-    finals: list[dict[str, Any]] = []
+    finals: dict[int, dict[str, Any]] = {}
 
     def chunk(index: int, text: str, finish: Optional[dict[str, Any]] = None) -> str:
         choice = {"index": index, "text": text, "logprobs": None, **(finish or {"finish_reason": None})}
@@ -141,12 +150,12 @@ async def _completion_stream(state: ServerState, submission: Submission, request
                     yield _error_event(delta.status, delta.error)
                     break
                 if delta.output is not None:
-                    finals.append(delta.output)
+                    finals[delta.index] = delta.output
                     yield chunk(delta.index, delta.text, _choice_finish(delta.output))
                 elif delta.text:
                     yield chunk(delta.index, delta.text)
     except ClientGone:
         return
     if include_usage and len(finals) == len(submission.reqs):
-        yield sse({**head, "choices": [], "usage": usage(finals)})
+        yield sse({**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)], n)})
     yield sse("[DONE]")

@@ -37,6 +37,9 @@ TokenId = Annotated[int, Field(strict=True, ge=0)]
 Stop = Union[Text, list[Text], None]
 
 
+MAX_CHOICES = 128  # OpenAI's limit on n
+
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -72,9 +75,9 @@ class _SamplingFields(_Lenient):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}]")
         return n
 
     @field_validator("top_k")
@@ -91,14 +94,15 @@ class _SamplingFields(_Lenient):
             raise ValueError("logprobs are not supported")
         return value
 
-    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+    def sampling_params(self, max_new_tokens: int, choice: int = 0) -> dict[str, Any]:
+        """Choice `choice` of n: a given seed becomes seed + choice, so the n samples differ but are reproducible."""
         params: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed + choice,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),

@@ -191,8 +191,9 @@ def _param_of(message: str, prompt_param: str, renames: dict[str, str]) -> str:
     return prompt_param
 
 
-def usage(outputs: list[dict[str, Any]]) -> dict[str, int]:
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs)
+def usage(outputs: list[dict[str, Any]], choices_per_prompt: int = 1) -> dict[str, int]:
+    """OpenAI usage: a prompt sampled n times counts once (outputs are grouped n per prompt)."""
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outputs[::choices_per_prompt])
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
