@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
 from blockspec.config import EngineConfig
-from blockspec.request import Req, build_requests
+from blockspec.request import Req, build_requests, logprob_request
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler import Scheduler
 from blockspec.step.executor import Worker
@@ -173,14 +173,3 @@ def per_prompt(value: Any, count: int, name: str) -> list[Any]:
             raise ValueError(f"got {len(value)} {name} values for {count} prompts")
         return value
     return [value] * count
-
-
-def logprob_request(return_logprob: Any, top_logprobs_num: Any) -> Optional[int]:
-    """Req.top_logprobs_num from the request fields (None: no logprobs)."""
-    if not isinstance(return_logprob, bool):
-        raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
-    if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or top_logprobs_num < 0:
-        raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_logprobs_num!r}")
-    if top_logprobs_num and not return_logprob:
-        raise ValueError("top_logprobs_num needs return_logprob")
-    return top_logprobs_num if return_logprob else None

@@ -160,6 +160,7 @@ class EngineCore:
             return
         req = reqs[0]
         req.arrival_time = message.arrival_time
+        req.top_logprobs_num = message.top_logprobs_num
         tracked = _Tracked(req, message.stream, stops=list(req.params.stop))
         if req.rid in self._tracked:
             self._finish(tracked, error=f"rid {req.rid!r} is already in flight", status=400)
@@ -206,7 +207,11 @@ class EngineCore:
         # NOTE: req.text only grows, except the stop-string cut on finish; the held-back suffix keeps the
         # streamed text a prefix of the final text.
         new_text = req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else ""
-        self._deltas.append(wire.DeltaOut(req.rid, new_text, list(ids[tracked.sent_ids:]), output, error, status))
+        delta = wire.DeltaOut(req.rid, new_text, list(ids[tracked.sent_ids:]), output, error, status)
+        if req.wants_logprobs:
+            delta.logprobs = req.output_token_logprobs[tracked.sent_ids:len(ids)]
+            delta.top_logprobs = req.output_top_logprobs[tracked.sent_ids:len(ids)]
+        self._deltas.append(delta)
         tracked.sent_ids = len(ids)
         tracked.sent_text = max(tracked.sent_text, text_end)
 

@@ -163,7 +163,9 @@ class EngineLoop:
                 continue
             self._routes[req.rid] = (submission, index)
             params = dataclasses.asdict(req.params)
-            self._send(wire.AddRequest(req.rid, list(req.all_ids[:req.prompt_len]), params, stream, now))
+            self._send(wire.AddRequest(
+                req.rid, list(req.all_ids[:req.prompt_len]), params, stream, now, req.top_logprobs_num
+            ))
         return submission
 
     def abort(self, rid: str) -> None:
@@ -208,7 +210,7 @@ class EngineLoop:
             route = self._routes.get(out.rid)
             if route is None:
                 continue
-            delta = Delta(route[1], out.text, out.ids, out.output, out.error, out.status)
+            delta = Delta(route[1], out.text, out.ids, out.output, out.error, out.status, out.logprobs, out.top_logprobs)
             if delta.final:
                 del self._routes[out.rid]
             route[0].push(delta)

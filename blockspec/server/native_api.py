@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 import blockspec
+from blockspec.request import logprob_request
 from blockspec.request import SamplingParams
 from blockspec.server.engine_loop import EngineStoppedError
 from blockspec.server.metrics import CONTENT_TYPE
@@ -56,7 +57,11 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         rids = [base] if single else [f"{base}-{i}" for i in range(len(batch))]
     elif len(rids) != len(batch):
         raise APIError(400, f"rid: got {len(rids)} for {len(batch)} prompts", "rid")
-    reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES)
+    try:
+        top_logprobs_num = logprob_request(body.return_logprob, body.top_logprobs_num)
+    except ValueError as exc:
+        raise APIError(400, f"top_logprobs_num: {exc}", "top_logprobs_num") from exc
+    reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES, top_logprobs_num)
     submission = state.submit(reqs, body.stream)
     if body.stream:
         return StreamingResponse(_generate_stream(state, submission, request, single), media_type="text/event-stream")

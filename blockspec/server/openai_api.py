@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Optional, cast
+from typing import Any, AsyncIterator, Optional, Sequence, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from blockspec.server.logprob_format import chat_content, completion_logprobs, from_meta_info
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from blockspec.server.state import APIError, ClientGone, ServerState, finish_fields, new_id, sse, usage
 from blockspec.server.submission import Submission
@@ -35,7 +36,8 @@ def _submit(state: ServerState, body: _SamplingFields, batch: list[list[int]], r
     params = [body.sampling_params(_max_new(state, body, len(ids), requested, default), j) for ids in batch for j in range(n)]
     batch = [ids for ids in batch for _ in range(n)]
     rids = [rid] if len(batch) == 1 else [f"{rid}-{i}" for i in range(len(batch))]
-    reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES)
+    top_n = cast(Optional[int], getattr(body, "top_logprobs_num"))
+    reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES, top_n)
     return state.submit(reqs, body.stream)
 
 
@@ -69,27 +71,37 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     ids = await state.chat_ids([m.as_template_input() for m in body.messages])
     rid = new_id("chatcmpl")
     submission = _submit(state, body, [ids], body.requested_max_tokens, None, "messages", rid)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if body.stream:
-        return StreamingResponse(_chat_stream(state, submission, request, head, body.include_usage, body.n), media_type="text/event-stream")
+        return StreamingResponse(_chat_stream(state, submission, request, head, body), media_type="text/event-stream")
     outputs = await state.collect(submission, request)
     choices = [
-        {"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": None, **_choice_finish(o)}
+        {"index": i, "message": {"role": "assistant", "content": o["text"]}, "logprobs": _chat_logprobs(state, body, o),
+         **_choice_finish(o)}
         for i, o in enumerate(outputs)
     ]
     return {**head, "choices": choices, "usage": usage(outputs, body.n)}
 
 
-async def _chat_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], include_usage: bool, n: int) -> AsyncIterator[str]:
+def _chat_logprobs(state: ServerState, body: ChatCompletionRequest, output: dict[str, Any]) -> Optional[dict[str, Any]]:
+    if not body.logprobs:
+        return None
+    return {"content": chat_content(state.tokenizer, *from_meta_info(output["meta_info"]))}
+
+
+async def _chat_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], body: ChatCompletionRequest) -> AsyncIterator[str]:
+    include_usage, n = body.include_usage, body.n
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
     finals: dict[int, dict[str, Any]] = {}
 
-    def chunk(index: int, delta: dict[str, Any], finish: Optional[dict[str, Any]] = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": None, **(finish or {"finish_reason": None})}
+    def chunk(index: int, delta: dict[str, Any], finish: Optional[dict[str, Any]] = None, logprobs: Any = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})
 
     for index in range(n):
@@ -100,7 +112,10 @@ async def _chat_stream(state: ServerState, submission: Submission, request: Requ
                 if delta.error is not None:
                     yield _error_event(delta.status, delta.error)
                     break
-                if delta.text:
+                if delta.logprobs is not None and delta.ids:
+                    content = chat_content(state.tokenizer, delta.ids, delta.logprobs, delta.top_logprobs or [])
+                    yield chunk(delta.index, {"content": delta.text}, logprobs={"content": content})
+                elif delta.text:
                     yield chunk(delta.index, {"content": delta.text})
                 if delta.output is not None:
                     finals[delta.index] = delta.output
@@ -129,18 +144,34 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     submission = _submit(state, body, batch, body.max_tokens, 16, "prompt", rid)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if body.stream:
-        return StreamingResponse(_completion_stream(state, submission, request, head, body.include_usage, body.n), media_type="text/event-stream")
+        return StreamingResponse(_completion_stream(state, submission, request, head, body), media_type="text/event-stream")
     outputs = await state.collect(submission, request)
-    choices = [{"index": i, "text": o["text"], "logprobs": None, **_choice_finish(o)} for i, o in enumerate(outputs)]
+    choices = [
+        {"index": i, "text": o["text"], "logprobs": _completion_logprobs(state, body, o), **_choice_finish(o)}
+        for i, o in enumerate(outputs)
+    ]
     return {**head, "choices": choices, "usage": usage(outputs, body.n)}
 
 
-async def _completion_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], include_usage: bool, n: int) -> AsyncIterator[str]:
+def _completion_logprobs(state: ServerState, body: CompletionRequest, output: dict[str, Any]) -> Optional[dict[str, Any]]:
+    if body.logprobs is None:
+        return None
+    return completion_logprobs(state.tokenizer, *from_meta_info(output["meta_info"]), with_top=body.logprobs > 0)
+
+
+async def _completion_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], body: CompletionRequest) -> AsyncIterator[str]:
+    include_usage, n = body.include_usage, body.n
     extra = {"usage": None} if include_usage else {}
     finals: dict[int, dict[str, Any]] = {}
+    offsets: dict[int, int] = {}
 
-    def chunk(index: int, text: str, finish: Optional[dict[str, Any]] = None) -> str:
-        choice = {"index": index, "text": text, "logprobs": None, **(finish or {"finish_reason": None})}
+    def chunk(index: int, text: str, finish: Optional[dict[str, Any]] = None, ids: Sequence[int] = (),
+              logprobs: Optional[list[float]] = None, tops: Any = None) -> str:
+        entry = None
+        if body.logprobs is not None and logprobs is not None:
+            entry = completion_logprobs(state.tokenizer, ids, logprobs, tops or [], offsets.get(index, 0), body.logprobs > 0)
+        offsets[index] = offsets.get(index, 0) + len(text)
+        choice = {"index": index, "text": text, "logprobs": entry, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})
 
     try:
@@ -151,9 +182,10 @@ async def _completion_stream(state: ServerState, submission: Submission, request
                     break
                 if delta.output is not None:
                     finals[delta.index] = delta.output
-                    yield chunk(delta.index, delta.text, _choice_finish(delta.output))
-                elif delta.text:
-                    yield chunk(delta.index, delta.text)
+                    yield chunk(delta.index, delta.text, _choice_finish(delta.output), delta.ids, delta.logprobs,
+                                delta.top_logprobs)
+                elif delta.text or (delta.ids and delta.logprobs is not None):
+                    yield chunk(delta.index, delta.text, None, delta.ids, delta.logprobs, delta.top_logprobs)
     except ClientGone:
         return
     if include_usage and len(finals) == len(submission.reqs):

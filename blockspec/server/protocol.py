@@ -70,7 +70,6 @@ class _SamplingFields(_Lenient):
     repetition_penalty: Annotated[float, Field(strict=True)] = 1.0  # SGLang / vLLM extension
     min_tokens: Annotated[int, Field(strict=True)] = 0  # SGLang / vLLM extension (SGLang's min_new_tokens)
     logit_bias: Optional[dict[str, Any]] = None  # NOTE: values checked by SamplingParams (a clear 400)
-    logprobs: Optional[Union[StrictBool, StrictInt]] = None
     user: Optional[Text] = None
 
     @field_validator("n")
@@ -86,13 +85,6 @@ class _SamplingFields(_Lenient):
         if k != -1 and k < 1:
             raise ValueError("top_k must be -1 (off) or >= 1")
         return k
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: Optional[Union[bool, int]]) -> Optional[Union[bool, int]]:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
 
     def sampling_params(self, max_new_tokens: int, choice: int = 0) -> dict[str, Any]:
         """Choice `choice` of n: a given seed becomes seed + choice, so the n samples differ but are reproducible."""
@@ -143,6 +135,13 @@ class ChatMessage(_Lenient):
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[PositiveInt] = None
+    logprobs: StrictBool = False
+    top_logprobs: Optional[Annotated[int, Field(strict=True, ge=0, le=20)]] = None
+
+    @property
+    def top_logprobs_num(self) -> Optional[int]:
+        """Req.top_logprobs_num (None: no logprobs); top_logprobs without logprobs is refused by the route."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -155,6 +154,11 @@ Prompt = Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
     echo: StrictBool = False
+    logprobs: Optional[Annotated[int, Field(strict=True, ge=0, le=5)]] = None  # OpenAI's legacy: top-n, 0 = chosen only
+
+    @property
+    def top_logprobs_num(self) -> Optional[int]:
+        return self.logprobs
     suffix: Optional[Text] = None
     best_of: Optional[StrictInt] = None
 
@@ -189,13 +193,7 @@ class GenerateRequest(_Lenient):
     rid: Union[Text, list[Text], None] = None
     stream: StrictBool = False
     return_logprob: StrictBool = False
-
-    @field_validator("return_logprob")
-    @classmethod
-    def _no_logprob(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    top_logprobs_num: StrictInt = 0
 
 
 class AbortRequest(_Lenient):

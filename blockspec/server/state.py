@@ -115,6 +115,7 @@ class ServerState:
         rids: Sequence[str],
         prompt_param: str,
         renames: Optional[dict[str, str]] = None,
+        top_logprobs_num: Optional[int] = None,
     ) -> list[Req]:
         """Validates with the engine's own checks; every failure is a 400 naming the field."""
         renames = renames or {}
@@ -133,6 +134,8 @@ class ServerState:
         except ValueError as exc:
             param = _param_of(str(exc), prompt_param, renames)
             raise APIError(400, f"{param}: {exc}", param) from exc
+        for req in reqs:
+            req.top_logprobs_num = top_logprobs_num
         return reqs
 
     def submit(self, reqs: list[Req], stream: bool) -> Submission:

@@ -18,6 +18,8 @@ class Delta:
     output: Optional[dict[str, Any]] = None
     error: Optional[str] = None
     status: int = 500  # HTTP status that goes with `error`
+    logprobs: Optional[list[float]] = None  # one per id (requests that asked for logprobs)
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
     @property
     def final(self) -> bool:

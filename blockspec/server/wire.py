@@ -13,6 +13,7 @@ class AddRequest(msgspec.Struct, tag=True):
     params: dict[str, Any]
     stream: bool
     arrival_time: float  # time.monotonic() in the server process (one clock for every process of a host)
+    top_logprobs_num: Optional[int] = None  # None: no logprobs (Req.top_logprobs_num)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -73,6 +74,8 @@ class DeltaOut(msgspec.Struct):
     output: Optional[dict[str, Any]] = None
     error: Optional[str] = None
     status: int = 500
+    logprobs: Optional[list[float]] = None  # one per id, when the request asked for logprobs
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
 
 class FinishStat(msgspec.Struct):
