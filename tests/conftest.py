@@ -87,3 +87,13 @@ def make_engine(request: pytest.FixtureRequest) -> Iterator[Callable[..., Engine
     if report is not None and report.passed:
         for engine in engines:
             assert_engine_idle(engine)
+
+
+@pytest.fixture(scope="session")
+def trained_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """{"root": a directory with target/ and a trained draft/ (draft_training.save_trained_target), "target": the
+    HF target model, the oracle}; written once per session."""
+    from draft_training import save_trained_target
+
+    root = tmp_path_factory.mktemp("trained_pair")
+    return {"root": root, "target": save_trained_target(root)}

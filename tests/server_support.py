@@ -9,13 +9,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import httpx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tiny_models import save_tiny_model
+
+if TYPE_CHECKING:
+    from blockspec.server import BackgroundServer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -112,3 +115,15 @@ def start_server_process(args: list[str], entry: tuple[str, ...] = ("-m", "block
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
+
+
+def serve_text_model(directory: Path) -> Iterator["BackgroundServer"]:
+    """A BackgroundServer (in-process engine, CPU fp32) on a fresh text model saved in `directory`, for a fixture."""
+    from blockspec import Engine
+    from blockspec.server import BackgroundServer
+    from blockspec.server.args import ServerSettings
+
+    model = save_text_model(directory)
+    engine = Engine(model_path=str(model), device="cpu", dtype="float32", max_total_tokens=8192)
+    with BackgroundServer(engine, ServerSettings(port=0)) as running:
+        yield running

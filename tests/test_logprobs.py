@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from draft_training import cpu_engine, save_trained_target
+from draft_training import cpu_engine
 from engine_testing import random_prompts
 
 PROMPTS = random_prompts([5, 12, 3, 30], seed=5)
@@ -19,9 +19,8 @@ TOP_N = 3
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("logprobs")
-    return {"root": root, "target": save_trained_target(root)}
+def models(trained_pair: dict[str, Any]) -> dict[str, Any]:
+    return trained_pair
 
 
 engine_for = cpu_engine

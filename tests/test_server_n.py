@@ -8,10 +8,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from blockspec import Engine
 from blockspec.server import BackgroundServer
-from blockspec.server.args import ServerSettings
-from server_support import save_text_model, sse_payloads, wait_idle
+from server_support import serve_text_model, sse_payloads, wait_idle
 
 USER = [{"role": "user", "content": "hi"}]
 SAMPLED = {"temperature": 1.0, "seed": 7, "max_tokens": 10, "ignore_eos": True}
@@ -19,10 +17,7 @@ SAMPLED = {"temperature": 1.0, "seed": 7, "max_tokens": 10, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    model = save_text_model(tmp_path_factory.mktemp("n_model"))
-    engine = Engine(model_path=str(model), device="cpu", dtype="float32", max_total_tokens=8192)
-    with BackgroundServer(engine, ServerSettings(port=0)) as running:
-        yield running
+    yield from serve_text_model(tmp_path_factory.mktemp("n_model"))
 
 
 def post(server: BackgroundServer, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -3,24 +3,18 @@ same tokens as /generate with SGLang's names), logit_bias really steers the outp
 (tests/test_server_errors.py)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from blockspec import Engine
 from blockspec.server import BackgroundServer
-from blockspec.server.args import ServerSettings
-from server_support import save_text_model
+from server_support import serve_text_model
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    model = save_text_model(tmp_path_factory.mktemp("penalty_model"))
-    engine = Engine(model_path=str(model), device="cpu", dtype="float32", max_total_tokens=8192)
-    with BackgroundServer(engine, ServerSettings(port=0)) as running:
-        yield running
+    yield from serve_text_model(tmp_path_factory.mktemp("penalty_model"))
 
 
 def completion_text(client: httpx.Client, body: dict[str, Any]) -> str:
