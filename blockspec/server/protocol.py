@@ -71,6 +71,30 @@ class _SamplingFields(_Lenient):
     min_tokens: Annotated[int, Field(strict=True)] = 0  # SGLang / vLLM extension (SGLang's min_new_tokens)
     logit_bias: Optional[dict[str, Any]] = None  # NOTE: values checked by SamplingParams (a clear 400)
     user: Optional[Text] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _plain_text_only(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError("structured output (json_object / json_schema) is not supported yet")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: Optional[list[Any]]) -> Optional[list[Any]]:
+        if value:
+            raise ValueError("tool calls are not supported yet")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError("tool calls are not supported yet")
+        return value
 
     @field_validator("n")
     @classmethod
