@@ -7,7 +7,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from blockspec.config import EngineConfig
-from blockspec.request import Req, build_requests, logprob_request
+from blockspec.request import Req, build_requests, logprob_request, per_prompt
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler import Scheduler
 from blockspec.step.executor import Worker
@@ -164,12 +164,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def per_prompt(value: Any, count: int, name: str) -> list[Any]:
-    """One value for every prompt, or a list of one per prompt."""
-    if isinstance(value, list):
-        if len(value) != count:
-            raise ValueError(f"got {len(value)} {name} values for {count} prompts")
-        return value
-    return [value] * count

@@ -231,12 +231,7 @@ def build_requests(
     batch: list[list[int]], sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]], rids: Optional[list[str]], limits: RequestLimits
 ) -> list[Req]:
     """Validates everything first (raising ValueError), so a bad request leaves nothing queued."""
-    if sampling_params is None or isinstance(sampling_params, dict):
-        params = [SamplingParams.from_dict(sampling_params)] * len(batch)
-    else:
-        if len(sampling_params) != len(batch):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts")
-        params = [SamplingParams.from_dict(p) for p in sampling_params]
+    params = [SamplingParams.from_dict(p) for p in per_prompt(sampling_params, len(batch), "sampling_params")]
     if rids is not None and len(rids) != len(batch):
         raise ValueError(f"got {len(rids)} rids for {len(batch)} prompts")
     if rids is not None and len(set(rids)) != len(rids):
@@ -256,3 +251,12 @@ def logprob_request(return_logprob: Any, top_logprobs_num: Any) -> Optional[int]
     if top_logprobs_num and not return_logprob:
         raise ValueError("top_logprobs_num needs return_logprob")
     return top_logprobs_num if return_logprob else None
+
+
+def per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """One value for every prompt, or a list (or tuple) of one per prompt."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"got {len(value)} {name} for {count} prompts")
+        return list(value)
+    return [value] * count

@@ -96,11 +96,6 @@ class ModelRunner:
         return int(math.floor(budget / bytes_per_slot))
 
     @property
-    def graphs_enabled(self) -> bool:
-        """Full CUDA graphs need CUDA and a backend that plans on the device (Triton) or before replay (FlashInfer)."""
-        return self.graphs.available
-
-    @property
     def forward_counts(self) -> dict[str, int]:
         """Forwards by how they ran: full graph replays and eager uniform forwards (CudaGraphs.run), piecewise
         extend replays and extend batches the piecewise graphs could not take."""

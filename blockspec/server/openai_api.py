@@ -36,8 +36,7 @@ def _submit(state: ServerState, body: _SamplingFields, batch: list[list[int]], r
     params = [body.sampling_params(_max_new(state, body, len(ids), requested, default), j) for ids in batch for j in range(n)]
     batch = [ids for ids in batch for _ in range(n)]
     rids = [rid] if len(batch) == 1 else [f"{rid}-{i}" for i in range(len(batch))]
-    top_n = cast(Optional[int], getattr(body, "top_logprobs_num"))
-    reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES, top_n)
+    reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES, body.top_logprobs_num)
     return state.submit(reqs, body.stream)
 
 

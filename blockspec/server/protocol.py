@@ -132,6 +132,11 @@ class _SamplingFields(_Lenient):
         return params
 
     @property
+    def top_logprobs_num(self) -> Optional[int]:
+        """Req.top_logprobs_num (None: no logprobs); each route's request model says how its fields map."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 

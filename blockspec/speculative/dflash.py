@@ -11,6 +11,7 @@ from blockspec.attention.base import graph_planner
 from blockspec.attention.factory import make_backend
 from blockspec.kv.pool import KVPool
 from blockspec.models.dflash_draft import DFlashDraftModel
+from blockspec.models.llama import ModelOutput
 from blockspec.models.draft_config import DraftConfig
 from blockspec.penalties import penalized
 from blockspec.request import Req
@@ -87,23 +88,24 @@ class DFlashWorker(TargetWorker):
         self.draft.materialise_context(aux_hidden, positions, slots, self.draft_pool)
 
     @torch.inference_mode()
-    def extend_logits(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor:
-        batch = self.build_extend_batch(reqs, chunk_lens, self.capture)
-        output = self.run_extend(batch, reqs)
+    def extend_forward(self, batch: ForwardBatch) -> ModelOutput:
+        """The target's extend forward, then the draft KV of every token from its aux hidden states."""
+        output = self.runner.forward_extend(batch)
         if not output.aux_consumed:  # NOTE: piecewise graphs write the draft KV inside their last segment
             assert output.aux_hidden is not None
             self._materialise_draft_kv(output.aux_hidden, batch.positions, batch.out_cache_loc)
-        return output.logits
+        return output
+
+    def _draft_block(self, req: Req) -> list[int]:
+        """The draft's input block [bonus, mask x (B-1)] at positions kv_len .. kv_len+B-1."""
+        return [req.all_ids[-1], *[self.draft_config.mask_token_id] * (self.block_size - 1)]
 
     def _draft_rows(self, reqs: Sequence[Req]) -> UniformRows:
-        """[bonus, mask x (B-1)] per request at positions kv_len .. kv_len+B-1."""
-        b = self.block_size
-        masks = [self.draft_config.mask_token_id] * (b - 1)
         return UniformRows.build(
             ForwardMode.DRAFT,
-            [[req.all_ids[-1], *masks] for req in reqs],
+            [self._draft_block(req) for req in reqs],
             [req.pool_row for req in reqs],  # type: ignore[misc]
-            [req.kv_len + b for req in reqs],
+            [req.kv_len + self.block_size for req in reqs],
             self.runner.device,
         )
 
@@ -233,7 +235,6 @@ class DFlashWorker(TargetWorker):
                 append_logprobs(req, logits[i, :accepted + 1], committed[-1])
         return committed
 
-
     def _accept_one(
         self, req: Req, proposals: list[int], draft_probs: Optional[torch.Tensor], logits: torch.Tensor
     ) -> tuple[int, int]:
@@ -257,9 +258,7 @@ class DFlashWorker(TargetWorker):
         The executor has given decode requests slots for kv_len .. kv_len+B-1."""
         b, num_chunks = self.block_size, len(reqs)
         _, proposals, draft_probs = self.propose(decode_reqs)
-        masks = [self.draft_config.mask_token_id] * (b - 1)
-        token_ids = [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
-        token_ids += [[req.all_ids[-1], *masks] for req in decode_reqs]
+        token_ids = self.chunk_token_ids(reqs, chunk_lens) + [self._draft_block(req) for req in decode_reqs]
         everyone = [*reqs, *decode_reqs]
         chunk_ends = list(itertools.accumulate(chunk_lens))
         offset = chunk_ends[-1] if chunk_ends else 0
@@ -271,10 +270,7 @@ class DFlashWorker(TargetWorker):
         )
         proposal_rows = torch.tensor([r for r in block_rows if (r - offset) % b], device=batch.input_ids.device)
         batch.input_ids[proposal_rows] = proposals.reshape(-1)  # NOTE: the mask placeholders become d_1..d_{B-1}
-        output = self.runner.forward_extend(batch)
-        if not output.aux_consumed:
-            assert output.aux_hidden is not None
-            self._materialise_draft_kv(output.aux_hidden, batch.positions, batch.out_cache_loc)
+        output = self.extend_forward(batch)
         for req, n in zip(reqs, chunk_lens):
             req.kv_len += n
         first = self.first_tokens(reqs, output.logits[:num_chunks])

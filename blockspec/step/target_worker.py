@@ -20,6 +20,7 @@ class TargetWorker:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.capture: tuple[int, ...] = ()  # target layers whose outputs extend forwards return (DFlash: its taps)
 
     @property
     def decode_slots_per_req(self) -> int:
@@ -34,21 +35,29 @@ class TargetWorker:
         self.runner.capture_piecewise()
 
     # ---- extend ------------------------------------------------------------------------------
-    def build_extend_batch(self, reqs: Sequence[Req], chunk_lens: Sequence[int], capture: tuple[int, ...] = ()) -> ForwardBatch:
-        token_ids = [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
+    @staticmethod
+    def chunk_token_ids(reqs: Sequence[Req], chunk_lens: Sequence[int]) -> list[list[int]]:
+        """The next `chunk_lens[i]` tokens of each request that have no KV yet."""
+        return [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
+
+    def build_extend_batch(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> ForwardBatch:
         logits_rows = [end - 1 for end in itertools.accumulate(chunk_lens)]
         return build_batch(
             ForwardMode.EXTEND,
-            token_ids,
+            self.chunk_token_ids(reqs, chunk_lens),
             [req.kv_len for req in reqs],
             [req.pool_row for req in reqs],  # type: ignore[misc]
             self.runner.req_to_token.table,
             logits_rows,
-            capture,
+            self.capture,
         )
 
+    def extend_forward(self, batch: ForwardBatch) -> ModelOutput:
+        """The target forward of an extend batch (piecewise graphs or eager)."""
+        return self.runner.forward_extend(batch)
+
     def run_extend(self, batch: ForwardBatch, reqs: Sequence[Req]) -> ModelOutput:
-        output = self.runner.forward_extend(batch)
+        output = self.extend_forward(batch)
         for req, n in zip(reqs, batch.extend_lens_cpu):
             req.kv_len += n
         return output
