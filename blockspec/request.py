@@ -143,6 +143,7 @@ class Req:
         self.pages: list[int] = []
         self.finish: Optional[Finish] = None
         self.text = ""  # detokenised output, stop strings removed
+        self.detokenized = False  # NOTE: True when the scheduler makes `text` (else it stays "")
         self.generator: Optional[torch.Generator] = None
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None

@@ -18,7 +18,7 @@ from blockspec.request import Finish, FinishReason, Req, RequestLimits
 from blockspec.sampling import make_generator
 from blockspec.step.executor import StepExecutor, Worker
 from blockspec.step.plan import Committed, ExtendChunk, StepPlan
-from blockspec.tokenizer import IncrementalDetokenizer, find_stop
+from blockspec.tokenizer import TextStream, backend_of, find_stop
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,14 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
+        self._backend = backend_of(tokenizer) if tokenizer is not None else None
+        # NOTE: False in the server's engine process: text is then made there only for requests with stop strings
+        # (the finish check needs it); the server process detokenises the rest.
+        self.detokenize_all = True
         self.device = device
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.detokenizers: dict[str, TextStream] = {}
         self.num_retractions = 0
         self.spec_verify_ct = 0  # (request, verify forward) pairs
         self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
@@ -73,8 +77,9 @@ class Scheduler:
             req.generator = make_generator(req.params, self.device)
         if req.params.min_new_tokens:
             req.min_tokens_blocked_ids = self.eos_token_ids | set(req.params.stop_token_ids)
-        if self.tokenizer is not None:
-            self.detokenizers[req.rid] = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        if self._backend is not None and (self.detokenize_all or req.params.stop):
+            self.detokenizers[req.rid] = TextStream(self._backend, req.params.skip_special_tokens)
+            req.detokenized = True
         if req.params.max_new_tokens == 0:
             req.finish = Finish(FinishReason.LENGTH, length=0)
         self.waiting.append(req)
@@ -242,7 +247,7 @@ class Scheduler:
         detok = self.detokenizers.get(req.rid)
         if detok is not None:
             before = len(req.text)
-            req.text += detok.push(token)
+            req.text += detok.push([token])
             if params.stop:
                 hit = find_stop(req.text, params.stop, before)
                 if hit is not None:

@@ -69,7 +69,7 @@ class DeltaOut(msgspec.Struct):
     """New output of request `rid` since its previous DeltaOut; `output` or `error` is set on the last one."""
 
     rid: str
-    text: str
+    text: Optional[str]  # None: the engine does not detokenise this request, the server decodes `ids`
     ids: list[int]
     output: Optional[dict[str, Any]] = None
     error: Optional[str] = None
