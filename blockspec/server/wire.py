@@ -96,6 +96,7 @@ class StepStats(msgspec.Struct):
     kv_free: int
     spec_histogram: Optional[list[int]]
     finished: list[FinishStat]
+    kernel_compiles_after_startup: Optional[int] = None  # Engine.kernel_compiles_after_startup
 
 
 class Outputs(msgspec.Struct, tag=True):
