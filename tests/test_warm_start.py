@@ -27,7 +27,7 @@ from blockspec.startup.attention_variants import (
     ROW_BLOCK, AttentionWorkload, query_lengths, reachable_launches, workload_variants,
 )
 from blockspec.startup.compiles import KernelCompileLog, kernel_compile_log
-from blockspec.startup.warmup import attention_workloads, warm_attention, warm_engine_paths
+from blockspec.startup.warmup import attention_workloads, warm_attention, warm_kernels
 from server_support import metric_value, serve_text_model
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
@@ -83,19 +83,34 @@ def test_policies_fill_whole_row_blocks() -> None:
         assert launch_policy(rows, batch_size, 8) == launch_policy(block_end, batch_size, 8)
 
 
-@pytest.mark.parametrize("heads,kv_heads,mode,min_q,max_q", [
-    (8, 2, ForwardMode.EXTEND, 1, 90), (32, 8, ForwardMode.EXTEND, 1, 70), (8, 8, ForwardMode.EXTEND, 1, 80),
-    (32, 8, ForwardMode.DECODE, 1, 1), (32, 8, ForwardMode.VERIFY, 10, 10), (9, 3, ForwardMode.DRAFT, 16, 16),
+@pytest.mark.parametrize("kv_heads", [1, 3, 8])
+def test_each_policy_holds_one_interval_of_rows(kv_heads: int) -> None:
+    """reachable_launches stops scanning a batch size once the longest query's policy is reached and saturated."""
+    for batch_size in (1, 2, 3, 5, 8, 13, 33, 64, 200):
+        seen: list[Any] = []
+        for rows in range(1, 20000, 3):
+            policy = launch_policy(rows, batch_size, kv_heads)
+            if not seen or seen[-1] != policy:
+                assert policy not in seen, f"policy returns at rows {rows}, batch size {batch_size}"
+                seen.append(policy)
+
+
+@pytest.mark.parametrize("heads,kv_heads,mode,min_q,max_q,max_bs,seq_step", [
+    (8, 2, ForwardMode.EXTEND, 1, 90, 12, 7), (32, 8, ForwardMode.EXTEND, 1, 70, 12, 7),
+    (8, 8, ForwardMode.EXTEND, 1, 80, 12, 7), (32, 8, ForwardMode.EXTEND, 1, 700, 3, 61),
+    (32, 8, ForwardMode.DECODE, 1, 1, 12, 7), (32, 8, ForwardMode.VERIFY, 10, 10, 40, 7),
+    (9, 3, ForwardMode.DRAFT, 16, 16, 12, 7),
 ])
-def test_reachable_launches_match_brute_force(heads: int, kv_heads: int, mode: ForwardMode, min_q: int, max_q: int) -> None:
+def test_reachable_launches_match_brute_force(heads: int, kv_heads: int, mode: ForwardMode, min_q: int, max_q: int,
+                                              max_bs: int, seq_step: int) -> None:
     backend = tiny_backend(heads, kv_heads)
-    max_bs, max_seq = 12, 9000
+    max_seq = 9000
     workload = AttentionWorkload(backend, mode, min_q, max_q, max_bs, max_seq)
     group = heads // kv_heads
     expected = set()
     for bs, q in itertools.product(range(1, max_bs + 1), range(min_q, max_q + 1)):
         policy = launch_policy(q * group, bs, kv_heads)
-        for seq in range(q, max_seq + 1, 7):
+        for seq in sorted({*range(q, max_seq + 1, seq_step), *(2 ** k for k in range(16) if q <= 2 ** k <= max_seq)}):
             expected.add((policy.tiles, backend.choose_splits(bs, q * group, policy, seq)))
         expected.add((policy.tiles, backend.choose_splits(bs, q * group, policy, max_seq)))
     assert reachable_launches(workload) >= expected
@@ -126,7 +141,10 @@ def test_engine_warmup_leaves_the_engine_as_it_found_it(make_engine: Callable[..
     for counts in (engine.runner.graphs.counts, engine.runner.piecewise_counts):
         for key in counts:
             counts[key] = 0
-    assert warm_engine_paths(engine) == 1  # CPU: no graphs, so one pass as configured
+    workloads = attention_workloads(engine.runner, engine.worker)
+    report = warm_kernels(engine)  # NOTE: the attention launches run in Triton's interpreter here
+    assert report.request_passes == 1  # CPU: no graphs, so one pass as configured
+    assert report.attention_variants == sum(len(workload_variants(w)) for w in workloads) > 0
     assert all(n == 0 for n in engine.runner.forward_counts.values())
     allocator = engine.runner.allocator
     assert allocator.free_slots == allocator.total_slots

@@ -79,15 +79,23 @@ def reachable_launches(workload: AttentionWorkload) -> set[tuple[KernelTiles, in
     group = backend.num_heads // backend.num_kv_heads
     # NOTE: splits depend on (batch size, rows) only through the program count; among batches of one
     # (policy, programs) the one with the shortest queries allows the shortest sequences, so it reaches every split.
+    # NOTE: once programs * 2 > policy.max_programs, more programs (longer queries, same batch size) can only give
+    # the splits `min_splits` forces, which the first such query (allowing the shortest sequences) already gives.
+    # For one batch size each policy holds one interval of query lengths (checked by the tests), so a saturated
+    # policy that is also the longest query's ends the scan.
     shortest: dict[tuple[LaunchPolicy, int], tuple[int, int, int]] = {}
     for batch_size in range(1, workload.max_batch_size + 1):
+        last_policy = launch_policy(workload.max_q * group, batch_size, backend.num_kv_heads)
         for q in query_lengths(workload.min_q, workload.max_q, group):
             rows = q * group
             policy = launch_policy(rows, batch_size, backend.num_kv_heads)
             programs = batch_size * backend.num_kv_heads * triton.cdiv(rows, policy.tiles.block_m)
+            saturated = programs * 2 > policy.max_programs
             known = shortest.get((policy, programs))
             if known is None or q < known[2]:
                 shortest[(policy, programs)] = (batch_size, rows, q)
+            if saturated and policy == last_policy:
+                break
     launches: set[tuple[KernelTiles, int]] = set()
     for (policy, _), (batch_size, rows, q) in shortest.items():
         if q > workload.max_seq_len:
