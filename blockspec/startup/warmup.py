@@ -67,7 +67,8 @@ def warm_attention(workloads: list[AttentionWorkload], req_to_token: torch.Tenso
 
 def _warmup_requests(engine: "Engine", tag: str) -> list[Any]:
     vocab = engine.runner.target_config.vocab_size
-    budget = engine.runner.context_length - 4 * engine.worker.decode_slots_per_req - 2
+    room = min(engine.runner.context_length, engine.runner.allocator.total_slots)
+    budget = room - 4 * engine.worker.decode_slots_per_req - 2  # NOTE: prompt + 2 blocks ahead fit any pool
     lens = [max(1, min(n, budget)) for n in WARMUP_PROMPT_LENS]
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
