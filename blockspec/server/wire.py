@@ -55,6 +55,7 @@ class EngineInfo(msgspec.Struct):
     decode_slots_per_req: int
     max_running_requests: int
     pid: int
+    startup: dict[str, Any] = msgspec.field(default_factory=dict)  # Engine.startup.as_dict()
 
 
 class Ready(msgspec.Struct, tag=True):

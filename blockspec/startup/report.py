@@ -19,6 +19,15 @@ class WarmupReport:
     seconds: float
 
 
+def summary_line(startup: dict[str, Any]) -> str:
+    """One line of an `as_dict()`: total and phase seconds, then the variants compiled by kernel."""
+    seconds = startup["seconds"]
+    phases = ", ".join(f"{phase} {seconds[phase]:.1f}" for phase in PHASES)
+    kernels = ", ".join(f"{name} x{n}" for name, n in startup["kernel_variants_by_kernel"].items()) or "none"
+    return (f"start-up {seconds['total']:.1f} s ({phases}); {startup['kernel_variants_compiled']} Triton kernel "
+            f"variants compiled or loaded from Triton's cache: {kernels}")
+
+
 @dataclass
 class StartupReport:
     seconds: dict[str, float]  # PHASES, then "total" (tokenizer and the rest included)
@@ -41,6 +50,7 @@ class StartupReport:
         }
 
     def log(self) -> None:
+        """INFO lines: the phases, the variants by kernel, the warm-up (DEBUG: every variant)."""
         phases = ", ".join(f"{phase} {self.seconds[phase]:.1f} s" for phase in (*PHASES, "total"))
         logger.info("start-up: %s", phases)
         kernels = ", ".join(f"{name} x{n}" for name, n in by_kernel(self.compiled).items()) or "none"
