@@ -8,6 +8,7 @@ switch (benchmarks time eager steps with `graphs.enabled = False`); turning it o
 from __future__ import annotations
 
 import enum
+import time
 from typing import Callable, Optional
 
 import torch
@@ -41,6 +42,7 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle() if available and device.type == "cuda" else None
         self.by_kind: dict[GraphKind, GraphedForward] = {}
         self.counts = {"graph": 0, "eager": 0}
+        self.capture_seconds = 0.0  # every kind's capture together (start-up report)
 
     def capture(
         self,
@@ -58,8 +60,10 @@ class CudaGraphs:
             kind.value, fn, mode, tokens_per_req, self.batch_sizes, self.table.table, self.table.dummy_row,
             self.max_positions, capture_layer_ids, self.pool, host_planner=host_planner,
         )
+        started = time.perf_counter()
         with torch.inference_mode():
             graph.capture()
+        self.capture_seconds += time.perf_counter() - started
         self.by_kind[kind] = graph
 
     def captured(self, kind: GraphKind) -> bool:

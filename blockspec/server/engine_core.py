@@ -56,6 +56,7 @@ def engine_info(engine: Engine) -> wire.EngineInfo:
         decode_slots_per_req=engine.worker.decode_slots_per_req,
         max_running_requests=config.max_running_requests,
         pid=os.getpid(),
+        startup=engine.startup.as_dict(),
     )
 
 
@@ -193,7 +194,7 @@ class EngineCore:
             histogram = list(scheduler.spec_accept_histogram) if self.engine.worker.is_speculative else None
             step_stats = wire.StepStats(
                 len(scheduler.running), len(scheduler.waiting), self._handled, allocator.total_slots, allocator.free_slots,
-                histogram, self._finished,
+                histogram, self._finished, self.engine.kernel_compiles_after_startup,
             )
             self._handled = 0
             self._finished = []

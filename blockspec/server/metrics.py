@@ -32,6 +32,11 @@ class ServerMetrics:
         self.accept_per_verify = Histogram(
             "blockspec_spec_accept_length_per_verify", "Tokens committed by each verify forward", buckets=accept_buckets, registry=r
         )
+        self.kernel_compiles = Gauge(
+            "blockspec_kernel_compiles_after_startup",
+            "Triton kernel variants compiled since the engine's start-up finished (each a stall; should stay 0)", registry=r,
+        )
+        self.startup_seconds = Gauge("blockspec_startup_seconds", "Engine start-up time by phase", ["phase"], registry=r)
         self.position_accept = Gauge(
             "blockspec_spec_position_accept_rate", "Fraction of verifies that accepted draft position N", ["position"], registry=r
         )
@@ -57,6 +62,12 @@ class ServerMetrics:
         self.kv_usage.set((total - free) / total if total else 0.0)
         if stats.spec_histogram is not None:
             self.set_spec_stats(stats.spec_histogram)
+        if stats.kernel_compiles_after_startup is not None:
+            self.kernel_compiles.set(stats.kernel_compiles_after_startup)
+
+    def set_startup(self, seconds: dict[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.startup_seconds.labels(phase=phase).set(value)
 
     def set_spec_stats(self, histogram: list[int]) -> None:
         """`histogram[k]` = verifies that committed k tokens; draft position j is accepted when k > j."""

@@ -55,6 +55,7 @@ class EngineInfo(msgspec.Struct):
     decode_slots_per_req: int
     max_running_requests: int
     pid: int
+    startup: dict[str, Any] = msgspec.field(default_factory=dict)  # Engine.startup.as_dict()
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -96,6 +97,7 @@ class StepStats(msgspec.Struct):
     kv_free: int
     spec_histogram: Optional[list[int]]
     finished: list[FinishStat]
+    kernel_compiles_after_startup: Optional[int] = None  # Engine.kernel_compiles_after_startup
 
 
 class Outputs(msgspec.Struct, tag=True):
