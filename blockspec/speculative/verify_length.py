@@ -1,0 +1,228 @@
+"""How many block tokens a DFlash cycle verifies, per batch size: the verify length n (1 ≤ n ≤ B).
+
+A cycle of verify length n verifies [bonus, d_1..d_{n-1}] (n - 1 proposals, the first of the draft's full block) and
+commits accepted + 1 tokens, accepted ≤ n - 1; n = 1 is a plain target decode step (the draft does not run, the
+bonus token's draft KV is still written, so speculation resumes losslessly in the next cycle). Policies:
+- `FixedVerifyLength`: a schedule by batch size (`--speculative-num-draft-tokens-per-bs`, or n = B everywhere when
+  adaptive verify is off).
+- `AdaptiveVerifyLength`: the cost model. Expected committed tokens of a cycle, 1 + E[min(accepted, n - 1)], from the
+  live per-position acceptance rates (`AcceptanceStats`), over the cycle time of (batch size, n) (`CycleTimes`:
+  measured when graphs are captured, then refined by live cycles); the n with the most tokens per second wins.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, verify length)
+
+
+def parse_verify_schedule(text: str) -> Schedule:
+    """`1-16:10,17-64:4` → [(1, 16, 10), (17, 64, 4)]; `A:N` is the single batch size A. ValueError when malformed."""
+    schedule: Schedule = []
+    for part in text.split(","):
+        sizes, sep, length = part.strip().partition(":")
+        first, dash, last = sizes.partition("-")
+        try:
+            lo, hi, n = int(first), int(last) if dash else int(first), int(length)
+        except ValueError:
+            raise ValueError(
+                f"speculative_num_draft_tokens_per_bs: {part.strip()!r} is not FIRST-LAST:N or BS:N (e.g. 1-16:10,17-64:4)"
+            ) from None
+        if not sep or lo < 1 or hi < lo or n < 1:
+            raise ValueError(f"speculative_num_draft_tokens_per_bs: {part.strip()!r} needs 1 <= FIRST <= LAST and N >= 1")
+        if schedule and lo <= schedule[-1][1]:
+            raise ValueError(f"speculative_num_draft_tokens_per_bs: ranges must be increasing and disjoint at {part.strip()!r}")
+        schedule.append((lo, hi, n))
+    return schedule
+
+
+def check_schedule_covers(schedule: Schedule, max_batch_size: int) -> None:
+    covered = {bs for lo, hi, _ in schedule for bs in range(lo, min(hi, max_batch_size) + 1)}
+    missing = [bs for bs in range(1, max_batch_size + 1) if bs not in covered]
+    if missing:
+        raise ValueError(
+            f"speculative_num_draft_tokens_per_bs must cover every batch size 1..{max_batch_size} "
+            f"(max_running_requests); missing {missing[0]}" + (f"..{missing[-1]}" if len(missing) > 1 else "")
+        )
+
+
+def default_verify_lengths(block_size: int) -> tuple[int, ...]:
+    """The small set of verify lengths adaptive verify captures graphs for: 1, 4, halfway to B, and B."""
+    return tuple(sorted({1, min(4, block_size), min(block_size, (4 + block_size) // 2), block_size}))
+
+
+class AcceptanceStats:
+    """Per-position acceptance of the draft's proposals from every verify, whatever its length.
+
+    Position j (proposal d_j) was *tried* by a verify that checked it (n - 1 ≥ j) and accepted d_1..d_{j-1}, and
+    *passed* when it accepted d_j too; rate_j = passed_j / tried_j, so a short verify (which never tries the later
+    positions) biases no rate. Counts decay with a half-life in request-cycles (acceptance follows the workload's
+    phases); a small prior (rate `prior_rate`, weight `prior_weight`) fills positions not yet tried."""
+
+    def __init__(self, max_proposals: int, half_life: float = 4096.0, prior_rate: float = 0.8,
+                 prior_weight: float = 2.0) -> None:
+        self.max_proposals = max_proposals
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.prior_rate = prior_rate
+        self.prior_weight = prior_weight
+        self.tried = [0.0] * max_proposals  # index j - 1 for position j
+        self.passed = [0.0] * max_proposals
+
+    def observe(self, num_draft_tokens: int, accepted: Sequence[int]) -> None:
+        """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted."""
+        fade = self.decay ** len(accepted)
+        self.tried = [t * fade for t in self.tried]
+        self.passed = [p * fade for p in self.passed]
+        for a in accepted:
+            for j in range(min(a + 1, num_draft_tokens - 1)):
+                self.tried[j] += 1.0
+            for j in range(a):
+                self.passed[j] += 1.0
+
+    def rates(self) -> list[float]:
+        """P(d_j accepted | d_1..d_{j-1} accepted), j = 1..B-1."""
+        w = self.prior_weight
+        return [(p + w * self.prior_rate) / (t + w) for t, p in zip(self.tried, self.passed)]
+
+    def survival(self) -> list[float]:
+        """P(accepted ≥ j), j = 1..B-1."""
+        out, alive = [], 1.0
+        for rate in self.rates():
+            alive *= rate
+            out.append(alive)
+        return out
+
+    def expected_tokens(self, num_draft_tokens: int) -> float:
+        """Tokens a cycle of this verify length commits on average: 1 + E[min(accepted, n - 1)]."""
+        return 1.0 + sum(self.survival()[: num_draft_tokens - 1])
+
+
+class CycleTimes:
+    """ms per cycle by (batch size, verify length) at the measured batch sizes (the captured graph sizes: a batch
+    runs in the next one up), measured at start-up and then an exponential average of live cycles."""
+
+    def __init__(self, measured: dict[tuple[int, int], float], live_weight: float = 0.05) -> None:
+        if not measured:
+            raise ValueError("adaptive verify needs at least one measured cycle time")
+        self.ms = dict(measured)
+        self.startup_ms = dict(measured)
+        self.batch_sizes = sorted({bs for bs, _ in measured})
+        self.live_weight = live_weight
+        self.live_cycles: dict[tuple[int, int], int] = {}
+
+    def bucket(self, batch_size: int) -> int:
+        """The measured batch size whose times stand for `batch_size` (the largest beyond it)."""
+        i = bisect.bisect_left(self.batch_sizes, batch_size)
+        return self.batch_sizes[min(i, len(self.batch_sizes) - 1)]
+
+    def cycle_ms(self, batch_size: int, num_draft_tokens: int) -> float:
+        return self.ms[(self.bucket(batch_size), num_draft_tokens)]
+
+    def observe(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
+        key = (self.bucket(batch_size), num_draft_tokens)
+        if key not in self.ms:
+            return
+        seen = self.live_cycles.get(key, 0)
+        # NOTE: the first live cycles replace the start-up figure fast (it was timed at a near-empty context).
+        weight = max(self.live_weight, 1.0 / (seen + 2))
+        self.ms[key] += weight * (ms - self.ms[key])
+        self.live_cycles[key] = seen + 1
+
+
+@dataclass(frozen=True)
+class VerifyChoice:
+    num_draft_tokens: int
+    reason: str
+    expected_tokens: Optional[float] = None
+    cycle_ms: Optional[float] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+class FixedVerifyLength:
+    """Verify length from a schedule by batch size (adaptive verify off: the full block B everywhere)."""
+
+    def __init__(self, schedule: Schedule, block_size: int, reason: str) -> None:
+        bad = [n for _, _, n in schedule if n > block_size]
+        if bad:
+            raise ValueError(f"speculative_num_draft_tokens_per_bs: verify length {bad[0]} exceeds the block size {block_size}")
+        self.schedule = schedule
+        self.block_size = block_size
+        self.reason = reason
+        self.lengths = tuple(sorted({n for _, _, n in schedule}))
+        self.last: dict[int, VerifyChoice] = {}
+
+    def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
+        n = next((n for lo, hi, n in self.schedule if lo <= batch_size <= hi), self.schedule[-1][2])
+        choice = VerifyChoice(n, self.reason, stats.expected_tokens(n))
+        self.last[batch_size] = choice
+        return choice
+
+    def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
+        """Fixed lengths ignore cycle times."""
+
+    def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
+        return {"mode": "fixed", "reason": self.reason, "verify_lengths": list(self.lengths),
+                "schedule": [{"batch_sizes": [lo, hi], "num_draft_tokens": n} for lo, hi, n in self.schedule],
+                "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())}}
+
+
+def full_block(block_size: int, reason: str) -> FixedVerifyLength:
+    return FixedVerifyLength([(1, 1 << 30, block_size)], block_size, reason)
+
+
+class AdaptiveVerifyLength:
+    """The verify length with the most expected tokens per second at each batch size.
+
+    NOTE: every `explore_every`-th cycle of a batch size whose best length is not the only one runs a neighbouring
+    length instead (alternately shorter and longer), so the rates of positions the best length never tries, and the
+    live times of the other lengths, stay measured."""
+
+    def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64) -> None:
+        self.lengths = tuple(sorted(set(lengths)))
+        missing = [key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.ms]
+        if missing:
+            raise ValueError(f"adaptive verify: no measured cycle time for (batch size, verify length) {missing[0]}")
+        self.times = times
+        self.explore_every = explore_every
+        self.cycles: dict[int, int] = {}
+        self.last: dict[int, VerifyChoice] = {}
+
+    def candidates(self, batch_size: int, stats: AcceptanceStats) -> list[VerifyChoice]:
+        out = []
+        for n in self.lengths:
+            tokens, ms = stats.expected_tokens(n), self.times.cycle_ms(batch_size, n)
+            out.append(VerifyChoice(n, f"{tokens / ms * 1e3:.0f} tokens/s per request", tokens, ms))
+        return out
+
+    def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
+        options = self.candidates(batch_size, stats)
+        best_at = max(range(len(options)), key=lambda i: options[i].expected_tokens / options[i].cycle_ms)  # type: ignore[operator]
+        best = options[best_at]
+        cycle = self.cycles.get(batch_size, 0) + 1
+        self.cycles[batch_size] = cycle
+        runner_up = sorted(options, key=lambda c: c.expected_tokens / c.cycle_ms)[-2] if len(options) > 1 else best  # type: ignore[operator]
+        reason = (f"best of {list(self.lengths)} by expected tokens / cycle time: {best.expected_tokens:.2f} tokens in "
+                  f"{best.cycle_ms:.2f} ms (next: n={runner_up.num_draft_tokens}, {runner_up.expected_tokens:.2f} in "
+                  f"{runner_up.cycle_ms:.2f} ms)")
+        self.last[batch_size] = VerifyChoice(best.num_draft_tokens, reason, best.expected_tokens, best.cycle_ms)
+        if len(options) > 1 and cycle % self.explore_every == 0:
+            step = -1 if (cycle // self.explore_every) % 2 else 1
+            neighbour = options[min(max(best_at + step, 0), len(options) - 1)]
+            if neighbour.num_draft_tokens == best.num_draft_tokens:
+                neighbour = options[best_at - step]
+            return VerifyChoice(neighbour.num_draft_tokens, "exploring", neighbour.expected_tokens, neighbour.cycle_ms)
+        return self.last[batch_size]
+
+    def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
+        self.times.observe(batch_size, num_draft_tokens, ms)
+
+    def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
+        table = {str(bs): [c.as_dict() for c in self.candidates(bs, stats)] for bs in self.times.batch_sizes}
+        return {"mode": "adaptive", "verify_lengths": list(self.lengths),
+                "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())},
+                "cycle_ms_startup": {f"{bs}x{n}": ms for (bs, n), ms in sorted(self.times.startup_ms.items())},
+                "cost_model": table}
