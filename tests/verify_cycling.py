@@ -11,11 +11,13 @@ class CyclingVerifyLength:
         self.sequence = list(sequence)
         self.lengths = tuple(sorted(set(sequence)))
         self.used: list[int] = []
+        self.last: dict[int, VerifyChoice] = {}
 
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         n = self.sequence[len(self.used) % len(self.sequence)]
         self.used.append(n)
-        return VerifyChoice(n, "test: cycling")
+        self.last[batch_size] = VerifyChoice(n, "test: cycling")
+        return self.last[batch_size]
 
     def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
         """Cycle times are not used."""

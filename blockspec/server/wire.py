@@ -88,6 +88,15 @@ class FinishStat(msgspec.Struct):
     accept_lengths: list[int]
 
 
+class VerifyLengthStat(msgspec.Struct):
+    """DFlash's verify length at one batch size and why: the expected tokens and cycle time it was chosen on."""
+
+    batch_size: int
+    num_draft_tokens: int
+    expected_tokens: Optional[float]
+    cycle_ms: Optional[float]
+
+
 class StepStats(msgspec.Struct):
     num_running: int
     num_waiting: int
@@ -96,6 +105,7 @@ class StepStats(msgspec.Struct):
     kv_free: int
     spec_histogram: Optional[list[int]]
     finished: list[FinishStat]
+    verify_lengths: Optional[list[VerifyLengthStat]] = None
 
 
 class Outputs(msgspec.Struct, tag=True):

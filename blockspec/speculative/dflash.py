@@ -108,8 +108,10 @@ class DFlashWorker(DFlashBase):
 
     def _proposals(self, reqs: Sequence[Req], num_draft_tokens: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The first n - 1 proposals [bs, n-1] and draft distributions [n-1, V] of sampled rows (no draft when n = 1)."""
-        if num_draft_tokens == 1:
-            return torch.empty((len(reqs), 0), dtype=torch.int64, device=self.runner.device), {}
+        if num_draft_tokens == 1:  # NOTE: sampled rows still go through rejection_accept: it samples the bonus
+            device = self.runner.device
+            nothing = {i: torch.empty((0, 0), device=device) for i, req in enumerate(reqs) if not req.params.is_greedy}
+            return torch.empty((len(reqs), 0), dtype=torch.int64, device=device), nothing
         _, proposals, draft_probs = self.propose(reqs)
         k = num_draft_tokens - 1
         return proposals[:, :k], {i: probs[:k] for i, probs in draft_probs.items()}

@@ -23,13 +23,12 @@ from blockspec.speculative.acceptance import greedy_accept_counts
 from blockspec.speculative.cycle_timing import measure_cycle_times
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
 from blockspec.speculative.verify_length import (
-    AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, default_verify_lengths, full_block,
-    parse_verify_schedule,
+    AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, VerifyLengthPolicy, default_verify_lengths,
+    full_block, parse_verify_schedule,
 )
 from blockspec.step.target_worker import TargetWorker
 
 CycleFn = Callable[[ForwardBatch], tuple[torch.Tensor]]
-VerifyPolicy = FixedVerifyLength | AdaptiveVerifyLength
 
 
 class DFlashBase(TargetWorker):
@@ -62,7 +61,7 @@ class DFlashBase(TargetWorker):
                 runner.device, config.random_seed,
             )
         self.acceptance = AcceptanceStats(block_size - 1)
-        self.verify_policy: VerifyPolicy = self._initial_policy()
+        self.verify_policy: VerifyLengthPolicy = self._initial_policy()
         self._cycle_fns: dict[int, CycleFn] = {}
 
     @property
@@ -74,7 +73,7 @@ class DFlashBase(TargetWorker):
         return True
 
     # ---- verify length -----------------------------------------------------------------------
-    def _initial_policy(self) -> VerifyPolicy:
+    def _initial_policy(self) -> VerifyLengthPolicy:
         """The fixed schedule, the full block (adaptive off or impossible), or — until init_cuda_graphs has timed the
         cycles — the full block standing in for adaptive verify."""
         config, b = self.runner.config, self.block_size

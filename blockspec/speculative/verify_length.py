@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, verify length)
 
@@ -140,6 +140,20 @@ class VerifyChoice:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if v is not None}
+
+
+class VerifyLengthPolicy(Protocol):
+    """Picks each cycle's verify length for its batch size; `lengths` are the ones graphs are captured for, `last`
+    the latest choice per batch size (for /server_info and /metrics)."""
+
+    lengths: tuple[int, ...]
+    last: dict[int, VerifyChoice]
+
+    def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice: ...
+
+    def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None: ...
+
+    def describe(self, stats: AcceptanceStats) -> dict[str, Any]: ...
 
 
 class FixedVerifyLength:
