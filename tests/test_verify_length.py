@@ -43,11 +43,12 @@ def test_untried_positions_keep_the_prior_and_counts_fade() -> None:
 def test_cycle_times_bucket_and_live_refinement() -> None:
     times = CycleTimes({(1, 1): 4.0, (1, 8): 6.0, (8, 1): 5.0, (8, 8): 12.0})
     assert times.cycle_ms(3, 8) == 12.0 and times.cycle_ms(100, 1) == 5.0 and times.cycle_ms(1, 8) == 6.0
-    times.observe(5, 8, 20.0)  # the first live cycle moves the estimate halfway, later ones more slowly
-    assert times.cycle_ms(8, 8) == pytest.approx(16.0)
-    for _ in range(200):
-        times.observe(8, 8, 20.0)
-    assert times.cycle_ms(8, 8) == pytest.approx(20.0, abs=0.01) and times.startup_ms[(8, 8)] == 12.0
+    times.observe(5, 8, 20.0)  # a long context: +8 ms on the first live cycle, for every length of that bucket
+    assert times.cycle_ms(8, 8) == pytest.approx(20.0) and times.cycle_ms(8, 1) == pytest.approx(13.0)
+    for _ in range(100):
+        times.observe(8, 1, 7.0)  # later plain decode steps say +2 ms
+    assert times.cycle_ms(8, 8) == pytest.approx(14.0, abs=0.01) and times.cycle_ms(1, 8) == 6.0
+    assert times.startup_ms[(8, 8)] == 12.0
 
 
 def choose(policy: AdaptiveVerifyLength, stats: AcceptanceStats, batch_size: int) -> int:

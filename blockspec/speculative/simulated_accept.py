@@ -53,13 +53,18 @@ class SimulatedAcceptance:
         if (constant_len is None) == (profile is None):
             raise ValueError("SimulatedAcceptance takes exactly one of a constant accept length and a profile")
         self.constant = None if constant_len is None else max(0, min(block_size - 1, round(constant_len) - 1))
+        self.block_size = block_size
         self.distribution = accept_distribution(profile, block_size) if profile is not None else None
-        cdf: list[float] = []
-        for p in self.distribution or []:
-            cdf.append((cdf[-1] if cdf else 0.0) + p)
-        self.cdf = torch.tensor(cdf[:-1], dtype=torch.float32, device=device)  # [B-1]: P(accepted <= a), a < B-1
+        self.cdf = torch.tensor(_cdf(self.distribution or []), dtype=torch.float32, device=device)
         # NOTE: CUDA graphs replay draws from the default CUDA generator; on the CPU a seeded one keeps runs repeatable.
         self.generator = torch.Generator().manual_seed(seed) if device.type == "cpu" else None
+
+    def set_profile(self, profile: str) -> None:
+        """Switches to another profile in place (benchmarks: no graph recapture). NOTE: captured graphs read `cdf`."""
+        if self.distribution is None:
+            raise ValueError("a constant simulated accept length cannot switch to a profile")
+        self.distribution = accept_distribution(profile, self.block_size)
+        self.cdf.copy_(torch.tensor(_cdf(self.distribution), dtype=torch.float32))
 
     @property
     def mean_accept_length(self) -> float:
@@ -75,3 +80,11 @@ class SimulatedAcceptance:
         uniform = torch.rand((batch_size, 1), generator=self.generator, device=self.cdf.device).to(device)
         drawn = (uniform > self.cdf[None, :]).sum(1, keepdim=True)
         return drawn.clamp(max=num_draft_tokens - 1)
+
+
+def _cdf(distribution: list[float]) -> list[float]:
+    """[B-1]: P(accepted <= a) for a < B-1 (the last, 1, is implied)."""
+    cdf: list[float] = []
+    for p in distribution:
+        cdf.append((cdf[-1] if cdf else 0.0) + p)
+    return cdf[:-1]

@@ -101,16 +101,20 @@ class AcceptanceStats:
 
 class CycleTimes:
     """ms per cycle by (batch size, verify length) at the measured batch sizes (the captured graph sizes: a batch
-    runs in the next one up), measured at start-up and then an exponential average of live cycles."""
+    runs in the next one up): the start-up figure plus a live offset per batch size.
 
-    def __init__(self, measured: dict[tuple[int, int], float], live_weight: float = 0.05) -> None:
+    NOTE: start-up cycles run on padding rows (a near-empty context). A served batch's context adds about the same
+    time to a cycle of any verify length (each reads the whole target KV once), so one additive offset per batch
+    size, an exponential average of (live − start-up) over whichever lengths ran, corrects every length."""
+
+    def __init__(self, measured: dict[tuple[int, int], float], live_weight: float = 0.2) -> None:
         if not measured:
             raise ValueError("adaptive verify needs at least one measured cycle time")
-        self.ms = dict(measured)
         self.startup_ms = dict(measured)
         self.batch_sizes = sorted({bs for bs, _ in measured})
         self.live_weight = live_weight
-        self.live_cycles: dict[tuple[int, int], int] = {}
+        self.offset_ms = {bs: 0.0 for bs in self.batch_sizes}
+        self.live_cycles = {bs: 0 for bs in self.batch_sizes}
 
     def bucket(self, batch_size: int) -> int:
         """The measured batch size whose times stand for `batch_size` (the largest beyond it)."""
@@ -118,17 +122,18 @@ class CycleTimes:
         return self.batch_sizes[min(i, len(self.batch_sizes) - 1)]
 
     def cycle_ms(self, batch_size: int, num_draft_tokens: int) -> float:
-        return self.ms[(self.bucket(batch_size), num_draft_tokens)]
+        bucket = self.bucket(batch_size)
+        return self.startup_ms[(bucket, num_draft_tokens)] + self.offset_ms[bucket]
 
     def observe(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
-        key = (self.bucket(batch_size), num_draft_tokens)
-        if key not in self.ms:
+        bucket = self.bucket(batch_size)
+        if (bucket, num_draft_tokens) not in self.startup_ms:
             return
-        seen = self.live_cycles.get(key, 0)
-        # NOTE: the first live cycles replace the start-up figure fast (it was timed at a near-empty context).
-        weight = max(self.live_weight, 1.0 / (seen + 2))
-        self.ms[key] += weight * (ms - self.ms[key])
-        self.live_cycles[key] = seen + 1
+        seen = self.live_cycles[bucket]
+        weight = max(self.live_weight, 1.0 / (seen + 1))  # NOTE: the first live cycle replaces the start-up guess
+        offset = ms - self.startup_ms[(bucket, num_draft_tokens)]
+        self.offset_ms[bucket] += weight * (offset - self.offset_ms[bucket])
+        self.live_cycles[bucket] = seen + 1
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,7 @@ class AdaptiveVerifyLength:
 
     def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64) -> None:
         self.lengths = tuple(sorted(set(lengths)))
-        missing = [key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.ms]
+        missing = [key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms]
         if missing:
             raise ValueError(f"adaptive verify: no measured cycle time for (batch size, verify length) {missing[0]}")
         self.times = times
@@ -239,4 +244,5 @@ class AdaptiveVerifyLength:
         return {"mode": "adaptive", "verify_lengths": list(self.lengths),
                 "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())},
                 "cycle_ms_startup": {f"{bs}x{n}": ms for (bs, n), ms in sorted(self.times.startup_ms.items())},
+                "cycle_ms_live_offset": {str(bs): ms for bs, ms in self.times.offset_ms.items()},
                 "cost_model": table}
