@@ -61,7 +61,8 @@ def test_graph_replay_equals_eager(tiny: Path) -> None:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_dflash_lossless_with_graphs(tiny: Path, page_size: int) -> None:
     target_only, _ = run(tiny, False, device="cuda", page_size=page_size)
-    spec, engine = run(tiny, True, device="cuda", page_size=page_size)
+    # NOTE: the full block every cycle, so the acceptance below is the draft's (test_gpu_adaptive.py: the default)
+    spec, engine = run(tiny, True, device="cuda", page_size=page_size, speculative_adaptive_verify="off")
     assert spec == target_only
     stats = engine.get_server_info()["internal_states"][0]
     assert stats["avg_spec_accept_length"] > 1.5
