@@ -152,3 +152,21 @@ def test_simulated_profile_commits_its_mean(trained_pair: dict[str, Any]) -> Non
     stats = engine.get_server_info()["internal_states"][0]
     assert abs(stats["avg_spec_accept_length"] - expected) < 0.35, stats["avg_spec_accept_length"]
     assert engine.worker.acceptance.rates()[0] == pytest.approx(2 / 3, abs=0.08)
+
+
+def test_server_info_and_metrics_show_the_verify_length(trained_pair: dict[str, Any]) -> None:
+    import httpx
+
+    from blockspec.server import BackgroundServer
+    from blockspec.server.args import ServerSettings
+    from server_support import metric_value, wait_idle
+
+    engine = cpu_engine(trained_pair["root"], True, speculative_num_draft_tokens_per_bs="1-1:5,2-64:1")
+    with BackgroundServer(engine, ServerSettings(port=0)) as server:
+        body = {"input_ids": PROMPTS[3], "sampling_params": {**GREEDY, "max_new_tokens": 16}}
+        assert httpx.post(server.base_url + "/generate", json=body, timeout=60).status_code == 200
+        info = wait_idle(server.base_url)["internal_states"][0]["verify_length"]
+        assert info["in_use"]["1"]["num_draft_tokens"] == 5 and "fixed schedule" in info["in_use"]["1"]["reason"]
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
+        assert metric_value(text, "blockspec_spec_verify_num_draft_tokens", 'batch_size="1"') == 5.0
+        assert metric_value(text, "blockspec_spec_verify_expected_tokens", 'batch_size="1"') >= 1.0
