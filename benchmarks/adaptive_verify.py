@@ -120,7 +120,7 @@ def measure_dflash(engine: Engine, profile: str, context: int, bs: int, args: ar
     worker.acceptance = AcceptanceStats(worker.block_size - 1)
     reqs = prefill(engine, bs, context, engine.runner.target_config.vocab_size)
     totals = {"fixed": [0, 0.0], "adaptive": [0, 0.0]}
-    for policy in (fixed, adaptive):  # NOTE: warm-up: live acceptance and cycle times settle at this context
+    for policy in (fixed, adaptive, adaptive):  # NOTE: warm-up: live acceptance and cycle times settle here
         worker.verify_policy = policy
         timed_block(engine, reqs, args.block_steps)
     used: dict[int, int] = {}

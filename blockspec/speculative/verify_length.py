@@ -73,13 +73,15 @@ class AcceptanceStats:
     def observe(self, num_draft_tokens: int, accepted: Sequence[int]) -> None:
         """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted."""
         fade = self.decay ** len(accepted)
-        self.tried = [t * fade for t in self.tried]
-        self.passed = [p * fade for p in self.passed]
+        reached = [0] * (self.max_proposals + 2)  # reached[j]: rows that accepted at least j proposals
         for a in accepted:
-            for j in range(min(a + 1, num_draft_tokens - 1)):
-                self.tried[j] += 1.0
-            for j in range(a):
-                self.passed[j] += 1.0
+            reached[a] += 1
+        for j in range(self.max_proposals, -1, -1):
+            reached[j] += reached[j + 1]
+        for j in range(self.max_proposals):  # index j: position j + 1
+            tried = reached[j] if j < num_draft_tokens - 1 else 0
+            self.tried[j] = self.tried[j] * fade + tried
+            self.passed[j] = self.passed[j] * fade + (reached[j + 1] if tried else 0)
 
     def rates(self) -> list[float]:
         """P(d_j accepted | d_1..d_{j-1} accepted), j = 1..B-1."""
