@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, verify length)
 
@@ -163,6 +163,22 @@ class VerifyLengthPolicy(Protocol):
     def describe(self, stats: AcceptanceStats) -> dict[str, Any]: ...
 
 
+class Option(NamedTuple):
+    """One verify length's expected tokens per cycle and cycle time at a batch size."""
+
+    n: int
+    tokens: float
+    ms: float
+
+    @property
+    def tokens_per_ms(self) -> float:
+        return self.tokens / self.ms
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"num_draft_tokens": self.n, "expected_tokens": self.tokens, "cycle_ms": self.ms,
+                "tokens_per_s_per_request": self.tokens_per_ms * 1e3}
+
+
 class FixedVerifyLength:
     """Verify length from a schedule by batch size (adaptive verify off: the full block B everywhere)."""
 
@@ -212,37 +228,29 @@ class AdaptiveVerifyLength:
         self.cycles: dict[int, int] = {}
         self.last: dict[int, VerifyChoice] = {}
 
-    def candidates(self, batch_size: int, stats: AcceptanceStats) -> list[VerifyChoice]:
-        out = []
-        for n in self.lengths:
-            tokens, ms = stats.expected_tokens(n), self.times.cycle_ms(batch_size, n)
-            out.append(VerifyChoice(n, f"{tokens / ms * 1e3:.0f} tokens/s per request", tokens, ms))
-        return out
+    def options(self, batch_size: int, stats: AcceptanceStats) -> list[Option]:
+        return [Option(n, stats.expected_tokens(n), self.times.cycle_ms(batch_size, n)) for n in self.lengths]
 
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
-        options = self.candidates(batch_size, stats)
-        best_at = max(range(len(options)), key=lambda i: options[i].expected_tokens / options[i].cycle_ms)  # type: ignore[operator]
-        best = options[best_at]
-        cycle = self.cycles.get(batch_size, 0) + 1
-        self.cycles[batch_size] = cycle
-        runner_up = sorted(options, key=lambda c: c.expected_tokens / c.cycle_ms)[-2] if len(options) > 1 else best  # type: ignore[operator]
-        reason = (f"best of {list(self.lengths)} by expected tokens / cycle time: {best.expected_tokens:.2f} tokens in "
-                  f"{best.cycle_ms:.2f} ms (next: n={runner_up.num_draft_tokens}, {runner_up.expected_tokens:.2f} in "
-                  f"{runner_up.cycle_ms:.2f} ms)")
-        self.last[batch_size] = VerifyChoice(best.num_draft_tokens, reason, best.expected_tokens, best.cycle_ms)
+        options = self.options(batch_size, stats)
+        ranked = sorted(range(len(options)), key=lambda i: options[i].tokens_per_ms)
+        best_at, best = ranked[-1], options[ranked[-1]]
+        second = options[ranked[-2]] if len(options) > 1 else best
+        reason = (f"best of {list(self.lengths)} by expected tokens / cycle time: {best.tokens:.2f} tokens in "
+                  f"{best.ms:.2f} ms (next: n={second.n}, {second.tokens:.2f} in {second.ms:.2f} ms)")
+        self.last[batch_size] = VerifyChoice(best.n, reason, best.tokens, best.ms)
+        cycle = self.cycles[batch_size] = self.cycles.get(batch_size, 0) + 1
         if len(options) > 1 and cycle % self.explore_every == 0:
             step = -1 if (cycle // self.explore_every) % 2 else 1
-            neighbour = options[min(max(best_at + step, 0), len(options) - 1)]
-            if neighbour.num_draft_tokens == best.num_draft_tokens:
-                neighbour = options[best_at - step]
-            return VerifyChoice(neighbour.num_draft_tokens, "exploring", neighbour.expected_tokens, neighbour.cycle_ms)
+            at = best_at + step if 0 <= best_at + step < len(options) else best_at - step
+            return VerifyChoice(options[at].n, "exploring", options[at].tokens, options[at].ms)
         return self.last[batch_size]
 
     def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
         self.times.observe(batch_size, num_draft_tokens, ms)
 
     def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
-        table = {str(bs): [c.as_dict() for c in self.candidates(bs, stats)] for bs in self.times.batch_sizes}
+        table = {str(bs): [option.as_dict() for option in self.options(bs, stats)] for bs in self.times.batch_sizes}
         return {"mode": "adaptive", "verify_lengths": list(self.lengths),
                 "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())},
                 "cycle_ms_startup": {f"{bs}x{n}": ms for (bs, n), ms in sorted(self.times.startup_ms.items())},
