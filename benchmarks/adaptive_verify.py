@@ -228,9 +228,12 @@ def main() -> None:
     report["goals"] = goals(report["rows"])
     report["wall_s"] = time.perf_counter() - started
     path.write_text(json.dumps(report, indent=1))
-    from plot_adaptive_verify import plot
+    try:
+        from plot_adaptive_verify import plot
 
-    print(f"wrote {path} and {plot(path)}")
+        print(f"wrote {path} and {plot(path)}")
+    except ImportError as error:  # NOTE: matplotlib may be missing on the device; the JSON is the result
+        print(f"wrote {path}; no plot ({error}): run plot_adaptive_verify.py {path.name} where matplotlib is")
     print(f"{'profile':>10} {'ctx':>5} {'bs':>3} {'target':>9} {'fixed':>9} {'adaptive':>9} {'n':>3} {'÷ envelope':>10}")
     for r in report["rows"]:
         envelope = r["adaptive_tok_s"] / max(r["fixed_tok_s"], r["target_tok_s"])
