@@ -170,3 +170,4 @@ def test_server_info_and_metrics_show_the_verify_length(trained_pair: dict[str, 
         text = httpx.get(server.base_url + "/metrics", timeout=10).text
         assert metric_value(text, "blockspec_spec_verify_num_draft_tokens", 'batch_size="1"') == 5.0
         assert metric_value(text, "blockspec_spec_verify_expected_tokens", 'batch_size="1"') >= 1.0
+        assert 0 < metric_value(text, "blockspec_spec_verify_position_accept_rate", 'position="1"') <= 1

@@ -49,6 +49,12 @@ class ServerMetrics:
             ["batch_size"], registry=r,
         )
 
+        self.verify_position_rate = Gauge(
+            "blockspec_spec_verify_position_accept_rate",
+            "P(draft position N accepted | a verify tried it and accepted the ones before), decayed, as adaptive verify "
+            "uses it", ["position"], registry=r,
+        )
+
     def on_finish(self, finish: FinishStat) -> None:
         self.requests.labels(finish_reason=finish.reason).inc()
         self.prompt_tokens.inc(finish.prompt_tokens)
@@ -72,6 +78,8 @@ class ServerMetrics:
             self.set_spec_stats(stats.spec_histogram)
         if stats.verify_lengths is not None:
             self.set_verify_lengths(stats.verify_lengths)
+        for position, rate in enumerate(stats.position_rates or [], 1):
+            self.verify_position_rate.labels(position=str(position)).set(rate)
 
     def set_verify_lengths(self, lengths: list[VerifyLengthStat]) -> None:
         for stat in lengths:

@@ -106,6 +106,7 @@ class StepStats(msgspec.Struct):
     spec_histogram: Optional[list[int]]
     finished: list[FinishStat]
     verify_lengths: Optional[list[VerifyLengthStat]] = None
+    position_rates: Optional[list[float]] = None  # DFlash: P(d_j accepted | tried, d_1..d_{j-1} accepted), j = 1..B-1
 
 
 class Outputs(msgspec.Struct, tag=True):
