@@ -97,7 +97,7 @@ def measure_target(
     for context in contexts:
         for bs in sizes:
             reqs = prefill(engine, bs, context, vocab)
-            timed_block(engine, reqs, args.block_steps)  # warm-up
+            timed_block(engine, reqs, args.block_steps)  # NOTE: warm-up, untimed
             tokens, seconds = 0, 0.0
             for _ in range(args.rounds):
                 t, s = timed_block(engine, reqs, args.block_steps)

@@ -67,21 +67,21 @@ class AcceptanceStats:
         self.decay = 0.5 ** (1.0 / half_life)
         self.prior_rate = prior_rate
         self.prior_weight = prior_weight
-        self.tried = [0.0] * max_proposals  # index j - 1 for position j
+        self.tried = [0.0] * max_proposals  # NOTE: index j - 1 holds position j (proposal d_j)
         self.passed = [0.0] * max_proposals
 
     def observe(self, num_draft_tokens: int, accepted: Sequence[int]) -> None:
         """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted."""
         fade = self.decay ** len(accepted)
-        reached = [0] * (self.max_proposals + 2)  # reached[j]: rows that accepted at least j proposals
+        at_least = [0] * (self.max_proposals + 2)
         for a in accepted:
-            reached[a] += 1
-        for j in range(self.max_proposals, -1, -1):
-            reached[j] += reached[j + 1]
-        for j in range(self.max_proposals):  # index j: position j + 1
-            tried = reached[j] if j < num_draft_tokens - 1 else 0
+            at_least[a] += 1
+        for count in range(self.max_proposals, -1, -1):
+            at_least[count] += at_least[count + 1]
+        for j in range(self.max_proposals):
+            tried = at_least[j] if j < num_draft_tokens - 1 else 0
             self.tried[j] = self.tried[j] * fade + tried
-            self.passed[j] = self.passed[j] * fade + (reached[j + 1] if tried else 0)
+            self.passed[j] = self.passed[j] * fade + (at_least[j + 1] if tried else 0)
 
     def rates(self) -> list[float]:
         """P(d_j accepted | d_1..d_{j-1} accepted), j = 1..B-1."""
