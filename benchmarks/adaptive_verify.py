@@ -210,10 +210,14 @@ def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = model_dirs(Path(tmp), args.smoke)
+        began = time.perf_counter()
         engine = build(target_dir, None, args, sizes, contexts)
+        report["target_startup_s"] = time.perf_counter() - began
         target = measure_target(engine, contexts, sizes, args)
         free(engine)
+        began = time.perf_counter()
         engine = build(target_dir, draft_dir, args, sizes, contexts)
+        report["dflash_startup_s"] = time.perf_counter() - began  # NOTE: graphs for every verify length + their timing
         report["verify_length_startup"] = engine.get_server_info()["internal_states"][0]["verify_length"]
         for context in contexts:
             for bs in sizes:
