@@ -32,10 +32,11 @@ def test_rates_are_unbiased_by_short_verifies() -> None:
     assert stats.expected_tokens(4) == pytest.approx(1 + 0.7 + 0.49 + 0.343, abs=0.05)
 
 
-def test_untried_positions_keep_the_prior_and_counts_fade() -> None:
+def test_untried_positions_follow_the_deepest_tried_and_counts_fade() -> None:
     stats = AcceptanceStats(4, half_life=10.0, prior_rate=0.8, prior_weight=2.0)
-    stats.observe(2, [0] * 50)  # only position 1 tried: always rejected
-    assert stats.rates()[0] < 0.1 and stats.rates()[1:] == [0.8] * 3
+    assert stats.rates() == pytest.approx([0.8] * 4)
+    stats.observe(2, [0] * 50)  # only position 1 tried: always rejected; the untried ones follow it
+    assert stats.rates()[0] < 0.1 and stats.rates()[1:] == [stats.rates()[0]] * 3
     stats.observe(5, [4] * 200)  # later: every position accepted; the old rejections have faded
     assert all(r > 0.95 for r in stats.rates())
 

@@ -59,7 +59,9 @@ class AcceptanceStats:
     Position j (proposal d_j) was *tried* by a verify that checked it (n - 1 ≥ j) and accepted d_1..d_{j-1}, and
     *passed* when it accepted d_j too; rate_j = passed_j / tried_j, so a short verify (which never tries the later
     positions) biases no rate. Counts decay with a half-life in request-cycles (acceptance follows the workload's
-    phases); a small prior (rate `prior_rate`, weight `prior_weight`) fills positions not yet tried."""
+    phases). A small prior of weight `prior_weight` fills positions seldom tried: `prior_rate` for position 1, the
+    previous position's estimate for each later one (so positions a short verify never reaches extrapolate from the
+    deepest measured one instead of an optimistic constant)."""
 
     def __init__(self, max_proposals: int, half_life: float = 4096.0, prior_rate: float = 0.8,
                  prior_weight: float = 2.0) -> None:
@@ -85,8 +87,11 @@ class AcceptanceStats:
 
     def rates(self) -> list[float]:
         """P(d_j accepted | d_1..d_{j-1} accepted), j = 1..B-1."""
-        w = self.prior_weight
-        return [(p + w * self.prior_rate) / (t + w) for t, p in zip(self.tried, self.passed)]
+        w, prior, out = self.prior_weight, self.prior_rate, []
+        for tried, passed in zip(self.tried, self.passed):
+            prior = (passed + w * prior) / (tried + w)
+            out.append(prior)
+        return out
 
     def survival(self) -> list[float]:
         """P(accepted ≥ j), j = 1..B-1."""
