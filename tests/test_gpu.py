@@ -73,8 +73,9 @@ def test_dflash_lossless_with_graphs(tiny: Path, page_size: int) -> None:
 
 def test_bf16_graphs_match_bf16_eager(tiny: Path) -> None:
     """bf16 GEMMs may pick other kernels for a padded batch, so a rare near-tie may flip; nearly all must match."""
+    # NOTE: the same verify length in both (adaptive verify would pick its own for the graphed engine only)
     eager, _ = run(tiny, True, device="cuda", dtype="bfloat16", disable_cuda_graph=True)
-    graphed, _ = run(tiny, True, device="cuda", dtype="bfloat16")
+    graphed, _ = run(tiny, True, device="cuda", dtype="bfloat16", speculative_adaptive_verify="off")
     assert sum(g == e for g, e in zip(graphed, eager)) >= len(PROMPTS) - 2
 
 
