@@ -177,6 +177,10 @@ class Engine:
         }
         if self.worker.is_speculative:
             internal.update(self.scheduler.spec_stats())
+            from blockspec.speculative.dflash_base import DFlashBase
+
+            if isinstance(self.worker, DFlashBase):
+                internal["verify_length"] = self.worker.verify_length_info()
         return {
             "model_path": self.config.model_path,
             "speculative_algorithm": self.config.speculative_algorithm,

@@ -122,6 +122,10 @@ class Scheduler:
             self._apply(committed)
         return done + self.collect_finished()
 
+    def drain(self) -> None:
+        """Commits the decode step in flight, if any (benchmarks time whole blocks of steps, then switch settings)."""
+        self._apply(self.steps.drain())
+
     def _decoding(self) -> list[Req]:
         return [r for r in self.running if r.pending_len == 1 and not r.finished]
 

@@ -194,12 +194,23 @@ class EngineCore:
             histogram = list(scheduler.spec_accept_histogram) if self.engine.worker.is_speculative else None
             step_stats = wire.StepStats(
                 len(scheduler.running), len(scheduler.waiting), self._handled, allocator.total_slots, allocator.free_slots,
-                histogram, self._finished, self.engine.kernel_compiles_after_startup,
+                histogram, self._finished, self.engine.kernel_compiles_after_startup, *self._verify_stats(),
             )
             self._handled = 0
             self._finished = []
         self._send(wire.Outputs(self._deltas, step_stats))
         self._deltas = []
+
+    def _verify_stats(self) -> tuple[Optional[list[wire.VerifyLengthStat]], Optional[list[float]]]:
+        """DFlash's verify length per batch size (and what it was chosen on), and the per-position acceptance rates."""
+        from blockspec.speculative.dflash_base import DFlashBase
+
+        worker = self.engine.worker
+        if not isinstance(worker, DFlashBase):
+            return None, None
+        lengths = [wire.VerifyLengthStat(bs, c.num_draft_tokens, c.expected_tokens, c.cycle_ms)
+                   for bs, c in sorted(worker.verify_policy.last.items())]
+        return lengths, worker.acceptance.rates()
 
     def _push_delta(self, tracked: _Tracked, final: bool, output: Optional[dict] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req

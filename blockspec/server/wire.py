@@ -89,6 +89,15 @@ class FinishStat(msgspec.Struct):
     accept_lengths: list[int]
 
 
+class VerifyLengthStat(msgspec.Struct):
+    """DFlash's verify length at one batch size and why: the expected tokens and cycle time it was chosen on."""
+
+    batch_size: int
+    num_draft_tokens: int
+    expected_tokens: Optional[float]
+    cycle_ms: Optional[float]
+
+
 class StepStats(msgspec.Struct):
     num_running: int
     num_waiting: int
@@ -98,6 +107,8 @@ class StepStats(msgspec.Struct):
     spec_histogram: Optional[list[int]]
     finished: list[FinishStat]
     kernel_compiles_after_startup: Optional[int] = None  # Engine.kernel_compiles_after_startup
+    verify_lengths: Optional[list[VerifyLengthStat]] = None
+    position_rates: Optional[list[float]] = None  # DFlash: P(d_j accepted | tried, d_1..d_{j-1} accepted), j = 1..B-1
 
 
 class Outputs(msgspec.Struct, tag=True):
