@@ -131,10 +131,10 @@ class EngineCore:
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            message = wire.decode_to_engine(frame)
-            if isinstance(message, wire.Stop):
-                return False
-            self._handle(message)
+            for message in wire.decode_to_engine(frame):
+                if isinstance(message, wire.Stop):
+                    return False
+                self._handle(message)
 
     def _handle(self, message: wire.ToEngine) -> None:
         if isinstance(message, wire.AddRequest):
@@ -273,7 +273,7 @@ class EngineCore:
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            request = wire.decode_to_engine(frame)
-            if isinstance(request, wire.AddRequest):
-                self._handled += 1
-                self._deltas.append(wire.DeltaOut(request.rid, "", [], error=message, status=503))
+            for request in wire.decode_to_engine(frame):
+                if isinstance(request, wire.AddRequest):
+                    self._handled += 1
+                    self._deltas.append(wire.DeltaOut(request.rid, "", [], error=message, status=503))

@@ -51,6 +51,7 @@ class EngineLoop:
         self.on_death: list[Callable[[], None]] = []
         self._routes: dict[str, tuple[Submission, int]] = {}
         self.texts = OutputTexts(None)  # ServerState.build gives it the tokenizer
+        self._outbox: list[wire.ToEngine] = []
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._next_call = 0
         # NOTE: _num_running/_num_waiting are the scheduler's counts in the engine's last StepStats; _fresh counts
@@ -119,6 +120,7 @@ class EngineLoop:
         if self._reader is not None:
             self._reader.cancel()
         self._fail_routes("the server is shutting down", 503)
+        self._flush_outbox()
         self._to.close(linger=0)
         self._from.close(linger=0)
         self._context.term()
@@ -143,7 +145,19 @@ class EngineLoop:
             self._send(wire.Fail(message))
 
     def _send(self, message: wire.ToEngine) -> None:
-        self._to.send(wire.encode(message))
+        """Queues `message`; everything queued in one event-loop pass goes to the engine as one frame."""
+        self._outbox.append(message)
+        if len(self._outbox) > 1:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self._flush_outbox)
+        except RuntimeError:  # NOTE: no loop running (start-up, tests): send now
+            self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        if self._outbox and not self._to.closed:
+            self._to.send(wire.encode(self._outbox))
+        self._outbox = []
 
     def submit(self, reqs: list[Req], stream: bool) -> Submission:
         """Queues validated requests; raises QueueFullError beyond the queue limit. Call on the event loop."""

@@ -129,15 +129,16 @@ class Stopped(msgspec.Struct, tag=True):
 FromEngine = Union[Ready, LoadFailed, Outputs, CallResult, Stopped]
 
 _encoder = msgspec.msgpack.Encoder()
-_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_to_engine = msgspec.msgpack.Decoder(list[ToEngine])
 _from_engine = msgspec.msgpack.Decoder(FromEngine)
 
 
-def encode(message: Union[ToEngine, FromEngine]) -> bytes:
+def encode(message: Union[FromEngine, list[ToEngine]]) -> bytes:
+    """One frame: an engine message, or the server's messages of one event-loop pass (a list, in order)."""
     return _encoder.encode(message)
 
 
-def decode_to_engine(frame: bytes) -> ToEngine:
+def decode_to_engine(frame: bytes) -> list[ToEngine]:
     return _to_engine.decode(frame)
 
 
