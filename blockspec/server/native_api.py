@@ -1,6 +1,7 @@
 """SGLang-native endpoints: /generate, /server_info, /health, /metrics, /abort_request, /get_model_info."""
 from __future__ import annotations
 
+import os
 from contextlib import aclosing
 from typing import Any, AsyncIterator, cast
 
@@ -114,6 +115,7 @@ async def _server_info(request: Request) -> dict[str, Any]:
         num_queued_requests=state.loop.num_queued,
         version=blockspec.__version__,
         engine_pid=state.info.pid,
+        api_server={"index": state.loop.frontend, "count": state.settings.api_server_count, "pid": os.getpid()},
     )
     return info
 
