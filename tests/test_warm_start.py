@@ -165,13 +165,16 @@ def test_engine_warmup_leaves_the_engine_as_it_found_it(make_engine: Callable[..
 def test_warmup_forgets_what_its_cycles_taught_adaptive_verify(make_engine: Callable[..., Engine],
                                                                trained_pair: dict[str, Any]) -> None:
     root = trained_pair["root"]
-    engine = make_engine(root / "target", attention_backend="triton", speculative_algorithm="DFLASH",
-                         speculative_draft_model_path=str(root / "draft"), speculative_adaptive_verify="on",
-                         max_running_requests=4, cuda_graph_bs=[1, 2, 4])
+    flags = dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"),
+                 max_running_requests=4, cuda_graph_bs=[1, 2])
+    # NOTE: a fixed schedule with n = 1 (no cycle timing at start-up, slow in Triton's interpreter)
+    triton_engine = make_engine(root / "target", attention_backend="triton",
+                                speculative_num_draft_tokens_per_bs="1-2:1,3-4:8", **flags)
+    assert min(triton_engine.worker.verify_lengths) == 1
+    verify = next(w for w in attention_workloads(triton_engine.runner, triton_engine.worker) if w.mode == ForwardMode.VERIFY)
+    assert (verify.min_q, verify.max_q) == (1, triton_engine.worker.block_size)  # NOTE: every verify length's launches
+    engine = make_engine(root / "target", speculative_adaptive_verify="on", **flags)  # NOTE: torch attention: fast
     worker = engine.worker
-    assert min(worker.verify_lengths) == 1
-    verify = next(w for w in attention_workloads(engine.runner, worker) if w.mode == ForwardMode.VERIFY)
-    assert (verify.min_q, verify.max_q) == (1, worker.block_size)  # NOTE: every verify length's launches
     warm_engine_paths(engine)
     policy = worker.verify_policy
     assert not policy.last and not policy.cycles and not any(policy.times.live_cycles.values())
