@@ -58,7 +58,7 @@ BAD_INPUTS = [
     (CHAT, {"messages": USER, "logprobs": "yes"}, "logprobs"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "structural_tag"}}, "response_format"),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice"),
     (CMPL, {"prompt": "x", "logprobs": 6}, "logprobs"),

@@ -14,7 +14,8 @@ from blockspec.server.state import APIError, ClientGone, ServerState, finish_fie
 from blockspec.server.submission import Submission
 
 router = APIRouter()
-_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_params": "body"}
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_params": "body",
+            "json_schema": "response_format"}
 
 
 def _state(request: Request) -> ServerState:

@@ -5,6 +5,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from blockspec.server.structured import response_format_schema
+
 
 def _valid_unicode(text: str) -> str:
     """JSON may carry lone UTF-16 surrogates ("\\ud800"); no tokenizer or UTF-8 response can."""
@@ -75,11 +77,13 @@ class _SamplingFields(_Lenient):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
 
+    regex: Optional[Text] = None  # SGLang / vLLM extensions: a grammar instead of response_format
+    ebnf: Optional[Text] = None
+
     @field_validator("response_format")
     @classmethod
-    def _plain_text_only(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError("structured output (json_object / json_schema) is not supported yet")
+    def _known_format(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        response_format_schema(value)
         return value
 
     @field_validator("tools")
@@ -129,6 +133,8 @@ class _SamplingFields(_Lenient):
             "min_new_tokens": self.min_tokens,
             "logit_bias": dict(self.logit_bias or {}),
         }
+        grammar = {"json_schema": response_format_schema(self.response_format), "regex": self.regex, "ebnf": self.ebnf}
+        params.update({name: source for name, source in grammar.items() if source is not None})
         return params
 
     @property
