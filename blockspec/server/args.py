@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from blockspec.config import ATTENTION_BACKENDS, EngineConfig
+from blockspec.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -30,6 +31,7 @@ class ServerSettings:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
+    tool_call_parser: Optional[str] = None  # tool_calls.PARSERS; None: requests with tools get 400
 
 
 @dataclass
@@ -85,6 +87,8 @@ _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="waiting requests beyond it get 503")),
     ("--served-model-name", dict(help="model id reported by /v1/models (default: the model path)")),
     ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS)),
+    ("--tool-call-parser", dict(choices=TOOL_CALL_PARSERS, help="the model's tool-call format: llama3 (Llama-3.x JSON) or "
+                                "qwen3 (Hermes-style <tool_call>); default none: chat requests with tools get 400")),
     ("--max-request-bytes", dict(type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="request bodies larger than this get 413 (default 16 MiB, far above any context length of text)")),
     ("--shutdown-grace-s", dict(
         type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
