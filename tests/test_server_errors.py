@@ -78,7 +78,7 @@ BAD_INPUTS = [
     (CMPL, {"prompt": [5, 100000]}, "prompt"),
     (CMPL, {"prompt": [5, -1]}, "prompt"),
     (CMPL, {}, "prompt"),
-    (CMPL, {"prompt": "x", "echo": True}, "echo"),
+    (CMPL, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     (GEN, {}, "text"),
     (GEN, {"text": "a", "input_ids": [1]}, "text"),
     (GEN, {"input_ids": []}, "input_ids"),

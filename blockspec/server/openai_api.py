@@ -58,23 +58,34 @@ def _error_event(status: int, message: str) -> str:
     return sse(APIError(status, message).body())
 
 
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "blockspec",
+            "root": state.info.model_path, "max_model_len": state.context_length}
+
+
+def _check_model(state: ServerState, model: Optional[str]) -> None:
+    """As vLLM: a request naming a model this server does not serve gets 404 (no model: the served one)."""
+    if model is not None and model not in (state.model_name, state.info.model_path):
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`", "model",
+                       "NotFoundError")
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     state = _state(request)
-    card = {
-        "id": state.model_name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "blockspec",
-        "root": state.info.model_path,
-        "max_model_len": state.context_length,
-    }
-    return {"object": "list", "data": [card]}
+    _check_model(state, model_id)
+    return _model_card(state)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
+    _check_model(state, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     tools = chat_tools(body, state.settings.tool_call_parser)
@@ -147,6 +158,9 @@ async def _chat_stream(state: ServerState, submission: Submission, request: Requ
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
+    _check_model(state, body.model)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo: with logprobs it needs the prompt's log-probabilities, which are not computed", "echo")
     prompt = body.prompt
     # NOTE: pydantic matched exactly one member of the Prompt union, so lists are homogeneous.
     if isinstance(prompt, str):
@@ -160,11 +174,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     rid = new_id("cmpl")
     submission = _submit(state, body, batch, body.max_tokens, 16, "prompt", rid)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+    echoes = await _echoes(state, body, batch)
     if body.stream:
-        return StreamingResponse(_completion_stream(state, submission, request, head, body), media_type="text/event-stream")
+        return StreamingResponse(_completion_stream(state, submission, request, head, body, echoes),
+                                 media_type="text/event-stream")
     outputs = await state.collect(submission, request)
     choices = [
-        {"index": i, "text": o["text"], "logprobs": _completion_logprobs(state, body, o), **_choice_finish(o)}
+        {"index": i, "text": echoes[i] + o["text"], "logprobs": _completion_logprobs(state, body, o), **_choice_finish(o)}
         for i, o in enumerate(outputs)
     ]
     return {**head, "choices": choices, "usage": usage(outputs, body.n)}
@@ -176,7 +192,20 @@ def _completion_logprobs(state: ServerState, body: CompletionRequest, output: di
     return completion_logprobs(state.tokenizer, *from_meta_info(output["meta_info"]), with_top=body.logprobs > 0)
 
 
-async def _completion_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any], body: CompletionRequest) -> AsyncIterator[str]:
+async def _echoes(state: ServerState, body: CompletionRequest, batch: list[list[int]]) -> list[str]:
+    """Per choice the text `echo` puts before it: its prompt (token prompts decoded), or nothing."""
+    if not body.echo:
+        return [""] * (len(batch) * body.n)
+    prompt = body.prompt
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        texts = [prompt] if isinstance(prompt, str) else cast(list[str], prompt)
+    else:
+        texts = await state.decode(batch, "echo")
+    return [text for text in texts for _ in range(body.n)]
+
+
+async def _completion_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any],
+                             body: CompletionRequest, echoes: list[str]) -> AsyncIterator[str]:
     include_usage, n = body.include_usage, body.n
     extra = {"usage": None} if include_usage else {}
     finals: dict[int, dict[str, Any]] = {}
@@ -191,6 +220,9 @@ async def _completion_stream(state: ServerState, submission: Submission, request
         choice = {"index": index, "text": text, "logprobs": entry, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})
 
+    for index, echo in enumerate(echoes):
+        if echo:
+            yield chunk(index, echo)
     try:
         async with aclosing(state.deltas(submission, request)) as deltas:
             async for delta in deltas:

@@ -240,13 +240,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("tools and tool_choice are for /v1/chat/completions")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, suffix: Optional[str]) -> Optional[str]:

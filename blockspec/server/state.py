@@ -100,6 +100,12 @@ class ServerState:
         except Exception as exc:
             raise APIError(400, f"{param}: the tokenizer rejected it: {exc}", param) from exc
 
+    async def decode(self, batch: list[list[int]], param: str) -> list[str]:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise APIError(400, f"{param}: needs a tokenizer; this server runs with --skip-tokenizer-init", param)
+        return await self._off_loop(lambda: [tokenizer.decode(ids) for ids in batch])
+
     async def chat_ids(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         tokenizer = self.tokenizer
         if tokenizer is None:
