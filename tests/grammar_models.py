@@ -65,3 +65,36 @@ def constrained_greedy(
         if token == QWEN_EOS:
             break
     return output
+
+
+@torch.no_grad()
+def constrained_string_distribution(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: list[int], regex: str
+) -> dict[str, float]:
+    """Exact probability of every string temperature-1 sampling can produce under `regex` (masked softmax of the target
+    at each step, every tokenisation path summed), by enumerating the paths depth-first."""
+    import xgrammar as xgr
+
+    vocab = model.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=[QWEN_EOS])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info, max_threads=1).compile_regex(regex))
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    found: dict[str, float] = {}
+
+    def visit(output: list[int], mass: float) -> None:
+        if matcher.is_terminated():
+            text = tokenizer.decode(output, skip_special_tokens=True)
+            found[text] = found.get(text, 0.0) + mass
+            return
+        ids = torch.tensor([prompt + output])
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, -1:].float()
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        probs = torch.softmax(logits[0], dim=-1)
+        for token in torch.nonzero(probs > 1e-9)[:, 0].tolist():
+            assert matcher.accept_token(token)
+            visit(output + [token], mass * float(probs[token]))
+            matcher.rollback(1)
+
+    visit([], 1.0)
+    return found

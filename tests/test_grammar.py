@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from blockspec import Engine
 from draft_training import cpu_engine
 from engine_testing import assert_engine_idle
-from grammar_models import constrained_greedy
+from grammar_models import constrained_greedy, constrained_string_distribution
 
 ENUM_SCHEMA = json.dumps({
     "type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
@@ -99,6 +99,22 @@ def test_sampled_constrained_output_always_matches(pair: dict[str, Any], engines
         assert matches(kind, source, out["text"]), (case, out["text"])
     again = engines[True].generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]  # seeded: reproducible
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_sampled_constrained_distribution_is_the_masked_target(pair: dict[str, Any], engines: dict[bool, Engine],
+                                                               spec: bool) -> None:
+    """Masking comes before rejection sampling (and the draft's distributions are masked the same way): the strings
+    sampled under a regex follow the target's masked distribution, with DFlash as without."""
+    regex, samples = "(yes|no|maybe)", 400
+    prompt = prompt_ids(pair["tokenizer"])[0]
+    exact = constrained_string_distribution(pair["target"], pair["tokenizer"], prompt, regex)
+    assert set(exact) == {"yes", "no", "maybe"} and abs(sum(exact.values()) - 1.0) < 1e-4
+    outs = engines[spec].generate(input_ids=[prompt] * samples, sampling_params=[
+        {"temperature": 1.0, "seed": seed, "max_new_tokens": 8, "regex": regex} for seed in range(samples)])
+    counts = {text: sum(o["text"] == text for o in outs) / samples for text in exact}
+    total_variation = 0.5 * sum(abs(counts[text] - p) for text, p in exact.items())
+    assert total_variation < 0.07, (counts, exact)
 
 
 def test_constrained_and_free_requests_share_a_batch(pair: dict[str, Any], engines: dict[bool, Engine]) -> None:

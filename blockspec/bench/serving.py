@@ -155,7 +155,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=_concurrency_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
     parser.add_argument("--num-prompts", type=int, default=200, help="requests per concurrency level")
     parser.add_argument("--dataset-name", choices=("gsm8k", "random"), default="gsm8k")
-    parser.add_argument("--dataset-path", type=Path, help="GSM8K jsonl (default: ../shared/data/gsm8k/test.jsonl)")
+    parser.add_argument("--dataset-path", type=Path, help="GSM8K jsonl (default: the test split shipped in the package)")
     parser.add_argument("--num-shots", type=int, default=0, help="few-shot examples before each GSM8K question")
     parser.add_argument("--random-input-len", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=256)
