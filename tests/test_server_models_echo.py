@@ -75,3 +75,11 @@ def test_health_generate(server: BackgroundServer) -> None:
                       json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True, "echo": True}) as r:
         events = sse_payloads(r.iter_lines())
     assert events[0]["choices"][0]["text"] == "x" and events[-1] == "[DONE]"
+
+
+def test_access_log_from_log_level_info(server: BackgroundServer) -> None:
+    from blockspec.server.launch import _make_server
+
+    for level, logged in (("warning", False), ("info", True), ("debug", True)):
+        settings = ServerSettings(port=0, log_level=level)
+        assert _make_server(server.app, settings).config.access_log is logged

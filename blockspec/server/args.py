@@ -89,7 +89,7 @@ _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--api-key", dict(help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")),
     ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="waiting requests beyond it get 503")),
     ("--served-model-name", dict(help="model id reported by /v1/models (default: the model path)")),
-    ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS, help="default warning")),
+    ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS, help="info and debug add an access log line per request (default warning)")),
     ("--tool-call-parser", dict(choices=TOOL_CALL_PARSERS, help="the model's tool-call format: llama3 (Llama-3.x JSON) or "
                                 "qwen3 (Hermes-style <tool_call>); default none: chat requests with tools get 400")),
     ("--max-request-bytes", dict(type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="request bodies larger than this get 413 (default 16 MiB, far above any context length of text)")),
