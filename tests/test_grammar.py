@@ -143,3 +143,16 @@ def test_grammar_needs_a_tokenizer(pair: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="regex needs a tokenizer"):
         engine.generate(input_ids=[[1, 2, 3]], sampling_params={"regex": "(yes|no)"})
     engine.shutdown()
+
+
+def test_constrained_greedy_in_mixed_chunk_steps(pair: dict[str, Any]) -> None:
+    """Verify blocks that share a forward with prefill chunks (--enable-mixed-chunk) are masked the same way."""
+    kind, source = CASES["enum schema"]
+    tokenizer = pair["tokenizer"]
+    prompts = [list(tokenizer.encode(text)) for text in (PROMPTS[0], PROMPTS[1] * 4, PROMPTS[2] * 6)]
+    engine = cpu_engine(Path(pair["root"]), True, skip_tokenizer_init=False, enable_mixed_chunk=True)
+    outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, kind: source})
+    for prompt, out in zip(prompts, outs):
+        assert out["output_ids"] == constrained_greedy(pair["target"], tokenizer, prompt, kind, source, MAX_NEW)
+    assert engine.scheduler.spec_verify_ct > 0 and engine.scheduler.steps.mixed_steps > 0
+    engine.shutdown()
