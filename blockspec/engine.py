@@ -15,6 +15,7 @@ from blockspec.startup.compiles import kernel_compile_log
 from blockspec.startup.report import StartupReport, WarmupReport
 from blockspec.step.executor import Worker
 from blockspec.step.target_worker import TargetWorker
+from blockspec.models.hub import with_local_checkpoints
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,9 @@ class Engine:
         """Start-up: weights, KV pool, graphs, piecewise graphs, then (on CUDA) the kernel warm-up, which compiles
         every Triton kernel variant serving can launch; `startup` reports the phases and what compiled."""
         started = time.perf_counter()
-        self.config = EngineConfig.from_kwargs(**kwargs)
+        config = EngineConfig.from_kwargs(**kwargs)
+        self.model_id = config.model_path  # NOTE: what the user named (a directory or an `org/name` id)
+        self.config = with_local_checkpoints(config)
         logging.basicConfig(level=self.config.log_level.upper())
         compile_log = kernel_compile_log()
         compiled_from = compile_log.count

@@ -10,6 +10,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from blockspec.grammar import GRAMMAR_FIELDS, GrammarSpec, RequestGrammar, check_grammar
+
 _request_counter = itertools.count()
 
 
@@ -32,6 +34,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: dict[str, float] = field(default_factory=dict)  # token id (as a string, like OpenAI's) -> bias
+    json_schema: Optional[str] = None  # structured output (grammar.py): at most one of json_schema, regex, ebnf
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @classmethod
     def from_dict(cls, raw: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -92,6 +97,20 @@ class SamplingParams:
             if not number(bias) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token!r}")
         self.logit_bias = {str(int(token)): float(bias) for token, bias in self.logit_bias.items()}
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"{grammars[0]} and {grammars[1]} cannot be combined: give one of {', '.join(GRAMMAR_FIELDS)}")
+        spec = self.grammar_spec
+        if spec is not None:
+            check_grammar(spec)
+
+    @property
+    def grammar_spec(self) -> Optional[GrammarSpec]:
+        for name in GRAMMAR_FIELDS:
+            source = getattr(self, name)
+            if source is not None:
+                return GrammarSpec(name, source)
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -145,6 +164,7 @@ class Req:
         self.text = ""  # detokenised output, stop strings removed
         self.detokenized = False  # NOTE: True when the scheduler makes `text` (else it stays "")
         self.generator: Optional[torch.Generator] = None
+        self.grammar: Optional[RequestGrammar] = None  # set by the scheduler for a constrained request (grammar.py)
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.spec_verify_ct = 0
@@ -176,6 +196,11 @@ class Req:
     @property
     def wants_logprobs(self) -> bool:
         return self.top_logprobs_num is not None
+
+    @property
+    def samples_on_host(self) -> bool:
+        """Whether its tokens need more than the device's greedy argmax (no run-ahead, no fused greedy cycle)."""
+        return not self.params.is_greedy or self.wants_logprobs or self.params.has_penalties or self.grammar is not None
 
     def meta_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -224,6 +249,9 @@ class RequestLimits:
         too_large = [t for t in req.params.logit_bias if int(t) >= self.vocab_size]
         if too_large:
             raise ValueError(f"logit_bias token id {too_large[0]} is outside the vocabulary [0, {self.vocab_size})")
+        spec = req.params.grammar_spec
+        if spec is not None and not self.has_tokenizer:
+            raise ValueError(f"{spec.kind} needs a tokenizer (the engine runs with skip_tokenizer_init)")
         if req.params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
 

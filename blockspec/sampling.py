@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from blockspec.grammar import constrain_rows
 from blockspec.penalties import penalize_rows
 from blockspec.request import Req, SamplingParams
 
@@ -54,8 +55,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_next_tokens(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
-    """One token per row of `logits` [n, V], row i sampled for reqs[i]."""
-    logits = penalize_rows(logits, reqs)
+    """One token per row of `logits` [n, V], row i sampled for reqs[i] (penalised, then masked by its grammar)."""
+    logits = constrain_rows(penalize_rows(logits, reqs), [req.grammar for req in reqs])
     greedy = greedy_tokens(logits).tolist()
     tokens: list[int] = []
     for i, req in enumerate(reqs):

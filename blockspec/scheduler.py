@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from blockspec.config import EngineConfig
+from blockspec.grammar import GrammarCompiler
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.request import Finish, FinishReason, Req, RequestLimits
 from blockspec.sampling import make_generator
@@ -52,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.detokenizers: dict[str, TextStream] = {}
+        self._grammar_compiler: Optional[GrammarCompiler] = None  # built on the first constrained request
         self.num_retractions = 0
         self.spec_verify_ct = 0  # (request, verify forward) pairs
         self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
@@ -75,6 +77,9 @@ class Scheduler:
             raise ValueError(f"request id {req.rid!r} is already in use by a queued or running request")
         if not req.params.is_greedy:
             req.generator = make_generator(req.params, self.device)
+        spec = req.params.grammar_spec
+        if spec is not None:
+            req.grammar = self.grammar_compiler.start(spec)
         if req.params.min_new_tokens:
             req.min_tokens_blocked_ids = self.eos_token_ids | set(req.params.stop_token_ids)
         if self._backend is not None and (self.detokenize_all or req.params.stop):
@@ -83,6 +88,13 @@ class Scheduler:
         if req.params.max_new_tokens == 0:
             req.finish = Finish(FinishReason.LENGTH, length=0)
         self.waiting.append(req)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            assert self.tokenizer is not None, "RequestLimits.check refuses grammars without a tokenizer"
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammar_compiler
 
     def abort(self, rid: str) -> bool:
         for req in list(self.waiting) + self.running:
@@ -238,13 +250,23 @@ class Scheduler:
         for token in tokens:
             req.all_ids.append(token)
             appended += 1
-            req.finish = self._check_finish(req, token)
+            req.finish = self._grammar_finish(req, token) or self._check_finish(req, token)
+            if req.finish is None and req.grammar is not None and req.grammar.terminated:
+                req.finish = Finish(FinishReason.STOP, matched=token)
             if req.finish is not None:
                 break
         if req.wants_logprobs:
             del req.output_token_logprobs[req.num_output_tokens:]
             del req.output_top_logprobs[req.num_output_tokens:]
         return appended
+
+    @staticmethod
+    def _grammar_finish(req: Req, token: int) -> Optional[Finish]:
+        """Advances a constrained request's matcher past a committed token; an abort if its grammar refuses it
+        (NOTE: never expected: workers commit only tokens the mask allows)."""
+        if req.grammar is None or req.grammar.accept(token):
+            return None
+        return Finish(FinishReason.ABORT, message=f"token {token} does not match the request's {req.grammar.spec.kind}")
 
     def _check_finish(self, req: Req, token: int) -> Optional[Finish]:
         params = req.params

@@ -23,7 +23,14 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
     return AutoTokenizer.from_pretrained(str(root), trust_remote_code=trust_remote_code)
 
 
-def chat_to_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> list[int]:
+class ToolsIgnoredError(ValueError):
+    pass
+
+
+def chat_to_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None
+) -> list[int]:
+    """The prompt of `messages` (and OpenAI-shaped `tools`, which the template must render) by the chat template."""
     if not messages:
         raise ValueError("messages must not be empty")
     for i, message in enumerate(messages):
@@ -31,7 +38,9 @@ def chat_to_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
             raise ValueError(f"messages[{i}].role must be one of {', '.join(VALID_ROLES)}")
     if tokenizer.chat_template is None:
         raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    if tools and rendered == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
+        raise ToolsIgnoredError("this model's chat template does not render tools")
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 

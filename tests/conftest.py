@@ -97,3 +97,16 @@ def trained_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     root = tmp_path_factory.mktemp("trained_pair")
     return {"root": root, "target": save_trained_target(root)}
+
+
+@pytest.fixture(scope="session")
+def qwen_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """{"root": target/ (tiny Llama, the real Qwen3 tokenizer and chat template) and a trained draft/, "target": the HF
+    target, "tokenizer"} (grammar_models.save_qwen_vocab_pair); written once per session."""
+    from transformers import AutoTokenizer
+
+    from grammar_models import save_qwen_vocab_pair
+
+    root = tmp_path_factory.mktemp("qwen_vocab_pair")
+    target = save_qwen_vocab_pair(root)
+    return {"root": root, "target": target, "tokenizer": AutoTokenizer.from_pretrained(root / "target")}

@@ -116,3 +116,13 @@ def test_unreachable_server_is_an_error(tmp_path: Path, capsys: pytest.CaptureFi
     code = main(["eval", "gsm8k", "--base-url", "http://127.0.0.1:9", "--data-path", str(data), "--num-examples", "1", "--disable-tqdm"])
     assert code == 1
     assert "error" in capsys.readouterr().err
+
+
+def test_gsm8k_test_split_ships_in_the_package() -> None:
+    import blockspec
+    from blockspec.evals.gsm8k import default_data_path, load_lines
+
+    path = default_data_path()
+    assert Path(blockspec.__file__).parent in path.parents and (path.parent / "LICENSE").is_file()
+    lines = load_lines(path)
+    assert len(lines) == 1319 and {"question", "answer"} <= set(lines[0])

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import httpx
 from tqdm import tqdm
 
-from blockspec.bench.client import accept_length_between, auth_headers, get_server_info
+from blockspec.bench.client import accept_length_between, auth_headers, first_model_id, get_server_info
 from blockspec.bench.report import LevelResult, summarise, write_outputs
 
 Prompt = Union[str, list[int]]
@@ -48,7 +48,7 @@ def load_prompts(ns: argparse.Namespace, vocab_size: int) -> list[Prompt]:
 def _payload(ns: argparse.Namespace, prompt: Prompt, max_new: int) -> tuple[str, dict[str, Any]]:
     if ns.backend == "openai":
         body: dict[str, Any] = {
-            "model": ns.model or "default", "prompt": prompt, "max_tokens": max_new, "temperature": ns.temperature,
+            "model": ns.model, "prompt": prompt, "max_tokens": max_new, "temperature": ns.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ns.ignore_eos,
         }
         return "/v1/completions", body
@@ -118,6 +118,8 @@ async def run_level(ns: argparse.Namespace, prompts: list[Prompt], concurrency: 
 
 def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
     info = get_server_info(ns.base_url, ns.api_key)
+    if ns.backend == "openai" and ns.model is None:  # NOTE: the server 404s a model it does not serve
+        ns.model = first_model_id(ns.base_url, ns.api_key)
     vocab_size = int(info.get("vocab_size") or 32000)
     prompts = load_prompts(ns, vocab_size)
     if ns.warmup > 0:
@@ -149,11 +151,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key")
     parser.add_argument("--backend", choices=("sglang", "openai"), default="sglang", help="/generate or /v1/completions")
-    parser.add_argument("--model", help="model id for the openai backend")
+    parser.add_argument("--model", help="model id for the openai backend (default: the first of /v1/models)")
     parser.add_argument("--concurrency", type=_concurrency_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
     parser.add_argument("--num-prompts", type=int, default=200, help="requests per concurrency level")
     parser.add_argument("--dataset-name", choices=("gsm8k", "random"), default="gsm8k")
-    parser.add_argument("--dataset-path", type=Path, help="GSM8K jsonl (default: ../shared/data/gsm8k/test.jsonl)")
+    parser.add_argument("--dataset-path", type=Path, help="GSM8K jsonl (default: the test split shipped in the package)")
     parser.add_argument("--num-shots", type=int, default=0, help="few-shot examples before each GSM8K question")
     parser.add_argument("--random-input-len", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=256)

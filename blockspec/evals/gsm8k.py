@@ -26,11 +26,8 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def default_data_path() -> Path:
-    repo_root = Path(__file__).resolve().parents[2]
-    for candidate in (repo_root.parent / "shared/data/gsm8k/test.jsonl", Path("/work/shared/data/gsm8k/test.jsonl")):
-        if candidate.is_file():
-            return candidate
-    return repo_root.parent / "shared/data/gsm8k/test.jsonl"
+    """The GSM8K test split shipped inside the package (MIT, blockspec/assets/gsm8k/LICENSE)."""
+    return Path(__file__).resolve().parents[1] / "assets" / "gsm8k" / "test.jsonl"
 
 
 def load_lines(path: Path) -> list[dict[str, str]]:
@@ -159,7 +156,7 @@ def add_gsm8k_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key")
     parser.add_argument("--model", help="model id sent to the server (default: the first of /v1/models)")
-    parser.add_argument("--data-path", type=Path, help="GSM8K test.jsonl (default: ../shared/data/gsm8k/test.jsonl)")
+    parser.add_argument("--data-path", type=Path, help="GSM8K test.jsonl (default: the test split shipped in the package)")
     parser.add_argument("--num-examples", type=int, default=200)
     parser.add_argument("--num-threads", type=int, default=64)
     parser.add_argument("--num-shots", type=int, default=5)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from blockspec.config import ATTENTION_BACKENDS, EngineConfig
+from blockspec.server.compat_flags import add_compat_arguments, apply_compat_flags
+from blockspec.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -31,6 +33,7 @@ class ServerSettings:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
     api_server_count: int = 1
+    tool_call_parser: Optional[str] = None  # tool_calls.PARSERS; None: requests with tools get 400
 
 
 @dataclass
@@ -41,30 +44,32 @@ class ServeArgs:
 
 # (flag, argparse keywords); each engine flag sets the EngineConfig field named after it.
 _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--model-path", dict(required=True, help="HF checkpoint directory of the target model")),
+    ("--model-path", dict(required=True, help="HF checkpoint directory of the target model, or a hub id org/name")),
     ("--tokenizer-path", dict(help="tokenizer directory (default: the model path)")),
     ("--skip-tokenizer-init", dict(action="store_true", help="serve input_ids only, no tokenizer")),
     ("--trust-remote-code", dict(action="store_true", help="accepted for SGLang compatibility")),
     ("--device", dict(default="auto", help="auto, cpu, cuda or cuda:N")),
-    ("--dtype", dict(default="auto", choices=("auto", "float32", "bfloat16", "float16"))),
-    ("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS)),
-    ("--page-size", dict(type=int, default=1)),
-    ("--max-running-requests", dict(type=int, default=64)),
+    ("--dtype", dict(default="auto", choices=("auto", "float32", "bfloat16", "float16", "half"),
+                     help="auto: bfloat16 on CUDA, float32 on CPU; half = float16 (default auto)")),
+    ("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS,
+                                 help="auto: Triton on CUDA, torch on CPU (default auto)")),
+    ("--page-size", dict(type=int, default=1, help="tokens per KV page (default 1)")),
+    ("--max-running-requests", dict(type=int, default=64, help="requests decoding at once (default 64)")),
     ("--max-total-tokens", dict(type=int, help="KV pool size in tokens (default: from --mem-fraction-static)")),
     ("--chunked-prefill-size", dict(type=int, default=8192, help="-1 disables chunked prefill")),
-    ("--context-length", dict(type=int)),
-    ("--mem-fraction-static", dict(type=float, default=0.85)),
-    ("--random-seed", dict(type=int, default=0)),
+    ("--context-length", dict(type=int, help="prompt + output limit (default: the model's max_position_embeddings)")),
+    ("--mem-fraction-static", dict(type=float, default=0.85, help="GPU memory share for weights + KV pool (default 0.85)")),
+    ("--random-seed", dict(type=int, default=0, help="seed for dummy weights and simulated acceptance (default 0)")),
     ("--cuda-graph-bs", dict(type=int, nargs="+", help="batch sizes captured as CUDA graphs")),
-    ("--disable-cuda-graph", dict(action="store_true")),
+    ("--disable-cuda-graph", dict(action="store_true", help="run decode / verify / draft eagerly (default: graphs on CUDA)")),
     ("--disable-overlap-schedule", dict(action="store_true", help="greedy decode: commit each step before launching the next")),
     ("--enable-mixed-chunk", dict(action="store_true", help="one forward carries prefill chunks with the running decode/verify")),
     ("--enforce-piecewise-cuda-graph", dict(action="store_true", help="piecewise CUDA graphs for prefill/extend")),
-    ("--piecewise-cuda-graph-max-tokens", dict(type=int, default=4096)),
+    ("--piecewise-cuda-graph-max-tokens", dict(type=int, default=4096, help="largest piecewise-graph token bucket (default 4096)")),
     ("--piecewise-cuda-graph-tokens", dict(type=int, nargs="+", help="explicit token buckets for piecewise graphs")),
     ("--cuda-graph-backend-prefill", dict(choices=("piecewise", "none"), help="piecewise = --enforce-piecewise-cuda-graph")),
-    ("--speculative-algorithm", dict(type=str.upper, choices=("DFLASH",))),
-    ("--speculative-draft-model-path", dict()),
+    ("--speculative-algorithm", dict(type=str.upper, choices=("DFLASH",), help="DFLASH (default: none, target only)")),
+    ("--speculative-draft-model-path", dict(help="z-lab format DFlash draft directory or hub id (default: none)")),
     ("--speculative-num-draft-tokens", dict(type=int, help="block size (default: the draft's block_size)")),
     ("--speculative-simulate-accept-len", dict(type=float, help="benchmarking only: force the accept length")),
     ("--speculative-simulate-accept-profile", dict(
@@ -76,16 +81,18 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
              "DFlash cycle runs in CUDA graphs; on without graphs times eager cycles)")),
     ("--speculative-num-draft-tokens-per-bs", dict(
         help="fixed verify length per batch size instead, e.g. 1-16:10,17-64:4 (1 = plain target decode)")),
-    ("--load-format", dict(default="auto", choices=("auto", "dummy"))),
+    ("--load-format", dict(default="auto", choices=("auto", "dummy"), help="dummy: random weights (default auto)")),
 ]
 
 _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--host", dict(default="127.0.0.1")),
+    ("--host", dict(default="127.0.0.1", help="address to listen on (default 127.0.0.1)")),
     ("--port", dict(type=int, default=30000, help="0 picks a free port")),
     ("--api-key", dict(help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")),
     ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="waiting requests beyond it get 503")),
     ("--served-model-name", dict(help="model id reported by /v1/models (default: the model path)")),
-    ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS)),
+    ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS, help="info and debug add an access log line per request (default warning)")),
+    ("--tool-call-parser", dict(choices=TOOL_CALL_PARSERS, help="the model's tool-call format: llama3 (Llama-3.x JSON) or "
+                                "qwen3 (Hermes-style <tool_call>); default none: chat requests with tools get 400")),
     ("--max-request-bytes", dict(type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="request bodies larger than this get 413 (default 16 MiB, far above any context length of text)")),
     ("--shutdown-grace-s", dict(
         type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
@@ -122,6 +129,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     for flag, kwargs in _SERVER_FLAGS:
         server.add_argument(flag, **kwargs)
+    add_compat_arguments(parser)
 
 
 def build_serve_parser(prog: str = "blockspec serve") -> argparse.ArgumentParser:
@@ -144,6 +152,9 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
     if engine["cuda_graph_bs"] is None:
         engine.pop("cuda_graph_bs")
     engine["log_level"] = values["log_level"]
+    if engine["dtype"] == "half":
+        engine["dtype"] = "float16"
+    apply_compat_flags(values, engine, parser)
     server = ServerSettings(**{_dest(flag): values[_dest(flag)] for flag, _ in _SERVER_FLAGS})
     if not 0 <= server.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {server.port}")

@@ -48,7 +48,7 @@ def engine_info(engine: Engine) -> wire.EngineInfo:
     config = engine.config
     limits = engine.scheduler.limits
     return wire.EngineInfo(
-        model_path=config.model_path,
+        model_path=engine.model_id,
         tokenizer_path=config.tokenizer_path or config.model_path,
         trust_remote_code=config.trust_remote_code,
         has_tokenizer=engine.tokenizer is not None,

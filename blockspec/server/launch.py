@@ -63,7 +63,7 @@ def _make_server(app: FastAPI, settings: ServerSettings, frontends: Optional[Fro
         port=settings.port,
         http=h11_protocol_with_header_timeout(settings.header_timeout_s),
         log_level=settings.log_level,
-        access_log=settings.log_level == "debug",
+        access_log=settings.log_level in ("debug", "info"),  # NOTE: one line per request from --log-level info
         timeout_keep_alive=settings.timeout_keep_alive,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + SHUTDOWN_MARGIN_S,
     )

@@ -1,6 +1,8 @@
-"""SGLang-native endpoints: /generate, /server_info, /health, /metrics, /abort_request, /get_model_info."""
+"""SGLang-native endpoints: /generate, /server_info, /health, /health_generate, /metrics, /abort_request,
+/get_model_info."""
 from __future__ import annotations
 
+import asyncio
 import os
 from contextlib import aclosing
 from typing import Any, AsyncIterator, cast
@@ -18,6 +20,7 @@ from blockspec.server.state import APIError, ClientGone, ServerState, new_id, ss
 from blockspec.server.submission import Submission
 
 router = APIRouter()
+HEALTH_GENERATE_TIMEOUT_S = 20.0
 _RENAMES = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
 _RENAMES["sampling_params"] = "sampling_params"
 
@@ -100,6 +103,20 @@ async def _generate_stream(state: ServerState, submission: Submission, request: 
 async def health(request: Request) -> Response:
     loop = _state(request).loop
     return Response(status_code=200 if loop.alive and not loop.draining else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """SGLang's deep health check: 200 once a one-token generation went through the engine, else 503."""
+    state = _state(request)
+    if not state.loop.alive or state.loop.draining:
+        return Response(status_code=503)
+    reqs = state.make_requests([[0]], [{"max_new_tokens": 1, "temperature": 0}], [new_id("health")], "input_ids")
+    try:
+        outputs = await asyncio.wait_for(state.collect(state.submit(reqs, False), request), HEALTH_GENERATE_TIMEOUT_S)
+    except (APIError, asyncio.TimeoutError):
+        return Response(status_code=503)
+    return Response(status_code=200 if outputs and outputs[0]["meta_info"]["completion_tokens"] == 1 else 503)
 
 
 async def _server_info(request: Request) -> dict[str, Any]:

@@ -1,9 +1,12 @@
 """Request schemas: OpenAI chat/completions and SGLang's /generate. Unknown fields are ignored, types are strict."""
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from blockspec.server.structured import response_format_schema
 
 
 def _valid_unicode(text: str) -> str:
@@ -72,28 +75,14 @@ class _SamplingFields(_Lenient):
     logit_bias: Optional[dict[str, Any]] = None  # NOTE: values checked by SamplingParams (a clear 400)
     user: Optional[Text] = None
     response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+
+    regex: Optional[Text] = None  # SGLang / vLLM extensions: a grammar instead of response_format
+    ebnf: Optional[Text] = None
 
     @field_validator("response_format")
     @classmethod
-    def _plain_text_only(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError("structured output (json_object / json_schema) is not supported yet")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: Optional[list[Any]]) -> Optional[list[Any]]:
-        if value:
-            raise ValueError("tool calls are not supported yet")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none"):
-            raise ValueError("tool calls are not supported yet")
+    def _known_format(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        response_format_schema(value)
         return value
 
     @field_validator("n")
@@ -129,6 +118,8 @@ class _SamplingFields(_Lenient):
             "min_new_tokens": self.min_tokens,
             "logit_bias": dict(self.logit_bias or {}),
         }
+        grammar = {"json_schema": response_format_schema(self.response_format), "regex": self.regex, "ebnf": self.ebnf}
+        params.update({name: source for name, source in grammar.items() if source is not None})
         return params
 
     @property
@@ -146,10 +137,32 @@ class TextPart(_Lenient):
     text: Text
 
 
+class FunctionCall(_Lenient):
+    name: Text
+    arguments: Text  # JSON text (OpenAI's shape)
+
+
+class ToolCallIn(_Lenient):
+    id: Optional[Text] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_input(self) -> dict[str, Any]:
+        """Templates (Qwen3, Llama-3.x) render `function.arguments` with tojson: a dict, not its text."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function, **function}
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[Text, list[TextPart], None] = None
     name: Optional[Text] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[Text] = None  # a tool message: the call it answers
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -158,11 +171,38 @@ class ChatMessage(_Lenient):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(_Lenient):
+    name: Annotated[str, Field(strict=True, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema
+    strict: Optional[StrictBool] = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: Text
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     max_completion_tokens: Optional[PositiveInt] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[Annotated[int, Field(strict=True, ge=0, le=20)]] = None
@@ -190,13 +230,15 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
     suffix: Optional[Text] = None
     best_of: Optional[StrictInt] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
 
-    @field_validator("echo")
+    @field_validator("tools", "tool_choice")
     @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    def _chat_only(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("tools and tool_choice are for /v1/chat/completions")
+        return value
 
     @field_validator("suffix")
     @classmethod

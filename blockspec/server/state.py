@@ -19,7 +19,7 @@ from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
 from blockspec.server.wire import EngineInfo
 from blockspec.server.detokenize import OutputTexts
-from blockspec.tokenizer import backend_of, chat_to_ids, load_tokenizer
+from blockspec.tokenizer import ToolsIgnoredError, backend_of, chat_to_ids, load_tokenizer
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 DISCONNECT_POLL_S = 0.5
@@ -100,12 +100,20 @@ class ServerState:
         except Exception as exc:
             raise APIError(400, f"{param}: the tokenizer rejected it: {exc}", param) from exc
 
-    async def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def decode(self, batch: list[list[int]], param: str) -> list[str]:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise APIError(400, f"{param}: needs a tokenizer; this server runs with --skip-tokenizer-init", param)
+        return await self._off_loop(lambda: [tokenizer.decode(ids) for ids in batch])
+
+    async def chat_ids(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise APIError(400, "messages: chat needs a tokenizer; this server runs with --skip-tokenizer-init", "messages")
         try:
-            return await self._off_loop(lambda: chat_to_ids(tokenizer, messages))
+            return await self._off_loop(lambda: chat_to_ids(tokenizer, messages, tools))
+        except ToolsIgnoredError as exc:
+            raise APIError(400, f"tools: {exc}", "tools") from exc
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", "messages") from exc
         except Exception as exc:  # a chat template may raise anything (e.g. jinja's TemplateError)

@@ -23,8 +23,8 @@ class DFlashWorker(DFlashBase):
 
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
         """Greedy batches on the one-graph cycle path (or all-eager) can run a cycle ahead of the host's commit."""
-        return self.runner.graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE) and all(
-            r.params.is_greedy and not (r.wants_logprobs or r.params.has_penalties) for r in reqs
+        return self.runner.graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE) and not any(
+            r.samples_on_host for r in reqs
         )
 
     @torch.inference_mode()
@@ -86,8 +86,14 @@ class DFlashWorker(DFlashBase):
         proposals = all_argmax.view(len(reqs), b)[:, 1:].clone()
         draft_probs: dict[int, torch.Tensor] = {}
         for i, req in enumerate(reqs):
-            if not req.params.is_greedy:
-                probs = sampling_probs(all_logits.view(len(reqs), b, -1)[i, 1:], req.params)
+            logits = all_logits.view(len(reqs), b, -1)[i, 1:]
+            if req.grammar is not None:
+                tokens, probs = constrained_proposals(req, logits)
+                proposals[i] = torch.tensor(tokens, device=proposals.device)
+                if probs is not None:
+                    draft_probs[i] = probs
+            elif not req.params.is_greedy:
+                probs = sampling_probs(logits, req.params)
                 proposals[i] = torch.multinomial(probs, 1, generator=req.generator).squeeze(-1)
                 draft_probs[i] = probs
         return batch, proposals, draft_probs
@@ -138,7 +144,7 @@ class DFlashWorker(DFlashBase):
         for i, req in enumerate(reqs):
             accepted, proposals, target = host[i][0], host[i][1:n], host[i][n:]
             bonus = target[accepted]
-            if self.simulated is None and (i in draft_probs or req.params.has_penalties):
+            if self.simulated is None and (i in draft_probs or req.params.has_penalties or req.grammar is not None):
                 accepted, bonus = self._accept_one(req, proposals, draft_probs.get(i), logits[i])
                 host[i][0] = accepted
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
@@ -152,10 +158,13 @@ class DFlashWorker(DFlashBase):
     def _accept_one(
         self, req: Req, proposals: list[int], draft_probs: Optional[torch.Tensor], logits: torch.Tensor
     ) -> tuple[int, int]:
-        """(accepted, bonus) for a sampled or penalised request, from its block's target logits [n, V] (penalised per
-        row with the proposals before it counted, see penalties.py)."""
+        """(accepted, bonus) for a sampled, penalised or constrained request, from its block's target logits [n, V]
+        (penalised per row with the proposals before it counted, see penalties.py; masked per row with the grammar
+        advanced along them, see grammar.py)."""
         if req.params.has_penalties:
             logits = penalized(logits, req, proposals)
+        if req.grammar is not None:
+            logits = req.grammar.masked(logits, proposals)
         if draft_probs is not None:
             return rejection_accept(proposals, draft_probs, logits, req.params, req.generator)
         target = logits.argmax(-1)
@@ -191,6 +200,20 @@ class DFlashWorker(DFlashBase):
         first = self.first_tokens(reqs, output.logits[:num_chunks])
         block_logits = output.logits[num_chunks:].view(len(decode_reqs), n, -1)
         return first, self._accept(decode_reqs, proposals, draft_probs, block_logits)
+
+
+def constrained_proposals(req: Req, draft_logits: torch.Tensor) -> tuple[list[int], Optional[torch.Tensor]]:
+    """A constrained request's proposals from its draft rows [B-1, V] (each masked after the proposals before it) and,
+    when it samples, the masked distributions they were drawn from."""
+    assert req.grammar is not None
+    if req.params.is_greedy:
+        tokens, _ = req.grammar.propose(draft_logits, lambda row: int(row.argmax()))
+        return tokens, None
+    params, generator = req.params, req.generator
+    tokens, masked = req.grammar.propose(
+        draft_logits, lambda row: int(torch.multinomial(sampling_probs(row, params), 1, generator=generator))
+    )
+    return tokens, sampling_probs(masked, params)
 
 
 def next_cycle_rows(

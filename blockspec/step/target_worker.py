@@ -105,9 +105,7 @@ class TargetWorker:
 
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
         """Greedy batches whose decode runs from device rows can run a step ahead of the host's commit."""
-        return self.runner.graphs.runs_from_device_rows(GraphKind.DECODE) and all(
-            r.params.is_greedy and not (r.wants_logprobs or r.params.has_penalties) for r in reqs
-        )
+        return self.runner.graphs.runs_from_device_rows(GraphKind.DECODE) and not any(r.samples_on_host for r in reqs)
 
     @torch.inference_mode()
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep:
