@@ -141,6 +141,12 @@ class Req:
         self.pool_row: Optional[int] = None  # row in the req→token table while admitted
         self.allocated_len = 0  # positions with a KV slot assigned
         self.pages: list[int] = []
+        # NOTE: radix prefix cache: pages[:shared_len // page_size] belong to the tree (read-only, never written),
+        # locked through cache_node while the request holds them.
+        self.shared_len = 0
+        self.cache_node: Optional[Any] = None
+        self.cached_tokens = 0  # tokens whose KV came from the cache, not this request's forwards (SGLang's meaning)
+        self.computed_len = 0  # tokens that had KV before the last retraction: not counted as cached again
         self.finish: Optional[Finish] = None
         self.text = ""  # detokenised output, stop strings removed
         self.generator: Optional[torch.Generator] = None
@@ -181,6 +187,7 @@ class Req:
             "id": self.rid,
             "prompt_tokens": self.prompt_len,
             "completion_tokens": self.num_output_tokens,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish.to_dict() if self.finish else None,
         }
         if self.wants_logprobs:  # NOTE: SGLang's layout: (logprob, token id, text) with text left out

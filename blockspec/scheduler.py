@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from blockspec.config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+from blockspec.kv.prefix_cache import PrefixCache
 from blockspec.request import Finish, FinishReason, Req, RequestLimits
 from blockspec.sampling import make_generator
 from blockspec.step.executor import StepExecutor, Worker
@@ -40,6 +41,7 @@ class Scheduler:
         self.steps = StepExecutor(worker, allocator, table, overlap=not config.disable_overlap_schedule)
         self.allocator = allocator
         self.table = table
+        self.prefix_cache = PrefixCache(allocator, table, enabled=not config.disable_radix_cache)
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
@@ -115,6 +117,8 @@ class Scheduler:
                 self._apply(self.steps.drain())
                 committed = self.steps.run(StepPlan(decode=self._make_decode_room()))
             self._apply(committed)
+        for chunk in plan.extend:  # NOTE: their prompt KV so far joins the radix cache (later arrivals share it)
+            self.prefix_cache.cache_prefill(chunk.req)
         return done + self.collect_finished()
 
     def _decoding(self) -> list[Req]:
@@ -143,15 +147,17 @@ class Scheduler:
                 req.finish = Finish(FinishReason.ABORT, message="the sequence no longer fits the KV pool")
                 self.running.append(req)  # collected by collect_finished at the end of this step
                 continue
+            self.prefix_cache.attach(req)  # NOTE: kv_len now starts after its cached prefix (whole pages)
             n = min(req.pending_len, budget)
             need = self.allocator.pages_for(n) * self.allocator.page_size
-            if self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1) and self.running:
-                break
-            if not self.allocator.can_grow(req, n):
+            full = self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1) and self.running
+            if full or not self.allocator.can_grow(req, req.kv_len + n):
+                self.prefix_cache.detach(req)
                 break
             self.waiting.popleft()
+            self.prefix_cache.admitted(req)
             req.pool_row = self.table.acquire()
-            self.allocator.grow(req, n, self.table)
+            self.allocator.grow(req, req.kv_len + n, self.table)
             self.running.append(req)
             plan.extend.append(ExtendChunk(req, n))
             budget -= n
@@ -179,9 +185,17 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         if req.pool_row is not None:
-            self.allocator.release(req)
+            self.prefix_cache.release(req)
             self.table.release(req.pool_row)
             req.pool_row = None
+
+    def flush_cache(self) -> bool:
+        """Empties the radix cache; refused (False) while any request is queued or running."""
+        if self.has_work:
+            return False
+        self._apply(self.steps.drain())  # NOTE: a step in flight holds only finished requests here
+        self.prefix_cache.flush()
+        return True
 
     def collect_finished(self) -> list[Req]:
         finished = [r for r in self.running if r.finished] + [r for r in self.waiting if r.finished]
