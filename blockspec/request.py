@@ -6,9 +6,12 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from blockspec.kv.radix_tree import RadixNode
 
 _request_counter = itertools.count()
 
@@ -144,7 +147,7 @@ class Req:
         # NOTE: radix prefix cache: pages[:shared_len // page_size] belong to the tree (read-only, never written),
         # locked through cache_node while the request holds them.
         self.shared_len = 0
-        self.cache_node: Optional[Any] = None
+        self.cache_node: Optional["RadixNode"] = None
         self.cached_tokens = 0  # tokens whose KV came from the cache, not this request's forwards (SGLang's meaning)
         self.computed_len = 0  # tokens that had KV before the last retraction: not counted as cached again
         self.finish: Optional[Finish] = None

@@ -2,7 +2,6 @@
 /flush_cache (refused while a request runs), and the --disable-radix-cache flag."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import httpx

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
-from blockspec.kv.radix_tree import RadixNode, RadixTree
+from blockspec.kv.radix_tree import RadixTree
 from blockspec.request import Req
 
 
@@ -135,7 +135,7 @@ class PrefixCache:
         return min(req.kv_len, len(req.all_ids)) // self.page_size
 
     def _unlock(self, req: Req) -> None:
-        node: RadixNode | None = req.cache_node
+        node = req.cache_node
         if node is not None:
             assert self.tree is not None
             self.tree.unlock(node)
