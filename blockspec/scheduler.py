@@ -103,7 +103,10 @@ class Scheduler:
         if plan and self.config.enable_mixed_chunk:
             # NOTE: the running requests decode in the same forward: the step in flight is committed first.
             self._apply(self.steps.drain())
-            decoding = self._decoding()
+            # NOTE: a request whose chunk is its last prompt token (a 1-token prompt, or a cache hit) also has
+            # pending_len 1: it is extending in this plan, not decoding.
+            extending = {id(chunk.req) for chunk in plan.extend}
+            decoding = [r for r in self._decoding() if id(r) not in extending]
             if decoding and self.steps.fits(decoding):
                 plan.decode = decoding
             self._apply(self.steps.run(plan))
@@ -150,7 +153,7 @@ class Scheduler:
             self.prefix_cache.attach(req)  # NOTE: kv_len now starts after its cached prefix (whole pages)
             n = min(req.pending_len, budget)
             need = self.allocator.pages_for(n) * self.allocator.page_size
-            full = self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1) and self.running
+            full = bool(self.running) and self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1)
             if full or not self.allocator.can_grow(req, req.kv_len + n):
                 self.prefix_cache.detach(req)
                 break

@@ -256,6 +256,27 @@ def test_mixed_chunk_and_target_only(root: Path, shared: list[list[int]]) -> Non
         assert_flushes_to_empty(on)
 
 
+@pytest.mark.parametrize("spec", [True, False])
+def test_mixed_chunk_extends_last_token_chunks(root: Path, shared: list[list[int]], spec: bool) -> None:
+    """--enable-mixed-chunk: requests whose only pending token is their prompt's last (a fully cached prompt, a
+    1-token prompt) arrive while another decodes; they are extended in that step, not also decoded."""
+    engine = engine_for(root, cache=True, spec=spec, enable_mixed_chunk=True, page_size=1)
+    engine.generate(input_ids=shared[0], sampling_params=greedy(4))
+    reqs, _ = engine.make_requests(input_ids=[shared[1], shared[0], [7]], sampling_params=[greedy(30), greedy(), greedy()])
+    engine.scheduler.add_request(reqs[0])
+    for _ in range(3):
+        engine.scheduler.step()
+    for req in reqs[1:]:
+        engine.scheduler.add_request(req)
+    while engine.scheduler.has_work:
+        engine.scheduler.step()
+    assert reqs[1].cached_tokens == len(shared[0]) - 1 and engine.scheduler.steps.mixed_steps > 0
+    target = engine_for(root, cache=False, spec=False)
+    for req, max_new in zip(reqs, (30, 24, 24)):
+        assert req.output_ids == target.generate(input_ids=req.all_ids[:req.prompt_len], sampling_params=greedy(max_new))["output_ids"]
+    assert_flushes_to_empty(engine)
+
+
 def test_flush_refused_while_busy_and_disabled_cache(root: Path, shared: list[list[int]]) -> None:
     engine = engine_for(root, cache=True, spec=False)
     engine.generate(input_ids=shared[0], sampling_params=greedy(4))
