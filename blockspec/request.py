@@ -143,6 +143,9 @@ class Req:
         self.kv_len = 0
         self.pool_row: Optional[int] = None  # row in the req→token table while admitted
         self.allocated_len = 0  # positions with a KV slot assigned
+        # NOTE: admitted and its (re-)prefill has not produced a token yet: its pending tokens, the last one included,
+        # are extended (so the first token always comes from the prefill, as in DFlash's reference), never decoded.
+        self.in_prefill = False
         self.pages: list[int] = []
         # NOTE: radix prefix cache: pages[:shared_len // page_size] belong to the tree (read-only, never written),
         # locked through cache_node while the request holds them.

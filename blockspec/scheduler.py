@@ -103,10 +103,7 @@ class Scheduler:
         if plan and self.config.enable_mixed_chunk:
             # NOTE: the running requests decode in the same forward: the step in flight is committed first.
             self._apply(self.steps.drain())
-            # NOTE: a request whose chunk is its last prompt token (a 1-token prompt, or a cache hit) also has
-            # pending_len 1: it is extending in this plan, not decoding.
-            extending = {id(chunk.req) for chunk in plan.extend}
-            decoding = [r for r in self._decoding() if id(r) not in extending]
+            decoding = self._decoding()
             if decoding and self.steps.fits(decoding):
                 plan.decode = decoding
             self._apply(self.steps.run(plan))
@@ -125,7 +122,7 @@ class Scheduler:
         return done + self.collect_finished()
 
     def _decoding(self) -> list[Req]:
-        return [r for r in self.running if r.pending_len == 1 and not r.finished]
+        return [r for r in self.running if r.pending_len == 1 and not (r.finished or r.in_prefill)]
 
     def _decode_headroom(self, num_running: int) -> int:
         pages = self.allocator.pages_for(self.steps.slots_per_decode) + 1
@@ -135,7 +132,7 @@ class Scheduler:
         budget = self.config.chunk_budget or 1 << 62
         plan = StepPlan()
         for req in self.running:
-            if budget <= 0 or req.pending_len <= 1:
+            if budget <= 0 or not req.in_prefill:
                 continue
             n = min(req.pending_len, budget)
             if not self.allocator.can_grow(req, req.kv_len + n):
@@ -158,6 +155,7 @@ class Scheduler:
                 self.prefix_cache.detach(req)
                 break
             self.waiting.popleft()
+            req.in_prefill = True
             self.prefix_cache.admitted(req)
             req.pool_row = self.table.acquire()
             self.allocator.grow(req, req.kv_len + n, self.table)
@@ -217,6 +215,8 @@ class Scheduler:
     # ---- committing tokens -----------------------------------------------------------------
     def _apply(self, committed: list[Committed]) -> None:
         for item in committed:
+            if not item.verified:  # NOTE: an extend's first token: the request decodes from now on
+                item.req.in_prefill = False
             appended = self._commit(item.req, item.tokens)
             if item.verified and self.steps.is_speculative:
                 self._record_spec(item.req, appended)

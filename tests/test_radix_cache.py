@@ -277,6 +277,17 @@ def test_mixed_chunk_extends_last_token_chunks(root: Path, shared: list[list[int
     assert_flushes_to_empty(engine)
 
 
+def test_prefill_chunk_leaving_the_last_token_still_prefills_it(root: Path, shared: list[list[int]]) -> None:
+    """A chunk boundary one token before a prompt's end (here: 16-token chunks, a 17-token prompt, or a cache hit
+    that leaves one token): the last token is extended, so the first token comes from the prefill and the cycles
+    are the ones of an unchunked, uncached run."""
+    prompt = shared[0][:17]
+    want = run_waves(engine_for(root, cache=False, chunked_prefill_size=-1), [[prompt]])
+    for flags in ({"cache": False}, {"cache": True, "page_size": 1}):
+        engine = engine_for(root, chunked_prefill_size=16, **flags)  # type: ignore[arg-type]
+        assert signature(run_waves(engine, [[prompt], [prompt]])) == signature(want * 2)
+
+
 def test_flush_refused_while_busy_and_disabled_cache(root: Path, shared: list[list[int]]) -> None:
     engine = engine_for(root, cache=True, spec=False)
     engine.generate(input_ids=shared[0], sampling_params=greedy(4))

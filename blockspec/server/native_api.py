@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from typing import Any, AsyncIterator, cast
 
@@ -17,6 +18,7 @@ from blockspec.server.protocol import AbortRequest, GenerateRequest
 from blockspec.server.state import APIError, ClientGone, ServerState, new_id, sse
 from blockspec.server.submission import Submission
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 METRICS_CALL_TIMEOUT_S = 5.0
 _RENAMES = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
@@ -142,8 +144,10 @@ async def metrics(request: Request) -> Response:
     try:  # NOTE: the radix cache's numbers live in the engine process; the rest arrive with every step
         stats = await asyncio.wait_for(state.loop.call("radix_cache_stats"), METRICS_CALL_TIMEOUT_S)
         state.metrics.set_cache_stats(stats)
-    except (EngineStoppedError, asyncio.TimeoutError):
-        pass  # the engine is gone or busy: the last values stay
+    except EngineStoppedError:
+        pass  # NOTE: /health reports a stopped engine; the last values stay
+    except (asyncio.TimeoutError, RuntimeError) as exc:
+        logger.warning("/metrics: radix cache stats not refreshed (%s: %s)", type(exc).__name__, exc)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
