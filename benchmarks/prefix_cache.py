@@ -21,6 +21,7 @@ import datetime
 import json
 import random
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -182,9 +183,15 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def gpu_name() -> str:
-    import torch
+    """From nvidia-smi, so this process keeps no CUDA context beside the servers'; "cpu" without a GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=True, timeout=30)
+        return out.stdout.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError, IndexError):
+        import torch
 
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
