@@ -33,7 +33,7 @@ def profile_batch(engine: Engine, bs: int, context: int, modes: list[str], host_
 
     def two_step() -> None:
         batch, proposals, _ = worker.propose(reqs)
-        worker.verify(batch, proposals)
+        worker.verify(reqs, proposals)
 
     for label in modes:
         engine.runner.graphs.enabled = label != "eager"
@@ -71,7 +71,7 @@ def main() -> None:
                         max_total_tokens=max(args.batch_sizes) * (args.context + 256) + 1024,
                         max_running_requests=max(args.batch_sizes), cuda_graph_bs=args.batch_sizes,
                         speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
-                        speculative_simulate_accept_len=4.0)
+                        speculative_simulate_accept_len=4.0, speculative_adaptive_verify="off")
         for bs in args.batch_sizes:
             profile_batch(engine, bs, args.context, args.modes, args.host_profile)
         engine.shutdown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -27,7 +28,7 @@ from typing import Any, Optional, cast
 
 from blockspec.bench.serving import load_prompts
 from serving_vs_engine_support import (
-    DEFAULT_ACCEPT, ROOT, SHAPES, ServerProcess, Shape, client_namespace, log_tail, materialise, measure_level,
+    DEFAULT_ACCEPT, ROOT, SHAPES, ServerProcess, Shape, client_namespace, log_tail, materialise, measure_level, run_clients,
     run_engine_phase,
 )
 
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier result JSONs whose rows (and "
                         "engines, errors) come first in this one: a run split over several commands")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--py-spy-s", type=float, default=0.0, help="then the top level again for ~S s under py-spy "
+                        "(server + engine process, serving_profile.py): raw stacks and a summary beside the JSON")
     return parser
 
 
@@ -201,6 +204,21 @@ def run_server_levels(process: ServerProcess, args: argparse.Namespace, prompts:
             rate = POISSON_FRACTION * top["request_throughput"]
         if rate:
             add_row(report, base, measure_level(ns, prompts, None, rate, args.seed, args.client_procs))
+        if args.py_spy_s > 0 and levels:
+            profile_top_level(server, ns, prompts, levels, base, args, report)
+
+
+def profile_top_level(server: ServerProcess, ns: argparse.Namespace, prompts: list[list[int]], levels: list[dict[str, Any]],
+                      base: dict[str, Any], args: argparse.Namespace, report: Report) -> None:
+    from serving_profile import profile_level
+
+    top = max(levels, key=lambda l: l["concurrency"])
+    sent = level_prompts(prompts, top["concurrency"], args) * max(1, math.ceil(1.3 * args.py_spy_s / top["duration_s"]))
+    stem, pid = report.path.stem + f"_py_spy_{base['shape']}_{base['mode']}", cast(subprocess.Popen, server.proc).pid
+    summary = profile_level(pid, args.py_spy_s, args.out / f"{stem}.txt",
+                            lambda: run_clients(ns, sent, top["concurrency"], 0.0, args.seed, args.client_procs))
+    (args.out / f"{stem}_summary.txt").write_text(summary + "\n")
+    print(summary, flush=True)
 
 
 def level_prompts(prompts: list[list[int]], concurrency: int, args: argparse.Namespace) -> list[list[int]]:

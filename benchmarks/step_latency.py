@@ -84,7 +84,7 @@ def measure(engine: Engine, bs: int, context: int, graphs: bool, repeat: int, su
         for req in reqs:
             engine.runner.allocator.grow(req, req.kv_len + worker.block_size, engine.runner.req_to_token)
         draft_batch, proposals, _ = worker.propose(reqs)
-        result["verify_ms"] = cuda_ms(lambda: worker.verify(draft_batch, proposals), repeat)
+        result["verify_ms"] = cuda_ms(lambda: worker.verify(reqs, proposals), repeat)
         result["propose_ms"] = cuda_ms(lambda: worker.propose(reqs), repeat)
         result["greedy_cycle_ms"] = cuda_ms(lambda: worker.greedy_cycle_tokens(reqs), repeat)
         if sustained_s > 0:  # NOTE: nothing is committed, so the context stays put however long the loop runs
@@ -115,7 +115,8 @@ def run_blockspec(
                                      cuda_graph_bs=args.batch_sizes)
         if spec:
             flags.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
-                         speculative_simulate_accept_len=args.accept_len)
+                         speculative_simulate_accept_len=args.accept_len,
+                         speculative_adaptive_verify="off")  # NOTE: the full block: adaptive_verify.py times the rest
         start = time.perf_counter()
         engine = Engine(**flags)
         startup = time.perf_counter() - start

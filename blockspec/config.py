@@ -43,6 +43,9 @@ class EngineConfig:
     cuda_graph_backend_prefill: Optional[str] = None  # "piecewise" is an alias of enforce_piecewise_cuda_graph
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     speculative_simulate_accept_len: Optional[float] = None  # benchmarking only: forces the accept length
+    speculative_simulate_accept_profile: Optional[str] = None  # benchmarking only: "geometric:M" or a histogram JSON
+    speculative_adaptive_verify: Optional[str] = None  # on | off; unset: on when the DFlash cycle runs in CUDA graphs
+    speculative_num_draft_tokens_per_bs: Optional[str] = None  # fixed verify lengths by batch size: "1-16:10,17-64:4"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -68,6 +71,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("device", "dtype", "attention_backend", "log_level", "load_format"):
             if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("speculative_simulate_accept_profile", "speculative_adaptive_verify",
+                     "speculative_num_draft_tokens_per_bs"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         for name in ("mem_fraction_static", "speculative_simulate_accept_len"):
             value = getattr(self, name)
@@ -118,8 +125,34 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:
             raise ValueError("speculative_simulate_accept_len must be >= 1 (tokens committed per verify)")
+        self._validate_verify_flags()
         if not self.cuda_graph_bs or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in self.cuda_graph_bs):
             raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
+
+    def _validate_verify_flags(self) -> None:
+        from blockspec.speculative.simulated_accept import accept_distribution
+        from blockspec.speculative.verify_length import check_schedule_covers, parse_verify_schedule
+
+        spec_only = {"speculative_adaptive_verify": self.speculative_adaptive_verify,
+                     "speculative_num_draft_tokens_per_bs": self.speculative_num_draft_tokens_per_bs,
+                     "speculative_simulate_accept_profile": self.speculative_simulate_accept_profile}
+        for name, value in spec_only.items():
+            if value is not None and self.speculative_algorithm != "DFLASH":
+                raise ValueError(f"{name} needs speculative_algorithm DFLASH")
+        if self.speculative_adaptive_verify is not None:
+            self.speculative_adaptive_verify = self.speculative_adaptive_verify.lower()
+            if self.speculative_adaptive_verify not in ("on", "off"):
+                raise ValueError(f"speculative_adaptive_verify must be on or off, got {self.speculative_adaptive_verify!r}")
+        if self.speculative_num_draft_tokens_per_bs is not None:
+            if self.speculative_adaptive_verify == "on":
+                raise ValueError("speculative_num_draft_tokens_per_bs is a fixed schedule: it replaces adaptive verify, "
+                                 "so it cannot go with speculative_adaptive_verify on")
+            schedule = parse_verify_schedule(self.speculative_num_draft_tokens_per_bs)
+            check_schedule_covers(schedule, self.max_running_requests)
+        if self.speculative_simulate_accept_profile is not None:
+            if self.speculative_simulate_accept_len is not None:
+                raise ValueError("pass one of speculative_simulate_accept_len and speculative_simulate_accept_profile")
+            accept_distribution(self.speculative_simulate_accept_profile, 2)
 
     @property
     def resolved_device(self) -> torch.device:

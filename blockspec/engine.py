@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence, Union
+import time
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -10,6 +11,8 @@ from blockspec.config import EngineConfig
 from blockspec.request import Req, build_requests, logprob_request, per_prompt
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler import Scheduler
+from blockspec.startup.compiles import kernel_compile_log
+from blockspec.startup.report import StartupReport, WarmupReport
 from blockspec.step.executor import Worker
 from blockspec.step.target_worker import TargetWorker
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
@@ -23,20 +26,45 @@ class Engine:
     """`Engine(model_path=..., **flags)`; keywords are the CLI flags in snake_case."""
 
     def __init__(self, **kwargs: Any) -> None:
+        """Start-up: weights, KV pool, graphs, piecewise graphs, then (on CUDA) the kernel warm-up, which compiles
+        every Triton kernel variant serving can launch; `startup` reports the phases and what compiled."""
+        started = time.perf_counter()
         self.config = EngineConfig.from_kwargs(**kwargs)
         logging.basicConfig(level=self.config.log_level.upper())
-        self.tokenizer = None
-        if not self.config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(
-                self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code
-            )
-        self.runner, self.worker = self._build_workers()
-        self.worker.init_cuda_graphs()
+        compile_log = kernel_compile_log()
+        compiled_from = compile_log.count
+        with compile_log.startup():
+            self.tokenizer = None
+            if not self.config.skip_tokenizer_init:
+                self.tokenizer = load_tokenizer(
+                    self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code
+                )
+            self.runner, self.worker = self._build_workers()
+            self.worker.init_cuda_graphs()
+            self.scheduler = self.new_scheduler()
+            warmup = self._warm_kernels()
+        self.compile_mark = compile_log.count  # NOTE: compiles from here on are stalls while serving
+        phases = {**self.runner.startup_seconds, "graphs": self.runner.graphs.capture_seconds,
+                  "kernels": warmup.seconds if warmup else 0.0}
+        self.startup = StartupReport.build(phases, time.perf_counter() - started,
+                                           compile_log.compiles[compiled_from:self.compile_mark], warmup)
+        self.startup.log()
+
+    def _warm_kernels(self) -> Optional[WarmupReport]:
+        """On CUDA, compiles every kernel variant serving can launch; None elsewhere (nothing compiles)."""
+        if self.runner.device.type != "cuda":
+            return None
+        from blockspec.startup.warmup import warm_kernels  # NOTE: Triton is there whenever CUDA kernels run
+
+        return warm_kernels(self)
+
+    def new_scheduler(self) -> Scheduler:
+        """A scheduler over this engine's worker, pool and table (the engine's own, or the kernel warm-up's)."""
         target = self.runner.target_config
         eos = list(target.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(int(self.tokenizer.eos_token_id))
-        self.scheduler = Scheduler(
+        return Scheduler(
             self.config,
             self.worker,
             self.runner.allocator,
@@ -47,6 +75,13 @@ class Engine:
             self.tokenizer,
             self.runner.device,
         )
+
+    @property
+    def kernel_compiles_after_startup(self) -> Optional[int]:
+        """Triton kernel variants compiled in this process since this engine's start-up finished (should stay 0);
+        None where they cannot be counted (no Triton, or one without its compile hook)."""
+        compile_log = kernel_compile_log()
+        return compile_log.count - self.compile_mark if compile_log.counting else None
 
     def _build_workers(self) -> tuple[ModelRunner, Worker]:
         if self.config.speculative_algorithm == "DFLASH":
@@ -139,9 +174,14 @@ class Engine:
             "num_retractions": self.scheduler.num_retractions,
             "num_mixed_steps": self.scheduler.steps.mixed_steps,
             "radix_cache": self.radix_cache_stats(),
+            "kernel_compiles_after_startup": self.kernel_compiles_after_startup,
         }
         if self.worker.is_speculative:
             internal.update(self.scheduler.spec_stats())
+            from blockspec.speculative.dflash_base import DFlashBase
+
+            if isinstance(self.worker, DFlashBase):
+                internal["verify_length"] = self.worker.verify_length_info()
         return {
             "model_path": self.config.model_path,
             "speculative_algorithm": self.config.speculative_algorithm,
@@ -153,6 +193,7 @@ class Engine:
             # NOTE: free_slots counts the slots of cached pages no request reads (they are evicted on demand)
             "kv_cache": {"total_slots": allocator.total_slots, "free_slots": allocator.free_slots,
                          "unused_slots": allocator.unused_slots},
+            "startup": self.startup.as_dict(),
             "internal_states": [internal],
         }
 

@@ -155,6 +155,7 @@ class Req:
         self.computed_len = 0  # tokens that had KV before the last retraction: not counted as cached again
         self.finish: Optional[Finish] = None
         self.text = ""  # detokenised output, stop strings removed
+        self.detokenized = False  # NOTE: True when the scheduler makes `text` (else it stays "")
         self.generator: Optional[torch.Generator] = None
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None

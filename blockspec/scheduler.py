@@ -19,7 +19,7 @@ from blockspec.request import Finish, FinishReason, Req, RequestLimits
 from blockspec.sampling import make_generator
 from blockspec.step.executor import StepExecutor, Worker
 from blockspec.step.plan import Committed, ExtendChunk, StepPlan
-from blockspec.tokenizer import IncrementalDetokenizer, find_stop
+from blockspec.tokenizer import TextStream, backend_of, find_stop
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,14 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.tokenizer = tokenizer
+        self._backend = backend_of(tokenizer) if tokenizer is not None else None
+        # NOTE: False in the server's engine process: text is then made there only for requests with stop strings
+        # (the finish check needs it); the server process detokenises the rest.
+        self.detokenize_all = True
         self.device = device
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.detokenizers: dict[str, TextStream] = {}
         self.num_retractions = 0
         self.spec_verify_ct = 0  # (request, verify forward) pairs
         self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
@@ -75,8 +79,9 @@ class Scheduler:
             req.generator = make_generator(req.params, self.device)
         if req.params.min_new_tokens:
             req.min_tokens_blocked_ids = self.eos_token_ids | set(req.params.stop_token_ids)
-        if self.tokenizer is not None:
-            self.detokenizers[req.rid] = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        if self._backend is not None and (self.detokenize_all or req.params.stop):
+            self.detokenizers[req.rid] = TextStream(self._backend, req.params.skip_special_tokens)
+            req.detokenized = True
         if req.params.max_new_tokens == 0:
             req.finish = Finish(FinishReason.LENGTH, length=0)
         self.waiting.append(req)
@@ -120,6 +125,10 @@ class Scheduler:
         for chunk in plan.extend:  # NOTE: their prompt KV so far joins the radix cache (later arrivals share it)
             self.prefix_cache.cache_prefill(chunk.req)
         return done + self.collect_finished()
+
+    def drain(self) -> None:
+        """Commits the decode step in flight, if any (benchmarks time whole blocks of steps, then switch settings)."""
+        self._apply(self.steps.drain())
 
     def _decoding(self) -> list[Req]:
         return [r for r in self.running if r.pending_len == 1 and not (r.finished or r.in_prefill)]
@@ -194,7 +203,7 @@ class Scheduler:
         """Empties the radix cache; refused (False) while any request is queued or running."""
         if self.has_work:
             return False
-        self._apply(self.steps.drain())  # NOTE: a step in flight holds only finished requests here
+        self.drain()  # NOTE: a step in flight holds only finished requests here
         self.prefix_cache.flush()
         return True
 
@@ -259,7 +268,7 @@ class Scheduler:
         detok = self.detokenizers.get(req.rid)
         if detok is not None:
             before = len(req.text)
-            req.text += detok.push(token)
+            req.text += detok.push([token])
             if params.stop:
                 hit = find_stop(req.text, params.stop, before)
                 if hit is not None:

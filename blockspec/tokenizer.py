@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -33,38 +35,42 @@ def chat_to_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-class IncrementalDetokenizer:
-    """Decodes a growing id list piece by piece; never emits half of a multi-byte character."""
+def backend_of(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    """The `tokenizers` Tokenizer behind a fast HF tokenizer (what DecodeStream decodes with)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise ValueError(f"{type(tokenizer).__name__} has no `tokenizers` backend; blockspec needs a fast tokenizer (tokenizer.json)")
+    return backend
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
+
+class TextStream:
+    """Incremental detokenisation of one request's output with `tokenizers`' DecodeStream: text appears as soon as
+    its bytes are complete; `flush` gives what an unfinished multi-byte character left pending at the end."""
+
+    def __init__(self, backend: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.backend = backend
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._pending: list[int] = []  # NOTE: ids pushed since the stream last produced text
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_id: int) -> str:
-        """Adds one token; returns the newly completed text (maybe empty)."""
-        self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset:])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return full_text[len(prefix_text):]
-        return ""
+    def push(self, ids: list[int]) -> str:
+        """Adds tokens; returns the text they completed (maybe empty)."""
+        if not ids:
+            return ""
+        text = self._stream.step(self.backend, ids if len(ids) > 1 else ids[0])
+        if text is None:
+            self._pending += ids
+            return ""
+        self._pending.clear()
+        return text
 
     def flush(self) -> str:
-        """Text still held back at the end of a request (e.g. an incomplete byte sequence)."""
-        if self.read_offset == len(self.ids):
+        """Text still held back at the end of a request (an incomplete byte sequence decodes to U+FFFD)."""
+        if not self._pending:
             return ""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset:])
-        self.read_offset = len(self.ids)
-        return full_text[len(prefix_text):]
+        text = self.backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
+        self._pending = []
+        return text
 
 
 def find_stop(text: str, stops: list[str], search_from: int) -> Optional[tuple[int, str]]:

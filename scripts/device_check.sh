@@ -10,7 +10,7 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_flashinfer.py \
+timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_adaptive.py tests/test_flashinfer.py \
     tests/test_triton_attention.py tests/test_triton_ops.py tests/test_piecewise.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
 timeout "${STEP_S:-300}" python3 benchmarks/step_latency.py --backends triton flashinfer --repeat 10 --out "$out" \
     > "$out/step_latency.log" 2>&1

@@ -190,9 +190,9 @@ def test_greedy_cycle_equals_propose_then_verify(models: dict[str, Any]) -> None
         runner.allocator.grow(req, req.kv_len + b, runner.req_to_token)
     rows = worker.greedy_cycle_tokens(reqs)
     draft_batch, proposals, _ = worker.propose(reqs)
-    target_argmax = worker.verify(draft_batch, proposals).argmax(-1)
-    assert [row[2:b + 1] for row in rows] == proposals.tolist()
-    assert [row[b + 1:] for row in rows] == target_argmax.tolist()
+    target_argmax = worker.verify(reqs, proposals).argmax(-1)
+    assert [row[1:b] for row in rows] == proposals.tolist()
+    assert [row[b:] for row in rows] == target_argmax.tolist()
     expected = [leading_matches(p, t) for p, t in zip(proposals.tolist(), target_argmax.tolist())]
     assert [row[0] for row in rows] == expected
     assert 0 < sum(expected) < len(reqs) * (b - 1)  # a trained draft: some but not all proposals accepted

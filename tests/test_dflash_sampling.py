@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
 from blockspec import Engine
 from tiny_models import save_tiny_draft, save_tiny_model
+from verify_cycling import CyclingVerifyLength
 
 pytest.importorskip("dflash.model")
 
@@ -48,8 +50,14 @@ def total_variation(a: Counter, b: Counter) -> float:
     return 0.5 * sum(abs(a[k] - b[k]) for k in set(a) | set(b))
 
 
-@pytest.mark.parametrize("params", [{"temperature": 1.0, "top_p": 1.0}, {"temperature": 0.7, "top_p": 0.9}])
-def test_sampled_continuations_follow_target(tmp_path: Path, params: dict[str, float]) -> None:
+@pytest.mark.parametrize("params, verify_lengths", [
+    ({"temperature": 1.0, "top_p": 1.0}, None), ({"temperature": 0.7, "top_p": 0.9}, None),
+    ({"temperature": 1.0, "top_p": 1.0}, [1, 2, 4, 3, 1, 4]),
+], ids=["t1", "t0.7-p0.9", "t1-changing-verify-length"])
+def test_sampled_continuations_follow_target(
+    tmp_path: Path, params: dict[str, float], verify_lengths: Optional[list[int]]
+) -> None:
+    """Also with the verify length changing every cycle (1: a plain sampled target step)."""
     target = save_tiny_model("llama", tmp_path / "target", vocab_size=VOCAB, residual_scale=0.5)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)  # undo the test models' sharpening: a spread-out distribution
@@ -62,6 +70,8 @@ def test_sampled_continuations_follow_target(tmp_path: Path, params: dict[str, f
         max_running_requests=256, skip_tokenizer_init=True, speculative_algorithm="DFLASH",
         speculative_draft_model_path=str(tmp_path / "draft"),
     )
+    if verify_lengths is not None:
+        engine.worker.verify_policy = CyclingVerifyLength(verify_lengths)
     sampling = [
         {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "seed": seed, **params} for seed in range(SAMPLES)
     ]

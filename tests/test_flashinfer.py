@@ -170,8 +170,9 @@ def assert_nearly_equal(a: list[list[int]], b: list[list[int]], what: str) -> No
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_dflash_flashinfer_equals_target_only_and_triton(tiny: Path, page_size: int) -> None:
     target_only, target_engine = run(tiny, False, attention_backend="flashinfer", page_size=page_size)
-    spec, engine = run(tiny, True, attention_backend="flashinfer", page_size=page_size)
-    triton_spec, _ = run(tiny, True, attention_backend="triton", page_size=page_size)
+    # NOTE: the full block every cycle, so the acceptance below is the draft's; adaptive verify: the test after this
+    spec, engine = run(tiny, True, attention_backend="flashinfer", page_size=page_size, speculative_adaptive_verify="off")
+    triton_spec, _ = run(tiny, True, attention_backend="triton", page_size=page_size, speculative_adaptive_verify="off")
     assert engine.runner.attention_backend == "flashinfer"
     assert engine.runner.graphs.captured(GraphKind.DRAFT) and engine.runner.forward_counts["graph"] > 0
     assert target_engine.runner.forward_counts["graph"] > 0  # the decode graph
@@ -180,6 +181,17 @@ def test_dflash_flashinfer_equals_target_only_and_triton(tiny: Path, page_size: 
     assert engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"] > 1.3
     assert_nearly_equal(spec, target_only, "DFlash vs target-only (flashinfer)")
     assert_nearly_equal(spec, triton_spec, "flashinfer vs triton DFlash")
+
+
+def test_dflash_flashinfer_adaptive_verify(tiny: Path) -> None:
+    """Host-planned graphs: verify graphs per verify length, cycles timed through the draft + verify graphs."""
+    target_only, _ = run(tiny, False, attention_backend="flashinfer")
+    spec, engine = run(tiny, True, attention_backend="flashinfer")
+    info = engine.get_server_info()["internal_states"][0]["verify_length"]
+    assert info["mode"] == "adaptive" and info["in_use"]
+    assert all(engine.runner.graphs.captured(GraphKind.VERIFY, n) for n in info["verify_lengths"])
+    assert not engine.runner.graphs.captured(GraphKind.GREEDY_CYCLE)
+    assert_nearly_equal(spec, target_only, "adaptive DFlash vs target-only (flashinfer)")
 
 
 def test_dflash_flashinfer_graphs_and_piecewise_equal_eager(tiny: Path) -> None:

@@ -134,18 +134,23 @@ def test_next_cycle_rows_from_device_outputs() -> None:
     block = 4
     mask = 7
     rows = torch.tensor([[11, mask, mask, mask, 3, 20], [12, mask, mask, mask, 5, 30], [13, mask, mask, mask, 6, 40]])
-    # [accepted | draft x 4 | target x 4]
+    # [accepted | d_1..d_3 | target x 4]
     tokens = torch.tensor([
-        [2, 0, 21, 22, 23, 21, 22, 50, 51],
-        [0, 0, 31, 32, 33, 60, 61, 62, 63],
-        [3, 0, 41, 42, 43, 41, 42, 43, 70],
+        [2, 21, 22, 23, 21, 22, 50, 51],
+        [0, 31, 32, 33, 60, 61, 62, 63],
+        [3, 41, 42, 43, 41, 42, 43, 70],
     ])
     cycle = InFlightStep([], rows, tokens, tokens, None)
-    assert next_cycle_rows(cycle, None, block).tolist() == [
+    assert next_cycle_rows(cycle, None, block, mask).tolist() == [
         [50, mask, mask, mask, 3, 23], [60, mask, mask, mask, 5, 31], [70, mask, mask, mask, 6, 44],
     ]
-    picked = next_cycle_rows(cycle, torch.tensor([2, 0]), block).tolist()
+    picked = next_cycle_rows(cycle, torch.tensor([2, 0]), block, mask).tolist()
     assert picked == [[70, mask, mask, mask, 6, 44], [50, mask, mask, mask, 3, 23]]
+    # NOTE: the next cycle may verify another length: kv_len (seq_len - 4 here) + accepted + 1 + its own length
+    assert next_cycle_rows(cycle, None, 1, mask).tolist() == [[50, 3, 20], [60, 5, 28], [70, 6, 41]]
+    assert next_cycle_rows(cycle, None, 2, mask).tolist() == [[50, mask, 3, 21], [60, mask, 5, 29], [70, mask, 6, 42]]
+    short = InFlightStep([], torch.tensor([[11, 3, 17]]), torch.tensor([[0, 40]]), torch.tensor([[0, 40]]), None)
+    assert next_cycle_rows(short, None, 4, mask).tolist() == [[40, mask, mask, mask, 3, 21]]  # after a plain decode
 
 
 def test_flag_turns_overlap_off(root: Path) -> None:

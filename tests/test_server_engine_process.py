@@ -23,7 +23,7 @@ LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
 def test_wire_round_trip() -> None:
     add = wire.AddRequest("r", [1, 2], {"stop": ["x"]}, True, 1.5)
-    assert wire.decode_to_engine(wire.encode(add)) == add
+    assert wire.decode_to_engine(wire.encode([add, wire.Abort("r")])) == [add, wire.Abort("r")]
     out = wire.Outputs([wire.DeltaOut("r", "t", [3], {"meta_info": {"id": "r"}})], None)
     assert wire.decode_from_engine(wire.encode(out)) == out
 

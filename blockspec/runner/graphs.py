@@ -1,13 +1,15 @@
 """CudaGraphs: the one owner of every full CUDA graph of an engine, and the one place that picks graph or eager.
 
-Graphs are registered by kind (one GraphedForward per kind, holding one graph per captured batch size). Every
-uniform forward of the engine goes through `run(kind, inputs, eager)`: a replay when graphs are on and the kind's
-graph accepts the inputs, else `eager` on the batch built from them; both are counted. `enabled` is the public
+Graphs are registered by (kind, tokens per request): one GraphedForward each, holding one graph per captured batch
+size (DFlash captures its cycle and verify kinds once per verify length in use, speculative/verify_length.py). Every
+uniform forward of the engine goes through `run(kind, inputs, eager)`: a replay when graphs are on and the graph of
+the kind at the inputs' tokens per request accepts them, else `eager` on the batch built from them; both are counted. `enabled` is the public
 switch (benchmarks time eager steps with `graphs.enabled = False`); turning it off keeps the captured graphs.
 """
 from __future__ import annotations
 
 import enum
+import time
 from typing import Callable, Optional
 
 import torch
@@ -39,8 +41,9 @@ class CudaGraphs:
         self.table = table
         self.max_positions = max_positions
         self.pool = torch.cuda.graph_pool_handle() if available and device.type == "cuda" else None
-        self.by_kind: dict[GraphKind, GraphedForward] = {}
+        self.by_kind: dict[tuple[GraphKind, int], GraphedForward] = {}
         self.counts = {"graph": 0, "eager": 0}
+        self.capture_seconds = 0.0  # every kind's capture together (start-up report)
 
     def capture(
         self,
@@ -51,19 +54,22 @@ class CudaGraphs:
         capture_layer_ids: tuple[int, ...] = (),
         host_planner: Optional[GraphPlanner] = None,
     ) -> None:
-        """Captures `fn` for uniform batches of `mode` at every configured batch size."""
+        """Captures `fn` for uniform batches of `mode` with `tokens_per_req` rows each, at every configured batch size."""
         if not self.available:
             return
         graph = GraphedForward(
             kind.value, fn, mode, tokens_per_req, self.batch_sizes, self.table.table, self.table.dummy_row,
             self.max_positions, capture_layer_ids, self.pool, host_planner=host_planner,
         )
+        started = time.perf_counter()
         with torch.inference_mode():
             graph.capture()
-        self.by_kind[kind] = graph
+        self.capture_seconds += time.perf_counter() - started
+        self.by_kind[(kind, tokens_per_req)] = graph
 
-    def captured(self, kind: GraphKind) -> bool:
-        return kind in self.by_kind
+    def captured(self, kind: GraphKind, tokens_per_req: Optional[int] = None) -> bool:
+        """Whether `kind` has graphs (at `tokens_per_req`, or at any when None)."""
+        return any(k == kind and tokens_per_req in (None, q) for k, q in self.by_kind)
 
     def __bool__(self) -> bool:
         return bool(self.by_kind) and self.enabled
@@ -74,14 +80,14 @@ class CudaGraphs:
         graph (the overlap schedule would run it eagerly instead of through the host-planned graphs)."""
         if not self:
             return True
-        graph = self.by_kind.get(kind)
-        return graph is not None and graph.host_planner is None
+        graphs = [graph for (k, _), graph in self.by_kind.items() if k == kind]
+        return bool(graphs) and all(graph.host_planner is None for graph in graphs)
 
     def run(self, kind: GraphKind, inputs: GraphInputs, eager: EagerForward) -> GraphOutputs:
         """A replay of `kind`'s graph if it is on and accepts `inputs`, else `eager` on the built batch.
 
         NOTE: replay outputs live in the shared graph pool: valid until the next replay of any graph."""
-        graph = self.by_kind.get(kind) if self.enabled else None
+        graph = self.by_kind.get((kind, tokens_per_request(inputs))) if self.enabled else None
         if graph is not None and graph.accepts(inputs):
             self.counts["graph"] += 1
             return graph.replay_inputs(inputs)
@@ -94,3 +100,8 @@ class CudaGraphs:
         return inputs.to_batch(self.table.table, self.max_positions)
 
 
+def tokens_per_request(inputs: GraphInputs) -> int:
+    """The uniform number of new tokens per request of a built batch or of rows."""
+    if isinstance(inputs, ForwardBatch):
+        return -1 if inputs.uniform_q_len is None else inputs.uniform_q_len
+    return inputs.q

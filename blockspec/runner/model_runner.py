@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Optional
 
 import torch
@@ -50,9 +51,13 @@ class ModelRunner:
         target_config = load_target_config(config.model_path)
         self.context_length = config.context_length or target_config.max_position_embeddings
         self.max_positions = self.context_length + extra_positions + 1
+        started = time.perf_counter()
         self.model, self.model_config = load_target_model(
             config.model_path, self.dtype, self.device, self.max_positions, dummy=config.load_format == "dummy"
         )
+        # NOTE: start-up phases in seconds (Engine's start-up report); a draft's weights and pool add to them
+        self.startup_seconds = {"weights": time.perf_counter() - started}
+        started = time.perf_counter()
         cfg = self.model_config
         bytes_per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         num_slots = self._num_slots(bytes_per_slot + extra_kv_bytes_per_slot)
@@ -62,6 +67,7 @@ class ModelRunner:
         self.kv_pool = KVPool(num_pages * page, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         table_width = min(self.max_positions, self.allocator.total_slots + extra_positions + 1)
         self.req_to_token = ReqToTokenTable(config.max_running_requests, table_width, self.device)
+        self.startup_seconds["kv_pool"] = time.perf_counter() - started
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
         self.attention: AttentionBackend = make_backend(
             self.attention_backend, self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -125,8 +131,10 @@ class ModelRunner:
             self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graphs.pool,
             aux_consumer,
         )
+        started = time.perf_counter()
         with torch.inference_mode():
             self.piecewise.capture()
+        self.startup_seconds["piecewise_graphs"] = time.perf_counter() - started
 
     @torch.inference_mode()
     def forward_extend(self, batch: ForwardBatch) -> ModelOutput:

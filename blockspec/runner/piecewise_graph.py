@@ -106,6 +106,7 @@ class PiecewiseGraphRunner:
             self.aux_consumer(self.aux_all[:n], self.positions[:n], self.out_cache_loc[:n])
 
     # ---- capture and replay -------------------------------------------------------------------
+    @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)

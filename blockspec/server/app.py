@@ -113,6 +113,7 @@ def create_app(engine: Union[Engine, EngineLoop], settings: Optional[ServerSetti
     loop.max_queued_requests = settings.max_queued_requests
     state = ServerState.build(loop, settings)
     metrics = state.metrics
+    metrics.set_startup(state.info.startup.get("seconds", {}))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -67,6 +67,15 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--speculative-draft-model-path", dict()),
     ("--speculative-num-draft-tokens", dict(type=int, help="block size (default: the draft's block_size)")),
     ("--speculative-simulate-accept-len", dict(type=float, help="benchmarking only: force the accept length")),
+    ("--speculative-simulate-accept-profile", dict(
+        help="benchmarking only: draw each verify's accept length from geometric:MEAN or an accept-length histogram "
+             "JSON (the /server_info layout)")),
+    ("--speculative-adaptive-verify", dict(
+        type=str.lower, choices=("on", "off"),
+        help="verify length per batch size from measured cycle times and live acceptance (default: on when the "
+             "DFlash cycle runs in CUDA graphs; on without graphs times eager cycles)")),
+    ("--speculative-num-draft-tokens-per-bs", dict(
+        help="fixed verify length per batch size instead, e.g. 1-16:10,17-64:4 (1 = plain target decode)")),
     ("--load-format", dict(default="auto", choices=("auto", "dummy"))),
 ]
 

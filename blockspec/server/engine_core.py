@@ -56,6 +56,7 @@ def engine_info(engine: Engine) -> wire.EngineInfo:
         decode_slots_per_req=engine.worker.decode_slots_per_req,
         max_running_requests=config.max_running_requests,
         pid=os.getpid(),
+        startup=engine.startup.as_dict(),
     )
 
 
@@ -92,6 +93,7 @@ class EngineCore:
         self._push.connect(self.from_engine)
         self._send(wire.Ready(engine_info(self.engine)))
         scheduler = self.engine.scheduler
+        scheduler.detokenize_all = False  # NOTE: the server process detokenises (server/detokenize.py)
         try:
             while True:
                 if not self._drain(block=not scheduler.has_work):
@@ -105,6 +107,7 @@ class EngineCore:
                         self._fail_all(f"engine error: {exc}")
                 self._flush(stats=stepped or self._handled > 0 or bool(self._deltas))
         finally:
+            scheduler.detokenize_all = True
             self._fail_all("the server is shutting down", status=503)
             self._drain_refused("the server is shutting down")
             self._flush(stats=True)
@@ -114,7 +117,7 @@ class EngineCore:
             self._context.term()
 
     def _send(self, message: wire.FromEngine) -> None:
-        self._push.send(wire.encode(message), copy=False)
+        self._push.send(wire.encode(message))  # NOTE: copied: zero-copy sends cost more than they save below ~64 KiB
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -128,10 +131,10 @@ class EngineCore:
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            message = wire.decode_to_engine(frame)
-            if isinstance(message, wire.Stop):
-                return False
-            self._handle(message)
+            for message in wire.decode_to_engine(frame):
+                if isinstance(message, wire.Stop):
+                    return False
+                self._handle(message)
 
     def _handle(self, message: wire.ToEngine) -> None:
         if isinstance(message, wire.AddRequest):
@@ -191,29 +194,49 @@ class EngineCore:
             histogram = list(scheduler.spec_accept_histogram) if self.engine.worker.is_speculative else None
             step_stats = wire.StepStats(
                 len(scheduler.running), len(scheduler.waiting), self._handled, allocator.total_slots, allocator.free_slots,
-                histogram, self._finished,
+                histogram, self._finished, self.engine.kernel_compiles_after_startup, *self._verify_stats(),
             )
             self._handled = 0
             self._finished = []
         self._send(wire.Outputs(self._deltas, step_stats))
         self._deltas = []
 
+    def _verify_stats(self) -> tuple[Optional[list[wire.VerifyLengthStat]], Optional[list[float]]]:
+        """DFlash's verify length per batch size (and what it was chosen on), and the per-position acceptance rates."""
+        from blockspec.speculative.dflash_base import DFlashBase
+
+        worker = self.engine.worker
+        if not isinstance(worker, DFlashBase):
+            return None, None
+        lengths = [wire.VerifyLengthStat(bs, c.num_draft_tokens, c.expected_tokens, c.cycle_ms)
+                   for bs, c in sorted(worker.verify_policy.last.items())]
+        return lengths, worker.acceptance.rates()
+
     def _push_delta(self, tracked: _Tracked, final: bool, output: Optional[dict] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req
         ids = req.output_ids
+        if not req.detokenized:
+            if not final and len(ids) == tracked.sent_ids:
+                return
+            self._append_delta(tracked, None, output, error, status)
+            return
         text_end = len(req.text) if final else len(req.text) - _held_back(req.text, tracked.stops)
         if not final and len(ids) == tracked.sent_ids and text_end <= tracked.sent_text:
             return
         # NOTE: req.text only grows, except the stop-string cut on finish; the held-back suffix keeps the
         # streamed text a prefix of the final text.
-        new_text = req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else ""
-        delta = wire.DeltaOut(req.rid, new_text, list(ids[tracked.sent_ids:]), output, error, status)
+        self._append_delta(tracked, req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else "", output, error, status)
+        tracked.sent_text = max(tracked.sent_text, text_end)
+
+    def _append_delta(self, tracked: _Tracked, text: Optional[str], output: Optional[dict], error: Optional[str], status: int) -> None:
+        req = tracked.req
+        ids = req.output_ids
+        delta = wire.DeltaOut(req.rid, text, ids[tracked.sent_ids:], output, error, status)
         if req.wants_logprobs:
             delta.logprobs = req.output_token_logprobs[tracked.sent_ids:len(ids)]
             delta.top_logprobs = req.output_top_logprobs[tracked.sent_ids:len(ids)]
         self._deltas.append(delta)
         tracked.sent_ids = len(ids)
-        tracked.sent_text = max(tracked.sent_text, text_end)
 
     def _finish(self, tracked: _Tracked, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req
@@ -250,7 +273,7 @@ class EngineCore:
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            request = wire.decode_to_engine(frame)
-            if isinstance(request, wire.AddRequest):
-                self._handled += 1
-                self._deltas.append(wire.DeltaOut(request.rid, "", [], error=message, status=503))
+            for request in wire.decode_to_engine(frame):
+                if isinstance(request, wire.AddRequest):
+                    self._handled += 1
+                    self._deltas.append(wire.DeltaOut(request.rid, "", [], error=message, status=503))

@@ -17,6 +17,7 @@ from blockspec.engine import Engine
 from blockspec.request import Req
 from blockspec.server import wire
 from blockspec.server.engine_core import _held_back
+from blockspec.server.detokenize import OutputTexts
 from blockspec.server.engine_process import EngineHandle, EngineThread
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
@@ -49,6 +50,8 @@ class EngineLoop:
         self.max_queued_requests = max_queued_requests
         self.on_death: list[Callable[[], None]] = []
         self._routes: dict[str, tuple[Submission, int]] = {}
+        self.texts = OutputTexts(None)  # ServerState.build gives it the tokenizer
+        self._outbox: list[wire.ToEngine] = []
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._next_call = 0
         # NOTE: _num_running/_num_waiting are the scheduler's counts in the engine's last StepStats; _fresh counts
@@ -117,6 +120,7 @@ class EngineLoop:
         if self._reader is not None:
             self._reader.cancel()
         self._fail_routes("the server is shutting down", 503)
+        self._flush_outbox()
         self._to.close(linger=0)
         self._from.close(linger=0)
         self._context.term()
@@ -141,7 +145,19 @@ class EngineLoop:
             self._send(wire.Fail(message))
 
     def _send(self, message: wire.ToEngine) -> None:
-        self._to.send(wire.encode(message), copy=False)
+        """Queues `message`; everything queued in one event-loop pass goes to the engine as one frame."""
+        self._outbox.append(message)
+        if len(self._outbox) > 1:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self._flush_outbox)
+        except RuntimeError:  # NOTE: no loop running (start-up, tests): send now
+            self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        if self._outbox and not self._to.closed:
+            self._to.send(wire.encode(self._outbox))
+        self._outbox = []
 
     def submit(self, reqs: list[Req], stream: bool) -> Submission:
         """Queues validated requests; raises QueueFullError beyond the queue limit. Call on the event loop."""
@@ -190,30 +206,45 @@ class EngineLoop:
                     self._on_death()
                     return
                 continue
-            message = wire.decode_from_engine(await sock.recv())
-            if isinstance(message, wire.Outputs):
-                self._route(message)
-            elif isinstance(message, wire.CallResult):
-                future = self._calls.pop(message.call_id, None)
-                if future is not None and not future.done():
-                    if message.error is None:
-                        future.set_result(message.result)
-                    else:
-                        future.set_exception(RuntimeError(message.error))
-            elif isinstance(message, wire.Stopped):
-                self.alive = False
-                self._fail_calls(EngineStoppedError("the engine is not running"))
-                self._stopped.set()
+            # NOTE: every message already waiting is taken before any is routed: a server that fell behind
+            # catches up in one pass, and each stream then sends one merged chunk (Submission.next).
+            frames = [await sock.recv()]
+            while await sock.poll(0):
+                frames.append(await sock.recv())
+            for frame in frames:
+                self._handle(wire.decode_from_engine(frame))
+
+    def _handle(self, message: wire.FromEngine) -> None:
+        if isinstance(message, wire.Outputs):
+            self._route(message)
+        elif isinstance(message, wire.CallResult):
+            future = self._calls.pop(message.call_id, None)
+            if future is not None and not future.done():
+                if message.error is None:
+                    future.set_result(message.result)
+                else:
+                    future.set_exception(RuntimeError(message.error))
+        elif isinstance(message, wire.Stopped):
+            self.alive = False
+            self._fail_calls(EngineStoppedError("the engine is not running"))
+            self._stopped.set()
 
     def _route(self, message: wire.Outputs) -> None:
         for out in message.deltas:
             route = self._routes.get(out.rid)
             if route is None:
                 continue
-            delta = Delta(route[1], out.text, out.ids, out.output, out.error, out.status, out.logprobs, out.top_logprobs)
-            if delta.final:
+            submission, index = route
+            final = out.output is not None or out.error is not None
+            text = out.text
+            if text is None:
+                text = self.texts.push(out.rid, out.ids, submission.reqs[index].params.skip_special_tokens, final)
+            if final:
                 del self._routes[out.rid]
-            route[0].push(delta)
+                whole = self.texts.finish(out.rid)
+                if out.output is not None and out.text is None:
+                    out.output["text"] = whole
+            submission.push(Delta(index, text, out.ids, out.output, out.error, out.status, out.logprobs, out.top_logprobs))
         stats = message.stats
         if stats is None or self.metrics is None:
             return
@@ -224,7 +255,8 @@ class EngineLoop:
         self.metrics.on_step(stats, self.num_queued)
 
     def _fail_routes(self, message: str, status: int) -> None:
-        for submission, index in self._routes.values():
+        for rid, (submission, index) in self._routes.items():
+            self.texts.finish(rid)
             submission.push(Delta(index, "", [], None, message, status))
         self._routes.clear()
 

@@ -22,6 +22,7 @@ from blockspec.server.args import ServeArgs, ServerSettings, parse_serve_args
 from blockspec.server.engine_loop import EngineLoadError, EngineLoop
 from blockspec.server.engine_process import EngineProcess
 from blockspec.server.http_protocol import h11_protocol_with_header_timeout
+from blockspec.startup.report import summary_line
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_MARGIN_S = 5
@@ -85,6 +86,8 @@ def run_server(args: ServeArgs) -> int:
         server.should_exit = True
 
     engine_loop.on_death.append(engine_died)
+    assert engine_loop.info is not None
+    print(f"blockspec: {summary_line(engine_loop.info.startup)}", file=sys.stderr, flush=True)
     print(f"blockspec: serving {args.engine['model_path']} on http://{args.server.host}:{args.server.port}", file=sys.stderr, flush=True)
     # NOTE: uvicorn drains on SIGINT/SIGTERM, then re-raises the signal; ours makes that a clean exit too.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)

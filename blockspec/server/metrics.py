@@ -6,7 +6,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from blockspec.server.wire import FinishStat, StepStats
+from blockspec.server.wire import FinishStat, StepStats, VerifyLengthStat
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, float("inf"))
@@ -34,8 +34,32 @@ class ServerMetrics:
         self.accept_per_verify = Histogram(
             "blockspec_spec_accept_length_per_verify", "Tokens committed by each verify forward", buckets=accept_buckets, registry=r
         )
+        self.kernel_compiles = Gauge(
+            "blockspec_kernel_compiles_after_startup",
+            "Triton kernel variants compiled since the engine's start-up finished (each a stall; should stay 0)", registry=r,
+        )
+        self.startup_seconds = Gauge("blockspec_startup_seconds", "Engine start-up time by phase", ["phase"], registry=r)
         self.position_accept = Gauge(
             "blockspec_spec_position_accept_rate", "Fraction of verifies that accepted draft position N", ["position"], registry=r
+        )
+
+        self.verify_length = Gauge(
+            "blockspec_spec_verify_num_draft_tokens", "DFlash verify length in use (1 = plain target decode)",
+            ["batch_size"], registry=r,
+        )
+        self.verify_expected_tokens = Gauge(
+            "blockspec_spec_verify_expected_tokens", "Expected tokens per cycle at the verify length in use",
+            ["batch_size"], registry=r,
+        )
+        self.verify_cycle_ms = Gauge(
+            "blockspec_spec_verify_cycle_ms", "Cycle time (ms) the verify length in use was chosen on (adaptive)",
+            ["batch_size"], registry=r,
+        )
+
+        self.verify_position_rate = Gauge(
+            "blockspec_spec_verify_position_accept_rate",
+            "P(draft position N accepted | a verify tried it and accepted the ones before), decayed, as adaptive verify "
+            "uses it", ["position"], registry=r,
         )
 
         self.cache_hit_rate = Gauge(
@@ -77,6 +101,25 @@ class ServerMetrics:
         self.kv_usage.set((total - free) / total if total else 0.0)
         if stats.spec_histogram is not None:
             self.set_spec_stats(stats.spec_histogram)
+        if stats.kernel_compiles_after_startup is not None:
+            self.kernel_compiles.set(stats.kernel_compiles_after_startup)
+        if stats.verify_lengths is not None:
+            self.set_verify_lengths(stats.verify_lengths)
+        for position, rate in enumerate(stats.position_rates or [], 1):
+            self.verify_position_rate.labels(position=str(position)).set(rate)
+
+    def set_startup(self, seconds: dict[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.startup_seconds.labels(phase=phase).set(value)
+
+    def set_verify_lengths(self, lengths: list[VerifyLengthStat]) -> None:
+        for stat in lengths:
+            label = str(stat.batch_size)
+            self.verify_length.labels(batch_size=label).set(stat.num_draft_tokens)
+            if stat.expected_tokens is not None:
+                self.verify_expected_tokens.labels(batch_size=label).set(stat.expected_tokens)
+            if stat.cycle_ms is not None:
+                self.verify_cycle_ms.labels(batch_size=label).set(stat.cycle_ms)
 
     def set_spec_stats(self, histogram: list[int]) -> None:
         """`histogram[k]` = verifies that committed k tokens; draft position j is accepted when k > j."""

@@ -18,7 +18,8 @@ from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFu
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
 from blockspec.server.wire import EngineInfo
-from blockspec.tokenizer import chat_to_ids, load_tokenizer
+from blockspec.server.detokenize import OutputTexts
+from blockspec.tokenizer import backend_of, chat_to_ids, load_tokenizer
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 DISCONNECT_POLL_S = 0.5
@@ -68,6 +69,8 @@ class ServerState:
         info = loop.info
         assert info is not None and loop.metrics is not None, "the engine must be launched (or in-process) first"
         tokenizer = load_tokenizer(info.tokenizer_path, info.trust_remote_code) if info.has_tokenizer else None
+        if tokenizer is not None:  # NOTE: a copy of its own: this one runs on the event loop, the other off it
+            loop.texts = OutputTexts(backend_of(load_tokenizer(info.tokenizer_path, info.trust_remote_code)))
         return cls(loop, settings, loop.metrics, tokenizer, info.context_length, info.vocab_size, int(time.time()))
 
     @property
@@ -152,10 +155,13 @@ class ServerState:
         last_poll = time.monotonic()
         try:
             while not submission.done:
-                try:
-                    delta = await asyncio.wait_for(submission.next(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    delta = None
+                if submission.has_ready:
+                    delta: Optional[Delta] = await submission.next()
+                else:
+                    try:
+                        delta = await asyncio.wait_for(submission.next(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        delta = None
                 if time.monotonic() - last_poll >= DISCONNECT_POLL_S:
                     last_poll = time.monotonic()
                     if await request.is_disconnected():

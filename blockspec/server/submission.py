@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -25,6 +26,32 @@ class Delta:
     def final(self) -> bool:
         return self.output is not None or self.error is not None
 
+    def merge(self, later: "Delta") -> None:
+        """Appends `later` (the same request's next Delta) to this one."""
+        self.text += later.text
+        self.ids = self.ids + later.ids
+        if self.logprobs is not None and later.logprobs is not None:
+            self.logprobs = self.logprobs + later.logprobs
+        if self.top_logprobs is not None and later.top_logprobs is not None:
+            self.top_logprobs = self.top_logprobs + later.top_logprobs
+        self.output, self.error, self.status = later.output, later.error, later.status
+
+
+def coalesce(deltas: list[Delta]) -> list[Delta]:
+    """Consecutive Deltas of one request merged (each request's order kept): one chunk per request per wake-up."""
+    merged: list[Delta] = []
+    open_by_index: dict[int, Delta] = {}
+    for delta in deltas:
+        head = open_by_index.get(delta.index)
+        if head is None:
+            merged.append(delta)
+            open_by_index[delta.index] = delta
+        else:
+            head.merge(delta)
+        if delta.final:
+            open_by_index.pop(delta.index, None)
+    return merged
+
 
 class Submission:
     """The requests of one HTTP call; their Deltas arrive on one asyncio queue, tagged by index."""
@@ -35,13 +62,24 @@ class Submission:
         self.loop = loop
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.pending = set(range(len(reqs)))
+        self._ready: deque[Delta] = deque()
 
     def push(self, delta: Delta) -> None:
         """Call on `loop` (the engine's deltas are routed there)."""
         self.queue.put_nowait(delta)
 
+    @property
+    def has_ready(self) -> bool:
+        return bool(self._ready) or not self.queue.empty()
+
     async def next(self) -> Delta:
-        delta = await self.queue.get()
+        """The next Delta; every Delta already queued for the same request is merged into it."""
+        if not self._ready:
+            waiting = [await self.queue.get()]
+            while not self.queue.empty():
+                waiting.append(self.queue.get_nowait())
+            self._ready.extend(coalesce(waiting))
+        delta = self._ready.popleft()
         if delta.final:
             self.pending.discard(delta.index)
         return delta

@@ -55,6 +55,7 @@ class EngineInfo(msgspec.Struct):
     decode_slots_per_req: int
     max_running_requests: int
     pid: int
+    startup: dict[str, Any] = msgspec.field(default_factory=dict)  # Engine.startup.as_dict()
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -69,7 +70,7 @@ class DeltaOut(msgspec.Struct):
     """New output of request `rid` since its previous DeltaOut; `output` or `error` is set on the last one."""
 
     rid: str
-    text: str
+    text: Optional[str]  # None: the engine does not detokenise this request, the server decodes `ids`
     ids: list[int]
     output: Optional[dict[str, Any]] = None
     error: Optional[str] = None
@@ -88,6 +89,15 @@ class FinishStat(msgspec.Struct):
     accept_lengths: list[int]
 
 
+class VerifyLengthStat(msgspec.Struct):
+    """DFlash's verify length at one batch size and why: the expected tokens and cycle time it was chosen on."""
+
+    batch_size: int
+    num_draft_tokens: int
+    expected_tokens: Optional[float]
+    cycle_ms: Optional[float]
+
+
 class StepStats(msgspec.Struct):
     num_running: int
     num_waiting: int
@@ -96,6 +106,9 @@ class StepStats(msgspec.Struct):
     kv_free: int
     spec_histogram: Optional[list[int]]
     finished: list[FinishStat]
+    kernel_compiles_after_startup: Optional[int] = None  # Engine.kernel_compiles_after_startup
+    verify_lengths: Optional[list[VerifyLengthStat]] = None
+    position_rates: Optional[list[float]] = None  # DFlash: P(d_j accepted | tried, d_1..d_{j-1} accepted), j = 1..B-1
 
 
 class Outputs(msgspec.Struct, tag=True):
@@ -116,15 +129,16 @@ class Stopped(msgspec.Struct, tag=True):
 FromEngine = Union[Ready, LoadFailed, Outputs, CallResult, Stopped]
 
 _encoder = msgspec.msgpack.Encoder()
-_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_to_engine = msgspec.msgpack.Decoder(list[ToEngine])
 _from_engine = msgspec.msgpack.Decoder(FromEngine)
 
 
-def encode(message: Union[ToEngine, FromEngine]) -> bytes:
+def encode(message: Union[FromEngine, list[ToEngine]]) -> bytes:
+    """One frame: an engine message, or the server's messages of one event-loop pass (a list, in order)."""
     return _encoder.encode(message)
 
 
-def decode_to_engine(frame: bytes) -> ToEngine:
+def decode_to_engine(frame: bytes) -> list[ToEngine]:
     return _to_engine.decode(frame)
 
 

@@ -1,4 +1,5 @@
-"""Verify-side acceptance: greedy prefix match (batched, on the device) or speculative rejection sampling."""
+"""Verify-side acceptance: greedy prefix match (batched, on the device) or speculative rejection sampling
+(simulated acceptance for benchmarks: simulated_accept.py)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,19 +10,10 @@ from blockspec.request import SamplingParams
 from blockspec.sampling import sampling_probs
 
 
-def forced_accept_count(simulate_accept_len: Optional[float], block_size: int) -> Optional[int]:
-    """Proposals every verify accepts under --speculative-simulate-accept-len (benchmarking only: commits unverified
-    tokens, so output is not lossless); None for real acceptance."""
-    if simulate_accept_len is None:
-        return None
-    return max(0, min(block_size - 1, round(simulate_accept_len) - 1))
-
-
-def greedy_accept_counts(proposals: torch.Tensor, target_argmax: torch.Tensor, forced: Optional[int]) -> torch.Tensor:
-    """[bs, 1] int64: per row the leading proposals d_1..d_{B-1} [bs, B-1] equal to the target's choice before them
-    (target_argmax [bs, B]); greedy_accept on the device, graph-capturable. `forced` replaces it for every row."""
-    accepted = (proposals == target_argmax[:, :-1]).to(torch.int64).cumprod(1).sum(1, keepdim=True)
-    return accepted if forced is None else torch.full_like(accepted, forced)
+def greedy_accept_counts(proposals: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+    """[bs, 1] int64: per row the leading proposals d_1..d_{n-1} [bs, n-1] equal to the target's choice before them
+    (target_argmax [bs, n]); greedy_accept on the device, graph-capturable (0 for every row when n = 1)."""
+    return (proposals == target_argmax[:, :-1]).to(torch.int64).cumprod(1).sum(1, keepdim=True)
 
 
 def rejection_accept(

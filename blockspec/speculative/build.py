@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from blockspec.config import EngineConfig
 from blockspec.kv.pool import KVPool
@@ -26,13 +27,17 @@ def build_dflash_worker(config: EngineConfig) -> tuple[ModelRunner, DFlashWorker
         config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=2 * block_size,  # NOTE: overlap reserves 2 blocks ahead
         hidden_capture_layer_ids=tuple(draft_config.target_layer_ids),
     )
+    started = time.perf_counter()
     draft = load_draft_model(
         config.speculative_draft_model_path, draft_config, runner.dtype, runner.device, runner.max_positions,
         dummy=config.load_format == "dummy",
     )
+    runner.startup_seconds["weights"] += time.perf_counter() - started
+    started = time.perf_counter()
     draft_pool = KVPool(
         runner.kv_pool.num_slots, draft_config.num_layers, draft_config.num_kv_heads, draft_config.head_dim,
         runner.dtype, runner.device,
     )
+    runner.startup_seconds["kv_pool"] += time.perf_counter() - started
     logger.info("DFlash draft: %d layers, block %d, taps %s", draft_config.num_layers, block_size, draft_config.target_layer_ids)
     return runner, DFlashWorker(runner, draft, draft_pool, block_size)

@@ -19,13 +19,23 @@ from blockspec.request import Req
 class InFlightStep:
     """`reqs[i]` ran with input rows `rows[i]` (UniformRows layout: [q token ids | req→token row | seq_len]) and
     produced `tokens[i]` (the worker's layout; DFlash: [accepted | draft argmax x B | target argmax x B]), both on the
-    device. `host_tokens` is the host copy of `tokens`, readable once `ready` has completed (None: no device)."""
+    device. `host_tokens` is the host copy of `tokens`, readable once `ready` has completed (None: no device).
+    `started` (recorded before the step's kernels, with `ready` timing-enabled) or `eager_ms` (no device: the launch
+    ran it) time the step for `elapsed_ms`."""
 
     reqs: list[Req]
     rows: torch.Tensor
     tokens: torch.Tensor
     host_tokens: torch.Tensor
     ready: Optional[torch.cuda.Event]
+    started: Optional[torch.cuda.Event] = None
+    eager_ms: Optional[float] = None
+
+    def elapsed_ms(self) -> Optional[float]:
+        """Device time of the step (call after `wait`); None when it was not timed."""
+        if self.started is not None and self.ready is not None:
+            return float(self.started.elapsed_time(self.ready))
+        return self.eager_ms
 
     def wait(self) -> list[list[int]]:
         if self.ready is not None:
@@ -67,13 +77,14 @@ def launch_rows(
     return carried + fresh, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
-    """An asynchronous device→host copy of `tokens` into pinned memory and the event that marks it done."""
+def host_copy(tokens: torch.Tensor, timed: bool = False) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+    """An asynchronous device→host copy of `tokens` into pinned memory and the event that marks it done (`timed`:
+    an event that can end a device-time measurement)."""
     if tokens.device.type != "cuda":
         return tokens, None
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
-    ready = torch.cuda.Event()
+    ready = torch.cuda.Event(enable_timing=timed)
     ready.record()
     return host, ready
 

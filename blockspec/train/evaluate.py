@@ -22,7 +22,7 @@ def measure_acceptance(
         model_path=str(target_path), device=device, dtype=dtype, skip_tokenizer_init=True,
         speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
         max_total_tokens=min(MAX_EVAL_KV_SLOTS, max(2048, need)), max_running_requests=min(64, len(prompts)),
-        disable_cuda_graph=True,
+        disable_cuda_graph=True, speculative_adaptive_verify="off",  # NOTE: the full block: the draft's own acceptance
     )
     try:
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}

@@ -1,0 +1,263 @@
+"""How many block tokens a DFlash cycle verifies, per batch size: the verify length n (1 ≤ n ≤ B).
+
+A cycle of verify length n verifies [bonus, d_1..d_{n-1}] (n - 1 proposals, the first of the draft's full block) and
+commits accepted + 1 tokens, accepted ≤ n - 1; n = 1 is a plain target decode step (the draft does not run, the
+bonus token's draft KV is still written, so speculation resumes losslessly in the next cycle). Policies:
+- `FixedVerifyLength`: a schedule by batch size (`--speculative-num-draft-tokens-per-bs`, or n = B everywhere when
+  adaptive verify is off).
+- `AdaptiveVerifyLength`: the cost model. Expected committed tokens of a cycle, 1 + E[min(accepted, n - 1)], from the
+  live per-position acceptance rates (`AcceptanceStats`), over the cycle time of (batch size, n) (`CycleTimes`:
+  measured when graphs are captured, then refined by live cycles); the n with the most tokens per second wins.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
+
+Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, verify length)
+
+
+def parse_verify_schedule(text: str) -> Schedule:
+    """`1-16:10,17-64:4` → [(1, 16, 10), (17, 64, 4)]; `A:N` is the single batch size A. ValueError when malformed."""
+    schedule: Schedule = []
+    for part in text.split(","):
+        sizes, sep, length = part.strip().partition(":")
+        first, dash, last = sizes.partition("-")
+        try:
+            lo, hi, n = int(first), int(last) if dash else int(first), int(length)
+        except ValueError:
+            raise ValueError(
+                f"speculative_num_draft_tokens_per_bs: {part.strip()!r} is not FIRST-LAST:N or BS:N (e.g. 1-16:10,17-64:4)"
+            ) from None
+        if not sep or lo < 1 or hi < lo or n < 1:
+            raise ValueError(f"speculative_num_draft_tokens_per_bs: {part.strip()!r} needs 1 <= FIRST <= LAST and N >= 1")
+        if schedule and lo <= schedule[-1][1]:
+            raise ValueError(f"speculative_num_draft_tokens_per_bs: ranges must be increasing and disjoint at {part.strip()!r}")
+        schedule.append((lo, hi, n))
+    return schedule
+
+
+def check_schedule_covers(schedule: Schedule, max_batch_size: int) -> None:
+    covered = {bs for lo, hi, _ in schedule for bs in range(lo, min(hi, max_batch_size) + 1)}
+    missing = [bs for bs in range(1, max_batch_size + 1) if bs not in covered]
+    if missing:
+        raise ValueError(
+            f"speculative_num_draft_tokens_per_bs must cover every batch size 1..{max_batch_size} "
+            f"(max_running_requests); missing {missing[0]}" + (f"..{missing[-1]}" if len(missing) > 1 else "")
+        )
+
+
+def default_verify_lengths(block_size: int) -> tuple[int, ...]:
+    """The small set of verify lengths adaptive verify captures graphs for: 1, 4, halfway to B, and B."""
+    return tuple(sorted({1, min(4, block_size), min(block_size, (4 + block_size) // 2), block_size}))
+
+
+class AcceptanceStats:
+    """Per-position acceptance of the draft's proposals from every verify, whatever its length.
+
+    Position j (proposal d_j) was *tried* by a verify that checked it (n - 1 ≥ j) and accepted d_1..d_{j-1}, and
+    *passed* when it accepted d_j too; rate_j = passed_j / tried_j, so a short verify (which never tries the later
+    positions) biases no rate. Counts decay with a half-life in request-cycles (acceptance follows the workload's
+    phases). A small prior of weight `prior_weight` fills positions seldom tried: `prior_rate` for position 1, the
+    previous position's estimate for each later one (so positions a short verify never reaches extrapolate from the
+    deepest measured one instead of an optimistic constant)."""
+
+    def __init__(self, max_proposals: int, half_life: float = 4096.0, prior_rate: float = 0.8,
+                 prior_weight: float = 2.0) -> None:
+        self.max_proposals = max_proposals
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.prior_rate = prior_rate
+        self.prior_weight = prior_weight
+        self.tried = [0.0] * max_proposals  # NOTE: index j - 1 holds position j (proposal d_j)
+        self.passed = [0.0] * max_proposals
+
+    def observe(self, num_draft_tokens: int, accepted: Sequence[int]) -> None:
+        """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted."""
+        fade = self.decay ** len(accepted)
+        at_least = [0] * (self.max_proposals + 2)
+        for a in accepted:
+            at_least[a] += 1
+        for count in range(self.max_proposals, -1, -1):
+            at_least[count] += at_least[count + 1]
+        for j in range(self.max_proposals):
+            tried = at_least[j] if j < num_draft_tokens - 1 else 0
+            self.tried[j] = self.tried[j] * fade + tried
+            self.passed[j] = self.passed[j] * fade + (at_least[j + 1] if tried else 0)
+
+    def rates(self) -> list[float]:
+        """P(d_j accepted | d_1..d_{j-1} accepted), j = 1..B-1."""
+        w, prior, out = self.prior_weight, self.prior_rate, []
+        for tried, passed in zip(self.tried, self.passed):
+            prior = (passed + w * prior) / (tried + w)
+            out.append(prior)
+        return out
+
+    def survival(self) -> list[float]:
+        """P(accepted ≥ j), j = 1..B-1."""
+        out, alive = [], 1.0
+        for rate in self.rates():
+            alive *= rate
+            out.append(alive)
+        return out
+
+    def expected_tokens(self, num_draft_tokens: int) -> float:
+        """Tokens a cycle of this verify length commits on average: 1 + E[min(accepted, n - 1)]."""
+        return 1.0 + sum(self.survival()[: num_draft_tokens - 1])
+
+
+class CycleTimes:
+    """ms per cycle by (batch size, verify length) at the measured batch sizes (the captured graph sizes: a batch
+    runs in the next one up): the start-up figure plus a live offset per batch size.
+
+    NOTE: start-up cycles run on padding rows (a near-empty context). A served batch's context adds about the same
+    time to a cycle of any verify length (each reads the whole target KV once), so one additive offset per batch
+    size, an exponential average of (live − start-up) over whichever lengths ran, corrects every length."""
+
+    def __init__(self, measured: dict[tuple[int, int], float], live_weight: float = 0.2) -> None:
+        if not measured:
+            raise ValueError("adaptive verify needs at least one measured cycle time")
+        self.startup_ms = dict(measured)
+        self.batch_sizes = sorted({bs for bs, _ in measured})
+        self.live_weight = live_weight
+        self.offset_ms = {bs: 0.0 for bs in self.batch_sizes}
+        self.live_cycles = {bs: 0 for bs in self.batch_sizes}
+
+    def bucket(self, batch_size: int) -> int:
+        """The measured batch size whose times stand for `batch_size` (the largest beyond it)."""
+        i = bisect.bisect_left(self.batch_sizes, batch_size)
+        return self.batch_sizes[min(i, len(self.batch_sizes) - 1)]
+
+    def cycle_ms(self, batch_size: int, num_draft_tokens: int) -> float:
+        bucket = self.bucket(batch_size)
+        return self.startup_ms[(bucket, num_draft_tokens)] + self.offset_ms[bucket]
+
+    def observe(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
+        bucket = self.bucket(batch_size)
+        if (bucket, num_draft_tokens) not in self.startup_ms:
+            return
+        seen = self.live_cycles[bucket]
+        weight = max(self.live_weight, 1.0 / (seen + 1))  # NOTE: the first live cycle replaces the start-up guess
+        offset = ms - self.startup_ms[(bucket, num_draft_tokens)]
+        self.offset_ms[bucket] += weight * (offset - self.offset_ms[bucket])
+        self.live_cycles[bucket] = seen + 1
+
+
+@dataclass(frozen=True)
+class VerifyChoice:
+    num_draft_tokens: int
+    reason: str
+    expected_tokens: Optional[float] = None
+    cycle_ms: Optional[float] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+class VerifyLengthPolicy(Protocol):
+    """Picks each cycle's verify length for its batch size; `lengths` are the ones graphs are captured for, `last`
+    the latest choice per batch size (for /server_info and /metrics)."""
+
+    lengths: tuple[int, ...]
+    last: dict[int, VerifyChoice]
+
+    def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice: ...
+
+    def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None: ...
+
+    def describe(self, stats: AcceptanceStats) -> dict[str, Any]: ...
+
+
+class Option(NamedTuple):
+    """One verify length's expected tokens per cycle and cycle time at a batch size."""
+
+    n: int
+    tokens: float
+    ms: float
+
+    @property
+    def tokens_per_ms(self) -> float:
+        return self.tokens / self.ms
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"num_draft_tokens": self.n, "expected_tokens": self.tokens, "cycle_ms": self.ms,
+                "tokens_per_s_per_request": self.tokens_per_ms * 1e3}
+
+
+class FixedVerifyLength:
+    """Verify length from a schedule by batch size (adaptive verify off: the full block B everywhere)."""
+
+    def __init__(self, schedule: Schedule, block_size: int, reason: str) -> None:
+        bad = [n for _, _, n in schedule if n > block_size]
+        if bad:
+            raise ValueError(f"speculative_num_draft_tokens_per_bs: verify length {bad[0]} exceeds the block size {block_size}")
+        self.schedule = schedule
+        self.block_size = block_size
+        self.reason = reason
+        self.lengths = tuple(sorted({n for _, _, n in schedule}))
+        self.last: dict[int, VerifyChoice] = {}
+
+    def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
+        n = next((n for lo, hi, n in self.schedule if lo <= batch_size <= hi), self.schedule[-1][2])
+        choice = VerifyChoice(n, self.reason, stats.expected_tokens(n))
+        self.last[batch_size] = choice
+        return choice
+
+    def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
+        """Fixed lengths ignore cycle times."""
+
+    def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
+        return {"mode": "fixed", "reason": self.reason, "verify_lengths": list(self.lengths),
+                "schedule": [{"batch_sizes": [lo, hi], "num_draft_tokens": n} for lo, hi, n in self.schedule],
+                "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())}}
+
+
+def full_block(block_size: int, reason: str) -> FixedVerifyLength:
+    return FixedVerifyLength([(1, 1 << 30, block_size)], block_size, reason)
+
+
+class AdaptiveVerifyLength:
+    """The verify length with the most expected tokens per second at each batch size.
+
+    NOTE: every `explore_every`-th cycle of a batch size whose best length is not the only one runs a neighbouring
+    length instead (alternately shorter and longer), so the rates of positions the best length never tries, and the
+    live times of the other lengths, stay measured."""
+
+    def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64) -> None:
+        self.lengths = tuple(sorted(set(lengths)))
+        missing = [key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms]
+        if missing:
+            raise ValueError(f"adaptive verify: no measured cycle time for (batch size, verify length) {missing[0]}")
+        self.times = times
+        self.explore_every = explore_every
+        self.cycles: dict[int, int] = {}
+        self.last: dict[int, VerifyChoice] = {}
+
+    def options(self, batch_size: int, stats: AcceptanceStats) -> list[Option]:
+        return [Option(n, stats.expected_tokens(n), self.times.cycle_ms(batch_size, n)) for n in self.lengths]
+
+    def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
+        options = self.options(batch_size, stats)
+        ranked = sorted(range(len(options)), key=lambda i: options[i].tokens_per_ms)
+        best_at, best = ranked[-1], options[ranked[-1]]
+        second = options[ranked[-2]] if len(options) > 1 else best
+        reason = (f"best of {list(self.lengths)} by expected tokens / cycle time: {best.tokens:.2f} tokens in "
+                  f"{best.ms:.2f} ms (next: n={second.n}, {second.tokens:.2f} in {second.ms:.2f} ms)")
+        self.last[batch_size] = VerifyChoice(best.n, reason, best.tokens, best.ms)
+        cycle = self.cycles[batch_size] = self.cycles.get(batch_size, 0) + 1
+        if len(options) > 1 and cycle % self.explore_every == 0:
+            step = -1 if (cycle // self.explore_every) % 2 else 1
+            at = best_at + step if 0 <= best_at + step < len(options) else best_at - step
+            return VerifyChoice(options[at].n, "exploring", options[at].tokens, options[at].ms)
+        return self.last[batch_size]
+
+    def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
+        self.times.observe(batch_size, num_draft_tokens, ms)
+
+    def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
+        table = {str(bs): [option.as_dict() for option in self.options(bs, stats)] for bs in self.times.batch_sizes}
+        return {"mode": "adaptive", "verify_lengths": list(self.lengths),
+                "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())},
+                "cycle_ms_startup": {f"{bs}x{n}": ms for (bs, n), ms in sorted(self.times.startup_ms.items())},
+                "cycle_ms_live_offset": {str(bs): ms for bs, ms in self.times.offset_ms.items()},
+                "cost_model": table}

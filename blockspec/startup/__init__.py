@@ -1,0 +1,1 @@
+"""Engine start-up: kernel warm-up, the compile counter, the start-up report."""

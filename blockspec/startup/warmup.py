@@ -1,0 +1,131 @@
+"""Kernel warm-up at the end of start-up: compiles every Triton kernel variant serving can launch.
+
+Two parts. (1) Attention: every reachable launch variant (attention_variants.py) of each Triton backend of the
+engine, per mode it runs (extend; decode or verify; draft). (2) Every other path: a few synthetic requests (random
+token ids, greedy and sampled, one arriving while the others decode) through a scheduler of their own, once as
+configured, once with piecewise graphs off (eager extends) and once with full graphs off (eager decode / verify /
+draft): the fused norms, rope + KV store, SiLU·mul and argmax in every place they run outside a captured graph.
+Afterwards the engine's forward counts are zeroed and the pool is as before (every request finished and freed).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from blockspec.attention.triton_backend import TritonAttentionBackend
+from blockspec.batch import ForwardMode
+from blockspec.runner.model_runner import ModelRunner
+from blockspec.startup.attention_variants import AttentionWorkload, launch_variant, workload_variants
+from blockspec.startup.report import WarmupReport
+from blockspec.step.executor import Worker
+
+if TYPE_CHECKING:
+    from blockspec.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT_LENS = (3, 29, 11)  # NOTE: the last one arrives while the others decode (a mixed step, if enabled)
+WARMUP_ARRIVAL_STEP = 2
+
+
+def attention_workloads(runner: ModelRunner, worker: Worker) -> list[AttentionWorkload]:
+    """The Triton attention calls the engine can make, bounded by its flags."""
+    config = runner.config
+    max_batch_size = max([config.max_running_requests, *config.cuda_graph_bs])
+    max_seq_len = runner.max_positions
+    max_extend = min(config.chunk_budget or runner.context_length, runner.context_length)
+    uniform_q = worker.decode_slots_per_req
+    workloads: list[AttentionWorkload] = []
+    if isinstance(runner.attention, TritonAttentionBackend):
+        uniform_mode = ForwardMode.VERIFY if worker.is_speculative else ForwardMode.DECODE
+        workloads.append(AttentionWorkload(runner.attention, ForwardMode.EXTEND, 1, max_extend, max_batch_size, max_seq_len))
+        workloads.append(AttentionWorkload(runner.attention, uniform_mode, uniform_q, uniform_q, max_batch_size, max_seq_len))
+    draft_attention = getattr(worker, "draft_attention", None)
+    if isinstance(draft_attention, TritonAttentionBackend):
+        workloads.append(AttentionWorkload(draft_attention, ForwardMode.DRAFT, uniform_q, uniform_q, max_batch_size, max_seq_len))
+    return workloads
+
+
+@torch.inference_mode()
+def warm_attention(workloads: list[AttentionWorkload], req_to_token: torch.Tensor, dummy_row: int) -> int:
+    """Launches every variant of every workload once; returns how many."""
+    launched = 0
+    for workload in workloads:
+        variants = workload_variants(workload)
+        for variant in variants:
+            launch_variant(workload.backend, variant, req_to_token, dummy_row)
+        logger.info("attention warm-up, %s (q %d..%d, bs <= %d, seq <= %d): %d variants", workload.mode.value,
+                    workload.min_q, workload.max_q, workload.max_batch_size, workload.max_seq_len, len(variants))
+        logger.debug("attention variants: %s", "; ".join(v.describe() for v in variants))
+        launched += len(variants)
+    return launched
+
+
+def _warmup_requests(engine: "Engine", tag: str) -> list[Any]:
+    vocab = engine.runner.target_config.vocab_size
+    room = min(engine.runner.context_length, engine.runner.allocator.total_slots)
+    budget = room - 4 * engine.worker.decode_slots_per_req - 2  # NOTE: prompt + 2 blocks ahead fit any pool
+    lens = [max(1, min(n, budget)) for n in WARMUP_PROMPT_LENS]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
+    max_new = 2 * engine.worker.decode_slots_per_req + 2  # NOTE: >= 2 decode steps, so the overlap path runs
+    greedy = {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}
+    sampled = {"temperature": 0.8, "seed": 1, "max_new_tokens": max_new, "ignore_eos": True}
+    reqs, _ = engine.make_requests(
+        input_ids=prompts, sampling_params=[greedy, sampled, greedy],
+        rid=[f"warmup-{tag}-{i}" for i in range(len(prompts))],
+    )
+    return reqs
+
+
+def _run_requests(engine: "Engine", tag: str) -> None:
+    scheduler = engine.new_scheduler()
+    reqs = _warmup_requests(engine, tag)
+    for req in reqs[:-1]:
+        scheduler.add_request(req)
+    steps, arrived = 0, False
+    while scheduler.has_work or not arrived:
+        if not arrived and (steps == WARMUP_ARRIVAL_STEP or not scheduler.has_work):
+            scheduler.add_request(reqs[-1])
+            arrived = True
+        scheduler.step()
+        steps += 1
+    scheduler.steps.drain()
+    scheduler.collect_finished()
+
+
+def warm_engine_paths(engine: "Engine") -> int:
+    """Synthetic requests as configured, then with piecewise graphs off, then with full graphs off; returns the
+    number of passes. NOTE: the public switches are restored and the forward counts zeroed afterwards."""
+    runner = engine.runner
+    passes = [("configured", runner.piecewise_enabled, runner.graphs.enabled)]
+    if runner.piecewise is not None:
+        passes.append(("eager-extend", False, runner.graphs.enabled))
+    if bool(runner.graphs):
+        passes.append(("eager-uniform", runner.piecewise_enabled, False))
+    saved = (runner.piecewise_enabled, runner.graphs.enabled)
+    try:
+        for tag, piecewise, graphs in passes:
+            runner.piecewise_enabled, runner.graphs.enabled = piecewise, graphs
+            _run_requests(engine, tag)
+    finally:
+        runner.piecewise_enabled, runner.graphs.enabled = saved
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    for counts in (runner.graphs.counts, runner.piecewise_counts):
+        for key in counts:
+            counts[key] = 0
+    return len(passes)
+
+
+def warm_kernels(engine: "Engine") -> WarmupReport:
+    start = time.perf_counter()
+    runner = engine.runner
+    variants = warm_attention(attention_workloads(runner, engine.worker), runner.req_to_token.table,
+                              runner.req_to_token.dummy_row)
+    passes = warm_engine_paths(engine)
+    return WarmupReport(variants, passes, time.perf_counter() - start)

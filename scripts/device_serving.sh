@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One GPU call for serving work (the device tool's `run`, carrying .whl): installs the carried wheels (py-spy among
+# them), optionally runs the `gpu` tests (TEST_S > 0), then benchmarks/serving_vs_engine.py with SHAPES, MODES, CONC,
+# PYSPY_S (seconds of py-spy over the top level, 0 = none), TAG and EXTRA (more serve flags). JSON, PNG, logs and
+# profiles go to $OUT (else ./device-out).
+# Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) SHAPES=smollm2 PYSPY_S=5 scripts/device_serving.sh
+set -uo pipefail
+out=${OUT:-device-out}
+mkdir -p "$out"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ "${TEST_S:-0}" -gt 0 ]; then
+    timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_triton_ops.py \
+        tests/test_piecewise.py tests/test_triton_attention.py tests/test_overlap_schedule.py tests/test_pdl.py \
+        tests/test_dflash_oracle.py tests/test_dflash_lossless.py tests/test_step_plan.py tests/test_last_layer_tap.py} 2>&1 \
+        | tee "$out/gpu_tests_${BLOCKSPEC_COMMIT}.log" | tail -6
+fi
+timeout "${SERVE_S:-480}" python3 benchmarks/serving_vs_engine.py --shapes "${SHAPES:-smollm2,llama8b}" \
+    --modes "${MODES:-dflash,target}" --concurrency "${CONC:-1,8,64}" --max-rounds "${ROUNDS:-8}" \
+    --py-spy-s "${PYSPY_S:-0}" --tag "${TAG:-}" --out "$out" \
+    --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph ${EXTRA:-}" 2>&1 | tail -"${TAIL:-60}"

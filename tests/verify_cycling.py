@@ -1,0 +1,26 @@
+"""A verify-length policy for tests: cycles through a fixed sequence of lengths, one per cycle, at any batch size."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from blockspec.speculative.verify_length import AcceptanceStats, VerifyChoice
+
+
+class CyclingVerifyLength:
+    def __init__(self, sequence: Sequence[int]) -> None:
+        self.sequence = list(sequence)
+        self.lengths = tuple(sorted(set(sequence)))
+        self.used: list[int] = []
+        self.last: dict[int, VerifyChoice] = {}
+
+    def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
+        n = self.sequence[len(self.used) % len(self.sequence)]
+        self.used.append(n)
+        self.last[batch_size] = VerifyChoice(n, "test: cycling")
+        return self.last[batch_size]
+
+    def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
+        """Cycle times are not used."""
+
+    def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
+        return {"mode": "test"}
