@@ -23,11 +23,20 @@ from blockspec.request import Req
 
 class PrefixCache:
     def __init__(self, allocator: PageAllocator, table: ReqToTokenTable, enabled: bool) -> None:
+        """NOTE: one radix tree per KV pool: a second scheduler over the same pool (the start-up warm-up's) shares the
+        tree that is the allocator's reclaimer; only the hit counters are this cache's own."""
         self.allocator = allocator
         self.table = table
         self.page_size = allocator.page_size
-        self.tree = RadixTree(allocator.page_size) if enabled else None
-        allocator.reclaimer = self.tree
+        self.tree: RadixTree | None = None
+        if enabled:
+            existing = allocator.reclaimer
+            if existing is not None and not isinstance(existing, RadixTree):
+                raise RuntimeError(f"the KV pool already has a reclaimer of another kind: {type(existing).__name__}")
+            self.tree = existing if existing is not None else RadixTree(allocator.page_size)
+            allocator.reclaimer = self.tree
+        elif allocator.reclaimer is not None:
+            raise RuntimeError("a scheduler without the radix cache over a pool that has one")
         self.lookup_tokens = 0  # tokens admitted requests needed KV for (retracted ones: those not computed before)
         self.hit_tokens = 0  # of those, tokens whose KV came from the cache
 
