@@ -3,6 +3,7 @@ SSE error event and the others with a 503, all in the OpenAI error shape. Plus t
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -89,6 +90,18 @@ def _check_outcomes(clients: dict[str, tuple[threading.Thread, dict[str, Any]]],
     assert set(plain.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def sigterm_drains(proc: "subprocess.Popen[str]", url: str) -> None:
+    """Long and short requests in flight, SIGTERM: the short ones finish, the long ones end after the grace period
+    with 503s; the server exits 0 and stops listening."""
+    clients = _start_clients(url)
+    shutdown_at = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _check_outcomes(clients, shutdown_at)
+    assert proc.wait(timeout=60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)
+
+
 def test_stop_drains_in_flight_requests(tmp_path: Path) -> None:
     engine = Engine(model_path=str(save_text_model(tmp_path / "model")), device="cpu", dtype="float32", max_total_tokens=16384)
     server = BackgroundServer(engine, ServerSettings(port=0, shutdown_grace_s=GRACE_S)).start()
@@ -112,13 +125,7 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
         ["--model-path", str(model), "--max-total-tokens", "16384", "--shutdown-grace-s", str(GRACE_S)]
     )
     try:
-        clients = _start_clients(url)
-        shutdown_at = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        _check_outcomes(clients, shutdown_at)
-        assert proc.wait(timeout=30) == 0
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(url + "/health", timeout=2)
+        sigterm_drains(proc, url)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -30,6 +30,7 @@ class ServerSettings:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
+    api_server_count: int = 1
 
 
 @dataclass
@@ -98,6 +99,11 @@ _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
              "else it is closed, with a 408 if it sent part of one (default 10)",
     )),
     ("--timeout-keep-alive", dict(type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE, help="seconds an idle keep-alive connection stays open (uvicorn's, default 5)")),
+    ("--api-server-count", dict(
+        type=int, default=1,
+        help="HTTP server processes on the port (SO_REUSEPORT), each with its own event loop, tokenizer and "
+             "detokenizer, all in front of one engine process (default 1)",
+    )),
 ]
 
 
@@ -152,6 +158,8 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
         parser.error(f"--shutdown-grace-s must be a finite number >= 0, got {server.shutdown_grace_s}")
     if not (math.isfinite(server.header_timeout_s) and server.header_timeout_s > 0):
         parser.error(f"--header-timeout-s must be a finite number > 0, got {server.header_timeout_s}")
+    if not 1 <= server.api_server_count <= 64:
+        parser.error(f"--api-server-count must be in [1, 64], got {server.api_server_count}")
     if server.timeout_keep_alive < 1:
         parser.error(f"--timeout-keep-alive must be >= 1, got {server.timeout_keep_alive}")
     try:

@@ -10,11 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import msgspec
 import zmq
 
 from blockspec.engine import Engine
 from blockspec.request import FinishReason, Req
 from blockspec.server import wire
+from blockspec.server.frontend_links import FrontendLinks
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500
@@ -24,6 +26,7 @@ IDLE_POLL_MS = 500
 class _Tracked:
     req: Req
     stream: bool
+    frontend: int = 0
     sent_ids: int = 0
     sent_text: int = 0
     stops: list[str] = field(default_factory=list)
@@ -74,24 +77,19 @@ def _finish_stat(req: Req, now: float) -> wire.FinishStat:
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, to_engine: str, from_engine: str, parent_pid: Optional[int] = None) -> None:
+    def __init__(self, engine: Engine, to_engine: list[str], from_engine: list[str], parent_pid: Optional[int] = None) -> None:
+        """`to_engine[i]` / `from_engine[i]`: the addresses HTTP server process i bound."""
         self.engine = engine
-        self.to_engine = to_engine
-        self.from_engine = from_engine
         self.parent_pid = parent_pid
         self._tracked: dict[str, _Tracked] = {}
-        self._deltas: list[wire.DeltaOut] = []
-        self._finished: list[wire.FinishStat] = []
-        self._handled = 0  # NOTE: requests taken from the socket since the last StepStats
+        self._finished: list[wire.FinishStat] = []  # NOTE: every server gets all of them (complete metrics in each)
         self._context = zmq.Context()
-        self._pull = self._context.socket(zmq.PULL)
-        self._push = self._context.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
+        self.links = FrontendLinks(self._context, to_engine, from_engine)
+        self._pull = self.links.pull
 
     def run(self) -> None:
-        self._pull.connect(self.to_engine)
-        self._push.connect(self.from_engine)
-        self._send(wire.Ready(engine_info(self.engine)))
+        self.links.connect()
+        self.links.send(0, wire.Ready(engine_info(self.engine)))
         scheduler = self.engine.scheduler
         scheduler.detokenize_all = False  # NOTE: the server process detokenises (server/detokenize.py)
         try:
@@ -105,19 +103,15 @@ class EngineCore:
                     except Exception as exc:  # keep serving: fail what was in flight, free its KV
                         logger.exception("engine step failed")
                         self._fail_all(f"engine error: {exc}")
-                self._flush(stats=stepped or self._handled > 0 or bool(self._deltas))
+                self._flush(stats=stepped or self.links.has_pending)
         finally:
             scheduler.detokenize_all = True
             self._fail_all("the server is shutting down", status=503)
             self._drain_refused("the server is shutting down")
             self._flush(stats=True)
-            self._send(wire.Stopped())
-            self._pull.close(linger=0)
-            self._push.close(linger=5000)
+            self.links.send_all(wire.Stopped())
+            self.links.close()
             self._context.term()
-
-    def _send(self, message: wire.FromEngine) -> None:
-        self._push.send(wire.encode(message))  # NOTE: copied: zero-copy sends cost more than they save below ~64 KiB
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -134,7 +128,10 @@ class EngineCore:
             for message in wire.decode_to_engine(frame):
                 if isinstance(message, wire.Stop):
                     return False
-                self._handle(message)
+                try:
+                    self._handle(message)
+                except ValueError:  # NOTE: a message naming no server (frontend_of): nowhere to answer it
+                    logger.exception("dropped a message from the server")
 
     def _handle(self, message: wire.ToEngine) -> None:
         if isinstance(message, wire.AddRequest):
@@ -145,26 +142,28 @@ class EngineCore:
                 tracked.client_aborted = True
             self.engine.scheduler.abort(message.rid)
         elif isinstance(message, wire.Fail):
-            self._fail_all(message.message, status=503)
+            self._fail_all(message.message, status=503, frontend=message.frontend)
         elif isinstance(message, wire.Call):
             try:
                 if message.name.startswith("_"):
                     raise AttributeError(f"{message.name} is not an engine call")
-                self._send(wire.CallResult(message.call_id, getattr(self.engine, message.name)()))
+                result = wire.CallResult(message.call_id, getattr(self.engine, message.name)())
             except Exception as exc:
-                self._send(wire.CallResult(message.call_id, error=f"{type(exc).__name__}: {exc}"))
+                result = wire.CallResult(message.call_id, error=f"{type(exc).__name__}: {exc}")
+            self.links.send(self.links.frontend_of(message.frontend), result)
 
     def _add(self, message: wire.AddRequest) -> None:
-        self._handled += 1
+        frontend = self.links.frontend_of(message.frontend)
+        self.links.handled[frontend] += 1
         try:
             reqs, _ = self.engine.make_requests(input_ids=[message.input_ids], sampling_params=[message.params], rid=[message.rid])
         except ValueError as exc:
-            self._deltas.append(wire.DeltaOut(message.rid, "", [], error=str(exc), status=400))
+            self.links.deltas[frontend].append(wire.DeltaOut(message.rid, "", [], error=str(exc), status=400))
             return
         req = reqs[0]
         req.arrival_time = message.arrival_time
         req.top_logprobs_num = message.top_logprobs_num
-        tracked = _Tracked(req, message.stream, stops=list(req.params.stop))
+        tracked = _Tracked(req, message.stream, frontend, stops=list(req.params.stop))
         if req.rid in self._tracked:
             self._finish(tracked, error=f"rid {req.rid!r} is already in flight", status=400)
             return
@@ -186,20 +185,26 @@ class EngineCore:
                 self._push_delta(tracked, final=False)
 
     def _flush(self, stats: bool) -> None:
-        if not self._deltas and not stats:
+        links = self.links
+        if not stats and not any(links.deltas):
             return
-        step_stats = None
+        base = None
         if stats:
             scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
             histogram = list(scheduler.spec_accept_histogram) if self.engine.worker.is_speculative else None
-            step_stats = wire.StepStats(
-                len(scheduler.running), len(scheduler.waiting), self._handled, allocator.total_slots, allocator.free_slots,
+            base = wire.StepStats(
+                len(scheduler.running), len(scheduler.waiting), 0, allocator.total_slots, allocator.free_slots,
                 histogram, self._finished, self.engine.kernel_compiles_after_startup, *self._verify_stats(),
             )
-            self._handled = 0
             self._finished = []
-        self._send(wire.Outputs(self._deltas, step_stats))
-        self._deltas = []
+        for frontend in range(links.count):
+            if base is None and not links.deltas[frontend]:
+                continue
+            step_stats = None if base is None else msgspec.structs.replace(base, handled=links.handled[frontend])
+            links.send(frontend, wire.Outputs(links.deltas[frontend], step_stats))
+            links.deltas[frontend] = []
+            if base is not None:
+                links.handled[frontend] = 0
 
     def _verify_stats(self) -> tuple[Optional[list[wire.VerifyLengthStat]], Optional[list[float]]]:
         """DFlash's verify length per batch size (and what it was chosen on), and the per-position acceptance rates."""
@@ -235,7 +240,7 @@ class EngineCore:
         if req.wants_logprobs:
             delta.logprobs = req.output_token_logprobs[tracked.sent_ids:len(ids)]
             delta.top_logprobs = req.output_top_logprobs[tracked.sent_ids:len(ids)]
-        self._deltas.append(delta)
+        self.links.deltas[tracked.frontend].append(delta)
         tracked.sent_ids = len(ids)
 
     def _finish(self, tracked: _Tracked, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
@@ -254,16 +259,20 @@ class EngineCore:
         else:
             self._push_delta(tracked, final=True, output=output)
 
-    def _fail_all(self, message: str, status: int = 500) -> None:
+    def _fail_all(self, message: str, status: int = 500, frontend: Optional[int] = None) -> None:
+        """Ends the requests in flight (those of `frontend` only, when given) with an error; frees their KV."""
         scheduler = self.engine.scheduler
-        for rid in list(self._tracked):
+        failing = [rid for rid, t in self._tracked.items() if frontend is None or t.frontend == frontend]
+        for rid in failing:
             scheduler.abort(rid)
         try:
-            scheduler.collect_finished()
+            finished = scheduler.collect_finished()
         except Exception:
             logger.exception("could not release the KV of failed requests")
-        for rid in list(self._tracked):
+            finished = []
+        for rid in failing:
             self._finish(self._tracked.pop(rid), error=message, status=status)
+        self._publish([req for req in finished if req.rid in self._tracked])
 
     def _drain_refused(self, message: str) -> None:
         """Requests still on the socket never reached the scheduler; calls there stay unanswered (the client fails
@@ -274,6 +283,6 @@ class EngineCore:
             except zmq.Again:
                 return
             for request in wire.decode_to_engine(frame):
-                if isinstance(request, wire.AddRequest):
-                    self._handled += 1
-                    self._deltas.append(wire.DeltaOut(request.rid, "", [], error=message, status=503))
+                if isinstance(request, wire.AddRequest) and 0 <= request.frontend < self.links.count:
+                    self.links.handled[request.frontend] += 1
+                    self.links.deltas[request.frontend].append(wire.DeltaOut(request.rid, "", [], error=message, status=503))

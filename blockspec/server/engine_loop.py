@@ -18,7 +18,8 @@ from blockspec.request import Req
 from blockspec.server import wire
 from blockspec.server.engine_core import _held_back
 from blockspec.server.detokenize import OutputTexts
-from blockspec.server.engine_process import EngineHandle, EngineThread
+from blockspec.server.engine_process import EngineHandle, EngineThread, RemoteEngine
+from blockspec.server.frontends import EngineAddresses
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
 
@@ -41,8 +42,15 @@ class EngineLoadError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Union[Engine, EngineHandle], metrics: Optional[ServerMetrics] = None, max_queued_requests: int = 1024) -> None:
+    def __init__(self, engine: Union[Engine, EngineHandle], metrics: Optional[ServerMetrics] = None, max_queued_requests: int = 1024,
+                 addresses: Optional[EngineAddresses] = None, frontend: int = 0) -> None:
+        """`addresses`: every HTTP server process's socket pair (default: one, made at launch); `frontend`: this
+        process's index in them. A RemoteEngine handle means another server process launched the engine."""
         self.handle = EngineThread(engine) if isinstance(engine, Engine) else engine
+        self.addresses = addresses
+        self.frontend = frontend
+        self.owns_engine = not isinstance(self.handle, RemoteEngine)
+        self.before_stop: list[Callable[[], None]] = []  # NOTE: run (off the loop) before the engine is stopped
         self.info = self.handle.info
         self.metrics = metrics
         if self.metrics is None and self.info is not None:
@@ -77,15 +85,18 @@ class EngineLoop:
         if self._launched:
             return
         self._launched = True
-        self._dir = tempfile.TemporaryDirectory(prefix="blockspec-zmq-")
+        if self.addresses is None:
+            self.addresses = EngineAddresses.create(1)
         self._context = zmq.Context()
         self._to = self._context.socket(zmq.PUSH)
         self._to.setsockopt(zmq.SNDHWM, 0)
         self._from = self._context.socket(zmq.PULL)
-        to_addr, from_addr = (f"ipc://{Path(self._dir.name) / name}" for name in ("to_engine", "from_engine"))
-        self._to.bind(to_addr)
-        self._from.bind(from_addr)
-        self.handle.launch(to_addr, from_addr)
+        self._to.bind(self.addresses.to_engine[self.frontend])
+        self._from.bind(self.addresses.from_engine[self.frontend])
+        if not self.owns_engine:
+            self.alive = True
+            return
+        self.handle.launch(self.addresses.to_engine, self.addresses.from_engine)
         deadline = time.monotonic() + startup_timeout
         while not self._from.poll(100):
             if not self.handle.is_alive() or time.monotonic() > deadline:
@@ -109,7 +120,9 @@ class EngineLoop:
         if not self._launched or self._stopping:
             return
         self._stopping = True
-        if self.alive and self.handle.is_alive():
+        for hook in self.before_stop:
+            await asyncio.get_running_loop().run_in_executor(None, hook)
+        if self.owns_engine and self.alive and self.handle.is_alive():
             self._send(wire.Stop())
             try:
                 await asyncio.wait_for(self._stopped.wait(), timeout)
@@ -124,7 +137,8 @@ class EngineLoop:
         self._to.close(linger=0)
         self._from.close(linger=0)
         self._context.term()
-        self._dir.cleanup()
+        if self.owns_engine and self.addresses is not None:
+            self.addresses.cleanup()
 
     # ---- HTTP side -----------------------------------------------------------------------------
     @property
@@ -142,7 +156,7 @@ class EngineLoop:
     def fail_in_flight(self, message: str) -> None:
         """Ends every request in flight with `message` (503) in the engine, freeing its KV."""
         if self.alive:
-            self._send(wire.Fail(message))
+            self._send(wire.Fail(message, self.frontend))
 
     def _send(self, message: wire.ToEngine) -> None:
         """Queues `message`; everything queued in one event-loop pass goes to the engine as one frame."""
@@ -180,7 +194,7 @@ class EngineLoop:
             self._routes[req.rid] = (submission, index)
             params = dataclasses.asdict(req.params)
             self._send(wire.AddRequest(
-                req.rid, list(req.all_ids[:req.prompt_len]), params, stream, now, req.top_logprobs_num
+                req.rid, list(req.all_ids[:req.prompt_len]), params, stream, now, req.top_logprobs_num, self.frontend
             ))
         return submission
 
@@ -195,7 +209,7 @@ class EngineLoop:
         self._next_call += 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[self._next_call] = future
-        self._send(wire.Call(self._next_call, name))
+        self._send(wire.Call(self._next_call, name, self.frontend))
         return await future
 
     # ---- routing -------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ class EngineHandle(ABC):
     info: Optional[wire.EngineInfo] = None  # known before launch for an in-process engine, else from Ready
 
     @abstractmethod
-    def launch(self, to_engine: str, from_engine: str) -> None: ...
+    def launch(self, to_engine: list[str], from_engine: list[str]) -> None:
+        """Starts the core against every HTTP server process's address pair (index i: server process i)."""
 
     @abstractmethod
     def is_alive(self) -> bool: ...
@@ -41,7 +42,7 @@ class EngineThread(EngineHandle):
         self.info = engine_info(engine)
         self._thread: Optional[threading.Thread] = None
 
-    def launch(self, to_engine: str, from_engine: str) -> None:
+    def launch(self, to_engine: list[str], from_engine: list[str]) -> None:
         core = EngineCore(self.engine, to_engine, from_engine)
         self._thread = threading.Thread(target=core.run, name="blockspec-engine", daemon=True)
         self._thread.start()
@@ -54,7 +55,8 @@ class EngineThread(EngineHandle):
             self._thread.join(timeout)
 
 
-def run_engine_process(engine_kwargs: dict[str, Any], to_engine: str, from_engine: str, parent_pid: int, log_level: str) -> None:
+def run_engine_process(engine_kwargs: dict[str, Any], to_engine: list[str], from_engine: list[str], parent_pid: int,
+                       log_level: str) -> None:
     """Entry point of the engine process: load the Engine, then serve the sockets until Stop or the parent is gone."""
     # NOTE: the server process owns shutdown (it drains, then sends Stop); a terminal's Ctrl-C reaches the whole
     # process group, so the engine ignores it.
@@ -66,7 +68,7 @@ def run_engine_process(engine_kwargs: dict[str, Any], to_engine: str, from_engin
     except (ValueError, FileNotFoundError, OSError) as exc:
         context = zmq.Context()
         push = context.socket(zmq.PUSH)
-        push.connect(from_engine)
+        push.connect(from_engine[0])
         push.send(wire.encode(wire.LoadFailed(str(exc))))
         push.close(linger=5000)
         context.term()
@@ -83,7 +85,7 @@ class EngineProcess(EngineHandle):
         self.log_level = log_level
         self.process: Optional[multiprocessing.process.BaseProcess] = None
 
-    def launch(self, to_engine: str, from_engine: str) -> None:
+    def launch(self, to_engine: list[str], from_engine: list[str]) -> None:
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
             target=run_engine_process,
@@ -107,3 +109,27 @@ class EngineProcess(EngineHandle):
     @property
     def exitcode(self) -> Optional[int]:
         return None if self.process is None else self.process.exitcode
+
+
+class RemoteEngine(EngineHandle):
+    """The engine as an extra HTTP server process sees it (`--api-server-count`): launched by the first server
+    process, known by its EngineInfo and pid; alive while that pid is."""
+
+    def __init__(self, info: wire.EngineInfo) -> None:
+        self.info = info
+
+    def launch(self, to_engine: list[str], from_engine: list[str]) -> None:
+        raise RuntimeError("this engine was launched by another server process")
+
+    def is_alive(self) -> bool:
+        assert self.info is not None
+        try:
+            os.kill(self.info.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # NOTE: exists, owned by someone else: not ours, but alive
+            return True
+        return True
+
+    def join(self, timeout: float) -> None:
+        return None

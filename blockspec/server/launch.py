@@ -3,15 +3,17 @@ thread with an in-process Engine (tests, notebooks)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
+import os
 import signal
 import socket
 import sys
 import threading
 import time
 from types import FrameType
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -20,7 +22,9 @@ from blockspec.engine import Engine
 from blockspec.server.app import create_app, get_state_of
 from blockspec.server.args import ServeArgs, ServerSettings, parse_serve_args
 from blockspec.server.engine_loop import EngineLoadError, EngineLoop
-from blockspec.server.engine_process import EngineProcess
+from blockspec.server.engine_process import EngineProcess, RemoteEngine
+from blockspec.server.frontends import EngineAddresses, FrontendGroup, reuse_port_socket
+from blockspec.server.wire import EngineInfo
 from blockspec.server.http_protocol import h11_protocol_with_header_timeout
 from blockspec.startup.report import summary_line
 
@@ -34,12 +38,16 @@ class DrainingServer(uvicorn.Server):
     `grace_s` the engine ends what is still running with 503s / SSE error events, before uvicorn would cut the
     connections (its own timeout is `grace_s` plus a margin to deliver them)."""
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float,
+                 frontends: Optional[FrontendGroup] = None) -> None:
         super().__init__(config)
         self.engine_loop = engine_loop
         self.grace_s = grace_s
+        self.frontends = frontends  # NOTE: they drain at the same time as this process (SIGTERM now, joined later)
 
     async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        if self.frontends is not None:
+            self.frontends.terminate()
         self.engine_loop.begin_drain()
         deadline = asyncio.get_running_loop().call_later(self.grace_s, self.engine_loop.fail_in_flight, DRAIN_MESSAGE)
         try:
@@ -48,7 +56,7 @@ class DrainingServer(uvicorn.Server):
             deadline.cancel()
 
 
-def _make_server(app: FastAPI, settings: ServerSettings) -> DrainingServer:
+def _make_server(app: FastAPI, settings: ServerSettings, frontends: Optional[FrontendGroup] = None) -> DrainingServer:
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -59,7 +67,7 @@ def _make_server(app: FastAPI, settings: ServerSettings) -> DrainingServer:
         timeout_keep_alive=settings.timeout_keep_alive,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + SHUTDOWN_MARGIN_S,
     )
-    return DrainingServer(config, get_state_of(app).loop, settings.shutdown_grace_s)
+    return DrainingServer(config, get_state_of(app).loop, settings.shutdown_grace_s, frontends)
 
 
 class _Terminated(Exception):
@@ -71,36 +79,86 @@ def _raise_terminated(signum: int, frame: Optional[FrameType]) -> None:
 
 
 def run_server(args: ServeArgs) -> int:
-    """Starts the engine process, then serves until interrupted. Returns the process exit code: 1 when the model
-    cannot be loaded or the engine process dies."""
+    """Starts the engine process (and the extra HTTP server processes of --api-server-count), then serves until
+    interrupted. Returns the process exit code: 1 when the model cannot be loaded or the engine process dies."""
     logging.basicConfig(level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_loop = EngineLoop(EngineProcess(args.engine, args.server.log_level))
+    count = args.server.api_server_count
+    addresses = EngineAddresses.create(count)
+    engine_loop = EngineLoop(EngineProcess(args.engine, args.server.log_level), addresses=addresses)
     try:
         engine_loop.launch()
     except EngineLoadError as exc:
         print(f"blockspec serve: error: could not load the model: {exc}", file=sys.stderr)
         return 1
-    server = _make_server(create_app(engine_loop, args.server), args.server)
+    assert engine_loop.info is not None
+    sockets, frontends = None, None
+    if count > 1:
+        sockets = [reuse_port_socket(args.server.host, args.server.port)]
+        args = dataclasses.replace(args, server=dataclasses.replace(args.server, port=int(sockets[0].getsockname()[1])))
+        frontends = FrontendGroup(run_extra_frontend, count, (args, addresses.portable(), engine_loop.info, os.getpid()))
+        stop_s = args.server.shutdown_grace_s + 2 * SHUTDOWN_MARGIN_S
+        engine_loop.before_stop.append(lambda: frontends.stop(stop_s))
+    server = _make_server(create_app(engine_loop, args.server), args.server, frontends)
 
     def engine_died() -> None:
         server.should_exit = True
 
     engine_loop.on_death.append(engine_died)
-    assert engine_loop.info is not None
+    if frontends is not None:
+        try:
+            frontends.start()
+        except RuntimeError as exc:
+            print(f"blockspec serve: error: {exc}", file=sys.stderr)
+            asyncio.run(engine_loop.stop())
+            return 1
     print(f"blockspec: {summary_line(engine_loop.info.startup)}", file=sys.stderr, flush=True)
-    print(f"blockspec: serving {args.engine['model_path']} on http://{args.server.host}:{args.server.port}", file=sys.stderr, flush=True)
-    # NOTE: uvicorn drains on SIGINT/SIGTERM, then re-raises the signal; ours makes that a clean exit too.
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        server.run()
-    except (KeyboardInterrupt, _Terminated):
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    print(f"blockspec: serving {args.engine['model_path']} on http://{args.server.host}:{args.server.port}"
+          + (f" ({count} HTTP server processes)" if count > 1 else ""), file=sys.stderr, flush=True)
+    _serve(server, sockets)
     if engine_loop.died:
         print("blockspec serve: error: the engine process died", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve(server: "DrainingServer", sockets: Optional[list[socket.socket]]) -> None:
+    # NOTE: uvicorn drains on SIGINT/SIGTERM, then re-raises the signal; ours makes that a clean exit too.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        server.run(sockets=sockets)
+    except (KeyboardInterrupt, _Terminated):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_extra_frontend(index: int, ready: Any, args: ServeArgs, addresses: EngineAddresses, info: EngineInfo,
+                       parent_pid: int) -> None:
+    """Entry point of HTTP server process `index` (>= 1) of --api-server-count: the same app in front of the engine
+    the first process launched; exits 1 when the engine dies, and on its own when the first process is gone."""
+    logging.basicConfig(level=args.server.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[http-{index}]: %(message)s")
+    engine_loop = EngineLoop(RemoteEngine(info), addresses=addresses, frontend=index)
+    engine_loop.launch()
+    server = _make_server(create_app(engine_loop, args.server), args.server)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    engine_loop.on_death.append(stop)
+
+    def watch_parent() -> None:
+        while not server.started:
+            time.sleep(0.05)
+        ready.set()
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        logger.error("the first server process is gone; stopping")
+        stop()
+
+    threading.Thread(target=watch_parent, name="blockspec-parent-watch", daemon=True).start()
+    _serve(server, [reuse_port_socket(args.server.host, args.server.port)])
+    sys.exit(1 if engine_loop.died else 0)
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "blockspec serve") -> int:
@@ -112,6 +170,8 @@ class BackgroundServer:
 
     def __init__(self, engine: Engine, settings: Optional[ServerSettings] = None, startup_timeout: float = 60.0) -> None:
         self.settings = settings or ServerSettings(port=0)
+        if self.settings.api_server_count != 1:
+            raise ValueError("api_server_count > 1 needs `blockspec serve` (the engine in a process of its own)")
         self.engine = engine
         self.app = create_app(engine, self.settings)
         self._server = _make_server(self.app, self.settings)

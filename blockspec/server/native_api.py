@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from contextlib import aclosing
 from typing import Any, AsyncIterator, cast
 
@@ -118,6 +119,7 @@ async def _server_info(request: Request) -> dict[str, Any]:
         num_queued_requests=state.loop.num_queued,
         version=blockspec.__version__,
         engine_pid=state.info.pid,
+        api_server={"index": state.loop.frontend, "count": state.settings.api_server_count, "pid": os.getpid()},
     )
     return info
 

@@ -14,6 +14,7 @@ class AddRequest(msgspec.Struct, tag=True):
     stream: bool
     arrival_time: float  # time.monotonic() in the server process (one clock for every process of a host)
     top_logprobs_num: Optional[int] = None  # None: no logprobs (Req.top_logprobs_num)
+    frontend: int = 0  # which HTTP server process sent it (--api-server-count): its deltas go back there
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -21,9 +22,10 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Fail(msgspec.Struct, tag=True):
-    """End every request in flight with `message` (503)."""
+    """End every request in flight that `frontend` sent (all of them when None) with `message` (503)."""
 
     message: str
+    frontend: Optional[int] = None
 
 
 class Call(msgspec.Struct, tag=True):
@@ -31,6 +33,7 @@ class Call(msgspec.Struct, tag=True):
 
     call_id: int
     name: str
+    frontend: int = 0
 
 
 class Stop(msgspec.Struct, tag=True):
