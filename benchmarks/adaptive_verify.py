@@ -117,24 +117,27 @@ def measure_dflash(engine: Engine, profile: str, context: int, bs: int, args: ar
     adaptive = worker.verify_policy
     fixed = full_block(worker.block_size, "benchmark: the full block every cycle")
     worker.simulated.set_profile(profile)
-    worker.acceptance = AcceptanceStats(worker.block_size - 1)
+    # NOTE: each mode learns acceptance from its own cycles only: adaptive must not see full-block verifies it
+    # would not have run itself.
+    stats = {"fixed": AcceptanceStats(worker.block_size - 1), "adaptive": AcceptanceStats(worker.block_size - 1)}
+    policies = {"fixed": fixed, "adaptive": adaptive}
     reqs = prefill(engine, bs, context, engine.runner.target_config.vocab_size)
     totals = {"fixed": [0, 0.0], "adaptive": [0, 0.0]}
-    for policy in (fixed, adaptive, adaptive):  # NOTE: warm-up: live acceptance and cycle times settle here
-        worker.verify_policy = policy
+    for mode in ("fixed", "adaptive", "adaptive"):  # NOTE: warm-up: live acceptance and cycle times settle here
+        worker.verify_policy, worker.acceptance = policies[mode], stats[mode]
         timed_block(engine, reqs, args.block_steps)
     used: dict[int, int] = {}
     for round_index in range(args.rounds):
         order = ("fixed", "adaptive") if round_index % 2 == 0 else ("adaptive", "fixed")
         for mode in order:
-            worker.verify_policy = fixed if mode == "fixed" else adaptive
+            worker.verify_policy, worker.acceptance = policies[mode], stats[mode]
             tokens, seconds = timed_block(engine, reqs, args.block_steps)
             totals[mode][0] += tokens
             totals[mode][1] += seconds
             if mode == "adaptive":
                 n = adaptive.last[bs].num_draft_tokens
                 used[n] = used.get(n, 0) + 1
-    worker.verify_policy = adaptive
+    worker.verify_policy, worker.acceptance = adaptive, stats["adaptive"]
     choice = adaptive.last[bs]
     row = {"fixed_tok_s": totals["fixed"][0] / totals["fixed"][1],
            "adaptive_tok_s": totals["adaptive"][0] / totals["adaptive"][1],

@@ -1,65 +1,87 @@
-"""Where the host time of a serving run goes: py-spy over the server process and its engine process while closed-loop
-clients keep it busy (serving_vs_engine.py --py-spy-s S), and a summary of py-spy's raw (collapsed) stacks.
+"""Where the host time of a serving run goes: a server started under py-spy (the server and its engine process) while
+closed-loop clients keep it busy (serving_vs_engine.py --py-spy-s S), and a summary of py-spy's raw stacks.
 
 `python benchmarks/serving_profile.py FILE.txt [--top N]` prints, per process, the busiest functions by self and by
 inclusive samples (idle waits — zmq poll, selectors, sleeping threads — counted apart)."""
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
-import subprocess
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
 SAMPLE_RATE = 250  # samples per second per thread
+FOCUS = ("EngineCore.run ",)  # NOTE: the engine process's serving loop
 IDLE_MARKERS = ("select (selectors.py", "poll (zmq", "_poll (zmq", "wait (threading.py", "_worker (concurrent",
                 "epoll", "run_forever (asyncio", "recv (zmq", "sleep")
 
 
-def record(pid: int, seconds: float, out_path: Path, rate: int = SAMPLE_RATE) -> subprocess.Popen[bytes]:
-    """Starts py-spy on `pid` and its children (the engine process) for `seconds`; raw collapsed stacks to out_path."""
+def py_spy_wrapper(out_path: Path, rate: int = SAMPLE_RATE) -> list[str]:
+    """The command prefix that runs the server as py-spy's child (with its engine process): a profiler that is the
+    target's parent may read it where ptrace is limited to descendants (containers, Yama scope 1), as on the device."""
     exe = shutil.which("py-spy")
     if exe is None:
         raise RuntimeError("py-spy is not installed (pip install py-spy)")
-    command = [exe, "record", "--pid", str(pid), "--subprocesses", "--duration", str(math.ceil(seconds)),
-               "--rate", str(rate), "--format", "raw", "--nonblocking", "--output", str(out_path)]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return [exe, "record", "--subprocesses", "--rate", str(rate), "--format", "raw", "--nonblocking",
+            "--output", str(out_path), "--"]
 
 
-def profile_level(pid: int, seconds: float, out_path: Path, run_clients: Callable[[], Any]) -> str:
-    """Runs `run_clients` (which must keep the server busy for >= `seconds`) under py-spy; returns the summary."""
-    spy = record(pid, seconds, out_path)
-    try:
-        run_clients()
-    finally:
-        _, err = spy.communicate(timeout=seconds + 60)
+def profile_server(start_server: Callable[[list[str]], Any], out_path: Path, run_clients: Callable[[str], Any]) -> str:
+    """Starts a server under py-spy (`start_server(wrapper)` returns a context manager with `base_url`), runs
+    `run_clients(base_url)`, stops it (py-spy writes on its exit) and returns the summary of the serving loops."""
+    with start_server(py_spy_wrapper(out_path)) as server:
+        run_clients(server.base_url)
     if not out_path.exists():
-        raise RuntimeError(f"py-spy wrote nothing: {err.decode(errors='replace')[-500:]}")
-    return summarize(out_path)
+        raise RuntimeError("py-spy wrote nothing")
+    return summarize(out_path, focus=FOCUS)
 
 
-def _frames(stack: str) -> list[str]:
-    return [f for f in stack.split(";") if f]
+def profile_top_level(start_server: Callable[[list[str]], Any], sent: list[list[int]], concurrency: int,
+                      args: argparse.Namespace, stem: Path) -> None:
+    """serving_vs_engine.py --py-spy-s: a fresh server under py-spy, a warm-up, then `sent` at `concurrency` closed-loop
+    clients; raw stacks to STEM.txt, the summary to STEM_summary.txt (and stdout)."""
+    from serving_vs_engine_support import client_namespace, measure_level, run_clients
+
+    def clients(url: str) -> None:
+        measure_level(client_namespace(url, args.warmup_new_tokens, args.request_timeout), sent[:args.warmup],
+                      concurrency, 0.0, args.seed)
+        run_clients(client_namespace(url, args.max_new_tokens, args.request_timeout), sent, concurrency, 0.0,
+                    args.seed, args.client_procs)
+
+    summary = profile_server(start_server, stem.with_suffix(".txt"), clients)
+    stem.with_name(stem.name + "_summary.txt").write_text(summary + "\n")
+    print(summary, flush=True)
 
 
-def summarize(path: Path, top: int = 15, rate: int = SAMPLE_RATE) -> str:
-    """Per process (py-spy's `process PID:"cmdline"` frames with --subprocesses): busy share and top functions."""
-    self_counts: dict[str, Counter[str]] = defaultdict(Counter)
-    inclusive: dict[str, Counter[str]] = defaultdict(Counter)
-    totals: Counter[str] = Counter()
-    idle: Counter[str] = Counter()
+def _stacks(path: Path) -> list[tuple[str, list[str], int]]:
+    """(process, frames below its process frame, samples) per line of py-spy's raw output."""
+    out = []
     for line in path.read_text(errors="replace").splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
-        count = int(count_text)
-        frames = _frames(stack)
+        frames = [f for f in stack.split(";") if f]
         # NOTE: with --subprocesses a child's stacks sit under its parent's process frame: the last one names it.
         starts = [i for i, frame in enumerate(frames) if frame.startswith("process ")]
         process = frames[starts[-1]] if starts else "process ?"
-        body = frames[starts[-1] + 1:] if starts else frames
+        out.append((process, frames[starts[-1] + 1:] if starts else frames, int(count_text)))
+    return out
+
+
+def summarize(path: Path, top: int = 15, rate: int = SAMPLE_RATE, focus: tuple[str, ...] = ()) -> str:
+    """Per process (py-spy's `process PID:"cmdline"` frames with --subprocesses): busy share and top functions.
+    `focus`: in a process with stacks through one of these frames, only those stacks count (the engine's serving
+    loop, not its start-up)."""
+    stacks = _stacks(path)
+    focused = {process for process, body, _ in stacks if any(f.startswith(focus) for f in body)} if focus else set()
+    self_counts: dict[str, Counter[str]] = defaultdict(Counter)
+    inclusive: dict[str, Counter[str]] = defaultdict(Counter)
+    totals: Counter[str] = Counter()
+    idle: Counter[str] = Counter()
+    for process, body, count in stacks:
+        if process in focused and not any(f.startswith(focus) for f in body):
+            continue
         totals[process] += count
         if any(marker in frame for frame in body[-2:] for marker in IDLE_MARKERS):
             idle[process] += count
@@ -86,5 +108,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=Path)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--focus", nargs="*", default=list(FOCUS), help="frames (prefixes) a process's stacks must "
+                        "pass through, in processes that have any (default: the engine's serving loop)")
     ns = parser.parse_args()
-    print(summarize(ns.path, ns.top))
+    print(summarize(ns.path, ns.top, focus=tuple(ns.focus)))

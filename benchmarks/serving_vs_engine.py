@@ -28,7 +28,7 @@ from typing import Any, Optional, cast
 
 from blockspec.bench.serving import load_prompts
 from serving_vs_engine_support import (
-    DEFAULT_ACCEPT, ROOT, SHAPES, ServerProcess, Shape, client_namespace, log_tail, materialise, measure_level, run_clients,
+    DEFAULT_ACCEPT, ROOT, SHAPES, ServerProcess, Shape, client_namespace, log_tail, materialise, measure_level,
     run_engine_phase,
 )
 
@@ -179,14 +179,24 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens}
     log_path = workdir / f"server_{shape.name}_{mode}.log"
     try:
-        run_server_levels(ServerProcess(serve_flags(kwargs) + extra_tokens, log_path, args.startup_timeout), args,
-                          prompts, base, report)
+        levels = run_server_levels(ServerProcess(serve_flags(kwargs) + extra_tokens, log_path, args.startup_timeout),
+                                   args, prompts, base, report)
+        if args.py_spy_s > 0 and levels:
+            from serving_profile import profile_top_level
+
+            top = max(levels, key=lambda l: l["concurrency"])
+            repeats = max(1, math.ceil(1.3 * args.py_spy_s / top["duration_s"]))
+            profile_top_level(lambda wrapper: ServerProcess(serve_flags(kwargs) + extra_tokens, log_path,
+                                                            args.startup_timeout, wrapper=wrapper),
+                              level_prompts(prompts, top["concurrency"], args) * repeats, top["concurrency"], args,
+                              args.out / (report.path.stem + f"_py_spy_{shape.name}_{mode}"))
     except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"{exc}\nserver log tail:\n{log_tail(log_path)}") from exc
 
 
 def run_server_levels(process: ServerProcess, args: argparse.Namespace, prompts: list[list[int]], base: dict[str, Any],
-                      report: Report) -> None:
+                      report: Report) -> list[dict[str, Any]]:
+    """The closed-loop levels (and the Poisson run) against one server; returns the closed-loop levels."""
     with process as server:
         warm = prompts[: min(args.warmup, len(prompts))]
         if warm:
@@ -204,21 +214,7 @@ def run_server_levels(process: ServerProcess, args: argparse.Namespace, prompts:
             rate = POISSON_FRACTION * top["request_throughput"]
         if rate:
             add_row(report, base, measure_level(ns, prompts, None, rate, args.seed, args.client_procs))
-        if args.py_spy_s > 0 and levels:
-            profile_top_level(server, ns, prompts, levels, base, args, report)
-
-
-def profile_top_level(server: ServerProcess, ns: argparse.Namespace, prompts: list[list[int]], levels: list[dict[str, Any]],
-                      base: dict[str, Any], args: argparse.Namespace, report: Report) -> None:
-    from serving_profile import profile_level
-
-    top = max(levels, key=lambda l: l["concurrency"])
-    sent = level_prompts(prompts, top["concurrency"], args) * max(1, math.ceil(1.3 * args.py_spy_s / top["duration_s"]))
-    stem, pid = report.path.stem + f"_py_spy_{base['shape']}_{base['mode']}", cast(subprocess.Popen, server.proc).pid
-    summary = profile_level(pid, args.py_spy_s, args.out / f"{stem}.txt",
-                            lambda: run_clients(ns, sent, top["concurrency"], 0.0, args.seed, args.client_procs))
-    (args.out / f"{stem}_summary.txt").write_text(summary + "\n")
-    print(summary, flush=True)
+    return levels
 
 
 def level_prompts(prompts: list[list[int]], concurrency: int, args: argparse.Namespace) -> list[list[int]]:

@@ -7,17 +7,13 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty
-from types import TracebackType
 from typing import Any, Optional
 
 import httpx
@@ -27,8 +23,8 @@ from blockspec.bench.client import (
 )
 from blockspec.bench.report import percentile
 from blockspec.bench.serving import RequestResult, one_request, run_level
+from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
 
-ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DRAFT = ROOT / "blockspec" / "assets" / "smollm2-135m-dflash-b16"
 SMOLLM2 = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -47,6 +43,8 @@ TINY_DRAFT = dict(
     max_position_embeddings=1024, rope_theta=10000.0, block_size=4, num_target_layers=4,
     dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 2]},
 )
+__all__ = ["ROOT", "ServerProcess", "free_port", "log_tail", "materialise", "measure_level", "run_clients",
+           "run_engine_phase", "client_namespace", "Shape", "SHAPES", "DEFAULT_ACCEPT"]
 DEFAULT_ACCEPT = {"llama8b": 4.0, "smollm2": 3.2, "tiny": 2.0}
 SHAPES = tuple(DEFAULT_ACCEPT)
 
@@ -81,16 +79,6 @@ def materialise(name: str, root: Path, model_dir: Optional[Path], draft_dir: Opt
     target = model_dir or target
     vocab = int(json.loads((target / "config.json").read_text())["vocab_size"])
     return Shape(name, target, draft_dir or draft, vocab)
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
 
 def run_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
@@ -149,53 +137,6 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     }
     engine.shutdown()
     out_path.write_text(json.dumps(result))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class ServerProcess:
-    """`python -m blockspec.serve` on a free loopback port; healthy on enter, SIGTERM (then SIGKILL) on exit."""
-
-    def __init__(self, flags: list[str], log_path: Path, startup_timeout: float, stop_timeout: float = 60.0) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "blockspec.serve", *flags, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.log_path = log_path
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self.proc: Optional[subprocess.Popen[bytes]] = None
-
-    def __enter__(self) -> "ServerProcess":
-        with self.log_path.open("w") as log:
-            # NOTE: a session of its own, so a server that ignores SIGTERM is killed with every process it started.
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before it was healthy")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"server not healthy after {self.startup_timeout:.0f}s")
-
-    def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(self.stop_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def client_namespace(base_url: str, max_new_tokens: int, timeout: float) -> argparse.Namespace:

@@ -79,7 +79,7 @@ def test_adaptive_is_off_by_default_without_graphs(trained_pair: dict[str, Any])
     engine = cpu_engine(trained_pair["root"], True)
     info = engine.get_server_info()["internal_states"][0]["verify_length"]
     assert info["mode"] == "fixed" and info["verify_lengths"] == [8]
-    assert "CUDA graphs" in info["reason"] and "speculative_adaptive_verify on" in info["reason"]
+    assert "CUDA graph" in info["reason"] and "speculative_adaptive_verify on" in info["reason"]
 
 
 def test_fixed_schedule_by_batch_size(trained_pair: dict[str, Any]) -> None:

@@ -184,9 +184,12 @@ def test_dflash_flashinfer_equals_target_only_and_triton(tiny: Path, page_size: 
 
 
 def test_dflash_flashinfer_adaptive_verify(tiny: Path) -> None:
-    """Host-planned graphs: verify graphs per verify length, cycles timed through the draft + verify graphs."""
+    """Host-planned graphs: no greedy-cycle graph, so served cycles are not timed live and adaptive verify is off
+    by default; forced on, verify graphs per verify length and the start-up cycle times."""
+    _, default = run(tiny, True, attention_backend="flashinfer")
+    assert default.get_server_info()["internal_states"][0]["verify_length"]["mode"] == "fixed"
     target_only, _ = run(tiny, False, attention_backend="flashinfer")
-    spec, engine = run(tiny, True, attention_backend="flashinfer")
+    spec, engine = run(tiny, True, attention_backend="flashinfer", speculative_adaptive_verify="on")
     info = engine.get_server_info()["internal_states"][0]["verify_length"]
     assert info["mode"] == "adaptive" and info["in_use"]
     assert all(engine.runner.graphs.captured(GraphKind.VERIFY, n) for n in info["verify_lengths"])

@@ -28,7 +28,7 @@ from blockspec.startup.attention_variants import (
     ROW_BLOCK, AttentionWorkload, query_lengths, reachable_launches, workload_variants,
 )
 from blockspec.startup.compiles import KernelCompileLog, kernel_compile_log
-from blockspec.startup.warmup import attention_workloads, warm_attention, warm_kernels
+from blockspec.startup.warmup import attention_workloads, warm_attention, warm_engine_paths, warm_kernels
 from server_support import metric_value, save_text_model, serve_text_model, start_server_process
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
@@ -66,6 +66,16 @@ def test_compile_log_counts_through_tritons_hook_and_keeps_the_previous_one(
         fire_compile_hook("_rmsnorm_kernel")
     assert log.count == 2 and len(seen) == 2
     assert "compiled after start-up" in caplog.text and "_rmsnorm_kernel" in caplog.text
+
+
+def test_compile_log_stops_counting_when_its_hook_is_replaced(restore_hook: None) -> None:
+    log = KernelCompileLog()
+    log.install()
+    assert log.counting
+    triton.knobs.runtime.jit_post_compile_hook = lambda **_: None  # NOTE: another component overwrites it
+    assert not log.counting
+    log.install()  # NOTE: once per process: it does not fight the other component
+    assert not log.counting
 
 
 def tiny_backend(heads: int = 8, kv_heads: int = 2, head_dim: int = 16, layers: int = 2,
@@ -150,6 +160,24 @@ def test_engine_warmup_leaves_the_engine_as_it_found_it(make_engine: Callable[..
     allocator = engine.runner.allocator
     assert allocator.free_slots == allocator.total_slots
     assert engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)["output_ids"] == reference
+
+
+def test_warmup_forgets_what_its_cycles_taught_adaptive_verify(make_engine: Callable[..., Engine],
+                                                               trained_pair: dict[str, Any]) -> None:
+    root = trained_pair["root"]
+    engine = make_engine(root / "target", attention_backend="triton", speculative_algorithm="DFLASH",
+                         speculative_draft_model_path=str(root / "draft"), speculative_adaptive_verify="on",
+                         max_running_requests=4, cuda_graph_bs=[1, 2, 4])
+    worker = engine.worker
+    assert min(worker.verify_lengths) == 1
+    verify = next(w for w in attention_workloads(engine.runner, worker) if w.mode == ForwardMode.VERIFY)
+    assert (verify.min_q, verify.max_q) == (1, worker.block_size)  # NOTE: every verify length's launches
+    warm_engine_paths(engine)
+    policy = worker.verify_policy
+    assert not policy.last and not policy.cycles and not any(policy.times.live_cycles.values())
+    assert not any(worker.acceptance.tried)
+    engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)
+    assert any(worker.acceptance.tried) and policy.last  # NOTE: served traffic is learnt again
 
 
 def test_startup_report_and_compile_counter_in_server_info(make_engine: Callable[..., Engine], tiny: Any,

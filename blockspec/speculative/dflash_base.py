@@ -82,17 +82,24 @@ class DFlashBase(TargetWorker):
             return FixedVerifyLength(schedule, b, "fixed schedule (speculative_num_draft_tokens_per_bs)")
         if config.speculative_adaptive_verify == "off":
             return full_block(b, "adaptive verify off: the full block")
-        if config.speculative_adaptive_verify is None and not self.runner.graphs.available:
-            return full_block(b, "adaptive verify needs measured cycle times and is on by default only with CUDA graphs; "
-                                 "speculative_adaptive_verify on times eager cycles")
+        if config.speculative_adaptive_verify is None and not self.cycles_timed_live:
+            return full_block(b, "adaptive verify needs measured cycle times and is on by default only where the greedy "
+                                 "cycle runs in one CUDA graph (timed live); speculative_adaptive_verify on forces it")
         return full_block(b, "adaptive verify: cycle times not measured yet")
+
+    @property
+    def cycles_timed_live(self) -> bool:
+        """Whether served cycles refine the cycle times: the greedy cycle is one CUDA graph (graphs on, and no
+        backend that plans on the host, like FlashInfer), whose overlapped replays are timed on the device."""
+        return (self.runner.graphs.available and graph_planner(self.runner.attention) is None
+                and graph_planner(self.draft_attention) is None)
 
     @property
     def adaptive_wanted(self) -> bool:
         config = self.runner.config
         return config.speculative_num_draft_tokens_per_bs is None and (
             config.speculative_adaptive_verify == "on"
-            or (config.speculative_adaptive_verify is None and self.runner.graphs.available)
+            or (config.speculative_adaptive_verify is None and self.cycles_timed_live)
         )
 
     @property
@@ -115,6 +122,12 @@ class DFlashBase(TargetWorker):
         return {**self.verify_policy.describe(self.acceptance), "block_size": self.block_size,
                 "position_accept_rates": [round(r, 4) for r in self.acceptance.rates()],
                 "expected_tokens_full_block": round(1.0 + sum(survival), 4)}
+
+    def reset_live_verify_state(self) -> None:
+        """Forgets the acceptance and verify-length choices learnt so far (e.g. from the start-up warm-up's random
+        prompts); the start-up cycle times stay."""
+        self.acceptance = AcceptanceStats(self.block_size - 1)
+        self.verify_policy.reset_live()
 
     def choose_verify_length(self, batch_size: int) -> int:
         return self.verify_policy.choose(batch_size, self.acceptance).num_draft_tokens

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, verify length)
+MIN_CYCLE_SHARE = 0.1  # a cycle's estimate never drops below this share of its start-up figure
 
 
 def parse_verify_schedule(text: str) -> Schedule:
@@ -123,6 +124,11 @@ class CycleTimes:
         self.offset_ms = {bs: 0.0 for bs in self.batch_sizes}
         self.live_cycles = {bs: 0 for bs in self.batch_sizes}
 
+    def reset_live(self) -> None:
+        """Forgets every live cycle (start-up figures kept): e.g. after warm-up traffic."""
+        self.offset_ms = {bs: 0.0 for bs in self.batch_sizes}
+        self.live_cycles = {bs: 0 for bs in self.batch_sizes}
+
     def bucket(self, batch_size: int) -> int:
         """The measured batch size whose times stand for `batch_size` (the largest beyond it)."""
         i = bisect.bisect_left(self.batch_sizes, batch_size)
@@ -130,9 +136,14 @@ class CycleTimes:
 
     def cycle_ms(self, batch_size: int, num_draft_tokens: int) -> float:
         bucket = self.bucket(batch_size)
-        return self.startup_ms[(bucket, num_draft_tokens)] + self.offset_ms[bucket]
+        startup = self.startup_ms[(bucket, num_draft_tokens)]
+        # NOTE: start-up figures are wall clock, live ones device time: a large negative offset must not reach 0.
+        return max(startup + self.offset_ms[bucket], MIN_CYCLE_SHARE * startup)
 
     def observe(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
+        """A live cycle's device time; batches above the largest measured size (eager, not graphed) are left out."""
+        if batch_size > self.batch_sizes[-1]:
+            return
         bucket = self.bucket(batch_size)
         if (bucket, num_draft_tokens) not in self.startup_ms:
             return
@@ -164,6 +175,9 @@ class VerifyLengthPolicy(Protocol):
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice: ...
 
     def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None: ...
+
+    def reset_live(self) -> None:
+        """Forgets the choices and live timings so far (start-up measurements kept)."""
 
     def describe(self, stats: AcceptanceStats) -> dict[str, Any]: ...
 
@@ -205,6 +219,9 @@ class FixedVerifyLength:
 
     def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
         """Fixed lengths ignore cycle times."""
+
+    def reset_live(self) -> None:
+        self.last.clear()
 
     def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
         return {"mode": "fixed", "reason": self.reason, "verify_lengths": list(self.lengths),
@@ -253,6 +270,11 @@ class AdaptiveVerifyLength:
 
     def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
         self.times.observe(batch_size, num_draft_tokens, ms)
+
+    def reset_live(self) -> None:
+        self.cycles.clear()
+        self.last.clear()
+        self.times.reset_live()
 
     def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
         table = {str(bs): [option.as_dict() for option in self.options(bs, stats)] for bs in self.times.batch_sizes}

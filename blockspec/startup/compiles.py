@@ -32,12 +32,12 @@ class KernelCompileLog:
         self.compiles: list[KernelCompile] = []
         self.starting = 0  # engine start-ups under way in this process
         self.serving = False  # some engine finished its start-up: compiles outside a start-up are stalls
-        self.counting = False  # whether Triton's hook is installed (see the module docstring)
+        self._runtime: Optional[Any] = None  # triton.knobs.runtime once our hook is installed
         self._previous_hook: Optional[Any] = None
         self._lock = threading.Lock()
 
     def install(self) -> None:
-        """Chains onto Triton's post-compile hook (a hook already there keeps being called). Idempotent."""
+        """Chains onto Triton's post-compile hook (a hook already there keeps being called). Once per process."""
         if importlib.util.find_spec("triton") is None:
             return
         import triton
@@ -47,10 +47,17 @@ class KernelCompileLog:
             logger.warning("Triton %s has no post-compile hook (triton.knobs, 3.4+): kernel compiles are not counted",
                            triton.__version__)
             return
-        if runtime.jit_post_compile_hook != self._on_compile:  # NOTE: bound methods compare equal, never identical
-            self._previous_hook = runtime.jit_post_compile_hook
-            runtime.jit_post_compile_hook = self._on_compile
-        self.counting = True
+        if self._runtime is not None:
+            return
+        self._previous_hook = runtime.jit_post_compile_hook
+        runtime.jit_post_compile_hook = self._on_compile
+        self._runtime = runtime
+
+    @property
+    def counting(self) -> bool:
+        """Whether Triton still calls our hook. NOTE: bound methods compare equal, never identical; a component that
+        replaced (or wrapped) it after us makes the count unknowable, so it reads as not counting."""
+        return self._runtime is not None and self._runtime.jit_post_compile_hook == self._on_compile
 
     def _on_compile(self, *, repr: str, fn: Any, **details: Any) -> Optional[bool]:
         """Triton's JITHook signature (keywords key, repr, fn, compile, is_manual_warmup, already_compiled)."""

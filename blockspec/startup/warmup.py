@@ -4,21 +4,25 @@ Two parts. (1) Attention: every reachable launch variant (attention_variants.py)
 engine, per mode it runs (extend; decode or verify; draft). (2) Every other path: a few synthetic requests (random
 token ids, greedy and sampled, one arriving while the others decode) through a scheduler of their own, once as
 configured, once with piecewise graphs off (eager extends) and once with full graphs off (eager decode / verify /
-draft): the fused norms, rope + KV store, SiLU·mul and argmax in every place they run outside a captured graph.
-Afterwards the engine's forward counts are zeroed and the pool is as before (every request finished and freed).
+draft; under DFlash once per verify length): the fused norms, rope + KV store, SiLU·mul and argmax in every place
+they run outside a captured graph. Afterwards the engine's forward counts are zeroed, DFlash forgets what the
+synthetic cycles taught it (acceptance, verify-length choices) and the pool is as before (every request freed).
 """
 from __future__ import annotations
 
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from blockspec.attention.triton_backend import TritonAttentionBackend
 from blockspec.batch import ForwardMode
+from blockspec.request import Req
 from blockspec.runner.model_runner import ModelRunner
+from blockspec.speculative.dflash_base import DFlashBase
+from blockspec.speculative.verify_length import FixedVerifyLength
 from blockspec.startup.attention_variants import AttentionWorkload, launch_variant, workload_variants
 from blockspec.startup.report import WarmupReport
 from blockspec.step.executor import Worker
@@ -39,11 +43,13 @@ def attention_workloads(runner: ModelRunner, worker: Worker) -> list[AttentionWo
     max_seq_len = runner.max_positions
     max_extend = min(config.chunk_budget or runner.context_length, runner.context_length)
     uniform_q = worker.decode_slots_per_req
+    # NOTE: adaptive verify runs verifies of every captured length n (eagerly above the largest graph batch).
+    shortest_q = min(worker.verify_lengths) if isinstance(worker, DFlashBase) else uniform_q
     workloads: list[AttentionWorkload] = []
     if isinstance(runner.attention, TritonAttentionBackend):
         uniform_mode = ForwardMode.VERIFY if worker.is_speculative else ForwardMode.DECODE
         workloads.append(AttentionWorkload(runner.attention, ForwardMode.EXTEND, 1, max_extend, max_batch_size, max_seq_len))
-        workloads.append(AttentionWorkload(runner.attention, uniform_mode, uniform_q, uniform_q, max_batch_size, max_seq_len))
+        workloads.append(AttentionWorkload(runner.attention, uniform_mode, shortest_q, uniform_q, max_batch_size, max_seq_len))
     draft_attention = getattr(worker, "draft_attention", None)
     if isinstance(draft_attention, TritonAttentionBackend):
         workloads.append(AttentionWorkload(draft_attention, ForwardMode.DRAFT, uniform_q, uniform_q, max_batch_size, max_seq_len))
@@ -65,7 +71,7 @@ def warm_attention(workloads: list[AttentionWorkload], req_to_token: torch.Tenso
     return launched
 
 
-def _warmup_requests(engine: "Engine", tag: str) -> list[Any]:
+def _warmup_requests(engine: "Engine", tag: str) -> list[Req]:
     vocab = engine.runner.target_config.vocab_size
     room = min(engine.runner.context_length, engine.runner.allocator.total_slots)
     budget = room - 4 * engine.worker.decode_slots_per_req - 2  # NOTE: prompt + 2 blocks ahead fit any pool
@@ -83,6 +89,21 @@ def _warmup_requests(engine: "Engine", tag: str) -> list[Any]:
 
 
 def _run_requests(engine: "Engine", tag: str) -> None:
+    worker = engine.worker
+    if tag == "eager-uniform" and isinstance(worker, DFlashBase):
+        # NOTE: eager cycles of every verify length the policy may pick (graphed ones compiled at capture).
+        policy = worker.verify_policy
+        try:
+            for n in worker.verify_lengths:
+                worker.verify_policy = FixedVerifyLength([(1, 1 << 30, n)], worker.block_size, "warm-up")
+                _run_scheduler(engine, f"{tag}-n{n}")
+        finally:
+            worker.verify_policy = policy
+        return
+    _run_scheduler(engine, tag)
+
+
+def _run_scheduler(engine: "Engine", tag: str) -> None:
     scheduler = engine.new_scheduler()
     reqs = _warmup_requests(engine, tag)
     for req in reqs[:-1]:
@@ -94,7 +115,7 @@ def _run_requests(engine: "Engine", tag: str) -> None:
             arrived = True
         scheduler.step()
         steps += 1
-    scheduler.steps.drain()
+    scheduler.drain()
     scheduler.collect_finished()
     scheduler.flush_cache()  # NOTE: the synthetic prompts leave nothing in the radix cache (shared with the engine's)
 
@@ -115,6 +136,8 @@ def warm_engine_paths(engine: "Engine") -> int:
             _run_requests(engine, tag)
     finally:
         runner.piecewise_enabled, runner.graphs.enabled = saved
+    if isinstance(engine.worker, DFlashBase):
+        engine.worker.reset_live_verify_state()  # NOTE: random prompts teach nothing about served acceptance
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     for counts in (runner.graphs.counts, runner.piecewise_counts):
