@@ -33,8 +33,9 @@ import httpx
 
 from blockspec.bench.client import accept_length_between, get_server_info
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids, run_workload
+from serving_server import ServerProcess, log_tail
 from serving_vs_engine import commit_id, extra_engine_kwargs, serve_flags
-from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, ServerProcess, log_tail, materialise
+from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
 
 SHAPES = ("llama8b", "demo", "tiny")
 
