@@ -36,6 +36,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # greedy decode: launch step N+1 before committing step N on the host
     enable_mixed_chunk: bool = False  # one forward: prefill chunks + the running requests' decode tokens / verify blocks
+    disable_radix_cache: bool = False  # the radix prefix cache (target + draft KV of shared prefixes) is on by default
     enforce_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 4096
     piecewise_cuda_graph_tokens: Optional[list[int]] = None  # explicit token buckets for piecewise graphs
@@ -65,7 +66,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("skip_tokenizer_init", "trust_remote_code", "disable_cuda_graph", "disable_overlap_schedule",
-                     "enforce_piecewise_cuda_graph", "enable_mixed_chunk"):
+                     "enforce_piecewise_cuda_graph", "enable_mixed_chunk", "disable_radix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("device", "dtype", "attention_backend", "log_level", "load_format"):

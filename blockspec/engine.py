@@ -176,6 +176,7 @@ class Engine:
             "num_waiting_reqs": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions,
             "num_mixed_steps": self.scheduler.steps.mixed_steps,
+            "radix_cache": self.radix_cache_stats(),
             "kernel_compiles_after_startup": self.kernel_compiles_after_startup,
         }
         if self.worker.is_speculative:
@@ -191,10 +192,26 @@ class Engine:
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "context_length": self.runner.context_length,
             "page_size": self.config.page_size,
-            "kv_cache": {"total_slots": allocator.total_slots, "free_slots": allocator.free_slots},
+            "disable_radix_cache": self.config.disable_radix_cache,
+            # NOTE: free_slots counts the slots of cached pages no request reads (they are evicted on demand)
+            "kv_cache": {"total_slots": allocator.total_slots, "free_slots": allocator.free_slots,
+                         "unused_slots": allocator.unused_slots},
             "startup": self.startup.as_dict(),
             "internal_states": [internal],
         }
+
+    def flush_cache(self) -> bool:
+        """SGLang's `Engine.flush_cache`: empties the radix prefix cache. Refused (False) while requests are queued or
+        running, as in SGLang."""
+        flushed = self.scheduler.flush_cache()
+        if not flushed:
+            logger.warning("flush_cache refused: %d requests running, %d waiting",
+                           len(self.scheduler.running), len(self.scheduler.waiting))
+        return flushed
+
+    def radix_cache_stats(self) -> dict[str, Any]:
+        """Hit rate, cached / looked-up prompt tokens and evictions since start; tokens held in the tree now."""
+        return self.scheduler.prefix_cache.stats()
 
     def shutdown(self) -> None:
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):

@@ -6,11 +6,14 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
 from blockspec.grammar import GRAMMAR_FIELDS, GrammarSpec, RequestGrammar, check_grammar
+
+if TYPE_CHECKING:
+    from blockspec.kv.radix_tree import RadixNode
 
 _request_counter = itertools.count()
 
@@ -159,7 +162,16 @@ class Req:
         self.kv_len = 0
         self.pool_row: Optional[int] = None  # row in the req→token table while admitted
         self.allocated_len = 0  # positions with a KV slot assigned
+        # NOTE: admitted and its (re-)prefill has not produced a token yet: its pending tokens, the last one included,
+        # are extended (so the first token always comes from the prefill, as in DFlash's reference), never decoded.
+        self.in_prefill = False
         self.pages: list[int] = []
+        # NOTE: radix prefix cache: pages[:shared_len // page_size] belong to the tree (read-only, never written),
+        # locked through cache_node while the request holds them.
+        self.shared_len = 0
+        self.cache_node: Optional["RadixNode"] = None
+        self.cached_tokens = 0  # tokens whose KV came from the cache, not this request's forwards (SGLang's meaning)
+        self.computed_len = 0  # tokens that had KV before the last retraction: not counted as cached again
         self.finish: Optional[Finish] = None
         self.text = ""  # detokenised output, stop strings removed
         self.detokenized = False  # NOTE: True when the scheduler makes `text` (else it stays "")
@@ -207,6 +219,7 @@ class Req:
             "id": self.rid,
             "prompt_tokens": self.prompt_len,
             "completion_tokens": self.num_output_tokens,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish.to_dict() if self.finish else None,
         }
         if self.wants_logprobs:  # NOTE: SGLang's layout: (logprob, token id, text) with text left out

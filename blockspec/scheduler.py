@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from blockspec.config import EngineConfig
 from blockspec.grammar import GrammarCompiler
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+from blockspec.kv.prefix_cache import PrefixCache
 from blockspec.request import Finish, FinishReason, Req, RequestLimits
 from blockspec.sampling import make_generator
 from blockspec.step.executor import StepExecutor, Worker
@@ -41,6 +42,7 @@ class Scheduler:
         self.steps = StepExecutor(worker, allocator, table, overlap=not config.disable_overlap_schedule)
         self.allocator = allocator
         self.table = table
+        self.prefix_cache = PrefixCache(allocator, table, enabled=not config.disable_radix_cache)
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
@@ -132,6 +134,8 @@ class Scheduler:
                 self._apply(self.steps.drain())
                 committed = self.steps.run(StepPlan(decode=self._make_decode_room()))
             self._apply(committed)
+        for chunk in plan.extend:  # NOTE: their prompt KV so far joins the radix cache (later arrivals share it)
+            self.prefix_cache.cache_prefill(chunk.req)
         return done + self.collect_finished()
 
     def drain(self) -> None:
@@ -139,7 +143,7 @@ class Scheduler:
         self._apply(self.steps.drain())
 
     def _decoding(self) -> list[Req]:
-        return [r for r in self.running if r.pending_len == 1 and not r.finished]
+        return [r for r in self.running if r.pending_len == 1 and not (r.finished or r.in_prefill)]
 
     def _decode_headroom(self, num_running: int) -> int:
         pages = self.allocator.pages_for(self.steps.slots_per_decode) + 1
@@ -149,7 +153,7 @@ class Scheduler:
         budget = self.config.chunk_budget or 1 << 62
         plan = StepPlan()
         for req in self.running:
-            if budget <= 0 or req.pending_len <= 1:
+            if budget <= 0 or not req.in_prefill:
                 continue
             n = min(req.pending_len, budget)
             if not self.allocator.can_grow(req, req.kv_len + n):
@@ -164,15 +168,18 @@ class Scheduler:
                 req.finish = Finish(FinishReason.ABORT, message="the sequence no longer fits the KV pool")
                 self.running.append(req)  # collected by collect_finished at the end of this step
                 continue
+            self.prefix_cache.attach(req)  # NOTE: kv_len now starts after its cached prefix (whole pages)
             n = min(req.pending_len, budget)
             need = self.allocator.pages_for(n) * self.allocator.page_size
-            if self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1) and self.running:
-                break
-            if not self.allocator.can_grow(req, n):
+            full = bool(self.running) and self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1)
+            if full or not self.allocator.can_grow(req, req.kv_len + n):
+                self.prefix_cache.detach(req)
                 break
             self.waiting.popleft()
+            req.in_prefill = True
+            self.prefix_cache.admitted(req)
             req.pool_row = self.table.acquire()
-            self.allocator.grow(req, n, self.table)
+            self.allocator.grow(req, req.kv_len + n, self.table)
             self.running.append(req)
             plan.extend.append(ExtendChunk(req, n))
             budget -= n
@@ -200,9 +207,17 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         if req.pool_row is not None:
-            self.allocator.release(req)
+            self.prefix_cache.release(req)
             self.table.release(req.pool_row)
             req.pool_row = None
+
+    def flush_cache(self) -> bool:
+        """Empties the radix cache; refused (False) while any request is queued or running."""
+        if self.has_work:
+            return False
+        self.drain()  # NOTE: a step in flight holds only finished requests here
+        self.prefix_cache.flush()
+        return True
 
     def collect_finished(self) -> list[Req]:
         finished = [r for r in self.running if r.finished] + [r for r in self.waiting if r.finished]
@@ -221,6 +236,8 @@ class Scheduler:
     # ---- committing tokens -----------------------------------------------------------------
     def _apply(self, committed: list[Committed]) -> None:
         for item in committed:
+            if not item.verified:  # NOTE: an extend's first token: the request decodes from now on
+                item.req.in_prefill = False
             appended = self._commit(item.req, item.tokens)
             if item.verified and self.steps.is_speculative:
                 self._record_spec(item.req, appended)

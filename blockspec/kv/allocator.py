@@ -1,13 +1,25 @@
 """Paged slot allocation and the req→token table.
 
 A KV slot is `page * page_size + offset`. Page 0 is reserved as the dummy page: padded rows of a
-batch write there, so it is never handed to a request.
+batch write there, so it is never handed to a request. With the radix prefix cache, pages it holds and no request
+reads count as free: the allocator evicts them (its `reclaimer`) when the free list runs short.
 """
 from __future__ import annotations
+
+from typing import Optional, Protocol
 
 import torch
 
 from blockspec.request import Req
+
+
+class PageReclaimer(Protocol):
+    """Pages held elsewhere (the radix cache) that can be taken back on demand."""
+
+    @property
+    def evictable_pages(self) -> int: ...
+
+    def evict(self, num_pages: int) -> list[int]: ...
 
 
 class PageAllocator:
@@ -19,6 +31,7 @@ class PageAllocator:
         self.page_size = page_size
         self.num_pages = num_pages
         self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
+        self.reclaimer: Optional[PageReclaimer] = None
 
     @property
     def total_slots(self) -> int:
@@ -26,7 +39,28 @@ class PageAllocator:
 
     @property
     def free_slots(self) -> int:
+        """Slots a request can be given now: unused ones plus those of evictable cached pages."""
+        return self._available_pages * self.page_size
+
+    @property
+    def unused_slots(self) -> int:
+        """Slots on the free list (cached pages not counted)."""
         return len(self._free_pages) * self.page_size
+
+    @property
+    def _available_pages(self) -> int:
+        return len(self._free_pages) + (self.reclaimer.evictable_pages if self.reclaimer is not None else 0)
+
+    def _reserve(self, num_pages: int) -> None:
+        """Makes the free list hold at least `num_pages` pages, evicting cached ones if needed."""
+        if num_pages > len(self._free_pages) and self.reclaimer is not None:
+            self._free_pages.extend(self.reclaimer.evict(num_pages - len(self._free_pages)))
+        if num_pages > len(self._free_pages):
+            raise MemoryError("KV pool exhausted")  # callers check free_slots / can_grow first
+
+    def free(self, pages: list[int]) -> None:
+        """Returns pages to the free list (the prefix cache's duplicates and a released request's own pages)."""
+        self._free_pages.extend(reversed(pages))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -35,15 +69,14 @@ class PageAllocator:
         return max(0, self.pages_for(new_len) - len(req.pages))
 
     def can_grow(self, req: Req, new_len: int) -> bool:
-        return self.extra_pages_needed(req, new_len) <= len(self._free_pages)
+        return self.extra_pages_needed(req, new_len) <= self._available_pages
 
     def grow(self, req: Req, new_len: int, table: "ReqToTokenTable") -> None:
         """Give `req` slots for positions [allocated_len, new_len) and write them into its table row."""
         if new_len <= req.allocated_len:
             return
         extra = self.extra_pages_needed(req, new_len)
-        if extra > len(self._free_pages):
-            raise MemoryError("KV pool exhausted")  # callers check can_grow first
+        self._reserve(extra)
         for _ in range(extra):
             req.pages.append(self._free_pages.pop())
         positions = torch.arange(req.allocated_len, new_len)
@@ -57,8 +90,9 @@ class PageAllocator:
         """`grow` for a decode batch: slots computed on the host in Python (a few per request), and one table write
         for the whole batch instead of one host→device copy per request."""
         extras = [self.extra_pages_needed(req, length) for req, length in zip(reqs, new_len)]
-        if sum(extras) > len(self._free_pages):
+        if sum(extras) > self._available_pages:
             raise MemoryError("KV pool exhausted")  # callers check free slots first; nothing has changed yet
+        self._reserve(sum(extras))
         page, free = self.page_size, self._free_pages
         rows: list[int] = []
         cols: list[int] = []
@@ -84,6 +118,8 @@ class PageAllocator:
     def shrink(self, req: Req, new_len: int) -> None:
         """Release positions >= new_len; pages still holding a kept position stay with the request."""
         keep = self.pages_for(new_len)
+        if keep * self.page_size < req.shared_len:
+            raise RuntimeError(f"{req.rid}: shrinking into its pages shared with the radix cache")
         for page in reversed(req.pages[keep:]):
             self._free_pages.append(page)
         del req.pages[keep:]

@@ -63,6 +63,7 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--cuda-graph-bs", dict(type=int, nargs="+", help="batch sizes captured as CUDA graphs")),
     ("--disable-cuda-graph", dict(action="store_true", help="run decode / verify / draft eagerly (default: graphs on CUDA)")),
     ("--disable-overlap-schedule", dict(action="store_true", help="greedy decode: commit each step before launching the next")),
+    ("--disable-radix-cache", dict(action="store_true", help="no prefix sharing: every prompt is prefilled in full")),
     ("--enable-mixed-chunk", dict(action="store_true", help="one forward carries prefill chunks with the running decode/verify")),
     ("--enforce-piecewise-cuda-graph", dict(action="store_true", help="piecewise CUDA graphs for prefill/extend")),
     ("--piecewise-cuda-graph-max-tokens", dict(type=int, default=4096, help="largest piecewise-graph token bucket (default 4096)")),

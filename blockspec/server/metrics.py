@@ -1,6 +1,8 @@
 """Prometheus metrics, one registry per server (so several servers can live in one process)."""
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -59,6 +61,24 @@ class ServerMetrics:
             "P(draft position N accepted | a verify tried it and accepted the ones before), decayed, as adaptive verify "
             "uses it", ["position"], registry=r,
         )
+
+        self.cache_hit_rate = Gauge(
+            "blockspec_cache_hit_rate", "Radix cache: prompt tokens found cached / prompt tokens admitted", registry=r
+        )
+        self.cached_tokens = Counter("blockspec_cached_tokens", "Radix cache: prompt tokens whose KV was reused", registry=r)
+        self.radix_evicted_tokens = Counter("blockspec_radix_cache_evicted_tokens", "Radix cache: tokens evicted", registry=r)
+        self.radix_tree_tokens = Gauge("blockspec_radix_cache_tokens", "Radix cache: tokens held in the tree", registry=r)
+        self._cache_totals = {"cached_tokens_total": 0, "evicted_tokens_total": 0}
+
+    def set_cache_stats(self, stats: dict[str, Any]) -> None:
+        """From `Engine.radix_cache_stats()` (read when /metrics is scraped); engine totals only grow."""
+        self.cache_hit_rate.set(float(stats["cache_hit_rate"]))
+        self.radix_tree_tokens.set(int(stats["tree_tokens"]))
+        for key, counter in (("cached_tokens_total", self.cached_tokens), ("evicted_tokens_total", self.radix_evicted_tokens)):
+            grown = int(stats[key]) - self._cache_totals[key]
+            if grown > 0:
+                counter.inc(grown)
+                self._cache_totals[key] = int(stats[key])
 
     def on_finish(self, finish: FinishStat) -> None:
         self.requests.labels(finish_reason=finish.reason).inc()

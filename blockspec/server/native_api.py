@@ -1,8 +1,9 @@
 """SGLang-native endpoints: /generate, /server_info, /health, /health_generate, /metrics, /abort_request,
-/get_model_info."""
+/flush_cache, /get_model_info."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from contextlib import aclosing
 from typing import Any, AsyncIterator, cast
@@ -19,8 +20,10 @@ from blockspec.server.protocol import AbortRequest, GenerateRequest
 from blockspec.server.state import APIError, ClientGone, ServerState, new_id, sse
 from blockspec.server.submission import Submission
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+METRICS_CALL_TIMEOUT_S = 5.0
 _RENAMES = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
 _RENAMES["sampling_params"] = "sampling_params"
 
@@ -155,7 +158,27 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    state = _state(request)
+    try:  # NOTE: the radix cache's numbers live in the engine process; the rest arrive with every step
+        stats = await asyncio.wait_for(state.loop.call("radix_cache_stats"), METRICS_CALL_TIMEOUT_S)
+        state.metrics.set_cache_stats(stats)
+    except EngineStoppedError:
+        pass  # NOTE: /health reports a stopped engine; the last values stay
+    except (asyncio.TimeoutError, RuntimeError) as exc:
+        logger.warning("/metrics: radix cache stats not refreshed (%s: %s)", type(exc).__name__, exc)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    """SGLang's /flush_cache: empties the radix cache; 400 while requests are queued or running."""
+    try:
+        flushed = await _state(request).loop.call("flush_cache")
+    except EngineStoppedError as exc:
+        raise APIError(503, str(exc)) from exc
+    if flushed:
+        return Response("Cache flushed.\n", status_code=200)
+    return Response("Cache not flushed: requests are queued or running.\n", status_code=400)
 
 
 @router.post("/abort_request")

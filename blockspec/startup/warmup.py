@@ -117,6 +117,7 @@ def _run_scheduler(engine: "Engine", tag: str) -> None:
         steps += 1
     scheduler.drain()
     scheduler.collect_finished()
+    scheduler.flush_cache()  # NOTE: the synthetic prompts leave nothing in the radix cache (shared with the engine's)
 
 
 def warm_engine_paths(engine: "Engine") -> int:

@@ -1,0 +1,85 @@
+"""benchmarks/prefix_cache.py on CPU: the workloads it builds (shared prefixes, multi-turn follow-ups), the goal
+arithmetic, and one end-to-end smoke run through real servers, cache off and on, writing its JSON rows and plot."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from prefix_cache import goals  # noqa: E402
+from prefix_cache_workloads import SMOKE, build_workloads, fit_ids  # noqa: E402
+from server_support import save_text_model  # noqa: E402
+
+ROW_KEYS = {"workload", "shape", "cache", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "accept_len", "cache_hit_rate"}
+
+
+@pytest.fixture(scope="module")
+def workloads_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("prefix_cache_bench")
+    tokenizer = save_text_model(root / "tokenizer")
+    lines = [{"question": f"Janet has {i} apples and buys {i + 3} more. How many?", "answer": f"{i} + {i + 3} = {2 * i + 3} #### {2 * i + 3}"}
+             for i in range(60)]
+    gsm8k = root / "test.jsonl"
+    gsm8k.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    path = root / "workloads.json"
+    path.write_text(json.dumps(build_workloads(tokenizer, gsm8k, SMOKE)))
+    return path
+
+
+def test_workloads_share_prefixes(workloads_file: Path) -> None:
+    data = json.loads(workloads_file.read_text())
+    by_name = {w["name"]: w for w in data["workloads"]}
+    assert set(by_name) == {"gsm8k", "sysprompt", "multiturn"}
+    gsm8k, system, chats = by_name["gsm8k"]["prompts"], by_name["sysprompt"], by_name["multiturn"]
+    assert len(gsm8k) == SMOKE.gsm8k_questions and len({tuple(p) for p in gsm8k}) == len(gsm8k)
+    common = os.path.commonprefix(gsm8k)
+    assert len(common) > 0.8 * min(len(p) for p in gsm8k)  # the five shots
+    shared = os.path.commonprefix(system["prompts"] + system["warmup"])
+    assert len(shared) >= SMOKE.system_tokens and len(system["prompts"]) == SMOKE.system_questions
+    assert system["concurrency"] == SMOKE.system_questions  # all questions at once
+    assert len(chats["follow_ups"]) == SMOKE.turns - 1 and all(len(t) == SMOKE.chats for t in chats["follow_ups"])
+    assert fit_ids([5, 600, 49151], 512, 49152) == [10 + 5 % 502, 10 + 600 % 502, 10 + 49151 % 502]
+    assert fit_ids([5, 6], 512, 320) == [5, 6]
+
+
+def test_goals_compare_on_with_off() -> None:
+    def row(workload: str, cache: str, tok_s: float, ttft: float, accept: float) -> dict:
+        return {"workload": workload, "shape": "s", "cache": cache, "tok_s": tok_s, "ttft_p50_ms": ttft, "accept_len": accept}
+
+    rows = [row("gsm8k", "off", 100, 50, 3.0), row("gsm8k", "on", 160, 10, 3.0),
+            row("sysprompt", "off", 100, 500, 3.0), row("sysprompt", "on", 120, 60, 3.1)]
+    by_workload = {g["workload"]: g for g in goals(rows)}
+    assert by_workload["gsm8k"]["goal_tok_s_met"] and by_workload["gsm8k"]["goal_accept_met"]
+    assert by_workload["sysprompt"]["ttft_p50_on_over_off"] == pytest.approx(0.12)
+    assert not by_workload["sysprompt"]["goal_ttft_met"] and not by_workload["sysprompt"]["goal_accept_met"]
+
+
+@pytest.mark.slow
+def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
+    root = BENCHMARKS.parent
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    command = [sys.executable, str(BENCHMARKS / "prefix_cache.py"), "--smoke", "--workloads", str(workloads_file),
+               "--commit", "test", "--out", str(tmp_path), "--startup-timeout", "120"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=BENCHMARKS, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("prefix_cache_*_test.json")
+    assert path.with_suffix(".png").is_file()
+    report = json.loads(path.read_text())
+    assert report["gpu"] == "cpu" and report["commit"] == "test" and not report["errors"]
+    rows = report["rows"]
+    assert [(r["cache"], r["workload"]) for r in rows] == [
+        (cache, workload) for cache in ("off", "on") for workload in ("gsm8k", "sysprompt", "multiturn")
+    ]
+    for r in rows:
+        assert ROW_KEYS <= set(r) and r["failed"] == 0 and r["tok_s"] > 0 and r["accept_len"] is not None
+        assert (r["cache_hit_rate"] > 0) == (r["cache"] == "on")
+    assert len(report["goals"]) == 3
+    assert all(g["accept_len_rel_diff"] == 0.0 for g in report["goals"])  # fp32 CPU, greedy: identical verifies

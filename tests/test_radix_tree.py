@@ -1,0 +1,78 @@
+"""RadixTree and the allocator's eviction hook, without a model: whole-page matches, splits, locks, LRU eviction."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+from blockspec.kv.radix_tree import RadixTree
+from blockspec.request import Req, SamplingParams
+
+
+def test_match_is_whole_pages_and_splits_nodes() -> None:
+    tree = RadixTree(page_size=2)
+    assert tree.insert([1, 2, 3, 4, 5, 6], [10, 11, 12]) == 0
+    pages, node = tree.match([1, 2, 3, 9, 9])  # NOTE: [1, 2] only: the second page differs at its second token
+    assert pages == [10] and node.key == [1, 2]
+    assert tree.match([1, 2, 3])[0] == [10]  # a partial last page never matches
+    assert tree.match([7, 8])[0] == []
+    assert tree.insert([1, 2, 3, 4, 7, 8], [20, 21, 22]) == 4  # the first 4 tokens keep the tree's pages
+    assert tree.match([1, 2, 3, 4, 7, 8, 0])[0] == [10, 11, 22]
+    assert tree.match([1, 2, 3, 4, 5, 6])[0] == [10, 11, 12]
+    assert tree.num_pages == 4 and tree.evictable_pages == 4
+    with pytest.raises(ValueError):
+        tree.insert([1, 2, 3], [10, 11])
+
+
+def test_locks_protect_and_eviction_is_least_recently_used() -> None:
+    tree = RadixTree(page_size=1)
+    tree.insert([1, 2, 3], [11, 12, 13])
+    tree.insert([1, 2, 4], [11, 12, 14])
+    tree.insert([5, 6], [15, 16])
+    _, node = tree.match([1, 2, 3])
+    tree.lock(node)
+    assert tree.locked_pages == 3 and tree.evictable_pages == 3
+    tree.match([5, 6])  # more recent than [1, 2, 4]
+    assert tree.evict(1) == [14]
+    assert sorted(tree.evict(10)) == [15, 16]  # the locked path stays
+    assert tree.num_pages == 3 and tree.evictable_pages == 0 and tree.evicted_pages == 3
+    with pytest.raises(RuntimeError, match="flush"):
+        tree.reset()
+    tree.unlock(node)
+    with pytest.raises(RuntimeError, match="not locked"):
+        tree.unlock(node)
+    assert sorted(tree.reset()) == [11, 12, 13] and tree.num_pages == 0
+
+
+def test_split_keeps_lock_counts() -> None:
+    tree = RadixTree(page_size=1)
+    tree.insert([1, 2, 3, 4], [1, 2, 3, 4])
+    _, deep = tree.match([1, 2, 3, 4])
+    tree.lock(deep)
+    _, shallow = tree.match([1, 2])  # splits the locked node
+    assert shallow.lock_ref == deep.lock_ref == 1 and tree.locked_pages == 4
+    tree.unlock(deep)
+    assert tree.locked_pages == 0 and sorted(tree.evict(4)) == [1, 2, 3, 4]
+
+
+def test_allocator_counts_evictable_pages_as_free_and_evicts_on_demand() -> None:
+    allocator = PageAllocator(num_pages=5, page_size=2)  # 4 usable pages
+    table = ReqToTokenTable(2, 16, torch.device("cpu"))
+    tree = RadixTree(page_size=2)
+    allocator.reclaimer = tree
+    owner = Req([1, 2, 3, 4], SamplingParams())
+    owner.pool_row = table.acquire()
+    allocator.grow(owner, 4, table)
+    tree.insert([1, 2, 3, 4], owner.pages)  # the tree adopts both pages
+    owner.pages = []
+    assert allocator.unused_slots == 4 and allocator.free_slots == 8
+    other = Req([9] * 8, SamplingParams())
+    other.pool_row = table.acquire()
+    assert allocator.can_grow(other, 8)
+    allocator.grow(other, 8, table)  # needs all four pages: both cached ones are evicted
+    assert tree.num_pages == 0 and allocator.free_slots == 0
+    late = Req([5, 6], SamplingParams())
+    late.pool_row = owner.pool_row
+    assert not allocator.can_grow(late, 2)
+    with pytest.raises(MemoryError):
+        allocator.grow(late, 2, table)
