@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier result JSONs whose rows (and "
                         "engines, errors) come first in this one: a run split over several commands")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--radix-cache", action="store_true", help="keep the prefix cache on (off by default: warm-up "
+                        "and levels re-send the same prompts, which would hit it unequally on the two sides)")
     parser.add_argument("--py-spy-s", type=float, default=0.0, help="then the top level again for ~S s under py-spy "
                         "(server + engine process, serving_profile.py): raw stacks and a summary beside the JSON")
     return parser
@@ -119,7 +121,7 @@ def engine_kwargs(shape: Shape, mode: str, args: argparse.Namespace, extra: dict
     kwargs: dict[str, Any] = dict(
         model_path=str(shape.target), load_format=load_format, device=args.device, dtype=args.dtype,
         max_running_requests=args.max_running_requests, random_seed=args.seed,
-        skip_tokenizer_init=args.tokenizer_path is None,
+        skip_tokenizer_init=args.tokenizer_path is None, disable_radix_cache=not args.radix_cache,
         tokenizer_path=str(args.tokenizer_path) if args.tokenizer_path else None,
     )
     if mode == "dflash":

@@ -8,7 +8,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from blockspec.config import EngineConfig
-from blockspec.request import Req, build_requests, logprob_request, per_prompt
+from blockspec.request import Req, build_requests
+from blockspec.request_args import logprob_request, per_prompt
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler import Scheduler
 from blockspec.startup.compiles import kernel_compile_log

@@ -112,9 +112,7 @@ class Scheduler:
     # ---- one engine step -------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Runs one step: an extend plan if any prompt work can be scheduled, else a decode step (overlapped with the
-        step in flight when the batch allows it).
-
-        Returns the requests that finished (or were aborted) during this step."""
+        step in flight when the batch allows it). Returns the requests that finished (or were aborted) during it."""
         done = self.collect_finished()
         plan = self._schedule_extend()
         if plan and self.config.enable_mixed_chunk:
@@ -251,11 +249,8 @@ class Scheduler:
 
     def spec_stats(self) -> dict[str, object]:
         avg = self.spec_committed_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
-        return {
-            "avg_spec_accept_length": avg,
-            "spec_verify_ct": self.spec_verify_ct,
-            "spec_accept_length_histogram": list(self.spec_accept_histogram),
-        }
+        return {"avg_spec_accept_length": avg, "spec_verify_ct": self.spec_verify_ct,
+                "spec_accept_length_histogram": list(self.spec_accept_histogram)}
 
     def _commit(self, req: Req, tokens: list[int]) -> int:
         """Appends tokens one by one, stopping at the first finish condition; returns how many were appended."""
@@ -279,8 +274,7 @@ class Scheduler:
 
     @staticmethod
     def _grammar_finish(req: Req, token: int) -> Optional[Finish]:
-        """Advances a constrained request's matcher past a committed token; an abort if its grammar refuses it
-        (NOTE: never expected: workers commit only tokens the mask allows)."""
+        """Advances a constrained request's matcher; an abort if its grammar refuses the token (NOTE: never expected)."""
         if req.grammar is None or req.grammar.accept(token):
             return None
         return Finish(FinishReason.ABORT, message=f"token {token} does not match the request's {req.grammar.spec.kind}")

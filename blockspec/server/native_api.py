@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 import blockspec
-from blockspec.request import logprob_request
+from blockspec.request_args import logprob_request
 from blockspec.request import SamplingParams
 from blockspec.server.engine_loop import EngineStoppedError
 from blockspec.server.metrics import CONTENT_TYPE

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One GPU call for a session's merged work (the device tool's `run`, carrying .whl): the `gpu` and CUDA-capable tests
+# (TESTS, within TEST_S seconds; their log is gpu_tests_<commit>.log), then benchmarks/adaptive_verify.py (ADAPT_S
+# seconds; its JSON is saved row by row, so a cut-short run keeps what it measured). Output goes to $OUT.
+# Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) scripts/device_session.sh
+set -uo pipefail
+out=${OUT:-device-out}
+mkdir -p "$out"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [ "${TEST_S:-280}" -gt 0 ]; then
+    timeout "${TEST_S:-280}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_warm_start_gpu.py \
+        tests/test_gpu_adaptive.py tests/test_gpu.py tests/test_last_layer_tap.py tests/test_piecewise.py \
+        tests/test_overlap_schedule.py tests/test_dflash_lossless.py tests/test_triton_ops.py \
+        tests/test_triton_attention.py tests/test_pdl.py tests/test_step_plan.py tests/test_dflash_oracle.py} 2>&1 \
+        | tee "$out/gpu_tests_${BLOCKSPEC_COMMIT}.log" | tail -15
+fi
+if [ "${ADAPT_S:-200}" -gt 0 ]; then
+    (cd benchmarks && timeout "${ADAPT_S:-200}" python3 adaptive_verify.py --out "$out" ${ADAPT_FLAGS:-}) \
+        > "$out/adaptive_verify.log" 2>&1
+    grep -v "^{" "$out/adaptive_verify.log" | tail -40
+fi
