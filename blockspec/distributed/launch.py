@@ -1,0 +1,202 @@
+"""The ranks of a tensor-parallel engine: rank 0 is the Engine's own process; it spawns ranks 1..N-1, each of which
+builds its shard of the runner and worker, captures its graphs, then runs the forwards rank 0 mirrors to it.
+
+NCCL on CUDA (rank r on cuda:r), gloo on CPU. A rank that fails reports its traceback and exits; gloo then fails
+rank 0's pending collective ("connection closed"), which `rank_failures` turns into a TensorParallelError naming
+the rank and its error, so the engine comes down with an error instead of hanging.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from blockspec.config import EngineConfig
+from blockspec.distributed.group import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+# NOTE: an idle engine leaves its worker ranks waiting in a broadcast for as long as it is idle; a dead peer is
+# detected by its closed connection (gloo), not by this timeout.
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+JOIN_POLL_S = 0.5
+FAILURE_WAIT_S = 10.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed; the engine cannot go on."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """Rank r's config: on CUDA its own GPU, cuda:r."""
+    if config.resolved_device.type != "cuda":
+        return config
+    return dataclasses.replace(config, device=f"cuda:{rank}")
+
+
+def backend_for(config: EngineConfig) -> str:
+    return "nccl" if config.resolved_device.type == "cuda" else "gloo"
+
+
+def join_group(config: EngineConfig, rank: int, store: dist.Store) -> TensorParallel:
+    if config.resolved_device.type == "cuda":
+        torch.cuda.set_device(config.resolved_device)
+    dist.init_process_group(backend_for(config), store=store, rank=rank, world_size=config.tp_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    return TensorParallel(rank, config.tp_size)
+
+
+def check_shardable(config: EngineConfig) -> None:
+    """Clear errors, before any process starts, for what tp_size cannot shard or run on."""
+    from blockspec.models.config import load_target_config
+    from blockspec.models.draft_config import load_draft_config
+
+    tp = TensorParallel(0, config.tp_size)
+    device = config.resolved_device
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError("tp_size > 1 puts rank r on cuda:r; choose the GPUs with CUDA_VISIBLE_DEVICES instead")
+        if torch.cuda.device_count() < config.tp_size:
+            raise ValueError(f"tp_size {config.tp_size} needs as many GPUs, {torch.cuda.device_count()} visible")
+    target = load_target_config(config.model_path)
+    shapes = [(target.num_heads, target.num_kv_heads, target.intermediate_size, "the target")]
+    if config.speculative_draft_model_path is not None:
+        draft = load_draft_config(config.speculative_draft_model_path, target)
+        shapes.append((draft.num_heads, draft.num_kv_heads, draft.intermediate_size, "the draft"))
+    for heads, kv_heads, intermediate, which in shapes:
+        tp.split(heads, f"{which}'s num_attention_heads")
+        tp.local_kv_heads(kv_heads)
+        tp.split(intermediate, f"{which}'s intermediate_size")
+
+
+def run_rank(rank: int, config: EngineConfig, port: int, errors: Any) -> None:
+    """A worker rank's process: its shard, its graphs, then the mirrored forwards until rank 0 stops it."""
+    from blockspec.distributed.mirror import ForwardReceiver
+    from blockspec.engine import build_workers
+
+    try:
+        config = rank_config(config, rank)
+        logging.basicConfig(level=config.log_level.upper())
+        store = dist.TCPStore("127.0.0.1", port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store.set(f"joined/{rank}", "1")
+        tp = join_group(config, rank, store)
+        _, worker = build_workers(config, tp)
+        worker.init_cuda_graphs()
+        ForwardReceiver(tp, worker).serve()
+        dist.destroy_process_group()
+    except BaseException:  # NOTE: reported to rank 0, which raises it; exits at once (no finalizer waits on peers)
+        errors.put(f"tensor-parallel rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+class RankProcesses:
+    """Ranks 1..N-1 of rank 0's engine: started and joined into the group by `start`, stopped by `shutdown`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        check_shardable(config)
+        self.config = config
+        self.stopped = False
+        context = mp.get_context("spawn")
+        self.errors = context.SimpleQueue()
+        port = free_port()
+        self.store = dist.TCPStore("127.0.0.1", port, config.tp_size, is_master=True, wait_for_workers=False,
+                                   timeout=COLLECTIVE_TIMEOUT)
+        self.processes = [
+            context.Process(target=run_rank, args=(rank, config, port, self.errors), daemon=True,
+                            name=f"blockspec-tp-rank-{rank}")
+            for rank in range(1, config.tp_size)
+        ]
+        for process in self.processes:
+            process.start()
+        self._wait_joined()
+        self.tp = join_group(rank_config(config, 0), 0, self.store)
+
+    def _wait_joined(self) -> None:
+        """Waits until every rank reached the group, raising as soon as one exited instead."""
+        keys = [f"joined/{rank}" for rank in range(1, self.config.tp_size)]
+        while not self.store.check(keys):
+            if any(not process.is_alive() for process in self.processes):
+                report = self.failure_report()
+                self.close()
+                raise TensorParallelError(report)
+            time.sleep(JOIN_POLL_S)
+
+    def wait_for_exit(self, seconds: float) -> bool:
+        """Whether some rank has exited, waiting up to `seconds` for one to (a peer's closed connection may reach
+        rank 0 before the process is gone)."""
+        until = time.monotonic() + seconds
+        while all(process.is_alive() for process in self.processes):
+            if time.monotonic() > until:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def failure_report(self) -> str:
+        """What the failed ranks reported (their tracebacks), or how they exited."""
+        reports = []
+        while not self.errors.empty():
+            reports.append(self.errors.get())
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode not in (None, 0) and not any(f"rank {rank} failed" in r for r in reports):
+                reports.append(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
+        return "\n".join(reports) or "a tensor-parallel collective failed, but every rank is still running"
+
+    def shutdown(self, mirror_stop: Optional[Callable[[], None]] = None) -> None:
+        """Stops the ranks (`mirror_stop` tells them to leave their loop), then tears down the group."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if mirror_stop is not None and all(p.is_alive() for p in self.processes):
+            with contextlib.suppress(RuntimeError):
+                mirror_stop()
+        for process in self.processes:
+            process.join(timeout=30.0)
+        self.close()
+
+    def close(self) -> None:
+        """Kills whatever rank is still running and leaves the process group (an engine can start again)."""
+        self.stopped = True
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def rank_failures(ranks: Optional[RankProcesses]) -> Iterator[None]:
+    """Around rank 0's forwards: any error there leaves the ranks out of step, so they are stopped; when a rank had
+    failed first (rank 0's collective then fails too), a TensorParallelError carries that rank's report."""
+    if ranks is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException as error:
+        if isinstance(error, TensorParallelError):
+            raise
+        failed = ranks.wait_for_exit(FAILURE_WAIT_S)
+        report = ranks.failure_report() if failed else ""
+        ranks.close()
+        if failed:
+            raise TensorParallelError(report) from error
+        raise
