@@ -14,7 +14,7 @@ from blockspec.distributed.group import TensorParallel
 from blockspec.distributed.launch import TensorParallelError
 from blockspec.distributed.shards import ShardLayout, cut_for
 from tiny_models import save_tiny_draft, save_tiny_model
-from tp_testing import assert_same_outputs, cpu_flags, deadline, generate, tp_engine
+from tp_testing import PROMPTS, assert_same_outputs, cpu_flags, deadline, generate, tp_engine
 
 GREEDY = dict(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 # NOTE: a penalised greedy request is deterministic but leaves the one-graph greedy cycle (host propose / verify)
@@ -47,7 +47,7 @@ def test_target_only_tp2_matches_tp1(tmp_path: Path, variant: str) -> None:
     save_tiny_model(kind, tmp_path / "target", **overrides)
     extra = dict(enable_mixed_chunk=True) if kind == "qwen3" else {}
     engine = check_tp2_matches_tp1(cpu_flags(tmp_path / "target", **extra))
-    assert engine.ranks is not None and all(not p.is_alive() for p in engine.ranks.processes)
+    assert engine.ranks is not None and all(p.poll() is not None for p in engine.ranks.processes)
 
 
 def test_dflash_tp2_matches_tp1_trained_llama(trained_pair: dict[str, Any]) -> None:
@@ -120,3 +120,32 @@ def test_shard_cuts() -> None:
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         TensorParallel(0, 4).local_kv_heads(3)
 
+
+
+def test_server_engine_process_runs_tp2(tmp_path: Path) -> None:
+    """`blockspec serve --tp-size 2`: the engine process (daemonic) starts its ranks and serves through them."""
+    import asyncio
+
+    from blockspec.request import Req, SamplingParams
+    from blockspec.server.engine_loop import EngineLoop
+    from blockspec.server.engine_process import EngineProcess
+
+    save_tiny_model("llama", tmp_path / "target")
+    flags = cpu_flags(tmp_path / "target")
+    with Engine(**flags) as engine:
+        expected = generate(engine, GREEDY, logprobs=False)[0]["output_ids"]
+    loop = EngineLoop(EngineProcess({**flags, "tp_size": 2}, "warning"))
+
+    async def scenario() -> None:
+        loop.start()
+        try:  # NOTE: the engine process ignores SIGTERM: without Stop, the test process would wait for it forever
+            assert (await loop.call("get_server_info"))["tp_size"] == 2
+            submission = loop.submit([Req(PROMPTS[0], SamplingParams.from_dict(GREEDY), "r")], stream=False)
+            delta = await asyncio.wait_for(submission.next(), 60.0)
+        finally:
+            await loop.stop()
+        assert delta.error is None and delta.ids == expected
+
+    with deadline(None, 120.0):
+        loop.launch()
+        asyncio.run(scenario())

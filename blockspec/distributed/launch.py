@@ -8,29 +8,29 @@ the rank and its error, so the engine comes down with an error instead of hangin
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import datetime
-import logging
-import os
+import json
+import multiprocessing.util
+import signal
 import socket
+import subprocess
 import sys
 import time
-import traceback
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from blockspec.config import EngineConfig
 from blockspec.distributed.group import TensorParallel
-
-logger = logging.getLogger(__name__)
 
 # NOTE: an idle engine leaves its worker ranks waiting in a broadcast for as long as it is idle; a dead peer is
 # detected by its closed connection (gloo), not by this timeout.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
 JOIN_POLL_S = 0.5
+PR_SET_PDEATHSIG = 1
 FAILURE_WAIT_S = 10.0
 
 
@@ -86,46 +86,28 @@ def check_shardable(config: EngineConfig) -> None:
         tp.split(intermediate, f"{which}'s intermediate_size")
 
 
-def run_rank(rank: int, config: EngineConfig, port: int, errors: Any) -> None:
-    """A worker rank's process: its shard, its graphs, then the mirrored forwards until rank 0 stops it."""
-    from blockspec.distributed.mirror import ForwardReceiver
-    from blockspec.engine import build_workers
-
-    try:
-        config = rank_config(config, rank)
-        logging.basicConfig(level=config.log_level.upper())
-        store = dist.TCPStore("127.0.0.1", port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-        store.set(f"joined/{rank}", "1")
-        tp = join_group(config, rank, store)
-        _, worker = build_workers(config, tp)
-        worker.init_cuda_graphs()
-        ForwardReceiver(tp, worker).serve()
-        dist.destroy_process_group()
-    except BaseException:  # NOTE: reported to rank 0, which raises it; exits at once (no finalizer waits on peers)
-        errors.put(f"tensor-parallel rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        os._exit(1)
-
-
 class RankProcesses:
-    """Ranks 1..N-1 of rank 0's engine: started and joined into the group by `start`, stopped by `shutdown`."""
+    """Ranks 1..N-1 of rank 0's engine (`python -m blockspec.distributed.rank`, config as JSON on stdin): started
+    and joined into the group here, stopped by `shutdown`. NOTE: plain subprocesses, not multiprocessing children:
+    the server's engine process is daemonic, and daemonic processes may not have children."""
 
     def __init__(self, config: EngineConfig) -> None:
         check_shardable(config)
         self.config = config
         self.stopped = False
-        context = mp.get_context("spawn")
-        self.errors = context.SimpleQueue()
         port = free_port()
         self.store = dist.TCPStore("127.0.0.1", port, config.tp_size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)
-        self.processes = [
-            context.Process(target=run_rank, args=(rank, config, port, self.errors), daemon=True,
-                            name=f"blockspec-tp-rank-{rank}")
-            for rank in range(1, config.tp_size)
-        ]
-        for process in self.processes:
-            process.start()
+        config_json = json.dumps(dataclasses.asdict(config))
+        self.processes: list[subprocess.Popen[bytes]] = []
+        for rank in range(1, config.tp_size):
+            command = [sys.executable, "-m", "blockspec.distributed.rank", "--rank", str(rank), "--port", str(port)]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, preexec_fn=die_with_parent)
+            assert process.stdin is not None
+            process.stdin.write(config_json.encode())
+            process.stdin.close()
+            self.processes.append(process)
+        multiprocessing.util.Finalize(None, kill_processes, args=(self.processes,), exitpriority=100)
         self._wait_joined()
         self.tp = join_group(rank_config(config, 0), 0, self.store)
 
@@ -133,7 +115,7 @@ class RankProcesses:
         """Waits until every rank reached the group, raising as soon as one exited instead."""
         keys = [f"joined/{rank}" for rank in range(1, self.config.tp_size)]
         while not self.store.check(keys):
-            if any(not process.is_alive() for process in self.processes):
+            if any(process.poll() is not None for process in self.processes):
                 report = self.failure_report()
                 self.close()
                 raise TensorParallelError(report)
@@ -143,20 +125,23 @@ class RankProcesses:
         """Whether some rank has exited, waiting up to `seconds` for one to (a peer's closed connection may reach
         rank 0 before the process is gone)."""
         until = time.monotonic() + seconds
-        while all(process.is_alive() for process in self.processes):
+        while all(process.poll() is None for process in self.processes):
             if time.monotonic() > until:
                 return False
             time.sleep(0.05)
         return True
 
     def failure_report(self) -> str:
-        """What the failed ranks reported (their tracebacks), or how they exited."""
+        """What the failed ranks reported (their tracebacks, left in the store), or how they exited."""
         reports = []
-        while not self.errors.empty():
-            reports.append(self.errors.get())
         for rank, process in enumerate(self.processes, start=1):
-            if process.exitcode not in (None, 0) and not any(f"rank {rank} failed" in r for r in reports):
-                reports.append(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
+            if process.poll() in (None, 0):
+                continue
+            key = f"error/{rank}"
+            if self.store.check([key]):
+                reports.append(self.store.get(key).decode())
+            else:
+                reports.append(f"tensor-parallel rank {rank} exited with code {process.returncode}")
         return "\n".join(reports) or "a tensor-parallel collective failed, but every rank is still running"
 
     def shutdown(self, mirror_stop: Optional[Callable[[], None]] = None) -> None:
@@ -164,22 +149,34 @@ class RankProcesses:
         if self.stopped:
             return
         self.stopped = True
-        if mirror_stop is not None and all(p.is_alive() for p in self.processes):
+        if mirror_stop is not None and all(process.poll() is None for process in self.processes):
             with contextlib.suppress(RuntimeError):
                 mirror_stop()
         for process in self.processes:
-            process.join(timeout=30.0)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30.0)
         self.close()
 
     def close(self) -> None:
         """Kills whatever rank is still running and leaves the process group (an engine can start again)."""
         self.stopped = True
-        for process in self.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
+        kill_processes(self.processes)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def die_with_parent() -> None:
+    """In a rank's process before exec (Linux): SIGKILL when rank 0's process dies, however it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def kill_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5.0)
 
 
 @contextlib.contextmanager
