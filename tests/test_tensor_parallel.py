@@ -62,8 +62,9 @@ def test_dflash_tp2_matches_tp1_trained_llama(trained_pair: dict[str, Any]) -> N
 
 
 def test_dflash_tp2_matches_tp1_qwen3_mixed_chunk(tmp_path: Path) -> None:
-    """Qwen3 target, random draft, prefill chunks mixed into verify steps."""
-    target = save_tiny_model("qwen3", tmp_path / "target")
+    """Qwen3 target with an odd vocabulary (the draft's sharded argmax skips the padding), random draft, prefill
+    chunks mixed into verify steps."""
+    target = save_tiny_model("qwen3", tmp_path / "target", vocab_size=95)
     save_tiny_draft(tmp_path / "draft", target, [0, 2], 4, num_layers=2, seed=3)
     flags = cpu_flags(tmp_path / "target", speculative_algorithm="DFLASH",
                       speculative_draft_model_path=str(tmp_path / "draft"), enable_mixed_chunk=True)

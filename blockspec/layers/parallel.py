@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.distributed.group import TensorParallel
+from blockspec.sampling import greedy_tokens
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -42,3 +43,25 @@ class VocabParallelLMHead(nn.Linear):
         if logits.shape[-1] == self.vocab_size:
             return logits
         return logits[..., :self.vocab_size].contiguous()  # NOTE: drops the last shard's padding rows
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax over the whole vocabulary of each row's logits [..], without gathering the logits: each rank's
+        best (value, index), gathered; the first rank with the highest value wins (the lower index on ties, as
+        torch.argmax over the full row). NOTE: one [.., 2] float64 gather: values and indices are exact in it."""
+        local = F.linear(hidden, self.weight)
+        start = self.tp.rank * self.out_features
+        if start + self.out_features > self.vocab_size:  # NOTE: the padding rows of the last shard never win
+            local[..., self.vocab_size - start:] = float("-inf")
+        indices = greedy_tokens(local)
+        values = local.gather(-1, indices.unsqueeze(-1)).squeeze(-1)
+        best = self.tp.gather_last_dim(torch.stack([values.double(), (indices + start).double()], dim=-1))
+        best = best.view(*best.shape[:-1], self.tp.size, 2)
+        winner = best[..., 0].argmax(-1, keepdim=True)
+        return best[..., 1].gather(-1, winner).squeeze(-1).long()
+
+
+def greedy_head_tokens(lm_head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """argmax of lm_head(hidden) per row; a vocab-parallel head skips gathering the full logits."""
+    if isinstance(lm_head, VocabParallelLMHead):
+        return lm_head.argmax(hidden)
+    return greedy_tokens(lm_head(hidden))

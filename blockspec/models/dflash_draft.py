@@ -15,6 +15,7 @@ from blockspec.kv.pool import KVPool, LayerKVStore
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.linear import StackedLinear
 from blockspec.layers.norm import RMSNorm
+from blockspec.layers.parallel import greedy_head_tokens
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into, safetensors_files
@@ -118,7 +119,7 @@ class DFlashDraftModel(nn.Module):
         """argmax of `logits` per row; without scaling or softcap, straight from the model-dtype logits (exact: the
         fp32 cast preserves order and ties)."""
         if self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping:
-            return greedy_tokens(lm_head(hidden))
+            return greedy_head_tokens(lm_head, hidden)
         return greedy_tokens(self.logits(hidden, lm_head))
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
