@@ -102,23 +102,25 @@ class RankProcesses:
         self.processes: list[subprocess.Popen[bytes]] = []
         for rank in range(1, config.tp_size):
             command = [sys.executable, "-m", "blockspec.distributed.rank", "--rank", str(rank), "--port", str(port)]
-            process = subprocess.Popen(command, stdin=subprocess.PIPE, preexec_fn=die_with_parent)
+            process = subprocess.Popen(command, stdin=subprocess.PIPE)
             assert process.stdin is not None
             process.stdin.write(config_json.encode())
             process.stdin.close()
             self.processes.append(process)
         multiprocessing.util.Finalize(None, kill_processes, args=(self.processes,), exitpriority=100)
-        self._wait_joined()
-        self.tp = join_group(rank_config(config, 0), 0, self.store)
+        try:
+            self._wait_joined()
+            self.tp = join_group(rank_config(config, 0), 0, self.store)
+        except BaseException:
+            self.close()
+            raise
 
     def _wait_joined(self) -> None:
         """Waits until every rank reached the group, raising as soon as one exited instead."""
         keys = [f"joined/{rank}" for rank in range(1, self.config.tp_size)]
         while not self.store.check(keys):
             if any(process.poll() is not None for process in self.processes):
-                report = self.failure_report()
-                self.close()
-                raise TensorParallelError(report)
+                raise TensorParallelError(self.failure_report())
             time.sleep(JOIN_POLL_S)
 
     def wait_for_exit(self, seconds: float) -> bool:
@@ -166,7 +168,8 @@ class RankProcesses:
 
 
 def die_with_parent() -> None:
-    """In a rank's process before exec (Linux): SIGKILL when rank 0's process dies, however it dies."""
+    """Called first in a rank's process (Linux): SIGKILL when rank 0's process dies, however it dies. NOTE: the
+    kernel sends it when the thread that started the rank exits: an Engine lives in a thread that outlives it."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -16,7 +16,7 @@ import traceback
 import torch.distributed as dist
 
 from blockspec.config import EngineConfig
-from blockspec.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_config
+from blockspec.distributed.launch import COLLECTIVE_TIMEOUT, die_with_parent, join_group, rank_config
 
 
 def serve_rank(rank: int, config: EngineConfig, store: dist.Store) -> None:
@@ -32,6 +32,7 @@ def serve_rank(rank: int, config: EngineConfig, store: dist.Store) -> None:
 
 
 def main() -> None:
+    die_with_parent()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
