@@ -19,19 +19,23 @@ from tp_testing import PROMPTS, assert_same_outputs, cpu_flags, deadline, genera
 GREEDY = dict(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 # NOTE: a penalised greedy request is deterministic but leaves the one-graph greedy cycle (host propose / verify)
 MIXED_PARAMS = [GREEDY, {**GREEDY, "frequency_penalty": 0.5}, GREEDY]
+# NOTE: fp32 logits differ across TP sizes only in reduction order: a seeded draw flips only on a ~1e-7 boundary
+SAMPLED = [{**GREEDY, "temperature": 0.8, "seed": seed} for seed in (1, 2, 3)]
 
 
-def both_paths(engine: Engine) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """All-greedy (the overlap schedule: device rows, the one-graph greedy cycle under DFlash), then with a
-    penalised request and log-probabilities (host rows: decode / propose + verify from the host)."""
-    return generate(engine, GREEDY, logprobs=False), generate(engine, MIXED_PARAMS, logprobs=True)
+def every_path(engine: Engine) -> tuple[list[dict[str, Any]], ...]:
+    """All-greedy (the overlap schedule: device rows, the one-graph greedy cycle under DFlash); with a penalised
+    request and log-probabilities (host rows: decode / propose + verify from the host); seeded sampling (rank 0
+    samples from the gathered logits; rejection sampling under DFlash)."""
+    return (generate(engine, GREEDY, logprobs=False), generate(engine, MIXED_PARAMS, logprobs=True),
+            generate(engine, SAMPLED, logprobs=False))
 
 
 def check_tp2_matches_tp1(flags: dict[str, Any]) -> Engine:
     with Engine(**flags) as engine:
-        reference = both_paths(engine)
+        reference = every_path(engine)
     with tp_engine(flags) as engine:
-        outputs = both_paths(engine)
+        outputs = every_path(engine)
         info = engine.get_server_info()
     for expected, got in zip(reference, outputs):
         assert_same_outputs(expected, got)

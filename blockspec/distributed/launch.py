@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable, Iterator, Optional
 
@@ -114,6 +115,18 @@ class RankProcesses:
         except BaseException:
             self.close()
             raise
+        if backend_for(config) == "nccl":
+            threading.Thread(target=self._abort_when_a_rank_dies, name="blockspec-tp-watch", daemon=True).start()
+
+    def _abort_when_a_rank_dies(self) -> None:
+        """NCCL does not notice a dead peer (gloo does): abort the group, so rank 0's pending collective fails
+        instead of waiting for the dead rank forever. NOTE: not yet exercised on GPUs (#23)."""
+        while not self.stopped:
+            if any(process.poll() is not None for process in self.processes):
+                if not self.stopped:
+                    dist.distributed_c10d._abort_process_group()
+                return
+            time.sleep(JOIN_POLL_S)
 
     def _wait_joined(self) -> None:
         """Waits until every rank reached the group, raising as soon as one exited instead."""
