@@ -1,9 +1,9 @@
 """The forward mirror: rank 0 (scheduler, sampling, acceptance) broadcasts every forward; the other ranks run it.
 
 Every forward of an engine enters through `ModelRunner.forward_extend(batch)` or `CudaGraphs.run(kind, inputs, fn)`.
-On rank 0 both first call the mirror, which broadcasts what the forward needs: a fixed int64 header, then one int64
-payload (host lists, the batch tensors or rows, and the req→token table rows of the batch's requests, since the
-table is written only on rank 0). A receiving rank rebuilds the same inputs against its own table and runs the same
+On rank 0 both first call the mirror, which broadcasts what the forward needs: a fixed int64 header (with rank 0's
+graph switches, `graphs.enabled` and `piecewise_enabled`), then one int64 payload (host lists, the batch tensors or
+rows, and the req→token table rows of the batch's requests, since the table is written only on rank 0). A receiving rank rebuilds the same inputs against its own table and runs the same
 entry point of its own worker (`Worker.extend_forward`, `graphs.run` with `Worker.uniform_forward_fn`), so both ranks
 issue the model's collectives in the same order, graph or eager. No pickling: ints and tensors only.
 """
@@ -17,9 +17,10 @@ import torch
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, GraphInputs, UniformRows
 from blockspec.distributed.group import TensorParallel
 from blockspec.runner.graphs import GraphKind, tokens_per_request
+from blockspec.runner.model_runner import ModelRunner
 from blockspec.step.target_worker import TargetWorker
 
-HEADER_LEN = 12
+HEADER_LEN = 13  # NOTE: [op-specific fields | padding | graph switches, host ints, payload size]
 MODES = list(ForwardMode)
 KINDS = list(GraphKind)
 
@@ -39,9 +40,10 @@ class Form(enum.IntEnum):
 class ForwardMirror:
     """Rank 0's side: sends each forward to the other ranks before running it."""
 
-    def __init__(self, tp: TensorParallel, table: torch.Tensor) -> None:
+    def __init__(self, tp: TensorParallel, runner: ModelRunner) -> None:
         self.tp = tp
-        self.table = table
+        self.runner = runner
+        self.table = runner.req_to_token.table
 
     def extend(self, batch: ForwardBatch) -> None:
         self._send_batch(Op.EXTEND, -1, batch)
@@ -64,8 +66,9 @@ class ForwardMirror:
         device = self.table.device
         parts = [torch.tensor(host, dtype=torch.int64).to(device), *(p.reshape(-1).to(device) for p in device_parts)]
         payload = torch.cat(parts)
-        padding = [-1] * (HEADER_LEN - 2 - len(header))
-        self.tp.broadcast(self._header([*header, *padding, len(host), int(payload.numel())]))
+        padding = [-1] * (HEADER_LEN - 3 - len(header))
+        switches = int(self.runner.graphs.enabled) | 2 * int(self.runner.piecewise_enabled)
+        self.tp.broadcast(self._header([*header, *padding, switches, len(host), int(payload.numel())]))
         self.tp.broadcast(payload)
 
     def _send_batch(self, op: Op, kind: int, batch: ForwardBatch) -> None:
@@ -107,7 +110,9 @@ class ForwardReceiver:
         op = Op(header[0])
         if op is Op.STOP:
             return False
-        num_host, size = header[-2], header[-1]
+        switches, num_host, size = header[-3:]
+        runner = self.worker.runner
+        runner.graphs.enabled, runner.piecewise_enabled = bool(switches & 1), bool(switches & 2)
         payload = self.tp.broadcast(torch.empty(size, dtype=torch.int64, device=self.table.device))
         host, tensors = payload[:num_host].tolist(), payload[num_host:]
         with torch.inference_mode():
@@ -160,7 +165,7 @@ def install_mirror(tp: TensorParallel, worker: TargetWorker) -> ForwardMirror:
     """Rank 0: from now on every forward of `worker`'s runner is mirrored (install after graph capture and start-up
     timing, which every rank runs by itself)."""
     runner = worker.runner
-    mirror = ForwardMirror(tp, runner.req_to_token.table)
+    mirror = ForwardMirror(tp, runner)
     runner.forward_mirror = mirror
     runner.graphs.forward_mirror = mirror
     return mirror

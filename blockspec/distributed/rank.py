@@ -25,8 +25,14 @@ def serve_rank(rank: int, config: EngineConfig, store: dist.Store) -> None:
 
     store.set(f"joined/{rank}", "1")
     tp = join_group(config, rank, store)
-    _, worker = build_workers(config, tp)
+    runner, worker = build_workers(config, tp)
     worker.init_cuda_graphs()
+    if runner.device.type == "cuda":
+        # NOTE: this rank's attention variants compile here (no collectives); rank 0's warm-up requests, eager
+        # passes included, reach this rank mirrored
+        from blockspec.startup.warmup import attention_workloads, warm_attention
+
+        warm_attention(attention_workloads(runner, worker), runner.req_to_token.table, runner.req_to_token.dummy_row)
     ForwardReceiver(tp, worker).serve()
     dist.destroy_process_group()
 
