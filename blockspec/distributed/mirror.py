@@ -10,7 +10,7 @@ issue the model's collectives in the same order, graph or eager. No pickling: in
 from __future__ import annotations
 
 import enum
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
