@@ -3,9 +3,10 @@
 Every forward of an engine enters through `ModelRunner.forward_extend(batch)` or `CudaGraphs.run(kind, inputs, fn)`.
 On rank 0 both first call the mirror, which broadcasts what the forward needs: a fixed int64 header (with rank 0's
 graph switches, `graphs.enabled` and `piecewise_enabled`), then one int64 payload (host lists, the batch tensors or
-rows, and the req→token table rows of the batch's requests, since the table is written only on rank 0). A receiving rank rebuilds the same inputs against its own table and runs the same
-entry point of its own worker (`Worker.extend_forward`, `graphs.run` with `Worker.uniform_forward_fn`), so both ranks
-issue the model's collectives in the same order, graph or eager. No pickling: ints and tensors only.
+rows, and the req→token table rows of the batch's requests, since the table is written only on rank 0). A receiving
+rank rebuilds the same inputs against its own table and runs the same entry point of its own worker
+(`Worker.extend_forward`, `graphs.run` with `Worker.uniform_forward_fn`), so every rank issues the model's
+collectives in the same order, graph or eager. No pickling: ints and tensors only.
 """
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ class ForwardMirror:
     def _send_batch(self, op: Op, kind: int, batch: ForwardBatch) -> None:
         has_extend = batch.extend_starts is not None and batch.extend_lens is not None
         header = [op, kind, Form.BATCH, MODES.index(batch.mode), batch.num_tokens, batch.batch_size,
-                  int(batch.logits_rows.numel()), int(batch.float_logits) | (2 * int(has_extend)),
+                  int(batch.logits_rows.numel()),
+                  int(batch.float_logits) | 2 * int(has_extend) | 4 * int(batch.argmax_only),
                   -1 if batch.max_seq_len_hint is None else batch.max_seq_len_hint,
                   -1 if batch.uniform_q_len is None else batch.uniform_q_len]
         host = [*batch.seq_lens_cpu, *batch.extend_lens_cpu, *batch.capture_layer_ids]
@@ -145,7 +147,7 @@ class ForwardReceiver:
             seq_lens=seq_lens, seq_lens_cpu=host[:bs], extend_lens_cpu=host[bs:2 * bs], logits_rows=logits_rows,
             req_to_token=self.table, capture_layer_ids=tuple(host[2 * bs:]),
             uniform_q_len=None if q_len < 0 else q_len, max_seq_len_hint=None if hint < 0 else hint,
-            float_logits=bool(flags & 1), extend_starts=parts[6] if has_extend else None,
+            float_logits=bool(flags & 1), argmax_only=bool(flags & 4), extend_starts=parts[6] if has_extend else None,
             extend_lens=parts[7] if has_extend else None,
         )
 

@@ -16,7 +16,7 @@ from blockspec.distributed.group import TensorParallel
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.linear import StackedLinear, linear_into
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.parallel import VocabParallelEmbedding, VocabParallelLMHead
+from blockspec.layers.parallel import VocabParallelEmbedding, VocabParallelLMHead, greedy_head_tokens
 from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.config import TargetConfig
@@ -26,7 +26,7 @@ from blockspec.batch import ForwardBatch
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [len(batch.logits_rows), vocab], float32
+    logits: torch.Tensor  # [len(batch.logits_rows), vocab], float32 (batch.argmax_only: their argmax, [rows] int64)
     # [T, len(capture_layer_ids) * hidden] or None; from a piecewise graph a view of its static buffer, valid only
     # until the next extend
     aux_hidden: Optional[torch.Tensor]
@@ -220,5 +220,7 @@ class CausalLM(nn.Module):
         hidden = state.hidden
         assert hidden is not None
         rows = hidden[batch.logits_rows]
+        if batch.argmax_only:  # NOTE: a vocab-parallel head compares per-shard maxima instead of gathering logits
+            return ModelOutput(greedy_head_tokens(self.lm_head, rows), state.aux, hidden)
         logits = self.compute_logits(rows) if batch.float_logits else self.lm_head(rows)
         return ModelOutput(logits, state.aux, hidden)

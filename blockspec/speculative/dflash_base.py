@@ -212,10 +212,10 @@ class DFlashBase(TargetWorker):
         else:
             proposals, block_ids = batch.input_ids.view(bs, 1)[:, :0], batch.input_ids
         verify_batch = dataclasses.replace(batch, mode=ForwardMode.VERIFY, input_ids=block_ids,
-                                           capture_layer_ids=self.capture, attn_meta=None, float_logits=False)
-        logits, _ = self._verify_forward(verify_batch)
-        assert logits is not None
-        target_argmax = greedy_tokens(logits).view(bs, n)
+                                           capture_layer_ids=self.capture, attn_meta=None, argmax_only=True)
+        tokens, _ = self._verify_forward(verify_batch)
+        assert tokens is not None
+        target_argmax = tokens.view(bs, n)
         accepted = self.accept_counts(proposals, target_argmax)
         return (torch.cat([accepted, proposals, target_argmax], dim=1),)
 
