@@ -11,7 +11,7 @@ from plot_common import finish_axis, plt, save_beside
 def plot(path: Path) -> Path:
     report = json.loads(path.read_text())
     backends = report.get("backends", ["triton"])
-    rows = [r for r in report["rows"] if r.get("backend", "triton") == backends[0]]
+    rows = [r for r in report["rows"] if r.get("backend", "triton") == backends[0] and r.get("tp", 1) == 1]
     others = backends[1:]
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
@@ -22,7 +22,7 @@ def plot(path: Path) -> Path:
             ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], style, label=label)
         for backend in others:
             sel = sorted((r for r in report["rows"] if r.get("backend") == backend and r["context"] == context
-                          and r["spec"] and r["graphs"]), key=lambda r: r["bs"])
+                          and r["spec"] and r["graphs"] and r.get("tp", 1) == 1), key=lambda r: r["bs"])
             ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], "^-", label=f"DFlash cycle, graphs on, {backend}")
         floor = sorted((r for r in rows if r["context"] == context and r["spec"] and r["graphs"]), key=lambda r: r["bs"])
         sustained = [r for r in floor if "sustained_greedy_cycle_ms" in r]

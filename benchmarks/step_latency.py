@@ -5,7 +5,9 @@ an overlapped step counts as it runs in a serving loop; also with the overlap sc
 contexts, CUDA graphs on and off, per attention backend (`--backends triton flashinfer`: same run, same shapes);
 the memory-bandwidth floor (weight and KV bytes read per step ÷ copy bandwidth measured in the same run; the
 embedding table is not read, only its rows); target-only decode; and z-lab's `dflash_generate` on the
-same shapes. Writes benchmarks/results/step_latency_<date>.json (+ .png).
+same shapes. With `--tp-size N` every engine also runs at tensor parallelism N (ranks on cuda:0..N-1; rows carry
+"tp", floors are per GPU) and the goals add the bs-1 cycle at TP=N over TP=1. Writes
+benchmarks/results/step_latency_<date>.json (+ .png).
 """
 from __future__ import annotations
 
@@ -107,9 +109,10 @@ def run_blockspec(
     target_dir, draft_dir = write_configs(root)
     rows: list[dict[str, Any]] = []
     max_tokens = max(args.batch_sizes) * (max(args.contexts) + 512)
-    for backend, spec in itertools.product(args.backends, (True,) if args.spec_only else (True, False)):
+    specs, tp_sizes = (True,) if args.spec_only else (True, False), sorted({1, args.tp_size})
+    for backend, spec, tp in itertools.product(args.backends, specs, tp_sizes):
         flags: dict[str, Any] = dict(model_path=str(target_dir), load_format="dummy", dtype="bfloat16",
-                                     attention_backend=backend,
+                                     attention_backend=backend, tp_size=tp,
                                      skip_tokenizer_init=True, max_total_tokens=max_tokens,
                                      max_running_requests=max(args.batch_sizes), chunked_prefill_size=16384,
                                      cuda_graph_bs=args.batch_sizes)
@@ -125,14 +128,14 @@ def run_blockspec(
         weights = param_bytes(model) - (0 if model.config.tie_word_embeddings else param_bytes(model.model.embed_tokens))
         draft_weights = param_bytes(engine.worker.draft) + engine.runner.model.lm_head.weight.numel() * 2 if spec else 0
         cfg = engine.runner.target_config
-        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        draft_kv_per_token = 2 * 5 * 8 * 128 * 2 if spec else 0
+        kv_per_token = 2 * cfg.num_layers * engine.runner.num_local_kv_heads * cfg.head_dim * 2  # NOTE: per GPU
+        draft_kv_per_token = 2 * 5 * max(1, 8 // tp) * 128 * 2 if spec else 0
         for context in args.contexts:
             for bs in args.batch_sizes:
                 floor_bytes = weights + draft_weights + bs * context * (kv_per_token + draft_kv_per_token)
                 for graphs in (True,) if args.graphs_only else (True, False):
                     m = measure(engine, bs, context, graphs, args.repeat, args.sustained_s if graphs else 0.0)
-                    row = {"backend": backend, "spec": spec, "bs": bs, "context": context, "graphs": graphs, **m,
+                    row = {"backend": backend, "spec": spec, "tp": tp, "bs": bs, "context": context, "graphs": graphs, **m,
                            "floor_ms": floor_bytes / bandwidth * 1e3, "startup_s": startup}
                     row["cycle_over_floor"] = row["cycle_ms"] / row["floor_ms"]
                     rows.append(row)
@@ -179,7 +182,7 @@ def print_backend_comparison(rows: list[dict[str, Any]], backends: list[str]) ->
     if len(backends) < 2:
         return
     base = backends[0]
-    index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"]}
+    index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"] and r["tp"] == 1}
     print(f"\nspec cycle with graphs, ms (ratio to {base}):")
     for (backend, bs, context), row in sorted(index.items(), key=lambda kv: (kv[0][2], kv[0][1], backends.index(kv[0][0]))):
         ref = index.get((base, bs, context))
@@ -191,14 +194,20 @@ def print_backend_comparison(rows: list[dict[str, Any]], backends: list[str]) ->
 
 
 def goal_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """#4's goals per backend and context: bs-1 DFlash cycle / floor (<= 1.25) and bs-32 / bs-1 cycle (<= 2)."""
-    index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"]}
+    """#4's goals per backend and context: bs-1 DFlash cycle / floor (<= 1.25) and bs-32 / bs-1 cycle (<= 2), at
+    TP=1; #23's: the bs-1 DFlash cycle at TP=N over TP=1 (<= 0.6)."""
+    index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"] and r["tp"] == 1}
+    parallel = {(r["backend"], r["context"], r["tp"]): r for r in rows
+                if r["spec"] and r["graphs"] and r["tp"] > 1 and r["bs"] == 1}
     goals = []
     for (backend, bs, context), one in sorted(index.items()):
         if bs != 1:
             continue
         thirty_two = index.get((backend, 32, context))
         goal = {"backend": backend, "context": context, "bs1_cycle_over_floor": one["cycle_over_floor"]}
+        for (tp_backend, tp_context, tp), row in parallel.items():
+            if (tp_backend, tp_context) == (backend, context):
+                goal[f"bs1_cycle_tp{tp}_over_tp1"] = row["cycle_ms"] / one["cycle_ms"]
         if thirty_two is not None:
             goal["bs32_over_bs1_cycle"] = thirty_two["cycle_ms"] / one["cycle_ms"]
             if "sync_cycle_ms" in one and "sync_cycle_ms" in thirty_two:
@@ -225,6 +234,7 @@ def main() -> None:
     parser.add_argument("--graphs-only", action="store_true", help="skip the rows with CUDA graphs off")
     parser.add_argument("--sustained-s", type=float, default=0.0,
                         help="also replay the greedy-cycle graph for this many seconds (clock and power settle)")
+    parser.add_argument("--tp-size", type=int, default=1, help="also run every engine at this tensor-parallel size")
     parser.add_argument("--tag", default="", help="suffix of the result file name, e.g. an A/B label")
     args = parser.parse_args()
     bandwidth = read_bandwidth()
@@ -237,7 +247,7 @@ def main() -> None:
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit or "unknown",
               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth,
               "read_only_bandwidth_bytes_per_s": read_only, "accept_len": args.accept_len,
-              "backends": args.backends, "flashinfer": flashinfer_version(),
+              "backends": args.backends, "tp_size": args.tp_size, "flashinfer": flashinfer_version(),
               "pdl": pdl_enabled(torch.device("cuda")),
               "rows": [], "dflash_reference": reference}
     args.out.mkdir(parents=True, exist_ok=True)

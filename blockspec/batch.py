@@ -31,6 +31,7 @@ class ForwardBatch:
     uniform_q_len: Optional[int] = None  # every request has this many new tokens (decode / verify / draft)
     max_seq_len_hint: Optional[int] = None  # upper bound of seq_lens, fixed for a captured graph
     float_logits: bool = True  # False: logits stay in the model dtype (callers that only take the argmax)
+    argmax_only: bool = False  # the forward returns each logits row's argmax [rows] int64 in place of its logits
     extend_starts: Optional[torch.Tensor] = None  # [bs] int64 first token row per request (built batches)
     extend_lens: Optional[torch.Tensor] = None  # [bs] int64 device copy of extend_lens_cpu (built batches)
     attn_meta: Any = field(default=None, repr=False)  # set by backend.plan(batch)

@@ -46,6 +46,7 @@ class EngineConfig:
     speculative_simulate_accept_profile: Optional[str] = None  # benchmarking only: "geometric:M" or a histogram JSON
     speculative_adaptive_verify: Optional[str] = None  # on | off; unset: on when the DFlash cycle runs in CUDA graphs
     speculative_num_draft_tokens_per_bs: Optional[str] = None  # fixed verify lengths by batch size: "1-16:10,17-64:4"
+    tp_size: int = 1  # tensor-parallel ranks, one process (and GPU) each; rank 0 schedules
 
     def __post_init__(self) -> None:
         self._validate()
@@ -101,6 +102,7 @@ class EngineConfig:
         positive("context_length", self.context_length)
         positive("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
         positive("piecewise_cuda_graph_max_tokens", self.piecewise_cuda_graph_max_tokens)
+        positive("tp_size", self.tp_size)
         if not isinstance(self.chunked_prefill_size, int) or (self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1):
             raise ValueError(f"chunked_prefill_size must be -1 (off) or a positive integer, got {self.chunked_prefill_size!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:

@@ -8,6 +8,9 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from blockspec.config import EngineConfig
+from blockspec.distributed.group import TensorParallel
+from blockspec.distributed.launch import RankProcesses, rank_failures
+from blockspec.distributed.mirror import ForwardMirror, install_mirror
 from blockspec.request import Req, build_requests
 from blockspec.request_args import logprob_request, per_prompt
 from blockspec.runner.model_runner import ModelRunner
@@ -37,14 +40,19 @@ class Engine:
         logging.basicConfig(level=self.config.log_level.upper())
         compile_log = kernel_compile_log()
         compiled_from = compile_log.count
-        with compile_log.startup():
+        # NOTE: tensor parallelism: ranks 1..N-1 run in their own processes, mirroring this one's forwards
+        self.ranks = RankProcesses(self.config) if self.config.tp_size > 1 else None
+        self.mirror: Optional[ForwardMirror] = None
+        with compile_log.startup(), rank_failures(self.ranks):
             self.tokenizer = None
             if not self.config.skip_tokenizer_init:
                 self.tokenizer = load_tokenizer(
                     self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code
                 )
-            self.runner, self.worker = self._build_workers()
+            self.runner, self.worker = build_workers(self.config, None if self.ranks is None else self.ranks.tp)
             self.worker.init_cuda_graphs()
+            if self.ranks is not None:
+                self.mirror = install_mirror(self.ranks.tp, self.worker)
             self.scheduler = self.new_scheduler()
             warmup = self._warm_kernels()
         self.compile_mark = compile_log.count  # NOTE: compiles from here on are stalls while serving
@@ -86,14 +94,6 @@ class Engine:
         None where they cannot be counted (no Triton, or one without its compile hook)."""
         compile_log = kernel_compile_log()
         return compile_log.count - self.compile_mark if compile_log.counting else None
-
-    def _build_workers(self) -> tuple[ModelRunner, Worker]:
-        if self.config.speculative_algorithm == "DFLASH":
-            from blockspec.speculative.build import build_dflash_worker
-
-            return build_dflash_worker(self.config)
-        runner = ModelRunner(self.config)
-        return runner, TargetWorker(runner)
 
     # ---- inputs ----------------------------------------------------------------------------
     def _prompts_to_ids(
@@ -157,9 +157,10 @@ class Engine:
         for req in reqs:
             self.scheduler.add_request(req)
         pending = {req.rid for req in reqs}
-        while pending:
-            for req in self.scheduler.step():
-                pending.discard(req.rid)
+        with rank_failures(self.ranks):
+            while pending:
+                for req in self.scheduler.step():
+                    pending.discard(req.rid)
         outputs = [self.output_of(req) for req in reqs]
         return outputs[0] if single else outputs
 
@@ -194,6 +195,7 @@ class Engine:
             "context_length": self.runner.context_length,
             "page_size": self.config.page_size,
             "disable_radix_cache": self.config.disable_radix_cache,
+            "tp_size": self.config.tp_size,
             # NOTE: free_slots counts the slots of cached pages no request reads (they are evicted on demand)
             "kv_cache": {"total_slots": allocator.total_slots, "free_slots": allocator.free_slots,
                          "unused_slots": allocator.unused_slots},
@@ -218,6 +220,8 @@ class Engine:
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             self.scheduler.abort(req.rid)
         self.scheduler.collect_finished()
+        if self.ranks is not None:
+            self.ranks.shutdown(None if self.mirror is None else self.mirror.stop)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -226,3 +230,13 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def build_workers(config: EngineConfig, tp: Optional[TensorParallel] = None) -> tuple[ModelRunner, Worker]:
+    """The runner and worker of one rank (`tp`: its shard; None: the whole model on one device)."""
+    if config.speculative_algorithm == "DFLASH":
+        from blockspec.speculative.build import build_dflash_worker
+
+        return build_dflash_worker(config, tp)
+    runner = ModelRunner(config, tp=tp)
+    return runner, TargetWorker(runner)

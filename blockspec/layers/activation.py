@@ -7,12 +7,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.distributed.group import TensorParallel
 from blockspec.layers.linear import StackedLinear, linear_into
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    """With `tp`: this rank's slice of the intermediate size (gate|up column-parallel, down row-parallel), the
+    down projection summed over ranks in place."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: Optional[TensorParallel] = None
+    ) -> None:
         super().__init__()
+        if tp is not None:
+            intermediate_size = tp.split(intermediate_size, "intermediate_size")
+        self.tp = tp
         self.intermediate_size = intermediate_size
         self.gate_up_proj = StackedLinear(hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -23,6 +32,8 @@ class GatedMLP(nn.Module):
         if gate_up.is_cuda and gate_up.dim() == 2:
             from blockspec.layers.triton_ops import silu_mul
 
-            return linear_into(self.down_proj, silu_mul(gate_up), out)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear_into(self.down_proj, F.silu(gate) * up, out)
+            down = linear_into(self.down_proj, silu_mul(gate_up), out)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            down = linear_into(self.down_proj, F.silu(gate) * up, out)
+        return down if self.tp is None else self.tp.all_reduce(down)

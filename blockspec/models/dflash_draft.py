@@ -2,28 +2,38 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
+from blockspec.distributed.group import TensorParallel
+from blockspec.distributed.shards import ShardLayout, iter_sharded_safetensors
 from blockspec.kv.pool import KVPool, LayerKVStore
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.linear import StackedLinear
 from blockspec.layers.norm import RMSNorm
+from blockspec.layers.parallel import greedy_head_tokens
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
-from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into
+from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into, safetensors_files
 from blockspec.batch import ForwardBatch
 from blockspec.sampling import greedy_tokens
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, config: DraftConfig, layer_id: int) -> None:
+    """Under tensor parallelism this rank's heads (sharded as the target's), o_proj summed over ranks."""
+
+    def __init__(self, config: DraftConfig, layer_id: int, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        if tp is not None:
+            self.num_heads = tp.split(config.num_heads, "the draft's num_attention_heads")
+            self.num_kv_heads = tp.local_kv_heads(config.num_kv_heads)
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias)
@@ -55,14 +65,15 @@ class DraftAttention(nn.Module):
         store = backend.pool.layer_store(self.layer_id, batch.out_cache_loc)
         rotated_q, k, kv_stored = rotary.apply(batch.positions, q, k, v, QKNorm.of(self.q_norm, self.k_norm), store)
         assert rotated_q is not None
-        return self.o_proj(backend.forward(rotated_q, k, v, self.layer_id, batch, kv_stored=kv_stored))
+        attended = self.o_proj(backend.forward(rotated_q, k, v, self.layer_id, batch, kv_stored=kv_stored))
+        return attended if self.tp is None else self.tp.all_reduce(attended)
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, config: DraftConfig, layer_id: int) -> None:
+    def __init__(self, config: DraftConfig, layer_id: int, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
-        self.self_attn = DraftAttention(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = DraftAttention(config, layer_id, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -74,12 +85,14 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
-    """No embedding and no lm_head: the target's are used (see speculative/dflash.py)."""
+    """No embedding and no lm_head: the target's are used (see speculative/dflash.py). Under tensor parallelism the
+    layers are sharded; fc and the norms are replicated (the aux hidden states they read are replicated too), so
+    materialising the draft KV needs no communication."""
 
-    def __init__(self, config: DraftConfig, max_positions: int) -> None:
+    def __init__(self, config: DraftConfig, max_positions: int, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(config, i, tp) for i in range(config.num_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -106,7 +119,7 @@ class DFlashDraftModel(nn.Module):
         """argmax of `logits` per row; without scaling or softcap, straight from the model-dtype logits (exact: the
         fp32 cast preserves order and ties)."""
         if self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping:
-            return greedy_tokens(lm_head(hidden))
+            return greedy_head_tokens(lm_head, hidden)
         return greedy_tokens(self.logits(hidden, lm_head))
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
@@ -117,15 +130,18 @@ class DFlashDraftModel(nn.Module):
 
 def load_draft_model(
     draft_dir: str | Path, config: DraftConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-    dummy: bool = False,
+    dummy: bool = False, tp: Optional[TensorParallel] = None,
 ) -> DFlashDraftModel:
     with torch.device("meta"):
-        model = DFlashDraftModel(config, max_positions)
+        model = DFlashDraftModel(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if dummy:
         init_dummy_weights(model, seed=1)
-    else:
+    elif tp is None:
         weights = ((name.removeprefix("model."), tensor) for name, tensor in iter_safetensors(draft_dir))
         load_weights_into(model, weights)
+    else:
+        layout = ShardLayout(config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size)
+        load_weights_into(model, iter_sharded_safetensors(safetensors_files(draft_dir), layout, tp, {"model.": ""}))
     return model.eval()

@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
+from blockspec.distributed.group import TensorParallel
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.linear import StackedLinear, linear_into
 from blockspec.layers.norm import RMSNorm
+from blockspec.layers.parallel import VocabParallelEmbedding, VocabParallelLMHead, greedy_head_tokens
 from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.config import TargetConfig
@@ -24,7 +26,7 @@ from blockspec.batch import ForwardBatch
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [len(batch.logits_rows), vocab], float32
+    logits: torch.Tensor  # [len(batch.logits_rows), vocab], float32 (batch.argmax_only: their argmax, [rows] int64)
     # [T, len(capture_layer_ids) * hidden] or None; from a piecewise graph a view of its static buffer, valid only
     # until the next extend
     aux_hidden: Optional[torch.Tensor]
@@ -33,11 +35,13 @@ class ModelOutput:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: TargetConfig, layer_id: int) -> None:
+    """Under tensor parallelism this rank's heads only (q|k|v column-parallel, o row-parallel: the caller sums)."""
+
+    def __init__(self, config: TargetConfig, layer_id: int, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = config.num_heads if tp is None else tp.split(config.num_heads, "num_attention_heads")
+        self.num_kv_heads = config.num_kv_heads if tp is None else tp.local_kv_heads(config.num_kv_heads)
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
@@ -76,31 +80,41 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TargetConfig, layer_id: int) -> None:
+    def __init__(self, config: TargetConfig, layer_id: int, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.self_attn = SelfAttention(config, layer_id, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: TargetConfig, max_positions: int) -> None:
+    def __init__(self, config: TargetConfig, max_positions: int, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size) if tp is None
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
 
 class CausalLM(nn.Module):
-    """LlamaForCausalLM / Qwen3ForCausalLM (the family only changes q/k norms, set by the config)."""
+    """LlamaForCausalLM / Qwen3ForCausalLM (the family only changes q/k norms, set by the config).
 
-    def __init__(self, config: TargetConfig, max_positions: int) -> None:
+    With `tp` this rank's shard: vocab-parallel embedding and lm_head (full logits on every rank), sharded heads and
+    MLP, the o / down projections summed over ranks; hidden states, aux hidden and logits are replicated."""
+
+    def __init__(self, config: TargetConfig, max_positions: int, tp: Optional[TensorParallel] = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(config, max_positions, tp)
+        self.lm_head = (
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False) if tp is None
+            else VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -164,6 +178,8 @@ class CausalLM(nn.Module):
         layer = self.model.layers[layer_id]
         assert state.attn_out is not None and state.residual is not None
         attended = layer.self_attn.o_proj(state.attn_out)
+        if self.tp is not None:
+            self.tp.all_reduce(attended)
         normed, residual = layer.post_attention_layernorm.add_and_norm(attended, state.residual)
         state.residual = state.place(residual, state.residual)
         state.mlp_out = state.place(layer.mlp(normed, state.buffer(state.mlp_out)), state.mlp_out)
@@ -204,5 +220,7 @@ class CausalLM(nn.Module):
         hidden = state.hidden
         assert hidden is not None
         rows = hidden[batch.logits_rows]
+        if batch.argmax_only:  # NOTE: a vocab-parallel head compares per-shard maxima instead of gathering logits
+            return ModelOutput(greedy_head_tokens(self.lm_head, rows), state.aux, hidden)
         logits = self.compute_logits(rows) if batch.float_logits else self.lm_head(rows)
         return ModelOutput(logits, state.aux, hidden)

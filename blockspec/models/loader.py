@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from blockspec.distributed.group import TensorParallel
+from blockspec.distributed.shards import ShardLayout, iter_sharded_safetensors
 from blockspec.layers.linear import StackedLinear
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.config import TargetConfig, load_target_config
@@ -106,11 +108,13 @@ def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
 
 
 def load_target_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int, dummy: bool = False
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int, dummy: bool = False,
+    tp: Optional[TensorParallel] = None,
 ) -> tuple[CausalLM, TargetConfig]:
+    """The target (this rank's shard of it under `tp`, reading only that shard's slices)."""
     config = load_target_config(model_dir)
     with torch.device("meta"):
-        model = CausalLM(config, max_positions)
+        model = CausalLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if config.tie_word_embeddings:
@@ -118,7 +122,11 @@ def load_target_model(
     ignore = ("lm_head.",) if config.tie_word_embeddings else ()
     if dummy:
         init_dummy_weights(model)
-    else:
+    elif tp is None:
         load_weights_into(model, iter_safetensors(model_dir), ignore=ignore)
+    else:
+        layout = ShardLayout(config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
+                             config.vocab_size)
+        load_weights_into(model, iter_sharded_safetensors(safetensors_files(model_dir), layout, tp), ignore=ignore)
     model.eval()
     return model, config

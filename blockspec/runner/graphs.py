@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -18,6 +18,9 @@ from blockspec.attention.base import GraphPlanner
 from blockspec.batch import ForwardBatch, ForwardMode, GraphInputs
 from blockspec.kv.allocator import ReqToTokenTable
 from blockspec.runner.cuda_graph import GraphedForward, GraphOutputs
+
+if TYPE_CHECKING:
+    from blockspec.distributed.mirror import ForwardMirror
 
 EagerForward = Callable[[ForwardBatch], GraphOutputs]
 
@@ -44,6 +47,8 @@ class CudaGraphs:
         self.by_kind: dict[tuple[GraphKind, int], GraphedForward] = {}
         self.counts = {"graph": 0, "eager": 0}
         self.capture_seconds = 0.0  # every kind's capture together (start-up report)
+        # NOTE: rank 0 of a tensor-parallel group sets this (distributed/mirror.py): each run goes to the other ranks
+        self.forward_mirror: Optional[ForwardMirror] = None
 
     def capture(
         self,
@@ -87,6 +92,8 @@ class CudaGraphs:
         """A replay of `kind`'s graph if it is on and accepts `inputs`, else `eager` on the built batch.
 
         NOTE: replay outputs live in the shared graph pool: valid until the next replay of any graph."""
+        if self.forward_mirror is not None:
+            self.forward_mirror.uniform(kind, inputs)
         graph = self.by_kind.get((kind, tokens_per_request(inputs))) if self.enabled else None
         if graph is not None and graph.accepts(inputs):
             self.counts["graph"] += 1

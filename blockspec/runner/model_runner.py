@@ -4,13 +4,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.attention.factory import make_backend, resolve_backend_name
 from blockspec.config import EngineConfig
+from blockspec.distributed.group import TensorParallel
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig, load_target_config
@@ -19,6 +20,9 @@ from blockspec.models.loader import load_target_model, resolve_dtype
 from blockspec.batch import ForwardBatch, GraphInputs
 from blockspec.runner.graphs import CudaGraphs, GraphKind
 from blockspec.runner.piecewise_graph import AuxConsumer, PiecewiseGraphRunner, default_buckets
+
+if TYPE_CHECKING:
+    from blockspec.distributed.mirror import ForwardMirror
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +42,18 @@ class ModelRunner:
         extra_kv_bytes_per_slot: int = 0,
         extra_positions: int = 0,
         hidden_capture_layer_ids: tuple[int, ...] = (),
+        tp: Optional[TensorParallel] = None,
     ) -> None:
         """`extra_kv_bytes_per_slot`: bytes a draft pool will add per slot (sizes the shared budget).
         `extra_positions`: positions past the context length a speculative block may touch.
         `hidden_capture_layer_ids`: the hidden-capture mode of prefill/extend, fixed here for the piecewise graphs:
-        FULL at these layers (DFlash) or NONE (empty)."""
+        FULL at these layers (DFlash) or NONE (empty).
+        `tp`: this rank's place in the tensor-parallel group (None: one GPU): the model and KV pool are its shard;
+        every rank's pool has the same number of slots (the slot ids rank 0 allocates are valid everywhere)."""
         self.config = config
+        self.tp = tp
+        # NOTE: rank 0 of a group sets this (distributed/mirror.py): every forward's batch goes to the other ranks first
+        self.forward_mirror: Optional[ForwardMirror] = None
         self.hidden_capture_layer_ids = hidden_capture_layer_ids
         self.device = config.resolved_device
         self.dtype = pick_dtype(config, self.device)
@@ -53,24 +63,30 @@ class ModelRunner:
         self.max_positions = self.context_length + extra_positions + 1
         started = time.perf_counter()
         self.model, self.model_config = load_target_model(
-            config.model_path, self.dtype, self.device, self.max_positions, dummy=config.load_format == "dummy"
+            config.model_path, self.dtype, self.device, self.max_positions, dummy=config.load_format == "dummy", tp=tp
         )
         # NOTE: start-up phases in seconds (Engine's start-up report); a draft's weights and pool add to them
         self.startup_seconds = {"weights": time.perf_counter() - started}
         started = time.perf_counter()
         cfg = self.model_config
-        bytes_per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        attention = self.model.model.layers[0].self_attn
+        self.num_local_heads, self.num_local_kv_heads = attention.num_heads, attention.num_kv_heads
+        bytes_per_slot = KVPool.bytes_per_slot(cfg.num_layers, self.num_local_kv_heads, cfg.head_dim, self.dtype)
         num_slots = self._num_slots(bytes_per_slot + extra_kv_bytes_per_slot)
+        if tp is not None:
+            num_slots = tp.min_int(num_slots, self.device)
         page = config.page_size
         num_pages = num_slots // page + 1  # + the dummy page
         self.allocator = PageAllocator(num_pages, page)
-        self.kv_pool = KVPool(num_pages * page, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(
+            num_pages * page, cfg.num_layers, self.num_local_kv_heads, cfg.head_dim, self.dtype, self.device
+        )
         table_width = min(self.max_positions, self.allocator.total_slots + extra_positions + 1)
         self.req_to_token = ReqToTokenTable(config.max_running_requests, table_width, self.device)
         self.startup_seconds["kv_pool"] = time.perf_counter() - started
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
         self.attention: AttentionBackend = make_backend(
-            self.attention_backend, self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            self.attention_backend, self.kv_pool, self.num_local_heads, self.num_local_kv_heads, cfg.head_dim
         )
         graphs_available = (
             self.device.type == "cuda" and not config.disable_cuda_graph
@@ -139,6 +155,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_extend(self, batch: ForwardBatch) -> ModelOutput:
         """An extend (prefill) batch: piecewise graphs when they can take it, else eager."""
+        if self.forward_mirror is not None:
+            self.forward_mirror.extend(batch)
         if self.piecewise is not None and self.piecewise_enabled:
             if self.piecewise.can_run(batch):
                 self.piecewise_counts["piecewise"] += 1

@@ -72,11 +72,12 @@ class PiecewiseGraphRunner:
         def buffer(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=kind, device=device)
 
-        attention_width = cfg.num_heads * cfg.head_dim
+        attention = model.model.layers[0].self_attn  # NOTE: this rank's heads under tensor parallelism
+        attention_width = attention.q_size
         self.input_ids = buffer(n, kind=torch.int64)
         self.positions = buffer(n, kind=torch.int64)
         self.out_cache_loc = buffer(n, kind=torch.int64)
-        self.qkv = buffer(n, attention_width + 2 * cfg.num_kv_heads * cfg.head_dim)
+        self.qkv = buffer(n, attention_width + 2 * attention.kv_size)
         self.attn = buffer(n, attention_width)
         self.residual = buffer(n, h)
         self.mlp_out = buffer(n, h)

@@ -69,6 +69,7 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--piecewise-cuda-graph-max-tokens", dict(type=int, default=4096, help="largest piecewise-graph token bucket (default 4096)")),
     ("--piecewise-cuda-graph-tokens", dict(type=int, nargs="+", help="explicit token buckets for piecewise graphs")),
     ("--cuda-graph-backend-prefill", dict(choices=("piecewise", "none"), help="piecewise = --enforce-piecewise-cuda-graph")),
+    ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks (one process and GPU each; default 1)")),
     ("--speculative-algorithm", dict(type=str.upper, choices=("DFLASH",), help="DFLASH (default: none, target only)")),
     ("--speculative-draft-model-path", dict(help="z-lab format DFlash draft directory or hub id (default: none)")),
     ("--speculative-num-draft-tokens", dict(type=int, help="block size (default: the draft's block_size)")),

@@ -16,7 +16,7 @@ from blockspec.models.dflash_draft import DFlashDraftModel
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
-from blockspec.runner.graphs import GraphKind
+from blockspec.runner.graphs import EagerForward, GraphKind
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sampling import greedy_tokens
 from blockspec.speculative.acceptance import greedy_accept_counts
@@ -48,9 +48,9 @@ class DFlashBase(TargetWorker):
                 f"DFlash needs FULL hidden capture at layers {list(self.capture)} in prefill, but the model runner "
                 f"was built with {list(runner.hidden_capture_layer_ids) or 'NONE'}"
             )
-        dc = self.draft_config
+        dc, heads = self.draft_config, draft.layers[0].self_attn  # NOTE: this rank's heads under tensor parallelism
         self.draft_attention = make_backend(
-            runner.attention_backend, draft_pool, dc.num_heads, dc.num_kv_heads, dc.head_dim,
+            runner.attention_backend, draft_pool, heads.num_heads, heads.num_kv_heads, dc.head_dim,
             dc.layer_windows, dc.layer_causal,
         )
         config = runner.config
@@ -152,6 +152,15 @@ class DFlashBase(TargetWorker):
                 graphs.capture(GraphKind.GREEDY_CYCLE, self.cycle_fn(n), ForwardMode.DRAFT, n)
         self.calibrate_verify_lengths()
 
+    def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:
+        if kind is GraphKind.VERIFY:
+            return self._verify_forward
+        if kind is GraphKind.DRAFT:
+            return self._draft_logits
+        if kind is GraphKind.GREEDY_CYCLE:
+            return self.cycle_fn(tokens_per_req)
+        return super().uniform_forward_fn(kind, tokens_per_req)
+
     def _verify_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
         """Target forward over the verified block rows, then draft K/V for every one of them.
 
@@ -216,10 +225,10 @@ class DFlashBase(TargetWorker):
         else:
             proposals, block_ids = batch.input_ids.view(bs, 1)[:, :0], batch.input_ids
         verify_batch = dataclasses.replace(batch, mode=ForwardMode.VERIFY, input_ids=block_ids,
-                                           capture_layer_ids=self.capture, attn_meta=None, float_logits=False)
-        logits, _ = self._verify_forward(verify_batch)
-        assert logits is not None
-        target_argmax = greedy_tokens(logits).view(bs, n)
+                                           capture_layer_ids=self.capture, attn_meta=None, argmax_only=True)
+        tokens, _ = self._verify_forward(verify_batch)
+        assert tokens is not None
+        target_argmax = tokens.view(bs, n)
         accepted = self.accept_counts(proposals, target_argmax)
         return (torch.cat([accepted, proposals, target_argmax], dim=1),)
 

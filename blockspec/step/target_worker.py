@@ -9,7 +9,7 @@ import torch
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
 from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
-from blockspec.runner.graphs import GraphKind
+from blockspec.runner.graphs import EagerForward, GraphKind
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sampling import append_logprobs, greedy_tokens, sample_next_tokens
 from blockspec.step.inflight import InFlightStep, host_copy, launch_rows
@@ -33,6 +33,12 @@ class TargetWorker:
     def init_cuda_graphs(self) -> None:
         self.runner.graphs.capture(GraphKind.DECODE, self.runner.eager_forward, ForwardMode.DECODE, 1)
         self.runner.capture_piecewise()
+
+    def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:
+        """The function `graphs.run` is given for `kind` (tensor-parallel ranks mirror rank 0's forwards with it)."""
+        if kind is GraphKind.DECODE:
+            return self.runner.eager_forward
+        raise ValueError(f"a target-only worker runs no {kind.value} forward")
 
     # ---- extend ------------------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the rank group, sharded weight loading, the forward mirror and the rank processes."""
