@@ -4,12 +4,7 @@
 # benchmark. Logs and JSON go to $OUT (else ./device-out). Budgets in seconds: TEST_S, STEP_S, PREFILL_S.
 # Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) scripts/device_check.sh   (pass the commit: no git there)
 set -uo pipefail
-out=${OUT:-device-out}
-mkdir -p "$out"
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/device_env.sh"
 timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_adaptive.py tests/test_flashinfer.py \
     tests/test_triton_attention.py tests/test_triton_ops.py tests/test_piecewise.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
 timeout "${STEP_S:-300}" python3 benchmarks/step_latency.py --backends triton flashinfer --repeat 10 --out "$out" \

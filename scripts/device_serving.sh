@@ -5,12 +5,7 @@
 # profiles go to $OUT (else ./device-out).
 # Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) SHAPES=smollm2 PYSPY_S=5 scripts/device_serving.sh
 set -uo pipefail
-out=${OUT:-device-out}
-mkdir -p "$out"
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/device_env.sh"
 if [ "${TEST_S:-0}" -gt 0 ]; then
     timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_triton_ops.py \
         tests/test_piecewise.py tests/test_triton_attention.py tests/test_overlap_schedule.py tests/test_pdl.py \

@@ -4,12 +4,7 @@
 # seconds; its JSON is saved row by row, so a cut-short run keeps what it measured). Output goes to $OUT.
 # Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) scripts/device_session.sh
 set -uo pipefail
-out=${OUT:-device-out}
-mkdir -p "$out"
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/device_env.sh"
 if [ "${TEST_S:-280}" -gt 0 ]; then
     timeout "${TEST_S:-280}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_warm_start_gpu.py \
         tests/test_gpu_adaptive.py tests/test_gpu.py tests/test_last_layer_tap.py tests/test_piecewise.py \
