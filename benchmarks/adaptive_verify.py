@@ -83,6 +83,15 @@ def timed_block(engine: Engine, reqs: list[Req], steps: int) -> tuple[int, float
     return sum(r.num_output_tokens for r in reqs) - before, time.perf_counter() - start
 
 
+def same_draws(simulated: Any, seed: int) -> None:
+    """Common random numbers: both modes' blocks of a round draw the same simulated accept lengths, cycle by cycle
+    (one [bs, 1] uniform per cycle whatever its verify length), so their difference is the verify length's alone."""
+    if simulated.generator is not None:
+        simulated.generator.manual_seed(seed)
+    else:  # NOTE: captured graphs draw from the default CUDA generator; reseeding it restarts their sequence
+        torch.cuda.manual_seed(seed)
+
+
 def release(engine: Engine, reqs: list[Req]) -> None:
     for req in reqs:
         engine.scheduler.abort(req.rid)
@@ -131,6 +140,7 @@ def measure_dflash(engine: Engine, profile: str, context: int, bs: int, args: ar
         order = ("fixed", "adaptive") if round_index % 2 == 0 else ("adaptive", "fixed")
         for mode in order:
             worker.verify_policy, worker.acceptance = policies[mode], stats[mode]
+            same_draws(worker.simulated, 1000 + round_index)
             tokens, seconds = timed_block(engine, reqs, args.block_steps)
             totals[mode][0] += tokens
             totals[mode][1] += seconds
