@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -18,6 +19,8 @@ from transformers import PreTrainedTokenizerFast
 from tiny_models import save_tiny_model
 
 if TYPE_CHECKING:
+    import openai
+
     from blockspec.server import BackgroundServer
 
 CHAT_TEMPLATE = (
@@ -115,6 +118,39 @@ def start_server_process(args: list[str], entry: tuple[str, ...] = ("-m", "block
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
+
+
+@contextmanager
+def server_process(args: list[str], entry: tuple[str, ...] = ("-m", "blockspec.serve")) -> Iterator[tuple["subprocess.Popen[str]", str]]:
+    """start_server_process as a context: (process, url); a server still running at the end is killed."""
+    proc, url = start_server_process(args, entry)
+    try:
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def openai_client(server: "BackgroundServer", api_key: str = "none", timeout: float = 120) -> Iterator["openai.OpenAI"]:
+    """An `openai` client on `server` for a fixture; the server must be idle again after the test."""
+    import openai
+
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0, timeout=timeout) as client:
+        yield client
+    wait_idle(server.base_url, headers={"Authorization": f"Bearer {api_key}"} if api_key != "none" else None)
+
+
+def serve_qwen_dflash(root: Path, **settings: Any) -> Iterator["BackgroundServer"]:
+    """A BackgroundServer on the Qwen3-vocabulary DFlash pair at `root` (the `qwen_vocab_pair` fixture), for a fixture."""
+    from blockspec import Engine
+    from blockspec.server import BackgroundServer
+    from blockspec.server.args import ServerSettings
+
+    engine = Engine(model_path=str(root / "target"), device="cpu", dtype="float32", page_size=4, max_total_tokens=8192,
+                    speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
+    with BackgroundServer(engine, ServerSettings(port=0, served_model_name="tiny", **settings)) as running:
+        yield running
 
 
 def serve_text_model(directory: Path) -> Iterator["BackgroundServer"]:

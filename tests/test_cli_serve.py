@@ -10,7 +10,7 @@ import pytest
 from blockspec.cli import main
 from blockspec.config import EngineConfig
 from blockspec.server.args import config_fields_without_flag, parse_serve_args
-from server_support import save_text_model, start_server_process
+from server_support import save_text_model, server_process
 
 
 
@@ -89,14 +89,9 @@ def test_unloadable_model_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize("entry", [["-m", "blockspec.serve"], ["-m", "blockspec.cli", "serve"]])
 def test_serve_process_answers_and_stops_on_sigint(entry: list[str], tmp_path: Path) -> None:
     model = save_text_model(tmp_path / "model")
-    proc, url = start_server_process(["--model-path", str(model), "--max-total-tokens", "4096", "--page-size", "4"],
-                                     tuple(entry))
-    try:
+    with server_process(["--model-path", str(model), "--max-total-tokens", "4096", "--page-size", "4"],
+                        tuple(entry)) as (proc, url):
         reply = httpx.post(url + "/v1/completions", json={"prompt": "Janet", "max_tokens": 3, "ignore_eos": True}, timeout=30)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

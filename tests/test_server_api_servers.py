@@ -17,7 +17,7 @@ import pytest
 from blockspec import Engine
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings, parse_serve_args
-from server_support import metric_value, save_text_model, start_server_process, wait_idle
+from server_support import metric_value, save_text_model, server_process, wait_idle
 from test_server_shutdown import GRACE_S, sigterm_drains
 
 COUNT = 3
@@ -51,8 +51,7 @@ def model(tmp_path: Path) -> Path:
 
 
 def test_requests_spread_over_server_processes_with_the_same_answers(model: Path) -> None:
-    proc, url = start_server_process(["--model-path", str(model), "--api-server-count", str(COUNT)])
-    try:
+    with server_process(["--model-path", str(model), "--api-server-count", str(COUNT)]) as (proc, url):
         pids = _server_pids(url)
         assert sorted(pids) == list(range(COUNT)) and len(set(pids.values())) == COUNT and proc.pid in pids.values()
 
@@ -77,36 +76,25 @@ def test_requests_spread_over_server_processes_with_the_same_answers(model: Path
             with httpx.Client(base_url=url, timeout=10) as client:
                 text = client.get("/metrics").text
             assert metric_value(text, "blockspec_requests_total", 'finish_reason="length"') >= 36
-    finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0
 
 
 def test_sigterm_drains_every_server_process(model: Path) -> None:
-    proc, url = start_server_process(["--model-path", str(model), "--max-total-tokens", "16384", "--shutdown-grace-s",
-                                      str(GRACE_S), "--api-server-count", str(COUNT)])
-    try:
+    with server_process(["--model-path", str(model), "--max-total-tokens", "16384", "--shutdown-grace-s",
+                         str(GRACE_S), "--api-server-count", str(COUNT)]) as (proc, url):
         pids = _server_pids(url)
         sigterm_drains(proc, url)
         assert all(_gone(pid) for pid in pids.values())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_engine_death_stops_every_server_process(model: Path) -> None:
-    proc, url = start_server_process(["--model-path", str(model), "--api-server-count", str(COUNT)])
-    try:
+    with server_process(["--model-path", str(model), "--api-server-count", str(COUNT)]) as (proc, url):
         pids = _server_pids(url)
         engine_pid = httpx.get(url + "/server_info", timeout=10).json()["engine_pid"]
         os.kill(engine_pid, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         assert all(_gone(pid) for pid in pids.values())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_api_server_count_flag(capsys: pytest.CaptureFixture[str]) -> None:

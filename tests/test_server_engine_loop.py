@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
 from blockspec import Engine
-from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError, _held_back
+from blockspec.server.engine_core import _held_back
+from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError
 from blockspec.server.metrics import ServerMetrics
 from server_support import save_text_model
 

@@ -16,7 +16,7 @@ from blockspec.request import Req, SamplingParams
 from blockspec.server import wire
 from blockspec.server.engine_loop import EngineLoadError, EngineLoop, EngineStoppedError
 from blockspec.server.engine_process import EngineProcess
-from server_support import save_text_model, start_server_process
+from server_support import save_text_model, server_process
 
 LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
@@ -67,20 +67,19 @@ def test_engine_process_death_fails_in_flight_and_refuses_new(tmp_path: Path) ->
 
 def test_serve_exits_non_zero_when_the_engine_dies(tmp_path: Path) -> None:
     model = save_text_model(tmp_path / "model")
-    proc, url = start_server_process(["--model-path", str(model), "--max-total-tokens", "200000"])
-    events: list[Any] = []
-    first = threading.Event()
+    with server_process(["--model-path", str(model), "--max-total-tokens", "200000"]) as (proc, url):
+        events: list[Any] = []
+        first = threading.Event()
 
-    def stream() -> None:
-        body = {"prompt": "Janet", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
-            for line in reply.iter_lines():
-                if line.startswith("data: "):
-                    data = line[len("data: "):]
-                    events.append(data if data == "[DONE]" else json.loads(data))
-                    first.set()
+        def stream() -> None:
+            body = {"prompt": "Janet", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        events.append(data if data == "[DONE]" else json.loads(data))
+                        first.set()
 
-    try:
         pid = httpx.get(url + "/server_info", timeout=10).json()["engine_pid"]
         assert pid != proc.pid
         client = threading.Thread(target=stream)
@@ -93,7 +92,3 @@ def test_serve_exits_non_zero_when_the_engine_dies(tmp_path: Path) -> None:
         assert len(errors) == 1 and errors[0]["error"]["code"] == 503, events[-3:]
         assert set(errors[0]["error"]) == {"message", "type", "param", "code"}
         assert proc.wait(timeout=30) != 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -12,7 +12,7 @@ import pytest
 from blockspec import Engine
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings
-from server_support import save_text_model, sse_payloads, wait_idle
+from server_support import openai_client, save_text_model, sse_payloads
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServe
 
 @pytest.fixture
 def client(server: BackgroundServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-    wait_idle(server.base_url)
+    yield from openai_client(server, timeout=60)
 
 
 def test_unknown_model_is_404(client: openai.OpenAI, server: BackgroundServer) -> None:

@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from blockspec import Engine
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings
-from server_support import wait_idle
+from server_support import openai_client
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,7 @@ def server() -> Iterator[BackgroundServer]:
 
 @pytest.fixture
 def client(server: BackgroundServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="key-123", max_retries=0, timeout=120) as c:
-        yield c
-    wait_idle(server.base_url, headers={"Authorization": "Bearer key-123"})
+    yield from openai_client(server, api_key="key-123")
 
 
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is 2+3?"}]

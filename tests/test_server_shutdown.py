@@ -15,7 +15,7 @@ import pytest
 from blockspec import Engine
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings, parse_serve_args
-from server_support import save_text_model, sse_payloads, start_server_process
+from server_support import save_text_model, sse_payloads, server_process
 
 GRACE_S = 1.5
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
@@ -121,15 +121,10 @@ def test_stop_drains_in_flight_requests(tmp_path: Path) -> None:
 
 def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
     model = save_text_model(tmp_path / "model")
-    proc, url = start_server_process(
+    with server_process(
         ["--model-path", str(model), "--max-total-tokens", "16384", "--shutdown-grace-s", str(GRACE_S)]
-    )
-    try:
+    ) as (proc, url):
         sigterm_drains(proc, url)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_hardening_flags() -> None:

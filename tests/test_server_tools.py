@@ -11,12 +11,10 @@ import httpx
 import openai
 import pytest
 
-from blockspec import Engine
 from blockspec.server import BackgroundServer
-from blockspec.server.args import ServerSettings
 from blockspec.server.protocol import ChatMessage
 from blockspec.tokenizer import chat_to_ids
-from server_support import wait_idle
+from server_support import openai_client, serve_qwen_dflash
 
 WEATHER: Any = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -30,18 +28,12 @@ QUESTION: list[Any] = [{"role": "user", "content": "What is the weather in Paris
 
 @pytest.fixture(scope="module")
 def server(qwen_vocab_pair: dict[str, Any]) -> Iterator[BackgroundServer]:
-    root = Path(qwen_vocab_pair["root"])
-    engine = Engine(model_path=str(root / "target"), device="cpu", dtype="float32", page_size=4, max_total_tokens=8192,
-                    speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
-    with BackgroundServer(engine, ServerSettings(port=0, served_model_name="tiny", tool_call_parser="qwen3")) as running:
-        yield running
+    yield from serve_qwen_dflash(Path(qwen_vocab_pair["root"]), tool_call_parser="qwen3")
 
 
 @pytest.fixture
 def client(server: BackgroundServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
-        yield c
-    wait_idle(server.base_url)
+    yield from openai_client(server)
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])

@@ -29,7 +29,7 @@ from blockspec.startup.attention_variants import (
 )
 from blockspec.startup.compiles import KernelCompileLog, kernel_compile_log
 from blockspec.startup.warmup import attention_workloads, warm_attention, warm_engine_paths, warm_kernels
-from server_support import metric_value, save_text_model, serve_text_model, start_server_process
+from server_support import metric_value, save_text_model, serve_text_model, server_process
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
@@ -217,18 +217,13 @@ def test_compiles_after_startup_in_server_info_and_metrics(server: Any, restore_
 def test_serve_process_prints_startup_and_exports_it(tmp_path: Path) -> None:
     """The engine process's start-up report crosses to the server process in EngineInfo."""
     model = save_text_model(tmp_path / "model")
-    proc, url = start_server_process(["--model-path", str(model), "--max-total-tokens", "2048"])
-    try:
+    with server_process(["--model-path", str(model), "--max-total-tokens", "2048"]) as (proc, url):
         metrics = httpx.get(url + "/metrics", timeout=30).text
         assert metric_value(metrics, "blockspec_startup_seconds", 'phase="total"') > 0
         assert metric_value(metrics, "blockspec_startup_seconds", 'phase="weights"') > 0
         assert httpx.get(url + "/server_info", timeout=30).json()["internal_states"][0]["kernel_compiles_after_startup"] == 0
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.stdout is not None
     output = proc.stdout.read()
     assert "blockspec: start-up " in output and "weights" in output and "Triton kernel variants" in output, output

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import zmq
@@ -16,7 +14,6 @@ import zmq.asyncio
 from blockspec.engine import Engine
 from blockspec.request import Req
 from blockspec.server import wire
-from blockspec.server.engine_core import _held_back
 from blockspec.server.detokenize import OutputTexts
 from blockspec.server.engine_process import EngineHandle, EngineThread, RemoteEngine
 from blockspec.server.frontends import EngineAddresses
@@ -24,7 +21,6 @@ from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
 
 logger = logging.getLogger(__name__)
-__all__ = ["EngineLoop", "EngineStoppedError", "QueueFullError", "EngineLoadError", "_held_back"]
 WATCH_MS = 200
 DIED_MESSAGE = "the engine process died"
 
@@ -53,8 +49,7 @@ class EngineLoop:
         self.before_stop: list[Callable[[], None]] = []  # NOTE: run (off the loop) before the engine is stopped
         self.info = self.handle.info
         self.metrics = metrics
-        if self.metrics is None and self.info is not None:
-            self.metrics = ServerMetrics(max_accept_length=max(self.info.decode_slots_per_req, 1))
+        self._default_metrics()
         self.max_queued_requests = max_queued_requests
         self.on_death: list[Callable[[], None]] = []
         self._routes: dict[str, tuple[Submission, int]] = {}
@@ -106,9 +101,13 @@ class EngineLoop:
             raise EngineLoadError(message.message)
         assert isinstance(message, wire.Ready)
         self.info = message.info
-        if self.metrics is None:
-            self.metrics = ServerMetrics(max_accept_length=max(self.info.decode_slots_per_req, 1))
+        self._default_metrics()
         self.alive = True
+
+    def _default_metrics(self) -> None:
+        """A registry of its own once the engine's limits are known, unless one was given."""
+        if self.metrics is None and self.info is not None:
+            self.metrics = ServerMetrics(max_accept_length=max(self.info.decode_slots_per_req, 1))
 
     def start(self) -> None:
         """Launches if needed and starts routing on the running event loop."""

@@ -21,7 +21,6 @@ class EngineAddresses:
 
     to_engine: list[str]
     from_engine: list[str]
-    directory: Optional[str] = None
     _tmp: Optional[tempfile.TemporaryDirectory[str]] = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -29,11 +28,11 @@ class EngineAddresses:
         tmp = tempfile.TemporaryDirectory(prefix="blockspec-zmq-")
         root = Path(tmp.name)
         return cls([f"ipc://{root / f'to_engine_{i}'}" for i in range(count)],
-                   [f"ipc://{root / f'from_engine_{i}'}" for i in range(count)], tmp.name, tmp)
+                   [f"ipc://{root / f'from_engine_{i}'}" for i in range(count)], tmp)
 
     def portable(self) -> "EngineAddresses":
         """The same addresses without the directory's owner (what another process gets)."""
-        return EngineAddresses(self.to_engine, self.from_engine, self.directory)
+        return EngineAddresses(self.to_engine, self.from_engine)
 
     def cleanup(self) -> None:
         if self._tmp is not None:
@@ -92,6 +91,3 @@ class FrontendGroup:
                 logger.error("server process %s did not stop within %.0f s; killing it", process.name, timeout)
                 process.kill()
                 process.join(5)
-
-    def exit_codes(self) -> list[Optional[int]]:
-        return [process.exitcode for process in self.processes]
