@@ -31,13 +31,16 @@ from typing import Any, Optional
 
 import httpx
 
-from blockspec.bench.client import accept_length_between, get_server_info
+from blockspec.bench.client import (
+    accept_length_between, compiles_between, get_server_info, histogram_mean_between, metrics_text,
+)
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids, run_workload
 from serving_server import ServerProcess, log_tail
 from serving_vs_engine import commit_id, extra_engine_kwargs, serve_flags
 from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
 
 SHAPES = ("llama8b", "demo", "tiny")
+TTFT_METRIC = "blockspec_time_to_first_token_seconds"  # the server's own submit -> first token
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +128,10 @@ def warm_kernels(base_url: str, workload: Workload, vocab: int, seed: int, timeo
         raise RuntimeError(f"/flush_cache answered {response.status_code}: {response.text}")
 
 
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else seconds * 1e3
+
+
 def radix_stats(info: dict[str, Any]) -> dict[str, Any]:
     return dict((info.get("internal_states") or [{}])[0].get("radix_cache") or {})
 
@@ -139,14 +146,16 @@ def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[s
             for workload in workloads:
                 warm_kernels(server.base_url, workload, vocab, args.seed, args.request_timeout)
                 params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": not real}
-                before = get_server_info(server.base_url)
+                before, metrics_before = get_server_info(server.base_url), metrics_text(server.base_url)
                 result = run_workload(server.base_url, workload, params, eos_id, args.request_timeout)
-                after = get_server_info(server.base_url)
+                after, metrics_after = get_server_info(server.base_url), metrics_text(server.base_url)
                 looked_up = radix_stats(after).get("prompt_tokens_total", 0) - radix_stats(before).get("prompt_tokens_total", 0)
                 hits = radix_stats(after).get("cached_tokens_total", 0) - radix_stats(before).get("cached_tokens_total", 0)
                 row = {"workload": workload.name, "shape": shape, "cache": cache, **result,
                        "accept_len": accept_length_between(before, after),
-                       "cache_hit_rate": hits / looked_up if looked_up else 0.0}
+                       "cache_hit_rate": hits / looked_up if looked_up else 0.0,
+                       "engine_ttft_mean_ms": _ms(histogram_mean_between(metrics_before, metrics_after, TTFT_METRIC)),
+                       **compiles_between(before, after)}
                 rows.append(row)
                 print("   " + describe(row), flush=True)
     except (RuntimeError, OSError) as exc:
@@ -158,7 +167,9 @@ def describe(row: dict[str, Any]) -> str:
     accept = row["accept_len"]
     return (f"{row['workload']:>10} {row['shape']:>8} {row['cache']:>4} {row['tok_s']:>9.0f} tok/s  ttft p50 "
             f"{row['ttft_p50_ms']:>8.1f} p99 {row['ttft_p99_ms']:>8.1f} ms  accept {'-' if accept is None else f'{accept:.3f}'}"
-            f"  hit {row['cache_hit_rate']:.2f}  {row['requests'] - row['failed']}/{row['requests']} ok")
+            f"  hit {row['cache_hit_rate']:.2f}  {row['requests'] - row['failed']}/{row['requests']} ok"
+            f"  engine ttft {row['engine_ttft_mean_ms'] or float('nan'):.1f} ms  compiles {row['kernel_compiles']}"
+            f" {row['kernel_compiles_by_kernel'] or ''}")
 
 
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

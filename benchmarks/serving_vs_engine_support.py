@@ -19,7 +19,7 @@ from typing import Any, Optional
 import httpx
 
 from blockspec.bench.client import (
-    accept_length_between, avg_accept_length, get_server_info, histogram_mean_between, metrics_text,
+    accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
 )
 from blockspec.bench.report import percentile
 from blockspec.bench.serving import RequestResult, one_request, run_level
@@ -230,6 +230,7 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         "mean_in_flight": sum(r.latency for r in ok) / duration,  # NOTE: Little's law over the run's own requests
         "server_accept_length": accept_length_between(before, after), "server_avg_accept_length": avg_accept_length(after),
         "first_error": errors[0] if errors else "",
+        **compiles_between(before, after),
     }
 
 

@@ -15,7 +15,7 @@ from blockspec.request import Req, build_requests
 from blockspec.request_args import logprob_request, per_prompt
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler import Scheduler
-from blockspec.startup.compiles import kernel_compile_log
+from blockspec.startup.compiles import by_kernel, kernel_compile_log
 from blockspec.startup.report import StartupReport, WarmupReport
 from blockspec.step.executor import Worker
 from blockspec.step.target_worker import TargetWorker
@@ -94,6 +94,12 @@ class Engine:
         None where they cannot be counted (no Triton, or one without its compile hook)."""
         compile_log = kernel_compile_log()
         return compile_log.count - self.compile_mark if compile_log.counting else None
+
+    @property
+    def kernel_compiles_after_startup_by_kernel(self) -> dict[str, int]:
+        """Those variants per kernel name, most first (each is also logged as a warning when it happens)."""
+        compile_log = kernel_compile_log()
+        return by_kernel(compile_log.since(self.compile_mark)) if compile_log.counting else {}
 
     # ---- inputs ----------------------------------------------------------------------------
     def _prompts_to_ids(
@@ -180,6 +186,7 @@ class Engine:
             "num_mixed_steps": self.scheduler.steps.mixed_steps,
             "radix_cache": self.radix_cache_stats(),
             "kernel_compiles_after_startup": self.kernel_compiles_after_startup,
+            "kernel_compiles_after_startup_by_kernel": self.kernel_compiles_after_startup_by_kernel,
         }
         if self.worker.is_speculative:
             internal.update(self.scheduler.spec_stats())

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec.bench.client import accept_length_between, histogram_mean_between
+from typing import Any, Optional
+
+from blockspec.bench.client import accept_length_between, compiles_between, histogram_mean_between
 
 NAME = "blockspec_time_to_first_token_seconds"
 
@@ -27,3 +29,16 @@ def test_accept_length_between_snapshots() -> None:
     before, after = info(30, 10), info(90, 30)
     value = accept_length_between(before, after)
     assert value is not None and abs(value - 3.0) < 1e-9
+
+
+def test_compiles_between_counts_the_variants_compiled_in_between() -> None:
+    def info(total: Optional[int], kernels: dict[str, int]) -> dict[str, Any]:
+        return {"internal_states": [{"kernel_compiles_after_startup": total,
+                                     "kernel_compiles_after_startup_by_kernel": kernels}]}
+
+    before = info(2, {"rope_kernel": 2})
+    after = info(5, {"rope_kernel": 3, "paged_attention_kernel": 2})
+    assert compiles_between(before, after) == {
+        "kernel_compiles": 3, "kernel_compiles_by_kernel": {"rope_kernel": 1, "paged_attention_kernel": 2}}
+    assert compiles_between(before, before) == {"kernel_compiles": 0, "kernel_compiles_by_kernel": {}}
+    assert compiles_between(info(None, {}), info(None, {}))["kernel_compiles"] is None  # Triton cannot count here

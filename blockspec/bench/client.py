@@ -71,3 +71,16 @@ def histogram_mean_between(before: str, after: str, name: str) -> Optional[float
 
     (sum0, count0), (sum1, count1) = totals(before), totals(after)
     return (sum1 - sum0) / (count1 - count0) if count1 > count0 else None
+
+
+def compiles_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Triton variants the server compiled during a workload (stalls; issue 25), in all and per kernel."""
+    def state(info: dict[str, Any]) -> dict[str, Any]:
+        return dict((info.get("internal_states") or [{}])[0])
+
+    total0, total1 = state(before).get("kernel_compiles_after_startup"), state(after).get("kernel_compiles_after_startup")
+    kernels0 = state(before).get("kernel_compiles_after_startup_by_kernel") or {}
+    kernels1 = state(after).get("kernel_compiles_after_startup_by_kernel") or {}
+    per_kernel = {name: n - kernels0.get(name, 0) for name, n in kernels1.items() if n > kernels0.get(name, 0)}
+    counted = total0 is not None and total1 is not None
+    return {"kernel_compiles": total1 - total0 if counted else None, "kernel_compiles_by_kernel": per_kernel}
