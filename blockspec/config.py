@@ -28,6 +28,10 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     context_length: Optional[int] = None
     random_seed: int = 0
+    # NOTE: torch's intra-op threads for the engine's host-side tensor work (index arrays of a few thousand entries).
+    # None: 1 on a GPU (an OpenMP pool spinning beside the HTTP servers and clients costs more than it saves), torch's
+    # default on CPU, where the model itself runs on those threads.
+    host_threads: Optional[int] = None
     log_level: str = "warning"
     speculative_algorithm: Optional[str] = None
     speculative_draft_model_path: Optional[str] = None
@@ -85,6 +89,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, list):
                 raise ValueError(f"{name} must be a list of positive integers, got {value!r}")
+        positive("host_threads", self.host_threads)
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
 
@@ -155,6 +160,13 @@ class EngineConfig:
             if self.speculative_simulate_accept_len is not None:
                 raise ValueError("pass one of speculative_simulate_accept_len and speculative_simulate_accept_profile")
             accept_distribution(self.speculative_simulate_accept_profile, 2)
+
+    @property
+    def resolved_host_threads(self) -> Optional[int]:
+        """The thread count the engine sets (None: leave torch's)."""
+        if self.host_threads is not None:
+            return self.host_threads
+        return 1 if self.resolved_device.type == "cuda" else None
 
     @property
     def resolved_device(self) -> torch.device:

@@ -38,6 +38,8 @@ class Engine:
         self.model_id = config.model_path  # NOTE: what the user named (a directory or an `org/name` id)
         self.config = with_local_checkpoints(config)
         logging.basicConfig(level=self.config.log_level.upper())
+        if self.config.resolved_host_threads is not None:
+            torch.set_num_threads(self.config.resolved_host_threads)
         compile_log = kernel_compile_log()
         compiled_from = compile_log.count
         # NOTE: tensor parallelism: ranks 1..N-1 run in their own processes, mirroring this one's forwards

@@ -182,12 +182,28 @@ def test_bad_config(tiny, tmp_path: Path, changes: dict[str, Any], message: str)
         ({"speculative_algorithm": "EAGLE"}, r"speculative_algorithm"),
         ({"speculative_algorithm": "dflash"}, r"speculative_draft_model_path is required"),
         ({"load_format": "pt"}, r"load_format"),
+        ({"host_threads": 0}, r"host_threads must be a positive integer, got 0"),
     ],
 )
 def test_bad_engine_args(tiny, flags: dict[str, Any], message: str) -> None:
     kwargs = {"model_path": str(tiny("llama").path), "device": "cpu", "skip_tokenizer_init": True, **flags}
     with pytest.raises(ValueError, match=message):
         Engine(**kwargs)
+
+
+def test_host_threads(tiny) -> None:
+    """GPU engines run their host-side tensor work on one torch thread unless told otherwise; CPU engines keep
+    torch's threads (the model runs on them); an explicit count is set."""
+    assert EngineConfig(model_path="m", device="cpu").resolved_host_threads is None
+    assert EngineConfig(model_path="m", device="cpu", host_threads=3).resolved_host_threads == 3
+    if torch.cuda.is_available():
+        assert EngineConfig(model_path="m", device="cuda").resolved_host_threads == 1
+    before = torch.get_num_threads()
+    try:
+        Engine(model_path=str(tiny("llama").path), device="cpu", skip_tokenizer_init=True, host_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_model_path_required() -> None:

@@ -60,6 +60,8 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--context-length", dict(type=int, help="prompt + output limit (default: the model's max_position_embeddings)")),
     ("--mem-fraction-static", dict(type=float, default=0.85, help="GPU memory share for weights + KV pool (default 0.85)")),
     ("--random-seed", dict(type=int, default=0, help="seed for dummy weights and simulated acceptance (default 0)")),
+    ("--host-threads", dict(type=int, help="torch threads for the engine's host-side tensor work (default: 1 on a GPU, "
+                                            "torch's default on CPU)")),
     ("--cuda-graph-bs", dict(type=int, nargs="+", help="batch sizes captured as CUDA graphs")),
     ("--disable-cuda-graph", dict(action="store_true", help="run decode / verify / draft eagerly (default: graphs on CUDA)")),
     ("--disable-overlap-schedule", dict(action="store_true", help="greedy decode: commit each step before launching the next")),
