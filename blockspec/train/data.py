@@ -18,6 +18,7 @@ from blockspec.tokenizer import chat_to_ids, load_tokenizer
 logger = logging.getLogger(__name__)
 
 PROMPT_KEYS = ("messages", "text", "question", "input_ids")
+HELDOUT_SPLIT = "heldout"  # records marked `"split": "heldout"` are evaluation prompts, never training data
 
 
 @dataclass
@@ -53,6 +54,24 @@ def read_prompt_records(path: str | Path, limit: Optional[int] = None) -> list[d
     if not records:
         raise ValueError(f"data file {file} holds no prompts")
     return records
+
+
+def reject_heldout(records: list[dict[str, Any]], path: str | Path) -> None:
+    held = sum(r.get("split") == HELDOUT_SPLIT for r in records)
+    if held:
+        raise ValueError(
+            f"{path}: {held} record(s) belong to a held-out split (\"split\": \"{HELDOUT_SPLIT}\"); held-out prompts "
+            "are for --eval-prompts and are never trained on"
+        )
+
+
+def mix_records(main: list[dict[str, Any]], extra: list[dict[str, Any]], ratio: float) -> list[dict[str, Any]]:
+    """`main` followed by `extra`, `ratio` of the result from `extra`: the side with more than its share is cut (its
+    first records kept), so both files keep their order and the mix is the same on every run."""
+    want_extra = max(1, round(len(main) * ratio / (1.0 - ratio)))
+    if want_extra <= len(extra):
+        return main + extra[:want_extra]
+    return main[:max(1, round(len(extra) * (1.0 - ratio) / ratio))] + extra
 
 
 def needs_tokenizer(records: list[dict[str, Any]]) -> bool:

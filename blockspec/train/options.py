@@ -35,6 +35,9 @@ class TrainOptions:
     user_suffix: str = ""
     cache_dir: Optional[str] = None
     gen_batch_size: int = 512
+    mix_data: Optional[str] = None
+    mix_ratio: float = 0.5
+    responses_only: bool = False
     # training
     steps: int = 2000
     batch_size: int = 16
@@ -54,6 +57,9 @@ class TrainOptions:
     num_eval_prompts: int = 16
     eval_max_new_tokens: int = 256
     eval_data: Optional[str] = None
+    eval_prompts: Optional[list[str]] = None
+    eval_prompts_max: int = 64
+    eval_only: bool = False
     # devices and output
     device: str = "auto"
     dtype: str = "auto"
@@ -76,11 +82,27 @@ class TrainOptions:
         from blockspec.smollm2 import default_cache_root
 
         key = f"{Path(self.target_model_path).resolve()}\n{Path(self.data).resolve()}"
+        if self.mix_data is not None:  # NOTE: mixing changes which prompt sits at which cache index
+            key += f"\n{Path(self.mix_data).resolve()}\n{self.mix_ratio}"
         digest = hashlib.sha256(key.encode()).hexdigest()[:12]
         return default_cache_root() / "train_responses" / f"{Path(self.data).stem}-{digest}"
 
     def validate(self) -> None:
         """Checks everything that needs no model; `resolve_layer_ids` checks the rest against the target."""
+        for path in self.eval_prompts or []:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--eval-prompts {path}: no such file")
+        if self.eval_prompts_max < 1:
+            raise ValueError(f"--eval-prompts-max must be >= 1, got {self.eval_prompts_max}")
+        if self.eval_only:
+            self._validate_eval_only()
+            return
+        if not self.data:
+            raise ValueError("--data is required (unless --eval-only)")
+        if self.mix_data is not None and not Path(self.mix_data).is_file():
+            raise FileNotFoundError(f"--mix-data {self.mix_data}: no such file")
+        if not 0.0 < self.mix_ratio < 1.0:
+            raise ValueError(f"--mix-ratio must be in (0, 1), got {self.mix_ratio}")
         if not Path(self.data).is_file():
             raise FileNotFoundError(f"--data {self.data}: no such file (expected JSON lines with messages/text/question)")
         if self.eval_data is not None and not Path(self.eval_data).is_file():
@@ -109,6 +131,14 @@ class TrainOptions:
         if self.max_shard_mb <= 0:
             raise ValueError(f"--max-shard-mb must be > 0, got {self.max_shard_mb}")
 
+    def _validate_eval_only(self) -> None:
+        if not self.eval_prompts:
+            raise ValueError("--eval-only needs --eval-prompts FILE [FILE ...]")
+        if not (Path(self.out) / "config.json").is_file():
+            raise FileNotFoundError(f"--eval-only: no draft checkpoint (config.json) in --out {self.out}")
+        if not Path(self.target_model_path).is_dir():
+            raise FileNotFoundError(f"--target-model-path {self.target_model_path}: no such directory")
+
 
 def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
     """The taps: given ids checked against the target's layers, else z-lab's default spread."""
@@ -130,8 +160,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainOptions("", "", "")
     req = parser.add_argument_group("required")
     req.add_argument("--target-model-path", required=True, help="HF-style target directory (Llama-3.x / Qwen3)")
-    req.add_argument("--data", required=True, help="JSON lines: chat `messages`, `text`, `question` or `input_ids`")
-    req.add_argument("--out", required=True, help="output directory for the z-lab format draft checkpoint")
+    req.add_argument("--data", default="", help="JSON lines: chat `messages`, `text`, `question` or `input_ids` "
+                     "(required unless --eval-only)")
+    req.add_argument("--out", required=True, help="output directory for the z-lab format draft checkpoint "
+                     "(with --eval-only: the draft to evaluate)")
     arch = parser.add_argument_group("draft")
     arch.add_argument("--block-size", type=int, default=defaults.block_size)
     arch.add_argument("--num-layers", type=int, default=defaults.num_layers, help="draft decoder layers")
@@ -151,6 +183,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--cache-dir", default=None, help="response cache (default: under $BLOCKSPEC_CACHE or ~/.cache/blockspec); resumable")
     gen.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size,
                      help="prompts per generate call (the cache is appended after each)")
+    gen.add_argument("--mix-data", default=None, help="a second prompt file mixed into the training prompts "
+                     "(e.g. `blockspec generate-prompts`' prompts.train.jsonl); `question` records get the same "
+                     "--system-prompt / --user-suffix")
+    gen.add_argument("--mix-ratio", type=float, default=defaults.mix_ratio,
+                     help="share of the training prompts taken from --mix-data (the larger side is cut to fit)")
+    gen.add_argument("--responses-only", action="store_true",
+                     help="generate (and cache) the target's responses, then stop: a later run trains on the cache")
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=defaults.steps)
     train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (per GPU)")
@@ -176,6 +215,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                     help="held-out prompts (the last N of --data unless --eval-data); 0 disables evals")
     ev.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens)
     ev.add_argument("--eval-data", default=None, help="prompts for evals (default: held out from --data)")
+    ev.add_argument("--eval-prompts", nargs="+", default=None, metavar="FILE",
+                    help="prompt sets whose accept length is measured after training, each reported under its file "
+                    "name and recorded in training_info.json (eval_runs)")
+    ev.add_argument("--eval-prompts-max", type=int, default=defaults.eval_prompts_max,
+                    help="prompts used from each --eval-prompts file (its first N)")
+    ev.add_argument("--eval-only", action="store_true",
+                    help="train nothing: measure the draft in --out on --eval-prompts and append to its training_info.json")
     dev = parser.add_argument_group("device and output")
     dev.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (torchrun: cuda:LOCAL_RANK)")
     dev.add_argument("--dtype", default="auto", help="target dtype (auto: bfloat16 on CUDA, float32 on CPU)")
