@@ -12,7 +12,7 @@ from blockspec.models.config import TargetConfig, load_json, load_target_config
 from blockspec.train.data import encode_prompt, maybe_load_tokenizer, read_prompt_records
 from blockspec.train.evaluate import measure_acceptance
 from blockspec.train.info import append_eval_run, git_commit
-from blockspec.train.options import TrainOptions
+from blockspec.train.options import TrainOptions, prompt_set_names
 
 logger = logging.getLogger(__name__)
 
@@ -24,20 +24,12 @@ class PromptSet:
     prompts: list[list[int]]
 
 
-def set_names(paths: Sequence[str]) -> list[str]:
-    names = [Path(p).stem for p in paths]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ValueError(f"--eval-prompts: several files are named {', '.join(repeated)}; results are keyed by file name")
-    return names
-
-
 def load_prompt_sets(options: TrainOptions, target: TargetConfig, tokenizer: Any = None) -> list[PromptSet]:
     """Each --eval-prompts file's first --eval-prompts-max prompts, encoded as --data is; too-long ones dropped."""
     paths = list(options.eval_prompts or [])
     limit = min(options.max_seq_len, target.max_position_embeddings) - options.eval_max_new_tokens - 2
     sets = []
-    for name, path in zip(set_names(paths), paths):
+    for name, path in zip(prompt_set_names(paths), paths):
         records = read_prompt_records(path, options.eval_prompts_max)
         tokenizer = tokenizer if tokenizer is not None else maybe_load_tokenizer(options.target_model_path, records)
         prompts = [encode_prompt(r, tokenizer, options.system_prompt, options.user_suffix) for r in records]

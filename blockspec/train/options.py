@@ -15,6 +15,15 @@ from blockspec.models.draft_config import default_target_layer_ids
 PAPER_LOSS_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}
 
 
+def prompt_set_names(paths: Sequence[str]) -> list[str]:
+    """--eval-prompts results are keyed by file name (its stem), so the names must differ."""
+    names = [Path(p).stem for p in paths]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"--eval-prompts: several files are named {', '.join(repeated)}; results are keyed by file name")
+    return names
+
+
 @dataclass
 class TrainOptions:
     target_model_path: str
@@ -92,6 +101,7 @@ class TrainOptions:
         for path in self.eval_prompts or []:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"--eval-prompts {path}: no such file")
+        prompt_set_names(self.eval_prompts or [])
         if self.eval_prompts_max < 1:
             raise ValueError(f"--eval-prompts-max must be >= 1, got {self.eval_prompts_max}")
         if self.eval_only:
