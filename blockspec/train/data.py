@@ -65,13 +65,20 @@ def reject_heldout(records: list[dict[str, Any]], path: str | Path) -> None:
         )
 
 
+def mix_counts(main: int, extra: int, ratio: float) -> tuple[int, int]:
+    """(records kept from main, from extra) so that `ratio` of the mix comes from extra: the side with more than
+    its share is cut."""
+    want_extra = max(1, round(main * ratio / (1.0 - ratio)))
+    if want_extra <= extra:
+        return main, want_extra
+    return min(main, max(1, round(extra * (1.0 - ratio) / ratio))), extra
+
+
 def mix_records(main: list[dict[str, Any]], extra: list[dict[str, Any]], ratio: float) -> list[dict[str, Any]]:
-    """`main` followed by `extra`, `ratio` of the result from `extra`: the side with more than its share is cut (its
-    first records kept), so both files keep their order and the mix is the same on every run."""
-    want_extra = max(1, round(len(main) * ratio / (1.0 - ratio)))
-    if want_extra <= len(extra):
-        return main + extra[:want_extra]
-    return main[:max(1, round(len(extra) * (1.0 - ratio) / ratio))] + extra
+    """`main`'s first records followed by `extra`'s (mix_counts): both files keep their order, so the mix is the same
+    on every run and a larger ratio only appends prompts."""
+    keep_main, keep_extra = mix_counts(len(main), len(extra), ratio)
+    return main[:keep_main] + extra[:keep_extra]
 
 
 def needs_tokenizer(records: list[dict[str, Any]]) -> bool:

@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults, filters = MagpieSettings(1), FilterSettings()
     parser = argparse.ArgumentParser(prog="blockspec generate-prompts", description=__doc__)
     parser.add_argument("--model-path", required=True, help="HF-style target directory with a chat template")
-    parser.add_argument("--out", required=True, help=f"output directory: {{prompts.train,prompts.heldout}}.jsonl + info")
+    parser.add_argument("--out", required=True, help="output directory: prompts.train.jsonl, prompts.heldout.jsonl, generation_info.json")
     parser.add_argument("--num-prompts", type=int, required=True, help="prompts to keep (train + held-out)")
     parser.add_argument("--heldout-fraction", type=float, default=defaults.heldout_fraction,
                         help="share of the prompts written to prompts.heldout.jsonl (never trained on)")

@@ -54,6 +54,7 @@ class TrainOptions:
     max_seq_len: int = 2048
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
+    lr_schedule: str = "steps"
     warmup_ratio: float = 0.04
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -109,6 +110,8 @@ class TrainOptions:
             return
         if not self.data:
             raise ValueError("--data is required (unless --eval-only)")
+        if not self.out and not self.responses_only:
+            raise ValueError("--out is required (unless --responses-only)")
         if self.mix_data is not None and not Path(self.mix_data).is_file():
             raise FileNotFoundError(f"--mix-data {self.mix_data}: no such file")
         if not 0.0 < self.mix_ratio < 1.0:
@@ -138,6 +141,10 @@ class TrainOptions:
             raise ValueError(f"--save-dtype must be float32, bfloat16 or float16, got {self.save_dtype!r}")
         if self.max_train_minutes is not None and self.max_train_minutes <= 0:
             raise ValueError(f"--max-train-minutes must be > 0, got {self.max_train_minutes}")
+        if self.lr_schedule not in ("steps", "time"):
+            raise ValueError(f"--lr-schedule must be steps or time, got {self.lr_schedule!r}")
+        if self.lr_schedule == "time" and self.max_train_minutes is None:
+            raise ValueError("--lr-schedule time spans --max-train-minutes: pass it")
         if self.max_shard_mb <= 0:
             raise ValueError(f"--max-shard-mb must be > 0, got {self.max_shard_mb}")
 
@@ -172,8 +179,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     req.add_argument("--target-model-path", required=True, help="HF-style target directory (Llama-3.x / Qwen3)")
     req.add_argument("--data", default="", help="JSON lines: chat `messages`, `text`, `question` or `input_ids` "
                      "(required unless --eval-only)")
-    req.add_argument("--out", required=True, help="output directory for the z-lab format draft checkpoint "
-                     "(with --eval-only: the draft to evaluate)")
+    req.add_argument("--out", default="", help="output directory for the z-lab format draft checkpoint "
+                     "(with --eval-only: the draft to evaluate; not needed with --responses-only)")
     arch = parser.add_argument_group("draft")
     arch.add_argument("--block-size", type=int, default=defaults.block_size)
     arch.add_argument("--num-layers", type=int, default=defaults.num_layers, help="draft decoder layers")
@@ -207,6 +214,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
     train.add_argument("--lr", type=float, default=defaults.lr)
     train.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio, help="cosine floor / lr")
+    train.add_argument("--lr-schedule", choices=("steps", "time"), default=defaults.lr_schedule,
+                       help="warmup + cosine over --steps, or over --max-train-minutes of wall time (then --steps is "
+                       "only an upper bound: a fixed device budget ends with the rate at its floor)")
     train.add_argument("--warmup-ratio", type=float, default=defaults.warmup_ratio)
     train.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     train.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
@@ -217,7 +227,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                             "(tokens x taps x hidden values each; skips the target forward in later epochs)")
     train.add_argument("--max-train-minutes", type=float, default=None,
                        help="stop training at the first step past this wall time (then save and evaluate as usual); "
-                       "the learning-rate schedule still spans --steps, so size --steps to fit")
+                       "the learning-rate schedule spans --steps unless --lr-schedule time")
     train.add_argument("--seed", type=int, default=defaults.seed)
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--eval-every", type=int, default=0, help="steps between acceptance evals (0: only at the end)")

@@ -19,7 +19,7 @@ from blockspec.models.loader import resolve_dtype
 from blockspec.train.checkpoint import draft_config_dict, load_trainable_draft, save_draft, write_json
 from blockspec.train.data import (
     ResponseCache, Sample, default_mask_token_id, encode_prompt, generate_responses, maybe_load_tokenizer,
-    mix_records, read_prompt_records, reject_heldout,
+    mix_counts, mix_records, read_prompt_records, reject_heldout,
 )
 from blockspec.train.eval_sets import PromptSet, eval_run_record, load_prompt_sets, measure_prompt_sets
 from blockspec.train.evaluate import measure_acceptance
@@ -90,10 +90,10 @@ def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int
     if options.mix_data is not None:
         extra = read_prompt_records(options.mix_data)
         reject_heldout(extra, options.mix_data)
-        mixed = mix_records(records, extra, options.mix_ratio)
-        logger.info("training prompts: %d of %d from --data, %d of %d from --mix-data", min(len(records), len(mixed)),
-                    len(records), len(mixed) - min(len(records), len(mixed)), len(extra))
-        records = mixed
+        keep_main, keep_extra = mix_counts(len(records), len(extra), options.mix_ratio)
+        logger.info("training prompts: %d of %d from --data, %d of %d from --mix-data", keep_main, len(records),
+                    keep_extra, len(extra))
+        records = mix_records(records, extra, options.mix_ratio)
     tokenizer = maybe_load_tokenizer(options.target_model_path, records + eval_records)
     encode = lambda r: encode_prompt(r, tokenizer, options.system_prompt, options.user_suffix)  # noqa: E731
     limit = min(options.max_seq_len, target.max_position_embeddings) - 2
