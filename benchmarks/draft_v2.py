@@ -40,13 +40,15 @@ SHIPPED_TAPS = [1, 8, 15, 22, 28]
 @dataclass(frozen=True)
 class Scale:
     """Sizes of a run: the device defaults, or a CPU smoke that exercises every step in a few minutes."""
-    general_prompts: int = 5400  # 5200 train: 0.4 of the training set next to GSM8K's 7473
+    general_prompts: int = 4300  # 4100 train: 0.35 of the training set next to GSM8K's 7473 needs 4024
     general_heldout: int = 200
     gsm8k_train: Optional[int] = None  # all 7473
     gsm8k_heldout: int = 200
     max_new_tokens: int = 384  # training responses
     gen_batch_size: int = 512
     magpie_batch: int = 1024
+    magpie_max_new_tokens: int = 128
+    magpie_minutes: float = 2.5  # NOTE: sampled decoding draws per request (a seeded generator each): the slow part
     eval_prompts_max: int = 128
     eval_max_new_tokens: int = 256
     steps: int = 200_000  # an upper bound: the time budget ends training
@@ -56,7 +58,7 @@ class Scale:
 
 
 SMOKE = Scale(general_prompts=10, general_heldout=3, gsm8k_train=12, gsm8k_heldout=3, max_new_tokens=24,
-              gen_batch_size=64, magpie_batch=16, eval_prompts_max=3, eval_max_new_tokens=16, steps=4, batch_size=2,
+              gen_batch_size=64, magpie_batch=16, magpie_max_new_tokens=40, eval_prompts_max=3, eval_max_new_tokens=16, steps=4, batch_size=2,
               blocks_per_seq=4, server=ServerSettings("cpu", num_prompts=2, warmup_prompts=1, max_new_tokens=24,
                                                       startup_timeout=300.0))
 
@@ -75,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("--run", default="v2", help="the run's name (train), or the run to serve (bench)")
     recipe.add_argument("--num-layers", type=int, default=5)
     recipe.add_argument("--target-layer-ids", type=int, nargs="+", default=SHIPPED_TAPS)
-    recipe.add_argument("--mix-ratio", type=float, default=0.4, help="share of generated prompts in the training set")
-    recipe.add_argument("--train-minutes", type=float, default=6.0, help="training wall time at most")
-    recipe.add_argument("--deadline-s", type=float, default=540.0,
+    recipe.add_argument("--mix-ratio", type=float, default=0.35, help="share of generated prompts in the training set")
+    recipe.add_argument("--train-minutes", type=float, default=5.0, help="training wall time at most")
+    recipe.add_argument("--deadline-s", type=float, default=450.0,
                         help="the train stage's own budget: training is shortened so generation + training + evals fit")
     recipe.add_argument("--eval-reserve-s", type=float, default=75.0, help="seconds kept for the evals after training")
     recipe.add_argument("--extra-train-flags", default="", help="more train-draft flags, e.g. \"--loss-decay 5 --lr 1e-3\"")
@@ -108,6 +110,7 @@ def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: 
     data: dict[str, Any] = {"target": str(model_dir), **write_gsm8k(paths, args.gsm8k_train, scale.gsm8k_train, scale.gsm8k_heldout)}
     if not paths.general_heldout.is_file():
         settings = MagpieSettings(scale.general_prompts, seed=args.seed, batch_size=scale.magpie_batch,
+                                  max_new_tokens=scale.magpie_max_new_tokens, max_minutes=scale.magpie_minutes,
                                   heldout_fraction=scale.general_heldout / scale.general_prompts)
         data["general"] = write_general(paths, model_dir, settings, args.device, "auto")
     else:
@@ -133,6 +136,7 @@ def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale:
     if minutes < 0.1:
         raise RuntimeError(f"only {left_s:.0f} s left for training: run the train stage again (responses are cached)")
     run_dir = paths.state / "runs" / args.run
+    shutil.rmtree(run_dir, ignore_errors=True)  # NOTE: a rerun under the same name must not keep stale shards
     recipe = ["--num-layers", str(args.num_layers), "--target-layer-ids", *map(str, args.target_layer_ids),
               "--block-size", "16", "--steps", str(scale.steps), "--batch-size", str(scale.batch_size),
               "--blocks-per-seq", str(scale.blocks_per_seq), "--lr", "6e-4", "--min-lr-ratio", "0.05",

@@ -137,6 +137,11 @@ def test_generated_split_is_seeded_disjoint_and_refused_for_training(smollm2_tok
     assert (other.train, other.heldout) != (first.train, first.heldout)  # another seed, other sample and split
     short, _ = generate(0, 4, num_prompts=20)
     assert short.info["candidates"] == 30 and short.info["prompts"] == 7  # the candidate limit stops it
+    assert not short.info["stopped_by_time_limit"]
+    sampler = FakeSampler(smollm2_tokenizer, end_of_turn)
+    hurried = generate_prompts(sampler, smollm2_tokenizer, MagpieSettings(7, batch_size=4, max_minutes=1e-9))
+    assert sampler.batches == [4] and hurried.info["stopped_by_time_limit"]  # one batch, then the time limit
+    assert sorted(hurried.train + hurried.heldout) == sorted(FakeSampler.POOL[:2])  # what that batch kept
 
     paths = write_prompts(tmp_path, first, "Be brief.")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([TRAIN_FILE, HELDOUT_FILE, INFO_FILE])

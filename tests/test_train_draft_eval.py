@@ -98,6 +98,7 @@ def test_heldout_files_are_never_trained_on(target: Path, tmp_path: Path) -> Non
         (["--data", "{plain}", "--eval-prompts", "{missing}"], "--eval-prompts .*missing.jsonl: no such file"),
         (["--data", "{plain}", "--mix-data", "{plain}", "--mix-ratio", "1"], "--mix-ratio must be in"),
         (["--eval-prompts", "{plain}"], "--data is required"),
+        (["--data", "{plain}", "--lr-schedule", "time"], "--lr-schedule time spans --max-train-minutes"),
     ],
 )
 def test_bad_eval_and_mix_flags_fail_clearly(
@@ -112,6 +113,18 @@ def test_bad_eval_and_mix_flags_fail_clearly(
     err = capsys.readouterr().err
     assert "blockspec train-draft: error:" in err
     assert re.search(message, err), err
+
+
+def test_time_schedule_ends_training_at_the_budget(target: Path, tmp_path: Path) -> None:
+    data = write_ids(tmp_path / "main.jsonl", 0, 8)
+    options = TrainOptions(
+        target_model_path=str(target), data=str(data), out=str(tmp_path / "draft"), cache_dir=str(tmp_path / "cache"),
+        device="cpu", block_size=4, max_new_tokens=12, ignore_eos=True, num_eval_prompts=0, batch_size=2,
+        steps=1_000_000, lr_schedule="time", max_train_minutes=0.01, progress=False,
+    )
+    result = run(options)
+    assert 1 <= result.steps < 1_000_000  # the 0.6 s budget ended it, not --steps
+    assert read_info(tmp_path / "draft")["options"]["lr_schedule"] == "time"
 
 
 def test_demo_describes_its_draft(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ class MagpieSettings:
     batch_size: int = 256
     heldout_fraction: float = 0.1
     system_prompt: Optional[str] = None
+    max_minutes: Optional[float] = None  # no batch after the first starts past this (a device budget); None: no limit
     filters: FilterSettings = field(default_factory=FilterSettings)
 
     @property
@@ -60,6 +61,8 @@ class MagpieSettings:
             raise ValueError(f"--temperature must be > 0 and --top-p in (0, 1], got {self.temperature}, {self.top_p}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"--max-minutes must be > 0, got {self.max_minutes}")
         self.filters.validate()
 
 
@@ -122,7 +125,8 @@ def generate_prompts(
     generate: Generate, tokenizer: Any, settings: MagpieSettings, progress: bool = False
 ) -> GeneratedPrompts:
     """Samples batches of user turns until `num_prompts` survive the filters and deduplication (or the candidate
-    limit is reached); the first `num_prompts` in candidate order are shuffled with the seed and split."""
+    limit or the time limit is reached); the first `num_prompts` in candidate order are shuffled with the seed and
+    split. NOTE: a time limit makes the count depend on the device's speed; the prompts kept do not."""
     settings.validate()
     started = time.perf_counter()
     turn = user_turn(tokenizer, settings.system_prompt)
@@ -131,7 +135,12 @@ def generate_prompts(
     kept: list[str] = []
     passed = drawn = 0
     bar = tqdm(total=settings.num_prompts, desc="generating prompts", unit="prompt", disable=not progress)
+    deadline = None if settings.max_minutes is None else started + 60.0 * settings.max_minutes
+    timed_out = False
     while len(kept) < settings.num_prompts and drawn < settings.candidate_limit:
+        if deadline is not None and drawn > 0 and time.perf_counter() > deadline:
+            timed_out = True
+            break
         count = min(settings.batch_size, settings.candidate_limit - drawn)
         for candidate in sample_candidates(generate, turn, drawn, count, settings):
             text = tokenizer.decode(candidate.output_ids, skip_special_tokens=True).strip()
@@ -148,7 +157,8 @@ def generate_prompts(
         bar.update(min(len(kept), settings.num_prompts) - bar.n)
     bar.close()
     if len(kept) < settings.num_prompts:
-        logger.warning("only %d of %d prompts after %d candidates (rejected: %s)", len(kept), settings.num_prompts, drawn, rejected)
+        logger.warning("only %d of %d prompts after %d candidates%s (rejected: %s)", len(kept), settings.num_prompts,
+                       drawn, " (time limit)" if timed_out else "", rejected)
     texts = kept[:settings.num_prompts]
     random.Random(settings.seed).shuffle(texts)
     held = round(len(texts) * settings.heldout_fraction)
@@ -159,7 +169,7 @@ def generate_prompts(
         "passed_filters": passed, "rejected": rejected, "exact_duplicates": unique.exact_duplicates,
         "near_duplicates": unique.near_duplicates,
         "prompts": len(texts), "train": len(texts) - held, "heldout": held,
-        "prefix_ids": turn.prefix_ids, "end_of_turn_id": turn.end_of_turn_id,
+        "stopped_by_time_limit": timed_out, "prefix_ids": turn.prefix_ids, "end_of_turn_id": turn.end_of_turn_id,
         "seconds": round(time.perf_counter() - started, 1),
     }
     return GeneratedPrompts(texts[held:], texts[:held], info)

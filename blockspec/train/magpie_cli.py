@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="user turn length cap")
     parser.add_argument("--system-prompt", default=None, help="system message before the user turn (and in the records)")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="user turns sampled per generate call")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no new batch after this many minutes (keeps what it has; default: no limit)")
     parser.add_argument("--min-words", type=int, default=filters.min_words)
     parser.add_argument("--max-chars", type=int, default=filters.max_chars)
     parser.add_argument("--min-ascii-share", type=float, default=filters.min_ascii_share)
@@ -45,7 +47,7 @@ def settings_from_args(ns: argparse.Namespace) -> MagpieSettings:
     return MagpieSettings(
         num_prompts=ns.num_prompts, seed=ns.seed, temperature=ns.temperature, top_p=ns.top_p,
         max_new_tokens=ns.max_new_tokens, max_candidates=ns.max_candidates, batch_size=ns.batch_size,
-        heldout_fraction=ns.heldout_fraction, system_prompt=ns.system_prompt, filters=filters,
+        heldout_fraction=ns.heldout_fraction, system_prompt=ns.system_prompt, max_minutes=ns.max_minutes, filters=filters,
     )
 
 

@@ -228,6 +228,8 @@ def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainRes
         train_sequences = len(trainer.samples)
         del trainer, features  # NOTE: frees the feature cache before the eval engines allocate their KV pools
         gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         eval_runs = []
         if p.prompt_sets:
             sets = measure_prompt_sets(options, p.prompt_sets, str(device), dtype_name(dtype), options.block_size)
