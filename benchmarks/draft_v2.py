@@ -54,7 +54,7 @@ class Scale:
     steps: int = 200_000  # an upper bound: the time budget ends training
     batch_size: int = 32
     blocks_per_seq: int = 32
-    server: ServerSettings = ServerSettings("cuda")
+    server: ServerSettings = ServerSettings("cuda", startup_timeout=240.0)
 
 
 SMOKE = Scale(general_prompts=10, general_heldout=3, gsm8k_train=12, gsm8k_heldout=3, max_new_tokens=24,
@@ -164,7 +164,7 @@ def stage_bench(args: argparse.Namespace, paths: DataPaths, state: State, scale:
         call_train_draft(["--target-model-path", str(model_dir), "--out", str(shipped_dir), "--device", args.device,
                           "--eval-only", *eval_flags(paths, scale)])
         info = read_info(shipped_dir)
-        state.data["shipped"] = {"path": str(DEMO_DRAFT_DIR.relative_to(ROOT)), "accept": set_accepts(info),
+        state.data["shipped"] = {"path": str(DEMO_DRAFT_DIR), "accept": set_accepts(info),
                                  "eval": info["eval_runs"][-1]["sets"], "asset": asset_stats(shipped_dir)}
         state.save()
     chosen = args.run if args.run in state.data["runs"] else best_run(state.data["runs"])

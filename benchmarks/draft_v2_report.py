@@ -24,7 +24,10 @@ def commit_id(root: Path) -> str:
     env = os.environ.get("BLOCKSPEC_COMMIT")
     if env:
         return env
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"  # NOTE: the device gets a working tree without git: pass BLOCKSPEC_COMMIT there
     return out.stdout.strip() or "unknown"
 
 
