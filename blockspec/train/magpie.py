@@ -105,12 +105,13 @@ def sample_candidates(generate: Generate, turn: UserTurn, first: int, count: int
         for i in range(first, first + count)
     ]
     outputs = generate([turn.prefix_ids] * count, params)
+    closing = turn.special_ids | {turn.end_of_turn_id}
     candidates = []
     for i, (ids, reason) in zip(range(first, first + count), outputs):
-        finished = reason == "stop"
-        while ids and ids[-1] in turn.special_ids | {turn.end_of_turn_id}:
-            ids = ids[:-1]
-        candidates.append(Candidate(i, list(ids), finished))
+        end = len(ids)
+        while end and ids[end - 1] in closing:
+            end -= 1
+        candidates.append(Candidate(i, list(ids[:end]), reason == "stop"))
     return candidates
 
 
@@ -145,7 +146,7 @@ def generate_prompts(
         for candidate in sample_candidates(generate, turn, drawn, count, settings):
             text = tokenizer.decode(candidate.output_ids, skip_special_tokens=True).strip()
             reason = "unfinished" if not candidate.finished else rejection_reason(
-                text, candidate.output_ids, set(turn.special_ids), turn.markers, settings.filters
+                text, candidate.output_ids, turn.special_ids, turn.markers, settings.filters
             )
             if reason is not None:
                 rejected[reason] = rejected.get(reason, 0) + 1

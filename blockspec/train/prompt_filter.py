@@ -7,7 +7,7 @@ import hashlib
 import re
 import string
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import AbstractSet, Iterable, Optional
 
 import numpy as np
 
@@ -39,7 +39,7 @@ class FilterSettings:
 
 
 def rejection_reason(
-    text: str, output_ids: list[int], special_ids: set[int], markers: Iterable[str], settings: FilterSettings
+    text: str, output_ids: list[int], special_ids: AbstractSet[int], markers: Iterable[str], settings: FilterSettings
 ) -> Optional[str]:
     """Why a generated user turn is unusable, or None when it passes. `output_ids` exclude the end-of-turn token;
     `markers` are the template's special-token strings (a model may also spell them out in plain text)."""
