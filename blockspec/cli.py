@@ -1,4 +1,4 @@
-"""`blockspec serve | eval gsm8k | bench serving | train-draft`."""
+"""`blockspec serve | eval gsm8k | bench serving | train-draft | generate-prompts`."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from blockspec.server.args import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding LLM server.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,eval,bench,train-draft}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,eval,bench,train-draft,generate-prompts}")
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI- and SGLang-compatible)")
     add_serve_arguments(serve)
 
@@ -26,6 +26,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serving = bench_kinds.add_parser("serving", help="throughput, TTFT, TPOT and accept length per concurrency")
     add_bench_arguments(serving)
     commands.add_parser("train-draft", help="train a DFlash draft for a target (train-draft --help for its flags)")
+    commands.add_parser("generate-prompts", help="sample user prompts from a chat target (Magpie-style) for draft "
+                        "training, with a held-out split (generate-prompts --help for its flags)")
     return parser, {"serve": serve, "gsm8k": gsm8k, "serving": serving}
 
 
@@ -35,6 +37,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from blockspec.train.cli import main as train_draft_main
 
         return train_draft_main(args[1:])
+    if args[:1] == ["generate-prompts"]:
+        from blockspec.train.magpie_cli import main as generate_prompts_main
+
+        return generate_prompts_main(args[1:])
     parser, subparsers = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "serve":

@@ -127,6 +127,18 @@ def report(
     return summary
 
 
+def draft_description(draft: Path) -> str:
+    """Which draft runs and the accept length its training_info.json records (--draft-path may lack one)."""
+    from blockspec.train.info import describe_draft
+
+    if not (draft / "config.json").is_file():
+        raise SystemExit(f"error: --draft-path {draft}: no draft checkpoint (config.json) there")
+    try:
+        return describe_draft(draft)
+    except ValueError as error:
+        return f"{draft} ({error})"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.cpu_threads)
@@ -145,7 +157,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     draft = None if args.no_dflash else (Path(args.draft_path) if args.draft_path else embedded_draft_dir())
     if draft is None and not args.no_dflash:
         print("note: this build has no embedded DFlash draft; running the target alone")
-    print(f"model: {model_dir} (ready in {time.perf_counter() - start:.1f}s), draft: {draft}")
+    print(f"model: {model_dir} (ready in {time.perf_counter() - start:.1f}s)")
+    if draft is not None:
+        print(f"draft: {draft_description(draft)}")
     tokenizer = load_tokenizer(model_dir)
     prompts = [chat_to_ids(tokenizer, build_messages(row["question"])) for row in questions]
     runs = [run_engine("target-only", prompts, args, model_dir, None)]

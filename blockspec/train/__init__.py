@@ -27,6 +27,14 @@ train questions, 6000 steps of 32 sequences x 32 blocks; its README and training
 
     scripts/train_demo_draft.sh OUT ../shared/data/gsm8k --num-prompts 7473 --steps 6000
 
+Recipe v2 (issue #24; benchmarks/draft_v2.py, scripts/train_draft_v2.sh; not run yet): general prompts sampled from
+the target itself (`blockspec generate-prompts`, magpie.py: the chat template up to a user turn, filtered and
+deduplicated, a held-out split that training refuses) mixed into GSM8K train questions in three wordings
+(`--mix-data ... --mix-ratio 0.35`), 5 draft layers, the learning-rate schedule over the wall-time budget
+(`--lr-schedule time --max-train-minutes 5`), and `--eval-prompts` on held-out GSM8K test chats in a wording no
+training prompt uses and on the held-out generated prompts (per-set accept length in training_info.json's eval_runs;
+`--eval-only` measures an existing draft and appends its run).
+
 Sizing on one H200 (SmolLM2-135M): response generation ~41 prompts/s (≤ 384 tokens each), a training step of
 32 sequences x 32 blocks with --cache-features ~0.04 s; `--max-train-minutes` stops at a step boundary (then saves and
 evaluates) so a run fits a fixed budget; the response cache makes a rerun skip generation, and `--init-from DIR`

@@ -3,25 +3,49 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from blockspec.train.options import parse_options
+from blockspec.train.options import TrainOptions, parse_options
+
+
+def describe_sets(sets: dict[str, dict[str, Any]]) -> str:
+    return "; ".join(f"{name} accept length {r['accept_length']:.2f} ({r['prompts']} prompts)" for name, r in sets.items())
+
+
+def _run(options: TrainOptions, args: list[str]) -> str:
+    if options.eval_only:
+        from blockspec.train.eval_sets import run_eval_only
+
+        return f"{options.out}: " + describe_sets(run_eval_only(options, args))
+    if options.responses_only:
+        from blockspec.train.pipeline import cache_responses
+
+        total, generated = cache_responses(options)
+        return f"{total} responses cached in {options.cache_path} ({generated} generated now)"
+    import json
+    from pathlib import Path
+
+    from blockspec.train.pipeline import run
+
+    result = run(options, args)
+    accept = [e["accept_length"] for e in result.evals if "accept_length" in e]
+    summary = f"saved {options.out} after {result.steps} steps, loss {result.final_loss:.3f}"
+    summary += f", held-out accept length {accept[-1]:.2f}" if accept else ""
+    info_path = Path(options.out) / "training_info.json"
+    runs = json.loads(info_path.read_text()).get("eval_runs", []) if info_path.is_file() else []
+    return summary + (f"\n{describe_sets(runs[-1]['sets'])}" if runs else "")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     options = parse_options(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from blockspec.train.pipeline import run
-
     try:
-        result = run(options, args)
+        summary = _run(options, args)
     except (FileNotFoundError, ValueError) as error:
         print(f"blockspec train-draft: error: {error}", file=sys.stderr)
         return 2
-    accept = [e["accept_length"] for e in result.evals if "accept_length" in e]
-    summary = f"saved {options.out} after {result.steps} steps, loss {result.final_loss:.3f}"
-    print(summary + (f", held-out accept length {accept[-1]:.2f}" if accept else ""))
+    print(summary)
     return 0
 
 

@@ -18,6 +18,7 @@ from blockspec.tokenizer import chat_to_ids, load_tokenizer
 logger = logging.getLogger(__name__)
 
 PROMPT_KEYS = ("messages", "text", "question", "input_ids")
+HELDOUT_SPLIT = "heldout"  # records marked `"split": "heldout"` are evaluation prompts, never training data
 
 
 @dataclass
@@ -53,6 +54,31 @@ def read_prompt_records(path: str | Path, limit: Optional[int] = None) -> list[d
     if not records:
         raise ValueError(f"data file {file} holds no prompts")
     return records
+
+
+def reject_heldout(records: list[dict[str, Any]], path: str | Path) -> None:
+    held = sum(r.get("split") == HELDOUT_SPLIT for r in records)
+    if held:
+        raise ValueError(
+            f"{path}: {held} record(s) belong to a held-out split (\"split\": \"{HELDOUT_SPLIT}\"); held-out prompts "
+            "are for --eval-prompts and are never trained on"
+        )
+
+
+def mix_counts(main: int, extra: int, ratio: float) -> tuple[int, int]:
+    """(records kept from main, from extra) so that `ratio` of the mix comes from extra: the side with more than
+    its share is cut."""
+    want_extra = max(1, round(main * ratio / (1.0 - ratio)))
+    if want_extra <= extra:
+        return main, want_extra
+    return min(main, max(1, round(extra * (1.0 - ratio) / ratio))), extra
+
+
+def mix_records(main: list[dict[str, Any]], extra: list[dict[str, Any]], ratio: float) -> list[dict[str, Any]]:
+    """`main`'s first records followed by `extra`'s (mix_counts): both files keep their order, so the mix is the same
+    on every run and a larger ratio only appends prompts."""
+    keep_main, keep_extra = mix_counts(len(main), len(extra), ratio)
+    return main[:keep_main] + extra[:keep_extra]
 
 
 def needs_tokenizer(records: list[dict[str, Any]]) -> bool:

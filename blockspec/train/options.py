@@ -15,6 +15,15 @@ from blockspec.models.draft_config import default_target_layer_ids
 PAPER_LOSS_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}
 
 
+def prompt_set_names(paths: Sequence[str]) -> list[str]:
+    """--eval-prompts results are keyed by file name (its stem), so the names must differ."""
+    names = [Path(p).stem for p in paths]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"--eval-prompts: several files are named {', '.join(repeated)}; results are keyed by file name")
+    return names
+
+
 @dataclass
 class TrainOptions:
     target_model_path: str
@@ -35,6 +44,9 @@ class TrainOptions:
     user_suffix: str = ""
     cache_dir: Optional[str] = None
     gen_batch_size: int = 512
+    mix_data: Optional[str] = None
+    mix_ratio: float = 0.5
+    responses_only: bool = False
     # training
     steps: int = 2000
     batch_size: int = 16
@@ -42,6 +54,7 @@ class TrainOptions:
     max_seq_len: int = 2048
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
+    lr_schedule: str = "steps"
     warmup_ratio: float = 0.04
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -54,6 +67,9 @@ class TrainOptions:
     num_eval_prompts: int = 16
     eval_max_new_tokens: int = 256
     eval_data: Optional[str] = None
+    eval_prompts: Optional[list[str]] = None
+    eval_prompts_max: int = 64
+    eval_only: bool = False
     # devices and output
     device: str = "auto"
     dtype: str = "auto"
@@ -76,11 +92,30 @@ class TrainOptions:
         from blockspec.smollm2 import default_cache_root
 
         key = f"{Path(self.target_model_path).resolve()}\n{Path(self.data).resolve()}"
+        if self.mix_data is not None:  # NOTE: mixing changes which prompt sits at which cache index
+            key += f"\n{Path(self.mix_data).resolve()}\n{self.mix_ratio}"
         digest = hashlib.sha256(key.encode()).hexdigest()[:12]
         return default_cache_root() / "train_responses" / f"{Path(self.data).stem}-{digest}"
 
     def validate(self) -> None:
         """Checks everything that needs no model; `resolve_layer_ids` checks the rest against the target."""
+        for path in self.eval_prompts or []:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--eval-prompts {path}: no such file")
+        prompt_set_names(self.eval_prompts or [])
+        if self.eval_prompts_max < 1:
+            raise ValueError(f"--eval-prompts-max must be >= 1, got {self.eval_prompts_max}")
+        if self.eval_only:
+            self._validate_eval_only()
+            return
+        if not self.data:
+            raise ValueError("--data is required (unless --eval-only)")
+        if not self.out and not self.responses_only:
+            raise ValueError("--out is required (unless --responses-only)")
+        if self.mix_data is not None and not Path(self.mix_data).is_file():
+            raise FileNotFoundError(f"--mix-data {self.mix_data}: no such file")
+        if not 0.0 < self.mix_ratio < 1.0:
+            raise ValueError(f"--mix-ratio must be in (0, 1), got {self.mix_ratio}")
         if not Path(self.data).is_file():
             raise FileNotFoundError(f"--data {self.data}: no such file (expected JSON lines with messages/text/question)")
         if self.eval_data is not None and not Path(self.eval_data).is_file():
@@ -106,8 +141,20 @@ class TrainOptions:
             raise ValueError(f"--save-dtype must be float32, bfloat16 or float16, got {self.save_dtype!r}")
         if self.max_train_minutes is not None and self.max_train_minutes <= 0:
             raise ValueError(f"--max-train-minutes must be > 0, got {self.max_train_minutes}")
+        if self.lr_schedule not in ("steps", "time"):
+            raise ValueError(f"--lr-schedule must be steps or time, got {self.lr_schedule!r}")
+        if self.lr_schedule == "time" and self.max_train_minutes is None:
+            raise ValueError("--lr-schedule time spans --max-train-minutes: pass it")
         if self.max_shard_mb <= 0:
             raise ValueError(f"--max-shard-mb must be > 0, got {self.max_shard_mb}")
+
+    def _validate_eval_only(self) -> None:
+        if not self.eval_prompts:
+            raise ValueError("--eval-only needs --eval-prompts FILE [FILE ...]")
+        if not (Path(self.out) / "config.json").is_file():
+            raise FileNotFoundError(f"--eval-only: no draft checkpoint (config.json) in --out {self.out}")
+        if not Path(self.target_model_path).is_dir():
+            raise FileNotFoundError(f"--target-model-path {self.target_model_path}: no such directory")
 
 
 def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
@@ -130,8 +177,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainOptions("", "", "")
     req = parser.add_argument_group("required")
     req.add_argument("--target-model-path", required=True, help="HF-style target directory (Llama-3.x / Qwen3)")
-    req.add_argument("--data", required=True, help="JSON lines: chat `messages`, `text`, `question` or `input_ids`")
-    req.add_argument("--out", required=True, help="output directory for the z-lab format draft checkpoint")
+    req.add_argument("--data", default="", help="JSON lines: chat `messages`, `text`, `question` or `input_ids` "
+                     "(required unless --eval-only)")
+    req.add_argument("--out", default="", help="output directory for the z-lab format draft checkpoint "
+                     "(with --eval-only: the draft to evaluate; not needed with --responses-only)")
     arch = parser.add_argument_group("draft")
     arch.add_argument("--block-size", type=int, default=defaults.block_size)
     arch.add_argument("--num-layers", type=int, default=defaults.num_layers, help="draft decoder layers")
@@ -151,6 +200,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--cache-dir", default=None, help="response cache (default: under $BLOCKSPEC_CACHE or ~/.cache/blockspec); resumable")
     gen.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size,
                      help="prompts per generate call (the cache is appended after each)")
+    gen.add_argument("--mix-data", default=None, help="a second prompt file mixed into the training prompts "
+                     "(e.g. `blockspec generate-prompts`' prompts.train.jsonl); `question` records get the same "
+                     "--system-prompt / --user-suffix")
+    gen.add_argument("--mix-ratio", type=float, default=defaults.mix_ratio,
+                     help="share of the training prompts taken from --mix-data (the larger side is cut to fit)")
+    gen.add_argument("--responses-only", action="store_true",
+                     help="generate (and cache) the target's responses, then stop: a later run trains on the cache")
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=defaults.steps)
     train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (per GPU)")
@@ -158,6 +214,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
     train.add_argument("--lr", type=float, default=defaults.lr)
     train.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio, help="cosine floor / lr")
+    train.add_argument("--lr-schedule", choices=("steps", "time"), default=defaults.lr_schedule,
+                       help="warmup + cosine over --steps, or over --max-train-minutes of wall time (then --steps is "
+                       "only an upper bound: a fixed device budget ends with the rate at its floor)")
     train.add_argument("--warmup-ratio", type=float, default=defaults.warmup_ratio)
     train.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     train.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
@@ -168,7 +227,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                             "(tokens x taps x hidden values each; skips the target forward in later epochs)")
     train.add_argument("--max-train-minutes", type=float, default=None,
                        help="stop training at the first step past this wall time (then save and evaluate as usual); "
-                       "the learning-rate schedule still spans --steps, so size --steps to fit")
+                       "the learning-rate schedule spans --steps unless --lr-schedule time")
     train.add_argument("--seed", type=int, default=defaults.seed)
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--eval-every", type=int, default=0, help="steps between acceptance evals (0: only at the end)")
@@ -176,6 +235,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                     help="held-out prompts (the last N of --data unless --eval-data); 0 disables evals")
     ev.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens)
     ev.add_argument("--eval-data", default=None, help="prompts for evals (default: held out from --data)")
+    ev.add_argument("--eval-prompts", nargs="+", default=None, metavar="FILE",
+                    help="prompt sets whose accept length is measured after training, each reported under its file "
+                    "name and recorded in training_info.json (eval_runs)")
+    ev.add_argument("--eval-prompts-max", type=int, default=defaults.eval_prompts_max,
+                    help="prompts used from each --eval-prompts file (its first N)")
+    ev.add_argument("--eval-only", action="store_true",
+                    help="train nothing: measure the draft in --out on --eval-prompts and append to its training_info.json")
     dev = parser.add_argument_group("device and output")
     dev.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (torchrun: cuda:LOCAL_RANK)")
     dev.add_argument("--dtype", default="auto", help="target dtype (auto: bfloat16 on CUDA, float32 on CPU)")

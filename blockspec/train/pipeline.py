@@ -6,8 +6,8 @@ import gc
 import json
 import logging
 import os
-import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -18,10 +18,12 @@ from blockspec.models.config import TargetConfig, load_json, load_target_config
 from blockspec.models.loader import resolve_dtype
 from blockspec.train.checkpoint import draft_config_dict, load_trainable_draft, save_draft, write_json
 from blockspec.train.data import (
-    ResponseCache, default_mask_token_id, encode_prompt, generate_responses, maybe_load_tokenizer,
-    read_prompt_records,
+    ResponseCache, Sample, default_mask_token_id, encode_prompt, generate_responses, maybe_load_tokenizer,
+    mix_counts, mix_records, read_prompt_records, reject_heldout,
 )
+from blockspec.train.eval_sets import PromptSet, eval_run_record, load_prompt_sets, measure_prompt_sets
 from blockspec.train.evaluate import measure_acceptance
+from blockspec.train.info import git_commit
 from blockspec.train.features import TargetFeatures
 from blockspec.train.model import DraftArch, TrainableDraft
 from blockspec.train.options import TrainOptions, resolve_layer_ids
@@ -71,18 +73,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        out = None
-    # NOTE: copies without git (e.g. a device that gets only the working tree) pass BLOCKSPEC_COMMIT.
-    return (out.stdout.strip() if out is not None else "") or os.environ.get("BLOCKSPEC_COMMIT") or None
-
-
 def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int]], list[list[int]], Any]:
     """(training prompts, held-out eval prompts, tokenizer or None); prompts too long to train on are dropped."""
     records = read_prompt_records(options.data, options.num_prompts)
+    reject_heldout(records, options.data)
     eval_records: list[dict[str, Any]] = []
     if options.num_eval_prompts and options.eval_data:
         eval_records = read_prompt_records(options.eval_data, options.num_eval_prompts)
@@ -93,6 +87,13 @@ def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int
                 "lower it, pass --eval-data, or use --num-eval-prompts 0"
             )
         records, eval_records = records[:-options.num_eval_prompts], records[-options.num_eval_prompts:]
+    if options.mix_data is not None:
+        extra = read_prompt_records(options.mix_data)
+        reject_heldout(extra, options.mix_data)
+        keep_main, keep_extra = mix_counts(len(records), len(extra), options.mix_ratio)
+        logger.info("training prompts: %d of %d from --data, %d of %d from --mix-data", keep_main, len(records),
+                    keep_extra, len(extra))
+        records = mix_records(records, extra, options.mix_ratio)
     tokenizer = maybe_load_tokenizer(options.target_model_path, records + eval_records)
     encode = lambda r: encode_prompt(r, tokenizer, options.system_prompt, options.user_suffix)  # noqa: E731
     limit = min(options.max_seq_len, target.max_position_embeddings) - 2
@@ -143,9 +144,25 @@ def _build_draft(
     return TrainableDraft(arch), layer_ids, mask_token_id
 
 
-def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainResult:
+@dataclass
+class Prepared:
+    """What training needs once the target's responses are cached: one per rank."""
+    target: TargetConfig
+    layer_ids: list[int]
+    dist: Dist
+    device: torch.device
+    dtype: torch.dtype
+    samples: list[Sample]
+    generated: int
+    eval_prompts: list[list[int]]
+    prompt_sets: list[PromptSet]
+    tokenizer: Any
+
+
+def prepare(options: TrainOptions) -> Prepared:
+    """Validates everything, reads the prompts (and --eval-prompts sets, so a bad file fails before any work) and
+    generates the responses the cache lacks."""
     options.validate()
-    started = time.time()
     target = load_target_config(options.target_model_path)
     layer_ids = resolve_layer_ids(options, target)
     if options.mask_token_id is not None and not 0 <= options.mask_token_id < target.vocab_size:
@@ -154,6 +171,7 @@ def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainRes
     device = resolve_device(options.device, dist)
     dtype = resolve_target_dtype(options.dtype, device)
     prompts, eval_prompts, tokenizer = _prompts(options, target)
+    prompt_sets = load_prompt_sets(options, target, tokenizer) if options.eval_prompts else []
     meta = {
         "target_model_path": str(Path(options.target_model_path).resolve()),
         "max_new_tokens": options.max_new_tokens, "ignore_eos": options.ignore_eos, "dtype": dtype_name(dtype),
@@ -166,14 +184,35 @@ def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainRes
     gc.collect()  # NOTE: the generation engine's KV pool and graphs must be gone before training allocates
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    used = {t for s in samples for t in s.ids} | {t for p in eval_prompts for t in p}
-    draft, layer_ids, mask_token_id = _build_draft(options, target, layer_ids, tokenizer, used)
+    return Prepared(target, layer_ids, dist, device, dtype, samples, generated, eval_prompts, prompt_sets, tokenizer)
+
+
+def _finish_distributed(dist: Dist) -> None:
+    dist.barrier()
+    if dist.world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def cache_responses(options: TrainOptions) -> tuple[int, int]:
+    """--responses-only: (responses cached in all, generated by this run)."""
+    prepared = prepare(options)
+    _finish_distributed(prepared.dist)
+    return len(prepared.samples), prepared.generated
+
+
+def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainResult:
+    started = time.time()
+    p = prepare(options)
+    target, device, dtype, dist, eval_prompts = p.target, p.device, p.dtype, p.dist, p.eval_prompts
+    used = {t for s in p.samples for t in s.ids} | {t for q in eval_prompts for t in q}
+    used |= {t for prompt_set in p.prompt_sets for q in prompt_set.prompts for t in q}
+    draft, layer_ids, mask_token_id = _build_draft(options, target, p.layer_ids, p.tokenizer, used)
     config = draft_config_dict(draft.arch, target, layer_ids, options.block_size, mask_token_id, options.save_dtype)
     features = TargetFeatures(options.target_model_path, layer_ids, device, dtype, options.max_seq_len)
-    trainer = Trainer(options, draft, features, samples, mask_token_id, device, dist)
+    trainer = Trainer(options, draft, features, p.samples, mask_token_id, device, dist)
     if dist.is_main:
         logger.info("training on %d sequences (%d responses generated now), taps %s, mask token %d",
-                    len(trainer.samples), generated, layer_ids, mask_token_id)
+                    len(trainer.samples), p.generated, layer_ids, mask_token_id)
 
     def evaluate(step: int) -> dict[str, Any]:
         save_draft(draft, options.out, config, options.save_dtype, options.max_shard_mb)
@@ -186,16 +225,24 @@ def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainRes
 
     result = trainer.train(evaluate)
     if dist.is_main:
+        train_sequences = len(trainer.samples)
+        del trainer, features  # NOTE: frees the feature cache before the eval engines allocate their KV pools
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        eval_runs = []
+        if p.prompt_sets:
+            sets = measure_prompt_sets(options, p.prompt_sets, str(device), dtype_name(dtype), options.block_size)
+            eval_runs.append(eval_run_record("after_training", options, sets, str(device), dtype_name(dtype), argv))
         info = {
             "command": ["blockspec", "train-draft", *argv] if argv is not None else None,
             "options": {k: v for k, v in vars(options).items()},
-            "git_commit": _git_commit(), "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+            "git_commit": git_commit(), "finished": datetime.datetime.now().isoformat(timespec="seconds"),
             "wall_s": round(time.time() - started, 1), "world_size": dist.world, "device": str(device),
-            "target_layer_ids": layer_ids, "mask_token_id": mask_token_id, "train_sequences": len(trainer.samples),
-            "responses_generated": generated, "held_out_prompts": len(eval_prompts), "result": vars(result),
+            "target_layer_ids": layer_ids, "mask_token_id": mask_token_id, "train_sequences": train_sequences,
+            "responses_generated": p.generated, "held_out_prompts": len(eval_prompts), "result": vars(result),
+            "eval_runs": eval_runs,
         }
         write_json(Path(options.out) / "training_info.json", json.loads(json.dumps(info, default=str)))
-    dist.barrier()
-    if dist.world > 1:
-        torch.distributed.destroy_process_group()
+    _finish_distributed(dist)
     return result

@@ -45,6 +45,14 @@ class TrainResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
 
 
+def schedule_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
+    """Linear warmup over the first `warmup_ratio` of training, then cosine from 1 to `min_ratio`; progress in [0, 1]."""
+    if progress < warmup_ratio:
+        return max(progress / warmup_ratio, 1e-3)
+    rest = (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, rest)))
+
+
 def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callable[[int], float]:
     warmup = int(total_steps * warmup_ratio)
 
@@ -102,8 +110,11 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             draft.parameters(), lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95)
         )
-        schedule = lr_lambda(options.steps, options.warmup_ratio, options.min_lr_ratio)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        # NOTE: --lr-schedule time spans --max-train-minutes instead of --steps: follow_time_schedule sets the rate
+        self.scheduler: Optional[torch.optim.lr_scheduler.LambdaLR] = None
+        if options.lr_schedule == "steps":
+            schedule = lr_lambda(options.steps, options.warmup_ratio, options.min_lr_ratio)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.generator = torch.Generator().manual_seed(options.seed * 7919 + dist.rank)
         self.feature_cache: Optional[dict[int, torch.Tensor]] = {} if options.cache_features else None
 
@@ -139,18 +150,28 @@ class Trainer:
         if opts.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.draft.parameters(), opts.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return result.loss.item(), result.accuracy, result.accept_estimate
+
+    def time_used(self, started: float) -> float:
+        """The share of --max-train-minutes spent (0 without a limit); every rank takes rank 0's clock."""
+        limit = self.options.max_train_minutes
+        if limit is None:
+            return 0.0
+        used = torch.tensor([(time.perf_counter() - started) / (60.0 * limit)], device=self.device)
+        if self.dist.world > 1:
+            torch.distributed.broadcast(used, src=0)
+        return float(used.item())
 
     def out_of_time(self, started: float) -> bool:
         """Whether --max-train-minutes has passed; every rank takes rank 0's answer so they stop together."""
-        limit = self.options.max_train_minutes
-        if limit is None:
-            return False
-        late = torch.tensor([float(time.perf_counter() - started > 60.0 * limit)], device=self.device)
-        if self.dist.world > 1:
-            torch.distributed.broadcast(late, src=0)
-        return bool(late.item())
+        return self.options.max_train_minutes is not None and self.time_used(started) > 1.0
+
+    def follow_time_schedule(self, started: float) -> None:
+        factor = schedule_factor(self.time_used(started), self.options.warmup_ratio, self.options.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.options.lr * factor
 
     def train(self, evaluate: Optional[Callable[[int], dict[str, Any]]] = None) -> TrainResult:
         """Runs all steps (or until --max-train-minutes); `evaluate(step)` (rank 0) every `eval_every` steps and
@@ -163,12 +184,14 @@ class Trainer:
         evals: list[dict[str, Any]] = []
         step_seconds = 0.0
         for step in range(1, opts.steps + 1):
+            if opts.lr_schedule == "time":
+                self.follow_time_schedule(train_started)
             started = time.perf_counter()
             current = self.step(next(order))  # NOTE: .item() in step() syncs the device, so this times the step
             step_seconds += time.perf_counter() - started
             smooth = list(current) if not smooth else [0.9 * s + 0.1 * c for s, c in zip(smooth, current)]
             bar.set_postfix(loss=f"{smooth[0]:.3f}", acc=f"{smooth[1]:.3f}", tau=f"{smooth[2]:.2f}",
-                            lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
+                            lr=f"{self.optimizer.param_groups[0]['lr']:.2e}")
             bar.update(1)
             last = step == opts.steps or self.out_of_time(train_started)
             if evaluate is not None and (last or (opts.eval_every and step % opts.eval_every == 0)):

