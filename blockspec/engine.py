@@ -38,8 +38,6 @@ class Engine:
         self.model_id = config.model_path  # NOTE: what the user named (a directory or an `org/name` id)
         self.config = with_local_checkpoints(config)
         logging.basicConfig(level=self.config.log_level.upper())
-        if self.config.resolved_host_threads is not None:
-            torch.set_num_threads(self.config.resolved_host_threads)
         compile_log = kernel_compile_log()
         compiled_from = compile_log.count
         # NOTE: tensor parallelism: ranks 1..N-1 run in their own processes, mirroring this one's forwards
@@ -63,6 +61,9 @@ class Engine:
         self.startup = StartupReport.build(phases, time.perf_counter() - started,
                                            compile_log.compiles[compiled_from:self.compile_mark], warmup)
         self.startup.log()
+        if self.config.resolved_host_threads is not None:
+            # NOTE: after loading (weights may be converted on the host with torch's threads), before serving
+            torch.set_num_threads(self.config.resolved_host_threads)
 
     def _warm_kernels(self) -> Optional[WarmupReport]:
         """On CUDA, compiles every kernel variant serving can launch; None elsewhere (nothing compiles)."""

@@ -150,7 +150,10 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start:start + slots.numel()] = slots.to(self.table.device)
+        # NOTE: pinned and non-blocking, as in write_entries: a pageable copy makes the host wait for the step in flight
+        if self.table.device.type == "cuda":
+            slots = slots.pin_memory().to(self.table.device, non_blocking=True)
+        self.table[row, start:start + slots.numel()] = slots
 
     def write_entries(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
         """table[rows[i], cols[i]] = slots[i] for all i: one host→device copy and one scatter."""
