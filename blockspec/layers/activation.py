@@ -25,14 +25,13 @@ class GatedMLP(nn.Module):
             intermediate_size = tp.split(intermediate_size, "intermediate_size")
         self.tp = tp
         self.intermediate_size = intermediate_size
-        self.kernels = kernels
         self.gate_up_proj = StackedLinear(hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, kernels)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels)
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out`: optional buffer the down projection writes into (2-D x only)."""
         gate_up = self.gate_up_proj(x)
-        if self.kernels.use_triton(gate_up) and gate_up.dim() == 2:
+        if gate_up.is_cuda and gate_up.dim() == 2:
             from blockspec.layers.triton_ops import silu_mul
 
             down = linear_into(self.down_proj, silu_mul(gate_up), out)

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from blockspec.kv.pool import LayerKVStore
-from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
-from blockspec.layers.norm import RMSNorm, rmsnorm_torch
+from blockspec.layers.norm import RMSNorm, rmsnorm_torch, use_triton
 from blockspec.models.config import RopeConfig
 
 
@@ -49,9 +48,8 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Holds a cos/sin table for positions [0, max_positions); applies it to q and k by position."""
 
-    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, kernels: KernelMode = DEFAULT_KERNELS) -> None:
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
         super().__init__()
-        self.kernels = kernels
         inv_freq = inverse_frequencies(head_dim, rope)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -69,9 +67,9 @@ class RotaryEmbedding(nn.Module):
         store: Optional[LayerKVStore] = None,
     ) -> tuple[Optional[torch.Tensor], torch.Tensor, bool]:
         """Optional per-head RMSNorm of q and k (Qwen3, the DFlash draft: norm before rope), then rope on q [T, Hq, D]
-        and k [T, Hk, D]. Where the KernelMode runs Triton (CUDA) this is one launch, in place, which also writes the rotated k and v into
+        and k [T, Hk, D]. On CUDA this is one Triton launch, in place, which also writes the rotated k and v into
         `store` when given. Returns (q, k, kv_stored); when kv_stored is False the caller still has to store."""
-        if self.kernels.use_triton(k):
+        if use_triton(k):
             from blockspec.layers.triton_ops import rope_norm_store
 
             half = k.shape[-1] // 2

@@ -40,8 +40,8 @@ class DraftAttention(nn.Module):
         self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias,
                                       kernels)
         self.o_proj = Linear(self.num_heads * d, h, bias, kernels)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps, kernels)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps, kernels)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def store_context_kv(self, context: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, store: LayerKVStore) -> None:
         """k = rope(k_norm(k_proj(c))), v = v_proj(c) written at store.slots (on CUDA in the rope launch)."""
@@ -76,8 +76,8 @@ class DraftLayer(nn.Module):
         super().__init__()
         self.self_attn = DraftAttention(config, layer_id, tp, kernels)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp=tp, kernels=kernels)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, hidden: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, backend: AttentionBackend
@@ -97,9 +97,9 @@ class DFlashDraftModel(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(DraftLayer(config, i, tp, kernels) for i in range(config.num_layers))
         self.fc = Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, False, kernels)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions, kernels)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
     def materialise_context(self, aux_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:
         """Writes draft K/V of committed tokens: k = rope(k_norm(k_proj(c))), v = v_proj(c), c = hidden_norm(fc(aux)).
@@ -138,7 +138,7 @@ def load_draft_model(
     with torch.device("meta"):
         model = DFlashDraftModel(config, max_positions, tp, kernels)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions, kernels).to(device)
+    model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if dummy:
         init_dummy_weights(model, seed=1)
     elif tp is None:

@@ -51,8 +51,8 @@ class SelfAttention(nn.Module):
                                       kernels)
         self.o_proj = Linear(self.num_heads * d, h, bias, kernels)
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, kernels)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,8 +88,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = SelfAttention(config, layer_id, tp, kernels)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, kernels)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
@@ -101,8 +101,8 @@ class DecoderModel(nn.Module):
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions, kernels)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
 
 class CausalLM(nn.Module):

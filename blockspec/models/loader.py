@@ -117,7 +117,7 @@ def load_target_model(
     with torch.device("meta"):
         model = CausalLM(config, max_positions, tp, kernels)
     model = model.to_empty(device=device).to(dtype)
-    model.model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions, kernels).to(device)
+    model.model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     ignore = ("lm_head.",) if config.tie_word_embeddings else ()
