@@ -32,11 +32,13 @@ Part = tuple[int, int, int]  # (request, first position, query tokens)
 class Sequences:
     """Requests with random cached K/V for every position and a random query per (position, head)."""
 
-    def __init__(self, lengths: list[int], dtype: torch.dtype, page_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, lengths: list[int], dtype: torch.dtype, page_size: int = 4, seed: int = 0,
+                 heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM)) -> None:
         torch.manual_seed(seed)
+        self.heads, self.kv_heads, self.head_dim = heads
         allocator = PageAllocator(sum(lengths) // page_size + len(lengths) + 2, page_size)
         self.table = ReqToTokenTable(len(lengths) + 1, max(lengths) + 1, DEVICE)
-        self.pool = KVPool(allocator.num_pages * page_size, 1, KV_HEADS, HEAD_DIM, dtype, DEVICE)
+        self.pool = KVPool(allocator.num_pages * page_size, 1, self.kv_heads, self.head_dim, dtype, DEVICE)
         self.pool.k[0].normal_()
         self.pool.v[0].normal_()
         self.rows: list[int] = []
@@ -45,7 +47,7 @@ class Sequences:
             req.pool_row = self.table.acquire()
             allocator.grow(req, n, self.table)
             self.rows.append(req.pool_row)
-        self.queries = [torch.randn(n, HEADS, HEAD_DIM, dtype=dtype, device=DEVICE) for n in lengths]
+        self.queries = [torch.randn(n, self.heads, self.head_dim, dtype=dtype, device=DEVICE) for n in lengths]
 
     def attend(self, backend: object, mode: ForwardMode, parts: list[Part],
                split_lanes: Optional[bool] = None) -> dict[tuple[int, int], torch.Tensor]:
@@ -57,7 +59,8 @@ class Sequences:
         if split_lanes is not None:
             meta.split_lanes = split_lanes
         batch.attn_meta = meta
-        out = backend.forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], 0, batch, kv_stored=True)  # type: ignore[attr-defined]
+        kv = q[:, :self.kv_heads]  # NOTE: unused (kv_stored): every key is already in the pool
+        out = backend.forward(q, kv, kv, 0, batch, kv_stored=True)  # type: ignore[attr-defined]
         rows, offset = {}, 0
         for r, start, n in parts:
             for j in range(n):
@@ -68,8 +71,8 @@ class Sequences:
 
 def backend_for(seqs: Sequences, window: Optional[int] = None, settings: BatchInvariantAttention = SETTINGS,
                 causal: Optional[bool] = None) -> BatchInvariantAttentionBackend:
-    return BatchInvariantAttentionBackend(seqs.pool, HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM, [window],
-                                          None if causal is None else [causal], settings)
+    return BatchInvariantAttentionBackend(seqs.pool, seqs.head_dim ** -0.5, seqs.heads, seqs.kv_heads, seqs.head_dim,
+                                          [window], None if causal is None else [causal], settings)
 
 
 def mismatches(reference: dict[tuple[int, int], torch.Tensor], *others: dict[tuple[int, int], torch.Tensor]) -> int:
