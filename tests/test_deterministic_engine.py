@@ -60,6 +60,15 @@ def test_greedy_dflash_equals_target_only_at_every_batch_size(make_engine: Calla
     assert pair + [alone] == expected
 
 
+def test_warm_up_launches_every_batch_invariant_variant(make_engine: Callable[..., Engine], trained_pair: dict) -> None:
+    """On CUDA start-up compiles them (startup/warmup.py); here each variant runs once in the interpreter: lanes split
+    and not, for the target's extend and verify and the draft's block (one layer class each)."""
+    from blockspec.startup.warmup import warm_batch_invariant_attention
+
+    _, dflash = engines(make_engine, trained_pair["root"], **DETERMINISTIC)
+    assert warm_batch_invariant_attention(dflash.runner, dflash.worker) == 6
+
+
 def test_server_info_shows_the_mode(make_engine: Callable[..., Engine], tiny: Any) -> None:
     info = make_engine(tiny("llama").path, **DETERMINISTIC).get_server_info()
     assert info["enable_deterministic_inference"] is True
