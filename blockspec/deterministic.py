@@ -2,7 +2,8 @@
 
 With the flag every kernel with a reduction computes a row the same way whatever the batch: GEMMs (every linear
 layer and the lm_head) run the batch-invariant Triton matmul, attention the batch-invariant Triton kernels (fixed
-tiles, fixed-size KV lanes folded in a fixed order), RMSNorm / rope / SiLU·mul / argmax their per-row Triton kernels.
+tiles, fixed-size KV lanes folded in a fixed order); RMSNorm / rope / SiLU·mul / argmax are per-row already (Triton
+on CUDA, torch on CPU).
 So a token's logits are bit-identical in a 1-token decode, a DFlash verify block, an extend chunk, and at any batch
 size; greedy DFlash output equals target-only output and does not depend on the batch. Unsupported combinations are
 errors, never silently weaker guarantees."""

@@ -5,7 +5,7 @@ catches a tile choice that follows M. Linear / StackedLinear route through it un
 On CPU under TRITON_INTERPRET=1 (root conftest), fp32 and fp16; natively on CUDA."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import torch
@@ -81,13 +81,10 @@ def test_linear_layers_follow_the_kernel_mode(batch_invariant: bool) -> None:
     layer = Linear(24, 40, bias=True, kernels=kernels).to(DEVICE)
     stacked = StackedLinear(24, [16, 8, 8], ["q_proj", "k_proj", "v_proj"], kernels=kernels).to(DEVICE)
     x = torch.randn(5, 24, device=DEVICE)
-    expected: Optional[torch.Tensor] = None
     with torch.no_grad():
         if batch_invariant:
-            expected = batch_invariant_linear(x, layer.weight, layer.bias)
-            assert torch.equal(layer(x), expected)
-            kv = batch_invariant_linear(x, stacked.weight[16:])
-            assert torch.equal(stacked.forward_rows(x, 16, 32), kv)
+            assert torch.equal(layer(x), batch_invariant_linear(x, layer.weight, layer.bias))
+            assert torch.equal(stacked.forward_rows(x, 16, 32), batch_invariant_linear(x, stacked.weight[16:]))
         else:
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
             torch.testing.assert_close(stacked.forward_rows(x, 16, 32), F.linear(x, stacked.weight[16:]))

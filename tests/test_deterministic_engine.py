@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 pytest.importorskip("dflash.model")
