@@ -51,6 +51,8 @@ class EngineConfig:
     speculative_adaptive_verify: Optional[str] = None  # on | off; unset: on when the DFlash cycle runs in CUDA graphs
     speculative_num_draft_tokens_per_bs: Optional[str] = None  # fixed verify lengths by batch size: "1-16:10,17-64:4"
     tp_size: int = 1  # tensor-parallel ranks, one process (and GPU) each; rank 0 schedules
+    enable_deterministic_inference: bool = False  # batch-invariant kernels: a row's result never depends on the batch
+    triton_attention_split_tile_size: Optional[int] = None  # keys per KV lane of the deterministic attention (256)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -71,7 +73,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("skip_tokenizer_init", "trust_remote_code", "disable_cuda_graph", "disable_overlap_schedule",
-                     "enforce_piecewise_cuda_graph", "enable_mixed_chunk", "disable_radix_cache"):
+                     "enforce_piecewise_cuda_graph", "enable_mixed_chunk", "disable_radix_cache",
+                     "enable_deterministic_inference"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("device", "dtype", "attention_backend", "log_level", "load_format"):
@@ -108,6 +111,7 @@ class EngineConfig:
         positive("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
         positive("piecewise_cuda_graph_max_tokens", self.piecewise_cuda_graph_max_tokens)
         positive("tp_size", self.tp_size)
+        positive("triton_attention_split_tile_size", self.triton_attention_split_tile_size)
         if not isinstance(self.chunked_prefill_size, int) or (self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1):
             raise ValueError(f"chunked_prefill_size must be -1 (off) or a positive integer, got {self.chunked_prefill_size!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -133,6 +137,9 @@ class EngineConfig:
         if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:
             raise ValueError("speculative_simulate_accept_len must be >= 1 (tokens committed per verify)")
         self._validate_verify_flags()
+        from blockspec.deterministic import check_deterministic_flags
+
+        check_deterministic_flags(self)
         if not self.cuda_graph_bs or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in self.cuda_graph_bs):
             raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
 

@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from blockspec.config import EngineConfig
+from blockspec.deterministic import deterministic_info
 from blockspec.distributed.group import TensorParallel
 from blockspec.distributed.launch import RankProcesses, rank_failures
 from blockspec.distributed.mirror import ForwardMirror, install_mirror
@@ -206,6 +207,8 @@ class Engine:
             "page_size": self.config.page_size,
             "disable_radix_cache": self.config.disable_radix_cache,
             "tp_size": self.config.tp_size,
+            "enable_deterministic_inference": self.config.enable_deterministic_inference,
+            "deterministic_inference": deterministic_info(self.runner.batch_invariant_attention),
             # NOTE: free_slots counts the slots of cached pages no request reads (they are evicted on demand)
             "kv_cache": {"total_slots": allocator.total_slots, "free_slots": allocator.free_slots,
                          "unused_slots": allocator.unused_slots},

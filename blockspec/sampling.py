@@ -74,7 +74,9 @@ def append_logprobs(req: Req, logits: torch.Tensor, tokens: Sequence[int]) -> No
     distribution token i was chosen from. The raw model distribution (log_softmax of the logits, before temperature,
     top-k/top-p), as SGLang and vLLM report by default; with the request's top_logprobs_num most likely tokens."""
     assert req.top_logprobs_num is not None and logits.shape[0] == len(tokens)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    # NOTE: one fresh row at a time, as target-only decoding computes them: a row's log-probs then depend neither on
+    # how many (verify) rows came with it nor on where it sat in memory (torch may pick its kernel by alignment).
+    logprobs = torch.cat([torch.log_softmax(logits[i:i + 1].float().clone(), dim=-1) for i in range(len(tokens))])
     chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])[:, 0].tolist()
     req.output_token_logprobs.extend(chosen)
     top_n = min(req.top_logprobs_num, logits.shape[-1])

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.attention.torch_backend import TorchAttentionBackend
 from blockspec.kv.pool import KVPool
+
+if TYPE_CHECKING:
+    from blockspec.attention.batch_invariant_backend import BatchInvariantAttention
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -34,8 +37,18 @@ def make_backend(
     head_dim: int,
     sliding_windows: Optional[list[Optional[int]]] = None,
     draft_layer_causal: Optional[list[bool]] = None,
+    batch_invariant: Optional[BatchInvariantAttention] = None,
 ) -> AttentionBackend:
+    """`batch_invariant` (--enable-deterministic-inference, Triton only): the batch-invariant kernels with these
+    settings in place of the default Triton kernels."""
     scale = head_dim ** -0.5
+    if batch_invariant is not None:
+        if name != "triton":
+            raise ValueError(f"deterministic inference needs the triton attention backend, got {name}")
+        from blockspec.attention.batch_invariant_backend import BatchInvariantAttentionBackend
+
+        return BatchInvariantAttentionBackend(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows,
+                                              draft_layer_causal, batch_invariant)
     if name == "flashinfer":
         from blockspec.attention.flashinfer_backend import FlashInferAttentionBackend  # NOTE: optional, CUDA only
 

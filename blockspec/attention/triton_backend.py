@@ -76,6 +76,21 @@ class TritonAttentionMeta:
     tiles: KernelTiles
 
 
+def query_layout(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(first query row [bs], query tokens [bs], most query tokens of a request) of a batch; for uniform batches from
+    device tensors only (int32), so planning can live inside a CUDA graph."""
+    bs = batch.batch_size
+    uniform = batch.uniform_q_len
+    if uniform is not None:
+        device = batch.input_ids.device
+        q_lens = torch.full((bs,), uniform, dtype=torch.int32, device=device)
+        q_starts = torch.arange(0, bs * uniform, uniform, dtype=torch.int32, device=device)
+        return q_starts, q_lens, uniform
+    # NOTE: build_batch, the only maker of non-uniform batches, puts both on the device with the batch.
+    assert batch.extend_starts is not None and batch.extend_lens is not None and batch.extend_lens.shape[0] == bs
+    return batch.extend_starts, batch.extend_lens, max(batch.extend_lens_cpu)
+
+
 @dataclass(frozen=True)
 class AttentionKernels:
     """The two kernels TritonAttentionBackend launches: `attention` with paged_attention_kernel's signature, and
@@ -124,16 +139,7 @@ class TritonAttentionBackend(PagedBackendBase):
         """Uniform batches (decode/verify/draft) plan from device tensors only; `batch.max_seq_len_hint` fixes the
         split count (a CUDA graph bakes it in)."""
         bs = batch.batch_size
-        device = batch.input_ids.device
-        uniform = batch.uniform_q_len
-        if uniform is not None:
-            q_lens = torch.full((bs,), uniform, dtype=torch.int32, device=device)
-            q_starts = torch.arange(0, bs * uniform, uniform, dtype=torch.int32, device=device)
-            max_q = uniform
-        else:
-            # NOTE: build_batch, the only maker of non-uniform batches, puts both on the device with the batch.
-            assert batch.extend_starts is not None and batch.extend_lens is not None and batch.extend_lens.shape[0] == bs
-            q_starts, q_lens, max_q = batch.extend_starts, batch.extend_lens, max(batch.extend_lens_cpu)
+        q_starts, q_lens, max_q = query_layout(batch)
         max_seq = batch.max_seq_len_hint if batch.max_seq_len_hint is not None else max(batch.seq_lens_cpu)
         rows = max_q * (self.num_heads // self.num_kv_heads)
         policy = launch_policy(rows, bs, self.num_kv_heads)

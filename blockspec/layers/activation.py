@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.distributed.group import TensorParallel
-from blockspec.layers.linear import StackedLinear, linear_into
+from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
+from blockspec.layers.linear import Linear, StackedLinear, linear_into
 
 
 class GatedMLP(nn.Module):
@@ -16,15 +17,16 @@ class GatedMLP(nn.Module):
     down projection summed over ranks in place."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: Optional[TensorParallel] = None
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, tp: Optional[TensorParallel] = None,
+        kernels: KernelMode = DEFAULT_KERNELS,
     ) -> None:
         super().__init__()
         if tp is not None:
             intermediate_size = tp.split(intermediate_size, "intermediate_size")
         self.tp = tp
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = StackedLinear(hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = StackedLinear(hidden_size, [intermediate_size] * 2, ["gate_proj", "up_proj"], bias, kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, kernels)
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out`: optional buffer the down projection writes into (2-D x only)."""

@@ -5,7 +5,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
@@ -13,7 +12,8 @@ from blockspec.distributed.group import TensorParallel
 from blockspec.distributed.shards import ShardLayout, iter_sharded_safetensors
 from blockspec.kv.pool import KVPool, LayerKVStore
 from blockspec.layers.activation import GatedMLP
-from blockspec.layers.linear import StackedLinear
+from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
+from blockspec.layers.linear import Linear, StackedLinear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.parallel import greedy_head_tokens
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
@@ -26,7 +26,8 @@ from blockspec.sampling import greedy_tokens
 class DraftAttention(nn.Module):
     """Under tensor parallelism this rank's heads (sharded as the target's), o_proj summed over ranks."""
 
-    def __init__(self, config: DraftConfig, layer_id: int, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, config: DraftConfig, layer_id: int, tp: Optional[TensorParallel] = None,
+                 kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.tp = tp
@@ -36,8 +37,9 @@ class DraftAttention(nn.Module):
             self.num_kv_heads = tp.local_kv_heads(config.num_kv_heads)
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias,
+                                      kernels)
+        self.o_proj = Linear(self.num_heads * d, h, bias, kernels)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
@@ -45,8 +47,7 @@ class DraftAttention(nn.Module):
         """k = rope(k_norm(k_proj(c))), v = v_proj(c) written at store.slots (on CUDA in the rope launch)."""
         t = context.shape[0]
         # NOTE: one GEMM for k|v: rows q_size.. of the stacked weight (a view, no copy).
-        bias = self.qkv_proj.bias
-        kv = F.linear(context, self.qkv_proj.weight[self.q_size:], None if bias is None else bias[self.q_size:])
+        kv = self.qkv_proj.forward_rows(context, self.q_size, self.qkv_proj.out_features)
         k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -70,10 +71,11 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, config: DraftConfig, layer_id: int, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, config: DraftConfig, layer_id: int, tp: Optional[TensorParallel] = None,
+                 kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
-        self.self_attn = DraftAttention(config, layer_id, tp)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp=tp)
+        self.self_attn = DraftAttention(config, layer_id, tp, kernels)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp=tp, kernels=kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -87,13 +89,14 @@ class DraftLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """No embedding and no lm_head: the target's are used (see speculative/dflash.py). Under tensor parallelism the
     layers are sharded; fc and the norms are replicated (the aux hidden states they read are replicated too), so
-    materialising the draft KV needs no communication."""
+    materialising the draft KV needs no communication. `kernels`: as the target's (KernelMode)."""
 
-    def __init__(self, config: DraftConfig, max_positions: int, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, config: DraftConfig, max_positions: int, tp: Optional[TensorParallel] = None,
+                 kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(DraftLayer(config, i, tp) for i in range(config.num_layers))
-        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(config, i, tp, kernels) for i in range(config.num_layers))
+        self.fc = Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, False, kernels)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
@@ -130,10 +133,10 @@ class DFlashDraftModel(nn.Module):
 
 def load_draft_model(
     draft_dir: str | Path, config: DraftConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-    dummy: bool = False, tp: Optional[TensorParallel] = None,
+    dummy: bool = False, tp: Optional[TensorParallel] = None, kernels: KernelMode = DEFAULT_KERNELS,
 ) -> DFlashDraftModel:
     with torch.device("meta"):
-        model = DFlashDraftModel(config, max_positions, tp)
+        model = DFlashDraftModel(config, max_positions, tp, kernels)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if dummy:

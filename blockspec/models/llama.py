@@ -14,7 +14,8 @@ from torch import nn
 from blockspec.attention.base import AttentionBackend
 from blockspec.distributed.group import TensorParallel
 from blockspec.layers.activation import GatedMLP
-from blockspec.layers.linear import StackedLinear, linear_into
+from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
+from blockspec.layers.linear import Linear, StackedLinear, linear_into
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.parallel import VocabParallelEmbedding, VocabParallelLMHead, greedy_head_tokens
 from blockspec.kv.pool import LayerKVStore
@@ -37,7 +38,8 @@ class ModelOutput:
 class SelfAttention(nn.Module):
     """Under tensor parallelism this rank's heads only (q|k|v column-parallel, o row-parallel: the caller sums)."""
 
-    def __init__(self, config: TargetConfig, layer_id: int, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, config: TargetConfig, layer_id: int, tp: Optional[TensorParallel] = None,
+                 kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_heads if tp is None else tp.split(config.num_heads, "num_attention_heads")
@@ -45,8 +47,9 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias,
+                                      kernels)
+        self.o_proj = Linear(self.num_heads * d, h, bias, kernels)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -80,22 +83,24 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TargetConfig, layer_id: int, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, config: TargetConfig, layer_id: int, tp: Optional[TensorParallel] = None,
+                 kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config, layer_id, tp)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+        self.self_attn = SelfAttention(config, layer_id, tp, kernels)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: TargetConfig, max_positions: int, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, config: TargetConfig, max_positions: int, tp: Optional[TensorParallel] = None,
+                 kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size) if tp is None
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
@@ -104,15 +109,19 @@ class CausalLM(nn.Module):
     """LlamaForCausalLM / Qwen3ForCausalLM (the family only changes q/k norms, set by the config).
 
     With `tp` this rank's shard: vocab-parallel embedding and lm_head (full logits on every rank), sharded heads and
-    MLP, the o / down projections summed over ranks; hidden states, aux hidden and logits are replicated."""
+    MLP, the o / down projections summed over ranks; hidden states, aux hidden and logits are replicated.
+    `kernels`: how every layer computes (KernelMode; batch-invariant under --enable-deterministic-inference)."""
 
-    def __init__(self, config: TargetConfig, max_positions: int, tp: Optional[TensorParallel] = None) -> None:
+    def __init__(self, config: TargetConfig, max_positions: int, tp: Optional[TensorParallel] = None,
+                 kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
+        assert tp is None or not kernels.batch_invariant, "batch-invariant kernels need tp_size 1"
         self.config = config
         self.tp = tp
-        self.model = DecoderModel(config, max_positions, tp)
+        self.kernels = kernels
+        self.model = DecoderModel(config, max_positions, tp, kernels)
         self.lm_head = (
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False) if tp is None
+            Linear(config.hidden_size, config.vocab_size, False, kernels) if tp is None
             else VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         )
         if config.tie_word_embeddings:

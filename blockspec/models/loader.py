@@ -12,6 +12,7 @@ from torch import nn
 
 from blockspec.distributed.group import TensorParallel
 from blockspec.distributed.shards import ShardLayout, iter_sharded_safetensors
+from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
 from blockspec.layers.linear import StackedLinear
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.config import TargetConfig, load_target_config
@@ -109,12 +110,12 @@ def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
 
 def load_target_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int, dummy: bool = False,
-    tp: Optional[TensorParallel] = None,
+    tp: Optional[TensorParallel] = None, kernels: KernelMode = DEFAULT_KERNELS,
 ) -> tuple[CausalLM, TargetConfig]:
-    """The target (this rank's shard of it under `tp`, reading only that shard's slices)."""
+    """The target (this rank's shard of it under `tp`, reading only that shard's slices), its layers in `kernels`."""
     config = load_target_config(model_dir)
     with torch.device("meta"):
-        model = CausalLM(config, max_positions, tp)
+        model = CausalLM(config, max_positions, tp, kernels)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if config.tie_word_embeddings:

@@ -11,6 +11,7 @@ import torch
 from blockspec.attention.base import AttentionBackend
 from blockspec.attention.factory import make_backend, resolve_backend_name
 from blockspec.config import EngineConfig
+from blockspec.deterministic import batch_invariant_attention, check_device_support, kernel_mode
 from blockspec.distributed.group import TensorParallel
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.pool import KVPool
@@ -57,13 +58,18 @@ class ModelRunner:
         self.hidden_capture_layer_ids = hidden_capture_layer_ids
         self.device = config.resolved_device
         self.dtype = pick_dtype(config, self.device)
+        check_device_support(config, self.device)
+        # NOTE: how every layer of the target (and the draft) computes; batch-invariant under deterministic inference
+        self.kernels = kernel_mode(config)
+        self.batch_invariant_attention = batch_invariant_attention(config, self.device)
         torch.manual_seed(config.random_seed)
         target_config = load_target_config(config.model_path)
         self.context_length = config.context_length or target_config.max_position_embeddings
         self.max_positions = self.context_length + extra_positions + 1
         started = time.perf_counter()
         self.model, self.model_config = load_target_model(
-            config.model_path, self.dtype, self.device, self.max_positions, dummy=config.load_format == "dummy", tp=tp
+            config.model_path, self.dtype, self.device, self.max_positions, dummy=config.load_format == "dummy", tp=tp,
+            kernels=self.kernels,
         )
         # NOTE: start-up phases in seconds (Engine's start-up report); a draft's weights and pool add to them
         self.startup_seconds = {"weights": time.perf_counter() - started}
@@ -86,7 +92,8 @@ class ModelRunner:
         self.startup_seconds["kv_pool"] = time.perf_counter() - started
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
         self.attention: AttentionBackend = make_backend(
-            self.attention_backend, self.kv_pool, self.num_local_heads, self.num_local_kv_heads, cfg.head_dim
+            self.attention_backend, self.kv_pool, self.num_local_heads, self.num_local_kv_heads, cfg.head_dim,
+            batch_invariant=self.batch_invariant_attention,
         )
         graphs_available = (
             self.device.type == "cuda" and not config.disable_cuda_graph

@@ -86,6 +86,12 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--speculative-num-draft-tokens-per-bs", dict(
         help="fixed verify length per batch size instead, e.g. 1-16:10,17-64:4 (1 = plain target decode)")),
     ("--load-format", dict(default="auto", choices=("auto", "dummy"), help="dummy: random weights (default auto)")),
+    ("--enable-deterministic-inference", dict(
+        action="store_true",
+        help="batch-invariant GEMM, attention and norms: a token's logits do not depend on the batch, so greedy DFlash "
+             "output equals target-only output at any batch size (Triton attention, tp-size 1; costs step latency)")),
+    ("--triton-attention-split-tile-size", dict(
+        type=int, help="keys per KV split of the deterministic attention, a multiple of 32 (default 256)")),
 ]
 
 _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [

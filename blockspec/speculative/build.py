@@ -34,7 +34,7 @@ def build_dflash_worker(config: EngineConfig, tp: Optional[TensorParallel] = Non
     started = time.perf_counter()
     draft = load_draft_model(
         config.speculative_draft_model_path, draft_config, runner.dtype, runner.device, runner.max_positions,
-        dummy=config.load_format == "dummy", tp=tp,
+        dummy=config.load_format == "dummy", tp=tp, kernels=runner.kernels,
     )
     runner.startup_seconds["weights"] += time.perf_counter() - started
     started = time.perf_counter()

@@ -51,7 +51,7 @@ class DFlashBase(TargetWorker):
         dc, heads = self.draft_config, draft.layers[0].self_attn  # NOTE: this rank's heads under tensor parallelism
         self.draft_attention = make_backend(
             runner.attention_backend, draft_pool, heads.num_heads, heads.num_kv_heads, dc.head_dim,
-            dc.layer_windows, dc.layer_causal,
+            dc.layer_windows, dc.layer_causal, runner.batch_invariant_attention,
         )
         config = runner.config
         self.simulated = None

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 import triton
 
-from blockspec.attention.base import layer_is_causal, layer_window
+from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
 from blockspec.attention.triton_backend import (
     KernelTiles, LaunchPolicy, TritonAttentionBackend, TritonAttentionMeta, launch_policy,
 )
@@ -105,7 +105,7 @@ def reachable_launches(workload: AttentionWorkload) -> set[tuple[KernelTiles, in
     return launches
 
 
-def layer_classes(backend: TritonAttentionBackend, mode: ForwardMode) -> list[int]:
+def layer_classes(backend: PagedBackendBase, mode: ForwardMode) -> list[int]:
     """The first layer of each (causal, window) class of the backend's layers in `mode`."""
     first: dict[tuple[bool, Optional[int]], int] = {}
     for layer_id in range(len(backend.pool.k)):

@@ -1,7 +1,8 @@
 """Kernel warm-up at the end of start-up: compiles every Triton kernel variant serving can launch.
 
 Two parts. (1) Attention: every reachable launch variant (attention_variants.py) of each Triton backend of the
-engine, per mode it runs (extend; decode or verify; draft). (2) Every other path: a few synthetic requests (random
+engine, per mode it runs (extend; decode or verify; draft); under deterministic inference the batch-invariant
+backends' variants (lanes split or not). (2) Every other path: a few synthetic requests (random
 token ids, greedy and sampled, one arriving while the others decode) through a scheduler of their own, once as
 configured, once with piecewise graphs off (eager extends) and once with full graphs off (eager decode / verify /
 draft; under DFlash once per verify length): the fused norms, rope + KV store, SiLU·mul and argmax in every place
@@ -17,13 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blockspec.attention.batch_invariant_backend import BatchInvariantAttentionBackend
 from blockspec.attention.triton_backend import TritonAttentionBackend
 from blockspec.batch import ForwardMode
 from blockspec.request import Req
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.speculative.dflash_base import DFlashBase
 from blockspec.speculative.verify_length import FixedVerifyLength
-from blockspec.startup.attention_variants import AttentionWorkload, launch_variant, workload_variants
+from blockspec.startup.attention_variants import AttentionWorkload, launch_variant, layer_classes, workload_variants
 from blockspec.startup.report import WarmupReport
 from blockspec.step.executor import Worker
 
@@ -68,6 +70,23 @@ def warm_attention(workloads: list[AttentionWorkload], req_to_token: torch.Tenso
                     workload.min_q, workload.max_q, workload.max_batch_size, workload.max_seq_len, len(variants))
         logger.debug("attention variants: %s", "; ".join(v.describe() for v in variants))
         launched += len(variants)
+    return launched
+
+
+@torch.inference_mode()
+def warm_batch_invariant_attention(runner: ModelRunner, worker: Worker) -> int:
+    """Deterministic inference: every variant of the batch-invariant backends (per mode, lanes split or not, per
+    layer class); returns how many."""
+    uniform_mode = ForwardMode.VERIFY if worker.is_speculative else ForwardMode.DECODE
+    backends = [(runner.attention, (ForwardMode.EXTEND, uniform_mode)),
+                (getattr(worker, "draft_attention", None), (ForwardMode.DRAFT,))]
+    launched = 0
+    for backend, modes in backends:
+        if not isinstance(backend, BatchInvariantAttentionBackend):
+            continue
+        for mode in modes:
+            launched += backend.warm_up(mode, layer_classes(backend, mode), runner.req_to_token.table,
+                                        runner.req_to_token.dummy_row)
     return launched
 
 
@@ -151,5 +170,6 @@ def warm_kernels(engine: "Engine") -> WarmupReport:
     runner = engine.runner
     variants = warm_attention(attention_workloads(runner, engine.worker), runner.req_to_token.table,
                               runner.req_to_token.dummy_row)
+    variants += warm_batch_invariant_attention(runner, engine.worker)
     passes = warm_engine_paths(engine)
     return WarmupReport(variants, passes, time.perf_counter() - start)
