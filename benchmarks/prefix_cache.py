@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-procs", type=int, default=4, help="client processes sharing each turn's clients "
+                        "(one Python event loop adds its own queueing to every TTFT)")
     parser.add_argument("--no-plot", action="store_true")
     return parser
 
@@ -147,7 +149,8 @@ def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[s
                 warm_kernels(server.base_url, workload, vocab, args.seed, args.request_timeout)
                 params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": not real}
                 before, metrics_before = get_server_info(server.base_url), metrics_text(server.base_url)
-                result = run_workload(server.base_url, workload, params, eos_id, args.request_timeout)
+                result = run_workload(server.base_url, workload, params, eos_id, args.request_timeout,
+                                      args.client_procs)
                 after, metrics_after = get_server_info(server.base_url), metrics_text(server.base_url)
                 looked_up = radix_stats(after).get("prompt_tokens_total", 0) - radix_stats(before).get("prompt_tokens_total", 0)
                 hits = radix_stats(after).get("cached_tokens_total", 0) - radix_stats(before).get("cached_tokens_total", 0)

@@ -164,13 +164,17 @@ async def closed_loop(base_url: str, prompts: list[list[int]], params: dict[str,
         return list(results), time.perf_counter() - start
 
 
-def run_workload(base_url: str, workload: Workload, params: dict[str, Any], eos_id: int, timeout: float) -> dict[str, Any]:
-    """Warm-up requests (untimed), then every turn in order: tok/s over the turns' wall time, TTFT percentiles."""
+def run_workload(base_url: str, workload: Workload, params: dict[str, Any], eos_id: int, timeout: float,
+                 procs: int = 1) -> dict[str, Any]:
+    """Warm-up requests (untimed), then every turn in order: tok/s over the turns' wall time, TTFT percentiles. The
+    clients of a turn are spread over `procs` processes (prefix_cache_clients.py)."""
+    from prefix_cache_clients import closed_loop_procs
+
     if workload.warmup:
         asyncio.run(closed_loop(base_url, workload.warmup, dict(params, max_new_tokens=4), len(workload.warmup), timeout))
     prompts, results, duration = workload.prompts, [], 0.0
     for turn in range(1 + len(workload.follow_ups)):
-        turn_results, seconds = asyncio.run(closed_loop(base_url, prompts, params, workload.concurrency, timeout))
+        turn_results, seconds = closed_loop_procs(base_url, prompts, params, workload.concurrency, timeout, procs)
         results += turn_results
         duration += seconds
         if turn < len(workload.follow_ups):

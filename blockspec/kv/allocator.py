@@ -10,6 +10,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from blockspec.host_tensors import int64_array, int64_tensor, to_device
 from blockspec.request import Req
 
 
@@ -80,7 +81,7 @@ class PageAllocator:
         for _ in range(extra):
             req.pages.append(self._free_pages.pop())
         positions = torch.arange(req.allocated_len, new_len)
-        pages = torch.tensor(req.pages, dtype=torch.int64)
+        pages = int64_tensor(req.pages)
         slots = pages[positions // self.page_size] * self.page_size + positions % self.page_size
         assert req.pool_row is not None
         table.write(req.pool_row, req.allocated_len, slots)
@@ -150,18 +151,14 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        # NOTE: pinned and non-blocking, as in write_entries: a pageable copy makes the host wait for the step in flight
-        if self.table.device.type == "cuda":
-            slots = slots.pin_memory().to(self.table.device, non_blocking=True)
-        self.table[row, start:start + slots.numel()] = slots
+        self.table[row, start:start + slots.numel()] = to_device(slots, self.table.device)
 
     def write_entries(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
         """table[rows[i], cols[i]] = slots[i] for all i: one host→device copy and one scatter."""
         if not rows:
             return
-        on_cuda = self.table.device.type == "cuda"
-        # NOTE: pinned and non-blocking: a pageable copy would make the host wait for the device (no overlap).
-        packed = torch.tensor([rows, cols, slots], dtype=torch.int64, pin_memory=on_cuda).to(
-            self.table.device, non_blocking=on_cuda
-        )
+        host = int64_array(rows)
+        host.extend(cols)
+        host.extend(slots)
+        packed = to_device(int64_tensor(host), self.table.device).view(3, -1)
         self.table[packed[0], packed[1]] = packed[2]

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from blockspec.host_tensors import int64_tensor, to_device
 from blockspec.penalties import penalized
 from blockspec.request import Req
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, build_batch, uniform_batch
@@ -103,8 +104,8 @@ class DFlashWorker(DFlashBase):
         """Target logits [bs, n, V] over [bonus, d_1..d_{n-1}] (proposals [bs, n-1] on the device, n ≥ 1) at
         positions kv_len .. kv_len+n-1, with the draft KV of every verified row written."""
         bs, n = len(reqs), proposals.shape[1] + 1
-        host = torch.tensor([[req.all_ids[-1], req.pool_row, req.kv_len + n] for req in reqs], dtype=torch.int64)
-        host = host.to(proposals.device, non_blocking=True)
+        host = to_device(int64_tensor(itertools.chain.from_iterable(
+            (req.all_ids[-1], req.pool_row, req.kv_len + n) for req in reqs)).view(bs, 3), proposals.device)
         rows = torch.cat([host[:, :1], proposals, host[:, 1:]], dim=1)
         batch = uniform_batch(ForwardMode.VERIFY, rows, self.runner.req_to_token.table,
                               [req.kv_len + n for req in reqs], self.capture, self.runner.max_positions)

@@ -12,6 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from blockspec.host_tensors import int64_tensor, to_device
 from blockspec.request import Req
 
 
@@ -93,5 +94,4 @@ def device_index(positions: list[int], size: int, device: torch.device) -> Optio
     """`positions` as a device index without a synchronising copy; None when it is 0..size-1 (no gather needed)."""
     if positions == list(range(size)):
         return None
-    index = torch.tensor(positions, dtype=torch.int64, pin_memory=device.type == "cuda")
-    return index.to(device, non_blocking=True)
+    return to_device(int64_tensor(positions), device)
