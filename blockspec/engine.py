@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
@@ -22,6 +22,9 @@ from blockspec.step.executor import Worker
 from blockspec.step.target_worker import TargetWorker
 from blockspec.models.hub import with_local_checkpoints
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    from blockspec.speculative.dflash_base import DFlashBase
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,13 @@ class Engine:
         None where they cannot be counted (no Triton, or one without its compile hook)."""
         compile_log = kernel_compile_log()
         return compile_log.count - self.compile_mark if compile_log.counting else None
+
+    @property
+    def dflash_worker(self) -> Optional["DFlashBase"]:
+        """The DFlash worker (its verify-length policy and acceptance statistics); None without DFlash."""
+        from blockspec.speculative.dflash_base import DFlashBase
+
+        return self.worker if isinstance(self.worker, DFlashBase) else None
 
     @property
     def kernel_compiles_after_startup_by_kernel(self) -> dict[str, int]:
@@ -194,10 +204,8 @@ class Engine:
         }
         if self.worker.is_speculative:
             internal.update(self.scheduler.spec_stats())
-            from blockspec.speculative.dflash_base import DFlashBase
-
-            if isinstance(self.worker, DFlashBase):
-                internal["verify_length"] = self.worker.verify_length_info()
+            if self.dflash_worker is not None:
+                internal["verify_length"] = self.dflash_worker.verify_length_info()
         return {
             "model_path": self.config.model_path,
             "speculative_algorithm": self.config.speculative_algorithm,

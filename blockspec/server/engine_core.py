@@ -208,10 +208,8 @@ class EngineCore:
 
     def _verify_stats(self) -> tuple[Optional[list[wire.VerifyLengthStat]], Optional[list[float]]]:
         """DFlash's verify length per batch size (and what it was chosen on), and the per-position acceptance rates."""
-        from blockspec.speculative.dflash_base import DFlashBase
-
-        worker = self.engine.worker
-        if not isinstance(worker, DFlashBase):
+        worker = self.engine.dflash_worker
+        if worker is None:
             return None, None
         lengths = [wire.VerifyLengthStat(bs, c.num_draft_tokens, c.expected_tokens, c.cycle_ms)
                    for bs, c in sorted(worker.verify_policy.last.items())]
