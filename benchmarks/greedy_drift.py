@@ -7,13 +7,16 @@ each compared). Pairs: dflash_bs1 vs target_bs1, dflash_bsB vs target_bsB, and t
 target_bsB (target-only against itself: pure rounding). At each pair's first divergent output token the target's
 logits are recomputed in fp32 (HF transformers, the same weights upcast, TF32 off) on the common prefix, and the
 top-1 − top-2 margin there is recorded: a divergence at a margin no larger than the baseline's largest is rounding;
-a larger one is a defect to find.
+a larger one is a defect to find. --baseline-batch-sizes S... adds target-only runs with the prompts S at a time, each
+compared with target_bs1, so the baseline spans more batch shapes (`baseline_max_margin` is the largest of them);
+--deterministic runs every engine with --enable-deterministic-inference, where DFlash should equal target-only.
 
     PYTHONPATH=. python benchmarks/greedy_drift.py                      # H200: bf16, 16 prompts, 256 tokens, bs 64
     python benchmarks/greedy_drift.py --device cpu --dtype float32 --prompts 2 --max-new-tokens 8 --batch-size 4
 
 Writes benchmarks/results/greedy_drift_<date>_<commit>.json (rows: pair, prompt, first_divergence, fp32_margin;
-summary per pair: max_margin, share_identical; gpu, date, commit) and the histogram PNG beside it.
+summary per pair: max_margin, share_identical; baseline_pairs, baseline_max_margin, deterministic; gpu, date,
+commit) and the histogram PNG beside it.
 """
 from __future__ import annotations
 
@@ -47,9 +50,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--draft-path", type=Path, default=None, help="DFlash draft (default: the embedded one)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="cache root of the converted SmolLM2")
     parser.add_argument("--cpu-threads", type=int, default=2)
+    parser.add_argument("--baseline-batch-sizes", type=int, nargs="*", default=[], help="more target-only runs at "
+                        "these batch sizes (the prompts in groups of that many), each compared with target_bs1: a "
+                        "wider rounding baseline")
+    parser.add_argument("--deterministic", action="store_true", help="every engine with "
+                        "--enable-deterministic-inference (then DFlash should equal target-only everywhere)")
     args = parser.parse_args(argv)
-    if min(args.prompts, args.max_new_tokens, args.batch_size, args.cpu_threads) < 1:
-        parser.error("--prompts, --max-new-tokens, --batch-size and --cpu-threads must be positive")
+    if min(args.prompts, args.max_new_tokens, args.batch_size, args.cpu_threads, *args.baseline_batch_sizes) < 1:
+        parser.error("--prompts, --max-new-tokens, --batch-size, --cpu-threads and --baseline-batch-sizes must be "
+                     "positive")
     return args
 
 
@@ -81,13 +90,27 @@ def engine_kwargs(args: argparse.Namespace, device: torch.device, rows: int) -> 
         "model_path": str(args.model_path), "device": str(device), "dtype": args.dtype,
         "attention_backend": args.attention_backend, "max_running_requests": args.batch_size,
         "max_total_tokens": max(4096, rows * (1024 + args.max_new_tokens)), "disable_radix_cache": True,
+        "enable_deterministic_inference": args.deterministic,
     }
 
 
+def grouped(engine: Any, prompts: list[list[int]], size: int, params: dict[str, Any]) -> Outputs:
+    """Each prompt's output when the prompts run `size` at a time (the last group filled up with repeats)."""
+    outputs: Outputs = []
+    for start in range(0, len(prompts), size):
+        group = prompts[start:start + size]
+        rows = group + [group[i % len(group)] for i in range(size - len(group))]
+        results = cast(list[dict[str, Any]], engine.generate(input_ids=rows, sampling_params=params))
+        outputs += [list(out["output_ids"]) for out in results[: len(group)]]
+    return outputs
+
+
 def run_mode(
-    args: argparse.Namespace, device: torch.device, questions: list[str], draft: Optional[Path]
+    args: argparse.Namespace, device: torch.device, questions: list[str], draft: Optional[Path],
+    extra: Optional[dict[str, Outputs]] = None,
 ) -> tuple[list[list[int]], Outputs, Outputs, str]:
-    """(prompts, bs-1 outputs, bs-B outputs of the first copy of each prompt, attention backend) of one engine."""
+    """(prompts, bs-1 outputs, bs-B outputs of the first copy of each prompt, attention backend) of one engine;
+    with `extra`, also target_bsS outputs per --baseline-batch-sizes S into it."""
     from blockspec import Engine
     from blockspec.smollm2 import build_messages
 
@@ -106,6 +129,8 @@ def run_mode(
         repeated = [prompts[i % len(prompts)] for i in range(rows)]
         batched = cast(list[dict[str, Any]], engine.generate(input_ids=repeated, sampling_params=params))
         backend = str(engine.runner.attention_backend)
+        for size in (args.baseline_batch_sizes if extra is not None else []):
+            extra[f"target_bs{size}"] = grouped(engine, prompts, size, params)
         print(f"{'dflash' if draft else 'target'}: bs 1 {middle - start:.1f} s, bs {rows} "
               f"{time.perf_counter() - middle:.1f} s, attention {backend}", flush=True)
     finally:
@@ -170,12 +195,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Optional[float]
     return summary
 
 
-def verdict(rows: list[dict[str, Any]], summary: dict[str, dict[str, Optional[float]]], baseline: str) -> list[str]:
-    """Lines naming each DFlash divergence at a margin above the baseline's largest (a defect, not rounding)."""
-    limit = summary[baseline]["max_margin"]
+def verdict(rows: list[dict[str, Any]], limit: Optional[float], baselines: list[str]) -> list[str]:
+    """Lines naming each DFlash divergence at a margin above the baselines' largest (a defect, not rounding)."""
     lines = []
     for r in rows:
-        if r["pair"] != baseline and r["fp32_margin"] is not None and (limit is None or r["fp32_margin"] > limit):
+        if r["pair"] not in baselines and r["fp32_margin"] is not None and (limit is None or r["fp32_margin"] > limit):
             bound = "none (no baseline divergence)" if limit is None else f"{limit:.4f}"
             lines.append(f"  {r['pair']} prompt {r['prompt']}: token {r['first_divergence']}, "
                          f"fp32 margin {r['fp32_margin']:.4f} > baseline max {bound}")
@@ -210,17 +234,24 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     print(f"{len(questions)} prompts, {args.max_new_tokens} new tokens, {args.dtype} on {device}, batched call {big} "
           f"(prompts repeated, first copies compared); target {args.model_path}, draft {draft}", flush=True)
     runs: dict[str, Outputs] = {}
-    prompts, runs["target_bs1"], runs[f"target_{big}"], backend = run_mode(args, device, questions, None)
+    extra: dict[str, Outputs] = {}
+    prompts, runs["target_bs1"], runs[f"target_{big}"], backend = run_mode(args, device, questions, None, extra)
     same_prompts, runs["dflash_bs1"], runs[f"dflash_{big}"], _ = run_mode(args, device, questions, draft)
     assert same_prompts == prompts
-    baseline = ("target_bs1", f"target_{big}")
-    pairs = [("dflash_bs1", "target_bs1"), (f"dflash_{big}", f"target_{big}"), baseline]
+    runs.update(extra)
+    baselines = [("target_bs1", f"target_{big}")] + [("target_bs1", name) for name in extra if name != f"target_{big}"]
+    pairs = [("dflash_bs1", "target_bs1"), (f"dflash_{big}", f"target_{big}"), *baselines]
     rows = compare(runs, pairs, prompts, Fp32Margins(args.model_path, device))
     summary = summarise(rows)
+    baseline_names = [f"{left} vs {right}" for left, right in baselines]
+    baseline_margins = [m for name in baseline_names if (m := summary[name]["max_margin"]) is not None]
     date = datetime.date.today().isoformat()
     commit = commit_id()
-    report = {"rows": rows, "summary": summary, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
-              else "cpu", "date": date, "commit": commit}
+    report = {"rows": rows, "summary": summary, "baseline_pairs": baseline_names,
+              "baseline_max_margin": max(baseline_margins) if baseline_margins else None,
+              "deterministic": args.deterministic,
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "date": date,
+              "commit": commit}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"greedy_drift_{date}_{commit}{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(report, indent=1))
@@ -228,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     for pair, values in summary.items():
         margin = "-" if values["max_margin"] is None else f"{values['max_margin']:.4f}"
         print(f"  {pair:<28} identical {values['share_identical']:.2f}  max fp32 margin {margin}")
-    above = verdict(rows, summary, f"{baseline[0]} vs {baseline[1]}")
+    above = verdict(rows, report["baseline_max_margin"], baseline_names)
     print("every DFlash divergence within the baseline's margin (rounding)" if not above else
           "DFlash divergences above the baseline's largest margin (look for a defect):\n" + "\n".join(above))
     try:
