@@ -13,7 +13,7 @@ from plot_common import plt, save_beside
 
 
 def baseline_pair(summary: dict[str, Any]) -> str:
-    """The target-only pair (target_bs1 vs target_bsB): the one pair without dflash in it."""
+    """The target-only pair (target_bs1 vs target_bsB) of a result with one baseline pair: the one without dflash."""
     return next(pair for pair in summary if "dflash" not in pair)
 
 
@@ -34,7 +34,9 @@ def plot(path: Path) -> Path:
         for label in labels:
             ax.plot([], [], label=label)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    baseline_max = summary[baseline_pair(summary)]["max_margin"]
+    # NOTE: results since --baseline-batch-sizes name their baseline's largest margin; older ones have one baseline pair
+    baseline_max = report["baseline_max_margin"] if "baseline_max_margin" in report else \
+        summary[baseline_pair(summary)]["max_margin"]
     if baseline_max is not None:
         ax.axvline(baseline_max, color="k", linestyle=":", label=f"baseline max margin {baseline_max:.3f}")
     ax.set_xlabel("fp32 top-1 − top-2 logit margin at the first divergence")
