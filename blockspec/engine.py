@@ -215,6 +215,7 @@ class Engine:
             "page_size": self.config.page_size,
             "disable_radix_cache": self.config.disable_radix_cache,
             "tp_size": self.config.tp_size,
+            "host_threads": torch.get_num_threads(),  # torch's intra-op threads in this engine's process (--host-threads)
             "enable_deterministic_inference": self.config.enable_deterministic_inference,
             "deterministic_inference": deterministic_info(self.runner.batch_invariant_attention),
             # NOTE: free_slots counts the slots of cached pages no request reads (they are evicted on demand)

@@ -200,8 +200,8 @@ def test_host_threads(tiny) -> None:
         assert EngineConfig(model_path="m", device="cuda").resolved_host_threads == 1
     before = torch.get_num_threads()
     try:
-        Engine(model_path=str(tiny("llama").path), device="cpu", skip_tokenizer_init=True, host_threads=1)
-        assert torch.get_num_threads() == 1
+        engine = Engine(model_path=str(tiny("llama").path), device="cpu", skip_tokenizer_init=True, host_threads=1)
+        assert torch.get_num_threads() == 1 and engine.get_server_info()["host_threads"] == 1
     finally:
         torch.set_num_threads(before)
 
