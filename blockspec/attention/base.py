@@ -52,6 +52,34 @@ class PagedBackendBase:
         self.sliding_windows = sliding_windows
         self.draft_layer_causal = draft_layer_causal
 
+    def stored_query_and_output(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch, kv_stored: bool,
+        out: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The paged kernels' inputs: this forward's k/v stored (unless the caller did), q with a unit last stride,
+        the layer's K and V caches, and the output [T, Hq, D] (`out` viewed so, or a new one).
+
+        NOTE: q may be a strided view of qkv; the output is always contiguous."""
+        if not kv_stored:
+            self.pool.store(layer_id, batch.out_cache_loc, k, v)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out.view(q.shape)
+        return q, self.pool.k[layer_id], self.pool.v[layer_id], out
+
+
+def split_partials(
+    out: torch.Tensor, num_heads: int, splits: int, block_d: int, split: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(acc, max, sum) fp32 buffers for `splits` partial softmaxes per (token, head) when `split`; else `out` three
+    times (the kernels take the pointers but write only the output)."""
+    if not split:
+        return out, out, out
+    num_tokens = out.shape[0]
+    part_acc = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=out.device)
+    part_max = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=out.device)
+    return part_acc, part_max, torch.empty_like(part_max)
+
 
 GraphPlanner = Callable[[ForwardBatch], Any]
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import triton
 
-from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
+from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window, split_partials
 from blockspec.attention.batch_invariant_kernels import batch_invariant_attention_kernel, merge_lanes_kernel
 from blockspec.attention.triton_backend import KernelTiles, query_layout
 from blockspec.attention.triton_kernels import LOG2E
@@ -85,21 +85,11 @@ class BatchInvariantAttentionBackend(PagedBackendBase):
         kv_stored: bool = False, out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         meta: BatchInvariantMeta = batch.attn_meta
-        if not kv_stored:
-            self.pool.store(layer_id, batch.out_cache_loc, k, v)
-        k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        q, k_cache, v_cache, out = self.stored_query_and_output(q, k, v, layer_id, batch, kv_stored, out)
         num_tokens = q.shape[0]
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out.view(q.shape)
         settings, tiles = self.settings, self.settings.tiles
         lanes = settings.lanes
-        if meta.split_lanes:
-            part_acc = torch.empty((num_tokens, self.num_heads, lanes, self.block_d), dtype=torch.float32, device=q.device)
-            part_max = torch.empty((num_tokens, self.num_heads, lanes), dtype=torch.float32, device=q.device)
-            part_sum = torch.empty_like(part_max)
-        else:
-            part_acc = part_max = part_sum = out
+        part_acc, part_max, part_sum = split_partials(out, self.num_heads, lanes, self.block_d, meta.split_lanes)
         group = self.num_heads // self.num_kv_heads
         window = layer_window(self.sliding_windows, layer_id)
         table = batch.req_to_token

@@ -205,12 +205,7 @@ class FlashInferAttentionBackend(PagedBackendBase):
         kv_stored: bool = False, out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         meta: FlashInferMeta = batch.attn_meta
-        if not kv_stored:
-            self.pool.store(layer_id, batch.out_cache_loc, k, v)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        q, _, _, result = self.stored_query_and_output(q, k, v, layer_id, batch, kv_stored, out)
         wrapper = meta.wrappers[self.layer_key(batch.mode, layer_id)]
-        # NOTE: q may be a strided view of qkv; the output is always contiguous [T, Hq, D].
-        result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out.view(q.shape)
         wrapper.run(q, (self.paged_k[layer_id], self.paged_v[layer_id]), out=result)
         return result.reshape(q.shape[0], -1)

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import triton
 
-from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
+from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window, split_partials
 from blockspec.attention.triton_kernels import LOG2E, merge_splits_kernel, paged_attention_kernel
 from blockspec.kv.pool import KVPool
 from blockspec.layers.pdl import pdl_launch
@@ -150,24 +150,13 @@ class TritonAttentionBackend(PagedBackendBase):
         kv_stored: bool = False, out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         meta: TritonAttentionMeta = batch.attn_meta
-        if not kv_stored:
-            self.pool.store(layer_id, batch.out_cache_loc, k, v)
-        k_cache, v_cache = self.pool.k[layer_id], self.pool.v[layer_id]
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        q, k_cache, v_cache, out = self.stored_query_and_output(q, k, v, layer_id, batch, kv_stored, out)
         num_tokens = q.shape[0]
-        # NOTE: q may be a strided view of qkv; the output is always contiguous [T, Hq, D].
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out.view(q.shape)
         group = self.num_heads // self.num_kv_heads
         window = layer_window(self.sliding_windows, layer_id)
         causal = layer_is_causal(batch.mode, self.draft_layer_causal, layer_id)
         splits = meta.num_splits
-        if splits > 1:
-            part_acc = torch.empty((num_tokens, self.num_heads, splits, self.block_d), dtype=torch.float32, device=q.device)
-            part_max = torch.empty((num_tokens, self.num_heads, splits), dtype=torch.float32, device=q.device)
-            part_sum = torch.empty_like(part_max)
-        else:
-            part_acc = part_max = part_sum = out
+        part_acc, part_max, part_sum = split_partials(out, self.num_heads, splits, self.block_d, splits > 1)
         table = batch.req_to_token
         tiles = meta.tiles
         grid = (triton.cdiv(meta.max_q_len * group, tiles.block_m), batch.batch_size * self.num_kv_heads, splits)
