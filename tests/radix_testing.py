@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from blockspec import Engine
 from engine_testing import assert_engine_idle, random_prompts
 
@@ -70,3 +72,20 @@ def assert_flushes_to_empty(engine: Engine) -> None:
     allocator = engine.runner.allocator
     assert allocator.unused_slots == allocator.total_slots
     assert engine.radix_cache_stats()["tree_tokens"] == 0
+
+
+# ---- fixtures (imported by the radix test modules) -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def root(trained_pair: dict[str, Any]) -> Path:
+    return Path(trained_pair["root"])
+
+
+@pytest.fixture(scope="module")
+def shared(root: Path) -> list[list[int]]:
+    return shared_prompts(root)
+
+
+@pytest.fixture(scope="module")
+def distinct(root: Path) -> list[list[int]]:
+    return distinct_prompts(root)

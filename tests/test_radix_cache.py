@@ -5,31 +5,14 @@ draft KV is what the first cycles read; every KV page free after flush_cache."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from radix_testing import (
-    QUESTIONS, SYSTEM_LEN, assert_flushes_to_empty, distinct_prompts, engine_for, greedy, run_waves, shared_prompts,
-    signature,
+from radix_testing import (  # noqa: F401 (root, shared, distinct: fixtures)
+    QUESTIONS, SYSTEM_LEN, assert_flushes_to_empty, distinct, engine_for, greedy, root, run_waves, shared, signature,
 )
 
 pytest.importorskip("dflash.model")
-
-
-@pytest.fixture(scope="module")
-def root(trained_pair: dict[str, Any]) -> Path:
-    return Path(trained_pair["root"])
-
-
-@pytest.fixture(scope="module")
-def shared(root: Path) -> list[list[int]]:
-    return shared_prompts(root)
-
-
-@pytest.fixture(scope="module")
-def distinct(root: Path) -> list[list[int]]:
-    return distinct_prompts(root)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 8])

@@ -3,29 +3,15 @@ cycle in flight, mixed chunks, a prefill chunk that leaves one prompt token, two
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from blockspec.request import Req
-from radix_testing import assert_flushes_to_empty, distinct_prompts, engine_for, greedy, run_waves, shared_prompts, signature
+from radix_testing import (  # noqa: F401 (root, shared, distinct: fixtures)
+    assert_flushes_to_empty, distinct, engine_for, greedy, root, run_waves, shared, signature,
+)
 
 pytest.importorskip("dflash.model")
-
-
-@pytest.fixture(scope="module")
-def root(trained_pair: dict[str, Any]) -> Path:
-    return Path(trained_pair["root"])
-
-
-@pytest.fixture(scope="module")
-def shared(root: Path) -> list[list[int]]:
-    return shared_prompts(root)
-
-
-@pytest.fixture(scope="module")
-def distinct(root: Path) -> list[list[int]]:
-    return distinct_prompts(root)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
