@@ -6,14 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import random
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Empty
 from typing import Any, Optional
 
 import httpx
@@ -21,6 +19,7 @@ import httpx
 from blockspec.bench.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
 )
+from blockspec.bench.processes import run_in_processes
 from blockspec.bench.report import percentile
 from blockspec.bench.serving import RequestResult, one_request, run_level
 from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
@@ -166,40 +165,23 @@ def _clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Opti
     return asyncio.run(run_level(ns, prompts, concurrency))
 
 
-def _client_process(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
-                    seed: int, barrier: Any, queue: Any) -> None:
-    barrier.wait()
-    start = time.monotonic()
-    results, _ = _clients(ns, prompts, concurrency, rate, seed)
-    queue.put((start, time.monotonic(), results))
+def _clients_results(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
+                     seed: int) -> list[RequestResult]:
+    return _clients(ns, prompts, concurrency, rate, seed)[0]
 
 
 def run_clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
                 procs: int) -> tuple[list[RequestResult], float]:
-    """The clients spread over `procs` processes (one Python event loop cannot parse SSE at engine speed): process i
-    takes prompts i::n and its share of the clients (or rate/n: merged Poisson streams are one Poisson stream);
-    the duration runs from the first start to the last end (time.monotonic is one clock for all processes)."""
+    """The clients spread over `procs` processes (blockspec.bench.processes): process i takes prompts i::n and its
+    share of the clients (or rate/n: merged Poisson streams are one Poisson stream); the duration runs from the first
+    start to the last end."""
     n = max(1, min(procs, len(prompts), concurrency or len(prompts)))
     if n == 1:
         return _clients(ns, prompts, concurrency, rate, seed)
-    ctx = multiprocessing.get_context("spawn")
-    barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
     shares = [None if concurrency is None else concurrency // n + (i < concurrency % n) for i in range(n)]
-    workers = [ctx.Process(target=_client_process, args=(ns, prompts[i::n], shares[i], rate / n, seed + i, barrier, queue),
-                           daemon=True) for i in range(n)]
-    for worker in workers:
-        worker.start()
-    barrier.wait(timeout=300)
-    outs: list[tuple[float, float, list[RequestResult]]] = []
-    while len(outs) < n:
-        try:
-            outs.append(queue.get(timeout=1.0))
-        except Empty:
-            if any(w.exitcode not in (None, 0) for w in workers):
-                raise RuntimeError("a client process died") from None
-    for worker in workers:
-        worker.join()
-    return [r for out in outs for r in out[2]], max(o[1] for o in outs) - min(o[0] for o in outs)
+    per_process, wall = run_in_processes(
+        _clients_results, [(ns, prompts[i::n], shares[i], rate / n, seed + i) for i in range(n)])
+    return [r for results in per_process for r in results], wall
 
 
 def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,

@@ -1,0 +1,42 @@
+"""Benchmark clients spread over processes: one Python event loop cannot send and parse streams at engine speed,
+and its own queueing would land in every TTFT it measures."""
+from __future__ import annotations
+
+import multiprocessing
+import time
+from queue import Empty
+from typing import Any, Callable, Sequence
+
+
+def _worker(index: int, run: Callable[..., Any], args: tuple[Any, ...], barrier: Any, queue: Any) -> None:
+    barrier.wait()
+    start = time.monotonic()
+    result = run(*args)
+    queue.put((index, start, time.monotonic(), result))
+
+
+def run_in_processes(run: Callable[..., Any], args_per_process: Sequence[tuple[Any, ...]]) -> tuple[list[Any], float]:
+    """`run(*args)` in one spawned process per entry of `args_per_process` (`run` and its arguments picklable), all
+    started together behind a barrier; their results in the order of `args_per_process`, and the wall time from the
+    first start to the last end (time.monotonic is one clock for every process of a host). A process that dies is a
+    RuntimeError."""
+    ctx = multiprocessing.get_context("spawn")
+    n = len(args_per_process)
+    barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(i, run, args, barrier, queue), daemon=True)
+               for i, args in enumerate(args_per_process)]
+    for worker in workers:
+        worker.start()
+    barrier.wait(timeout=300)
+    outs: dict[int, tuple[float, float, Any]] = {}
+    while len(outs) < n:
+        try:
+            index, start, end, result = queue.get(timeout=1.0)
+            outs[index] = (start, end, result)
+        except Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):
+                raise RuntimeError("a client process died") from None
+    for worker in workers:
+        worker.join()
+    wall = max(end for _, end, _ in outs.values()) - min(start for start, _, _ in outs.values())
+    return [outs[i][2] for i in range(n)], wall
