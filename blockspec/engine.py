@@ -97,10 +97,10 @@ class Engine:
 
     @property
     def kernel_compiles_after_startup(self) -> Optional[int]:
-        """Triton kernel variants compiled in this process since this engine's start-up finished (should stay 0);
-        None where they cannot be counted (no Triton, or one without its compile hook)."""
+        """Triton kernel variants compiled in this process since this engine's start-up finished, outside any other
+        engine's start-up (should stay 0); None where they cannot be counted (no Triton, or one without its hook)."""
         compile_log = kernel_compile_log()
-        return compile_log.count - self.compile_mark if compile_log.counting else None
+        return len(compile_log.stalls_since(self.compile_mark)) if compile_log.counting else None
 
     @property
     def dflash_worker(self) -> Optional["DFlashBase"]:
@@ -113,7 +113,7 @@ class Engine:
     def kernel_compiles_after_startup_by_kernel(self) -> dict[str, int]:
         """Those variants per kernel name, most first (each is also logged as a warning when it happens)."""
         compile_log = kernel_compile_log()
-        return by_kernel(compile_log.since(self.compile_mark)) if compile_log.counting else {}
+        return by_kernel(compile_log.stalls_since(self.compile_mark)) if compile_log.counting else {}
 
     # ---- inputs ----------------------------------------------------------------------------
     def _prompts_to_ids(

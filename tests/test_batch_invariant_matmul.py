@@ -1,6 +1,6 @@
 """The batch-invariant GEMM (--enable-deterministic-inference): each output row bit-identical for any number of rows
 M (1, 3, 16, 37; the same row content), correct against F.linear, written into a given buffer; the same check
-catches a tile choice that follows M. Linear / StackedLinear route through it under a batch-invariant KernelMode.
+catches a reduction order that follows M. Linear / StackedLinear route through it under a batch-invariant KernelMode.
 
 On CPU under TRITON_INTERPRET=1 (root conftest), fp32 and fp16; natively on CUDA."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from blockspec.layers.batch_invariant_matmul import MatmulTiles, batch_invariant_linear, matmul_tiles  # noqa: E402
+from blockspec.layers.batch_invariant_matmul import batch_invariant_linear  # noqa: E402
 from blockspec.layers.kernel_mode import KernelMode  # noqa: E402
 from blockspec.layers.linear import Linear, StackedLinear, linear_into  # noqa: E402
 
@@ -49,14 +49,19 @@ def test_rows_do_not_depend_on_m(dtype: torch.dtype, k: int, n: int, bias: bool)
 
 
 @pytest.mark.parametrize("dtype,k", [(torch.float32, 40), (torch.float16, 512)])
-def test_the_check_catches_tiles_chosen_by_m(dtype: torch.dtype, k: int) -> None:
-    """Small-M tiles with a shorter K step (as a cuBLAS-style heuristic would pick) change some rows' bits."""
+def test_the_check_catches_a_reduction_chosen_by_m(dtype: torch.dtype, k: int) -> None:
+    """Split-K for small M (as a cuBLAS-style heuristic picks: two partial sums over halves of K, added at the end)
+    changes some rows' bits. NOTE: a shorter K step alone need not: on tensor cores a 64-wide dot is four 16-wide
+    MMAs into one accumulator, the same order of additions as four 16-wide steps."""
     x, weight, _ = operands(k, 64, dtype)
-    default = matmul_tiles(64, k, dtype)
+    half = k // 2
 
     def by_m(rows: torch.Tensor) -> torch.Tensor:
-        tiles = MatmulTiles(16, 32, 16) if rows.shape[0] < 16 else default
-        return batch_invariant_linear(rows, weight, tiles=tiles)
+        if rows.shape[0] >= 16:
+            return batch_invariant_linear(rows, weight)
+        partials = [batch_invariant_linear(rows[:, part], weight[:, part]).float()
+                    for part in (slice(0, half), slice(half, k))]
+        return (partials[0] + partials[1]).to(dtype)
 
     assert rows_differing_across_m(by_m, x) > 0
     assert rows_differing_across_m(lambda rows: batch_invariant_linear(rows, weight), x) == 0

@@ -80,7 +80,7 @@ def check_engines(target_only: Engine, dflash: Engine, prompts: list[list[int]],
     for engine in (target_only, dflash):
         counts = engine.get_server_info()["internal_states"][0]["forward_counts"]
         assert counts["graph"] > 0 and counts["piecewise"] > 0, counts
-        assert engine.kernel_compiles_after_startup == 0
+        assert engine.kernel_compiles_after_startup == 0, engine.kernel_compiles_after_startup_by_kernel
 
 
 def test_trained_pair_bf16(trained_pair: dict) -> None:

@@ -66,6 +66,21 @@ def test_compile_log_counts_through_tritons_hook_and_keeps_the_previous_one(
         fire_compile_hook("_rmsnorm_kernel")
     assert log.count == 2 and len(seen) == 2
     assert "compiled after start-up" in caplog.text and "_rmsnorm_kernel" in caplog.text
+    assert [event.during_startup for event in log.compiles] == [True, False]
+
+
+def test_another_engines_startup_compiles_are_not_stalls() -> None:
+    """Two engines in one process: the second one's start-up compiles its own variants; the first engine, already
+    serving, counts only compiles outside every start-up."""
+    log = KernelCompileLog()
+    with log.startup():
+        log.record("first_engine_kernel", "a")
+    first_engine_mark = log.count
+    with log.startup():
+        log.record("second_engine_kernel", "b")
+    assert log.stalls_since(first_engine_mark) == [] and len(log.since(first_engine_mark)) == 1
+    log.record("serving_kernel", "c")
+    assert [event.kernel for event in log.stalls_since(first_engine_mark)] == ["serving_kernel"]
 
 
 def test_compile_log_stops_counting_when_its_hook_is_replaced(restore_hook: None) -> None:

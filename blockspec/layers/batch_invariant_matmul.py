@@ -77,10 +77,8 @@ def _matmul_kernel(
 
 def batch_invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-    tiles: Optional[MatmulTiles] = None,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [.., K], weight [N, K] (any strides), written into `out` [.., N] when given.
-    `tiles` replaces matmul_tiles(N, K, dtype) (tests feed other tiles to show what a different choice changes)."""
+    """F.linear(x, weight, bias) for x [.., K], weight [N, K] (any strides), written into `out` [.., N] when given."""
     n, k = weight.shape
     assert x.shape[-1] == k and x.dtype == weight.dtype, (tuple(x.shape), tuple(weight.shape), x.dtype, weight.dtype)
     x2 = x.reshape(-1, k)
@@ -89,7 +87,7 @@ def batch_invariant_linear(
     out2 = result.view(m, n)  # NOTE: a view: a static output buffer must be written in place
     if m == 0 or n == 0:
         return result
-    chosen = tiles if tiles is not None else matmul_tiles(n, k, x.dtype)
+    chosen = matmul_tiles(n, k, x.dtype)
     grid = (triton.cdiv(m, chosen.block_m) * triton.cdiv(n, chosen.block_n),)
     _matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, out2, m, n, k,

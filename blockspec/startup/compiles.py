@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 class KernelCompile:
     kernel: str  # the kernel function's name
     variant: str  # Triton's description of the variant: options and argument specialisations
+    # NOTE: inside some engine's start-up (expected there); False for a compile that stalled serving
+    during_startup: bool = False
 
 
 class KernelCompileLog:
@@ -61,18 +63,17 @@ class KernelCompileLog:
 
     def _on_compile(self, *, repr: str, fn: Any, **details: Any) -> Optional[bool]:
         """Triton's JITHook signature (keywords key, repr, fn, compile, is_manual_warmup, already_compiled)."""
-        self.record(KernelCompile(str(getattr(fn, "name", fn)), repr))
+        self.record(str(getattr(fn, "name", fn)), repr)
         if self._previous_hook is not None:
             return self._previous_hook(repr=repr, fn=fn, **details)
         return None
 
-    def record(self, compile_event: KernelCompile) -> None:
+    def record(self, kernel: str, variant: str) -> None:
         with self._lock:
-            self.compiles.append(compile_event)
+            self.compiles.append(KernelCompile(kernel, variant, during_startup=self.starting > 0))
             stall = self.serving and not self.starting
         if stall:
-            logger.warning("Triton kernel compiled after start-up (a stall of every running request): %s",
-                           compile_event.variant)
+            logger.warning("Triton kernel compiled after start-up (a stall of every running request): %s", variant)
 
     @property
     def count(self) -> int:
@@ -80,6 +81,11 @@ class KernelCompileLog:
 
     def since(self, mark: int) -> list[KernelCompile]:
         return self.compiles[mark:]
+
+    def stalls_since(self, mark: int) -> list[KernelCompile]:
+        """The compiles since `mark` outside every engine's start-up. NOTE: a second engine starting in the same
+        process compiles its own variants; those are not stalls of the first one."""
+        return [event for event in self.compiles[mark:] if not event.during_startup]
 
     @contextmanager
     def startup(self) -> Iterator[None]:
