@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from blockspec.bench.provenance import commit_id
 from blockspec.smollm2 import DEMO_DRAFT_DIR
 from blockspec.train.cli import main as train_draft
 from blockspec.train.info import read_info
 from blockspec.train.magpie import MagpieSettings
 from draft_v2_data import DataPaths, target_dir, write_general, write_gsm8k
-from draft_v2_report import State, asset_stats, best_run, commit_id, pack_draft, set_accepts, write_result
+from draft_v2_report import State, asset_stats, best_run, pack_draft, set_accepts, write_result
 from draft_v2_server import ServerSettings, demo_prompts, measure_one_client, speedups
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,7 +204,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if stage != "data":
             from plot_draft_v2 import plot
 
-            path = write_result(state, args.out, gpu_name(), commit_id(ROOT), args.smoke)
+            path = write_result(state, args.out, gpu_name(), commit_id(), args.smoke)
             print(f"wrote {path} and {plot(path)}", flush=True)
     errors = [r for r in state.data.get("server_rows", []) if "error" in r]
     return 1 if errors else 0

@@ -7,8 +7,6 @@ from __future__ import annotations
 import datetime
 import io
 import json
-import os
-import subprocess
 import tarfile
 from pathlib import Path
 from typing import Any, Optional
@@ -18,17 +16,6 @@ GOALS = {"gsm8k_heldout_accept": 4.0, "general_heldout_accept": 3.0, "server_c1_
 ASSET_LIMIT_MIB, SHARD_LIMIT_MIB = 64.0, 12.0
 PART_BYTES = 15 * 2**20  # NOTE: files back from the device are capped at 16 MiB each
 MIB = 2**20
-
-
-def commit_id(root: Path) -> str:
-    env = os.environ.get("BLOCKSPEC_COMMIT")
-    if env:
-        return env
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"  # NOTE: the device gets a working tree without git: pass BLOCKSPEC_COMMIT there
-    return out.stdout.strip() or "unknown"
 
 
 class State:

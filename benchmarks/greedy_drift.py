@@ -24,13 +24,13 @@ import argparse
 import datetime
 import gc
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, cast
 
 import torch
+
+from blockspec.bench.provenance import commit_id
 
 Outputs = list[list[int]]
 
@@ -204,18 +204,6 @@ def verdict(rows: list[dict[str, Any]], limit: Optional[float], baselines: list[
             lines.append(f"  {r['pair']} prompt {r['prompt']}: token {r['first_divergence']}, "
                          f"fp32 margin {r['fp32_margin']:.4f} > baseline max {bound}")
     return lines
-
-
-def commit_id() -> str:
-    env = os.environ.get("BLOCKSPEC_COMMIT")
-    if env:
-        return env
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Path:

@@ -31,12 +31,13 @@ from typing import Any, Optional
 
 import httpx
 
+from blockspec.bench.provenance import commit_id
 from blockspec.bench.client import (
     accept_length_between, compiles_between, get_server_info, histogram_mean_between, metrics_text,
 )
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids, run_workload
 from serving_server import ServerProcess, log_tail
-from serving_vs_engine import commit_id, extra_engine_kwargs, serve_flags
+from serving_vs_engine import extra_engine_kwargs, serve_flags
 from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
 
 SHAPES = ("llama8b", "demo", "tiny")

@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import shlex
 import subprocess
 import sys
@@ -26,9 +25,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional, cast
 
+from blockspec.bench.provenance import commit_id
 from blockspec.bench.serving import load_prompts
 from serving_vs_engine_support import (
-    DEFAULT_ACCEPT, ROOT, SHAPES, ServerProcess, Shape, client_namespace, log_tail, materialise, measure_level,
+    DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, client_namespace, log_tail, materialise, measure_level,
     run_engine_phase,
 )
 
@@ -132,14 +132,6 @@ def engine_kwargs(shape: Shape, mode: str, args: argparse.Namespace, extra: dict
                       speculative_simulate_accept_len=accept if accept > 0 else None)
     kwargs.update(extra)
     return kwargs
-
-
-def commit_id() -> str:
-    env = os.environ.get("BLOCKSPEC_COMMIT")
-    if env:
-        return env
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return out.stdout.strip() or "unknown"
 
 
 class Report:

@@ -29,6 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_vs_engine_support import ServerProcess, client_namespace, materialise  # noqa: E402
 
+from blockspec.bench.provenance import run_identity  # noqa: E402
 from blockspec.bench.serving import run_level  # noqa: E402
 
 DEFAULT_ACCEPT = {"llama8b": 4.0, "smollm2": 3.2, "tiny": 2.0}
@@ -163,6 +164,7 @@ def main() -> None:
         result = measure(args)
     except (RuntimeError, httpx.HTTPError, KeyError, CutShort) as exc:
         result = {"shape": args.shape, "tag": args.tag, "error": f"{type(exc).__name__}: {exc}"}
+    result.update(run_identity())
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
     if "error" in result or result.get("failed") or result.get("compiles_after_startup"):
