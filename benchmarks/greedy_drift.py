@@ -7,8 +7,8 @@ each compared). Pairs: dflash_bs1 vs target_bs1, dflash_bsB vs target_bsB, and t
 target_bsB (target-only against itself: pure rounding). At each pair's first divergent output token the target's
 logits are recomputed in fp32 (HF transformers, the same weights upcast, TF32 off) on the common prefix, and the
 top-1 − top-2 margin there is recorded: a divergence at a margin no larger than the baseline's largest is rounding;
-a larger one is a defect to find. --baseline-batch-sizes S... adds target-only runs with the prompts S at a time, each
-compared with target_bs1, so the baseline spans more batch shapes (`baseline_max_margin` is the largest of them);
+a larger one is a defect to find. --baseline-batch-sizes S... adds target-only runs with the prompts S at a time; the
+baseline is every pair of target-only runs, so it spans more batch shapes (`baseline_max_margin` is the largest);
 --deterministic runs every engine with --enable-deterministic-inference, where DFlash should equal target-only.
 
     PYTHONPATH=. python benchmarks/greedy_drift.py                      # H200: bf16, 16 prompts, 256 tokens, bs 64
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import time
 from pathlib import Path
@@ -227,7 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     same_prompts, runs["dflash_bs1"], runs[f"dflash_{big}"], _ = run_mode(args, device, questions, draft)
     assert same_prompts == prompts
     runs.update(extra)
-    baselines = [("target_bs1", f"target_{big}")] + [("target_bs1", name) for name in extra if name != f"target_{big}"]
+    targets = ["target_bs1", f"target_{big}", *(name for name in extra if name != f"target_{big}")]
+    baselines = list(itertools.combinations(targets, 2))  # NOTE: target-only against itself, every batch-shape pair
     pairs = [("dflash_bs1", "target_bs1"), (f"dflash_{big}", f"target_{big}"), *baselines]
     rows = compare(runs, pairs, prompts, Fp32Margins(args.model_path, device))
     summary = summarise(rows)

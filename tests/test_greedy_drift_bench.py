@@ -38,9 +38,10 @@ def test_cpu_run_writes_rows_and_the_wider_baseline(tmp_path: Path) -> None:
     path = main(["--device", "cpu", "--dtype", "float32", "--prompts", "2", "--max-new-tokens", "6",
                  "--batch-size", "4", "--baseline-batch-sizes", "2", "--out", str(tmp_path), "--tag", "smoke"])
     report = json.loads(path.read_text())
-    assert report["baseline_pairs"] == ["target_bs1 vs target_bs4", "target_bs1 vs target_bs2"]
+    assert report["baseline_pairs"] == ["target_bs1 vs target_bs4", "target_bs1 vs target_bs2",
+                                        "target_bs4 vs target_bs2"]  # NOTE: every pair of target-only runs
     assert set(report["summary"]) == {"dflash_bs1 vs target_bs1", "dflash_bs4 vs target_bs4", *report["baseline_pairs"]}
-    assert len(report["rows"]) == 4 * 2 and report["deterministic"] is False and report["gpu"] == "cpu"
+    assert len(report["rows"]) == 5 * 2 and report["deterministic"] is False and report["gpu"] == "cpu"
     for row in report["rows"]:
         assert (row["first_divergence"] is None) == (row["fp32_margin"] is None)
     margins = [report["summary"][name]["max_margin"] for name in report["baseline_pairs"]]
