@@ -26,6 +26,8 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     max_running_requests: int = 64
     chunked_prefill_size: int = 8192
+    # NOTE: arrivals may wait up to this many decode steps to be prefilled together in one extend step (admission.py)
+    max_prefill_wait_steps: int = 0
     context_length: Optional[int] = None
     random_seed: int = 0
     # NOTE: torch's intra-op threads for the engine's host-side tensor work (index arrays of a few thousand entries).
@@ -114,6 +116,9 @@ class EngineConfig:
         positive("triton_attention_split_tile_size", self.triton_attention_split_tile_size)
         if not isinstance(self.chunked_prefill_size, int) or (self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1):
             raise ValueError(f"chunked_prefill_size must be -1 (off) or a positive integer, got {self.chunked_prefill_size!r}")
+        if not isinstance(self.max_prefill_wait_steps, int) or isinstance(self.max_prefill_wait_steps, bool) \
+                or self.max_prefill_wait_steps < 0:
+            raise ValueError(f"max_prefill_wait_steps must be a non-negative integer, got {self.max_prefill_wait_steps!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
         if isinstance(self.speculative_algorithm, str):

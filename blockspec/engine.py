@@ -198,12 +198,13 @@ class Engine:
             "num_waiting_reqs": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions,
             "num_mixed_steps": self.scheduler.steps.mixed_steps,
+            "num_steps_arrivals_held": self.scheduler.arrivals.held_steps,  # --max-prefill-wait-steps
             "radix_cache": self.radix_cache_stats(),
             "kernel_compiles_after_startup": self.kernel_compiles_after_startup,
             "kernel_compiles_after_startup_by_kernel": self.kernel_compiles_after_startup_by_kernel,
         }
         if self.worker.is_speculative:
-            internal.update(self.scheduler.spec_stats())
+            internal.update(self.scheduler.spec.as_dict())
             if self.dflash_worker is not None:
                 internal["verify_length"] = self.dflash_worker.verify_length_info()
         return {
@@ -213,6 +214,7 @@ class Engine:
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "context_length": self.runner.context_length,
             "page_size": self.config.page_size,
+            "max_prefill_wait_steps": self.config.max_prefill_wait_steps,
             "disable_radix_cache": self.config.disable_radix_cache,
             "tp_size": self.config.tp_size,
             "host_threads": torch.get_num_threads(),  # torch's intra-op threads in this engine's process (--host-threads)

@@ -12,12 +12,14 @@ from typing import Optional
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from blockspec.admission import ArrivalBatching
 from blockspec.config import EngineConfig
 from blockspec.grammar import GrammarCompiler
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.prefix_cache import PrefixCache
 from blockspec.request import Finish, FinishReason, Req, RequestLimits
 from blockspec.sampling import make_generator
+from blockspec.spec_stats import SpecStatistics
 from blockspec.step.executor import StepExecutor, Worker
 from blockspec.step.plan import Committed, ExtendChunk, StepPlan
 from blockspec.tokenizer import TextStream, backend_of, find_stop
@@ -57,9 +59,9 @@ class Scheduler:
         self.detokenizers: dict[str, TextStream] = {}
         self._grammar_compiler: Optional[GrammarCompiler] = None  # built on the first constrained request
         self.num_retractions = 0
-        self.spec_verify_ct = 0  # (request, verify forward) pairs
-        self.spec_committed_tokens = 0  # tokens committed by those verifies, bonus included
-        self.spec_accept_histogram = [0] * (worker.decode_slots_per_req + 1)
+        self.num_steps = 0
+        self.arrivals = ArrivalBatching(config.max_prefill_wait_steps)
+        self.spec = SpecStatistics(worker.decode_slots_per_req)
 
     # ---- requests in and out -------------------------------------------------------------
     @property
@@ -114,6 +116,7 @@ class Scheduler:
         """Runs one step: an extend plan if any prompt work can be scheduled, else a decode step (overlapped with the
         step in flight when the batch allows it). Returns the requests that finished (or were aborted) during it."""
         done = self.collect_finished()
+        self.num_steps += 1
         plan = self._schedule_extend()
         if plan and self.config.enable_mixed_chunk:
             # NOTE: the running requests decode in the same forward: the step in flight is committed first.
@@ -159,6 +162,9 @@ class Scheduler:
             self.allocator.grow(req, req.kv_len + n, self.table)
             plan.extend.append(ExtendChunk(req, n))
             budget -= n
+        free_rows = min(self.config.max_running_requests - len(self.running), self.table.free_rows)
+        if self.arrivals.hold(self.num_steps, len(self.waiting), free_rows, bool(self._decoding()), bool(plan.extend)):
+            return plan
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests and self.table.free_rows:
             req = self.waiting[0]
             if req.pending_len + self.steps.slots_per_decode > self.allocator.total_slots:
@@ -243,14 +249,7 @@ class Scheduler:
     def _record_spec(self, req: Req, committed: int) -> None:
         req.spec_verify_ct += 1
         req.spec_accept_lengths.append(committed)
-        self.spec_verify_ct += 1
-        self.spec_committed_tokens += committed
-        self.spec_accept_histogram[committed] += 1
-
-    def spec_stats(self) -> dict[str, object]:
-        avg = self.spec_committed_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
-        return {"avg_spec_accept_length": avg, "spec_verify_ct": self.spec_verify_ct,
-                "spec_accept_length_histogram": list(self.spec_accept_histogram)}
+        self.spec.record(committed)
 
     def _commit(self, req: Req, tokens: list[int]) -> int:
         """Appends tokens one by one, stopping at the first finish condition; returns how many were appended."""

@@ -168,6 +168,6 @@ def test_overlap_schedule_with_graphs(tiny: Path, page_size: int, spec: bool) ->
     assert checked > 5
     assert [r.output_ids for r in reqs] == sync[:8] == target_only[:8]
     assert engine.runner.forward_counts["graph"] > 0
-    assert (scheduler.spec_verify_ct > 0) == spec
+    assert (scheduler.spec.verify_ct > 0) == spec
     info = engine.get_server_info()
     assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]

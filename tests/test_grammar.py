@@ -154,5 +154,5 @@ def test_constrained_greedy_in_mixed_chunk_steps(pair: dict[str, Any]) -> None:
     outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, kind: source})
     for prompt, out in zip(prompts, outs):
         assert out["output_ids"] == constrained_greedy(pair["target"], tokenizer, prompt, kind, source, MAX_NEW)
-    assert engine.scheduler.spec_verify_ct > 0 and engine.scheduler.steps.mixed_steps > 0
+    assert engine.scheduler.spec.verify_ct > 0 and engine.scheduler.steps.mixed_steps > 0
     engine.shutdown()

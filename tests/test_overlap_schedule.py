@@ -66,7 +66,7 @@ def test_overlap_equals_synchronous_and_target(root: Path) -> None:
     assert sync_overlapped == 0 and overlapped > 10
     assert [r.output_ids for r in reqs] == [r.output_ids for r in sync_reqs] == expected
     assert [r.spec_accept_lengths for r in reqs] == [r.spec_accept_lengths for r in sync_reqs]
-    assert engine.scheduler.spec_stats() == sync_engine.scheduler.spec_stats()
+    assert engine.scheduler.spec.as_dict() == sync_engine.scheduler.spec.as_dict()
     assert [r.finish.to_dict() for r in reqs] == [r.finish.to_dict() for r in sync_reqs]  # type: ignore[union-attr]
     assert_engine_idle(engine)
 
@@ -170,7 +170,7 @@ def test_target_only_overlap_equals_synchronous(root: Path) -> None:
     assert [r.output_ids for r in reqs] == [r.output_ids for r in sync_reqs]
     assert [len(r.output_ids) for r in reqs] == MAX_NEW
     assert [r.finish.to_dict() for r in reqs] == [r.finish.to_dict() for r in sync_reqs]  # type: ignore[union-attr]
-    assert engine.scheduler.spec_verify_ct == 0
+    assert engine.scheduler.spec.verify_ct == 0
     assert_engine_idle(engine)
 
 

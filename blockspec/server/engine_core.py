@@ -191,7 +191,7 @@ class EngineCore:
         base = None
         if stats:
             scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
-            histogram = list(scheduler.spec_accept_histogram) if self.engine.worker.is_speculative else None
+            histogram = list(scheduler.spec.accept_histogram) if self.engine.worker.is_speculative else None
             base = wire.StepStats(
                 len(scheduler.running), len(scheduler.waiting), 0, allocator.total_slots, allocator.free_slots,
                 histogram, self._finished, self.engine.kernel_compiles_after_startup, *self._verify_stats(),

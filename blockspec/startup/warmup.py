@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blockspec.admission import ArrivalBatching
 from blockspec.attention.batch_invariant_backend import BatchInvariantAttentionBackend
 from blockspec.attention.triton_backend import TritonAttentionBackend
 from blockspec.batch import ForwardMode
@@ -124,6 +125,7 @@ def _run_requests(engine: "Engine", tag: str) -> None:
 
 def _run_scheduler(engine: "Engine", tag: str) -> None:
     scheduler = engine.new_scheduler()
+    scheduler.arrivals = ArrivalBatching(0)  # NOTE: the late arrival must meet the others decoding (a mixed step)
     reqs = _warmup_requests(engine, tag)
     for req in reqs[:-1]:
         scheduler.add_request(req)

@@ -1,0 +1,92 @@
+"""--max-prefill-wait-steps (admission.py; CPU, fp32): arrivals that come one per step while others decode are held
+and admitted together in one extend step, at most N steps after the first of them; greedy outputs equal HF greedy
+and the unbatched run, with the same per-cycle acceptance under DFlash; KV fully free after."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blockspec import Engine
+from blockspec.admission import ArrivalBatching
+from blockspec.request import Req
+from draft_training import train_tiny_draft
+from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
+from tiny_models import save_tiny_draft, save_tiny_model
+
+GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+EARLY = random_prompts([5, 9, 3], seed=1)
+LATE = random_prompts([17, 6, 11], seed=2)
+WAIT = 4
+
+
+def test_hold_policy() -> None:
+    arrivals = ArrivalBatching(3)
+    assert [arrivals.hold(step, 1, 8, decoding=True, extending=False) for step in range(1, 6)] == \
+        [True, True, True, False, True]  # NOTE: released 3 steps after the first hold, then a new window
+    assert arrivals.held_steps == 4
+    cases = [dict(waiting=0, free_rows=8, decoding=True, extending=False),  # nothing to hold
+             dict(waiting=8, free_rows=8, decoding=True, extending=False),  # the arrivals fill the room
+             dict(waiting=1, free_rows=8, decoding=False, extending=False),  # nothing decodes: no one to stall
+             dict(waiting=1, free_rows=8, decoding=True, extending=True)]  # an extend step runs anyway
+    for case in cases:
+        assert not ArrivalBatching(3).hold(1, **case), case
+    assert not ArrivalBatching(0).hold(1, 1, 8, decoding=True, extending=False)
+
+
+def test_flag_validated(tmp_path: Path) -> None:
+    save_tiny_model("llama", tmp_path / "target")
+    with pytest.raises(ValueError, match="max_prefill_wait_steps"):
+        Engine(model_path=str(tmp_path / "target"), device="cpu", max_prefill_wait_steps=-1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("admission")
+    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
+    draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
+    train_tiny_draft(draft, target, steps=200)
+    draft.save_pretrained(root / "draft")
+    return {"root": root, "target": target}
+
+
+def trickle_run(root: Path, spec: bool, wait_steps: int) -> tuple[Engine, list[Req], list[int]]:
+    """Early requests decode; the late ones arrive one per step. Returns the waiting-queue length after each step."""
+    args: dict[str, Any] = dict(model_path=str(root / "target"), device="cpu", dtype="float32", max_total_tokens=2048,
+                                skip_tokenizer_init=True, max_prefill_wait_steps=wait_steps)
+    if spec:
+        args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
+    engine = Engine(**args)
+    early, _ = engine.make_requests(input_ids=EARLY, sampling_params=GREEDY)
+    late, _ = engine.make_requests(input_ids=LATE, sampling_params=GREEDY)
+    for req in early:
+        engine.scheduler.add_request(req)
+    queue_lengths = []
+    for step in range(2 + len(late) + WAIT):
+        if 2 <= step < 2 + len(late):
+            engine.scheduler.add_request(late[step - 2])
+        engine.scheduler.step()
+        queue_lengths.append(len(engine.scheduler.waiting))
+    return engine, run_until_done(engine, early + late), queue_lengths
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_trickled_arrivals_are_admitted_together_and_lossless(models: dict[str, Any], spec: bool) -> None:
+    plain, plain_reqs, plain_queue = trickle_run(models["root"], spec, 0)
+    held, held_reqs, held_queue = trickle_run(models["root"], spec, WAIT)
+    assert max(plain_queue) == 0 and plain.scheduler.arrivals.held_steps == 0
+    # NOTE: steps 2, 3, 4 bring one arrival each; the first is held in WAIT steps (2..5), and the step after them
+    # admits the three together.
+    assert held_queue[2:2 + len(LATE)] == [1, 2, 3] and max(held_queue) == len(LATE)
+    assert held_queue.index(0, 2) - 2 <= WAIT + 1
+    assert held.get_server_info()["internal_states"][0]["num_steps_arrivals_held"] == WAIT
+    assert held.get_server_info()["max_prefill_wait_steps"] == WAIT
+    for a, b in zip(plain_reqs, held_reqs):
+        assert b.output_ids == hf_greedy(models["target"], b.all_ids[:b.prompt_len], GREEDY["max_new_tokens"])
+        assert a.output_ids == b.output_ids
+        assert a.spec_accept_lengths == b.spec_accept_lengths  # NOTE: the draft context does not depend on batching
+    if spec:
+        assert sum(sum(r.spec_accept_lengths) - len(r.spec_accept_lengths) for r in held_reqs) > 0
+    for engine in (plain, held):
+        assert_engine_idle(engine)
