@@ -18,7 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from blockspec.attention.triton_kernels import INDEX_POINTERS, _mask_scores
+from blockspec.attention.triton_kernels import (
+    INDEX_POINTERS, _mask_scores, causal_kv_end, load_query_rows, store_partials, store_rows,
+)
 from blockspec.layers.pdl import wait_for_previous_grid
 
 
@@ -97,18 +99,9 @@ def batch_invariant_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     q_start = tl.load(q_starts_ptr + req)
     table_row = tl.load(req_rows_ptr + req).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = rows < q_len * GROUP
-    token = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    q_pos = seq_len - q_len + token
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < HEAD_DIM
-    q_offsets = (q_start + token)[:, None].to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    kv_end = seq_len
-    if CAUSAL:
-        kv_end = tl.minimum(seq_len, seq_len - q_len + (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+    q, row_valid, token, head, q_pos, dims, dim_valid = load_query_rows(
+        q_ptr, q_start, q_len, seq_len, pid_m, kv_head, stride_q_tok, stride_q_head, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M)
+    kv_end = causal_kv_end(seq_len, q_len, pid_m, GROUP, BLOCK_M, CAUSAL)
     kv_begin = 0
     if USE_WINDOW:
         first_q_pos = seq_len - q_len + (pid_m * BLOCK_M) // GROUP
@@ -121,9 +114,7 @@ def batch_invariant_attention_kernel(
                                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, LANES, LANE_KEYS, CAUSAL, USE_WINDOW,
                                  DOT_PRECISION)
         base = (q_start + token).to(tl.int64) * stride_p_tok + head * stride_p_head + lane
-        tl.store(part_acc_ptr + base[:, None] * BLOCK_D + dims[None, :], acc, mask=row_valid[:, None])
-        tl.store(part_max_ptr + base, m, mask=row_valid)
-        tl.store(part_sum_ptr + base, s, mask=row_valid)
+        store_partials(part_acc_ptr, part_max_ptr, part_sum_ptr, base, acc, m, s, dims, row_valid, BLOCK_D)
     else:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK_M], tl.float32)
@@ -139,8 +130,7 @@ def batch_invariant_attention_kernel(
                     HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, LANES, LANE_KEYS, CAUSAL, USE_WINDOW, DOT_PRECISION)
                 m, s, acc = fold_lane(m, s, acc, lane_m, lane_s, lane_acc)
         out = acc / tl.where(s == 0.0, 1.0, s)[:, None]
-        o_offsets = (q_start + token)[:, None].to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
-        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        store_rows(out_ptr, out, q_start, token, head, dims, row_valid, dim_valid, stride_o_tok, stride_o_head)
 
 
 @triton.jit

@@ -29,6 +29,48 @@ def _mask_scores(scores, row_valid, col_valid, q_pos, cols, window, CAUSAL: tl.c
     return tl.where(allowed, scores, float("-inf"))
 
 
+@triton.jit
+def load_query_rows(q_ptr, q_start, q_len, seq_len, pid_m, kv_head, stride_q_tok, stride_q_head,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's query rows, (token, head of the GQA group) pairs of one request and one KV head: the q tile and,
+    per row, whether it exists, its token, head and absolute position; the head-dim lanes and which are real."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len * GROUP
+    token = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = seq_len - q_len + token
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+    q_offsets = (q_start + token)[:, None].to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    return q, row_valid, token, head, q_pos, dims, dim_valid
+
+
+@triton.jit
+def causal_kv_end(seq_len, q_len, pid_m, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """One past the last key any row of the program may see."""
+    kv_end = seq_len
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, seq_len - q_len + (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+    return kv_end
+
+
+@triton.jit
+def store_rows(out_ptr, values, q_start, token, head, dims, row_valid, dim_valid, stride_o_tok, stride_o_head):
+    """Writes each row's [BLOCK_D] result to out[q_start + token, head]."""
+    o_offsets = (q_start + token)[:, None].to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+    tl.store(out_ptr + o_offsets, values.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def store_partials(part_acc_ptr, part_max_ptr, part_sum_ptr, base, acc, row_max, row_sum, dims, row_valid,
+                   BLOCK_D: tl.constexpr):
+    """One split's (or lane's) online-softmax state per row, at partial index `base`, for a merge kernel."""
+    tl.store(part_acc_ptr + base[:, None] * BLOCK_D + dims[None, :], acc, mask=row_valid[:, None])
+    tl.store(part_max_ptr + base, row_max, mask=row_valid)
+    tl.store(part_sum_ptr + base, row_sum, mask=row_valid)
+
+
 # NOTE: the per-request index arrays are read one scalar per program, so their alignment cannot matter; extend batches
 # take them as slices of one packed buffer (build_batch), whose offsets vary with the batch. Specialising on their
 # alignment would compile a new variant while serving (issue 25).
@@ -64,21 +106,11 @@ def paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     q_start = tl.load(q_starts_ptr + req)
     table_row = tl.load(req_rows_ptr + req).to(tl.int64)
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_valid = rows < q_len * GROUP
-    token = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    q_pos = seq_len - q_len + token
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < HEAD_DIM
-    q_offsets = (q_start + token)[:, None].to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q, row_valid, token, head, q_pos, dims, dim_valid = load_query_rows(
+        q_ptr, q_start, q_len, seq_len, pid_m, kv_head, stride_q_tok, stride_q_head, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M)
 
     first_q_pos = seq_len - q_len + (pid_m * BLOCK_M) // GROUP
-    kv_end = seq_len
-    if CAUSAL:
-        kv_end = tl.minimum(seq_len, seq_len - q_len + (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
+    kv_end = causal_kv_end(seq_len, q_len, pid_m, GROUP, BLOCK_M, CAUSAL)
     kv_begin = 0
     if USE_WINDOW:
         kv_begin = tl.maximum(0, first_q_pos - window + 1)
@@ -121,15 +153,12 @@ def paged_attention_kernel(
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         row_max = new_max
 
-    o_offsets = (q_start + token)[:, None].to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        store_rows(out_ptr, out, q_start, token, head, dims, row_valid, dim_valid, stride_o_tok, stride_o_head)
     else:
         base = (q_start + token).to(tl.int64) * stride_p_tok + head * stride_p_head + pid_split * stride_p_split
-        tl.store(part_acc_ptr + base[:, None] * BLOCK_D + dims[None, :], acc, mask=row_valid[:, None])
-        tl.store(part_max_ptr + base, row_max, mask=row_valid)
-        tl.store(part_sum_ptr + base, row_sum, mask=row_valid)
+        store_partials(part_acc_ptr, part_max_ptr, part_sum_ptr, base, acc, row_max, row_sum, dims, row_valid, BLOCK_D)
 
 
 @triton.jit
