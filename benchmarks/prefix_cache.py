@@ -35,7 +35,8 @@ from blockspec.bench.provenance import commit_id
 from blockspec.bench.client import (
     accept_length_between, compiles_between, get_server_info, histogram_mean_between, metrics_text,
 )
-from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids, run_workload
+from prefix_cache_clients import run_workload
+from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
 from serving_server import ServerProcess, log_tail
 from serving_vs_engine import extra_engine_kwargs, serve_flags
 from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise

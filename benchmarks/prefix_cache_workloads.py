@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 import httpx
 
-from blockspec.bench.report import percentile
 from blockspec.evals.gsm8k import few_shot_prefix, format_example, load_lines
 from blockspec.smollm2 import SYSTEM_PROMPT
 
@@ -162,32 +161,3 @@ async def closed_loop(base_url: str, prompts: list[list[int]], params: dict[str,
         start = time.perf_counter()
         results = await asyncio.gather(*(one(p) for p in prompts))
         return list(results), time.perf_counter() - start
-
-
-def run_workload(base_url: str, workload: Workload, params: dict[str, Any], eos_id: int, timeout: float,
-                 procs: int = 1) -> dict[str, Any]:
-    """Warm-up requests (untimed), then every turn in order: tok/s over the turns' wall time, TTFT percentiles. The
-    clients of a turn are spread over `procs` processes (prefix_cache_clients.py)."""
-    from prefix_cache_clients import closed_loop_procs
-
-    if workload.warmup:
-        asyncio.run(closed_loop(base_url, workload.warmup, dict(params, max_new_tokens=4), len(workload.warmup), timeout))
-    prompts, results, duration = workload.prompts, [], 0.0
-    for turn in range(1 + len(workload.follow_ups)):
-        turn_results, seconds = closed_loop_procs(base_url, prompts, params, workload.concurrency, timeout, procs)
-        results += turn_results
-        duration += seconds
-        if turn < len(workload.follow_ups):
-            prompts = [prompt + reply.output_ids + ([] if reply.output_ids[-1:] == [eos_id] else [eos_id]) + follow
-                       for prompt, reply, follow in zip(prompts, turn_results, workload.follow_ups[turn])]
-    ok = [r for r in results if r.ok]
-    ttfts = [r.ttft for r in ok]
-    output_tokens = sum(len(r.output_ids) for r in ok)
-    return {
-        "requests": len(results), "failed": len(results) - len(ok), "output_tokens": output_tokens,
-        "duration_s": duration, "tok_s": output_tokens / max(duration, 1e-9),
-        "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
-        "e2e_p50_ms": percentile([r.latency for r in ok], 50) * 1e3,
-        "first_error": next((r.error for r in results if not r.ok), ""),
-        "prompt_tokens": sum(len(p) for p in workload.prompts),
-    }

@@ -21,7 +21,8 @@ from blockspec.bench.client import (
 )
 from blockspec.bench.processes import run_in_processes
 from blockspec.bench.report import percentile
-from blockspec.bench.serving import RequestResult, one_request, run_level
+from blockspec.bench.report import RequestResult
+from blockspec.bench.serving import one_request, run_level
 from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
 
 SMOLLM2_DRAFT = ROOT / "blockspec" / "assets" / "smollm2-135m-dflash-b16"

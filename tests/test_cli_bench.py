@@ -10,7 +10,8 @@ import pytest
 
 from blockspec import Engine
 from blockspec.bench.report import percentile, summarise
-from blockspec.bench.serving import RequestResult, _concurrency_list
+from blockspec.bench.report import RequestResult
+from blockspec.bench.serving import _concurrency_list
 from blockspec.cli import main
 from blockspec.evals.gsm8k import default_data_path
 from blockspec.server import BackgroundServer

@@ -6,10 +6,18 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-if TYPE_CHECKING:
-    from blockspec.bench.serving import RequestResult
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    chunk_gaps: tuple[float, ...] = ()
+    error: str = ""
 
 
 @dataclass
@@ -63,7 +71,7 @@ def _ms(values: Sequence[float], how: str) -> float:
     return percentile(values, 99.0) * 1000.0
 
 
-def summarise(concurrency: int, results: Sequence["RequestResult"], duration: float, accept_length: Optional[float]) -> LevelResult:
+def summarise(concurrency: int, results: Sequence[RequestResult], duration: float, accept_length: Optional[float]) -> LevelResult:
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]

@@ -8,7 +8,6 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -16,20 +15,9 @@ import httpx
 from tqdm import tqdm
 
 from blockspec.bench.client import accept_length_between, auth_headers, first_model_id, get_server_info
-from blockspec.bench.report import LevelResult, summarise, write_outputs
+from blockspec.bench.report import LevelResult, RequestResult, summarise, write_outputs
 
 Prompt = Union[str, list[int]]
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    ttft: float = 0.0
-    latency: float = 0.0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    chunk_gaps: tuple[float, ...] = ()
-    error: str = ""
 
 
 def load_prompts(ns: argparse.Namespace, vocab_size: int) -> list[Prompt]:
