@@ -159,11 +159,3 @@ def create_app(engine: Union[Engine, EngineLoop], settings: Optional[ServerSetti
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
     return app
 
-
-def get_state_of(app: FastAPI) -> ServerState:
-    state: ServerState = app.state.blockspec
-    return state
-
-
-def get_state(request: Request) -> ServerState:
-    return get_state_of(request.app)

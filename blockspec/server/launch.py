@@ -19,7 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from blockspec.engine import Engine
-from blockspec.server.app import create_app, get_state_of
+from blockspec.server.app import create_app
+from blockspec.server.state import get_state_of
 from blockspec.server.args import ServeArgs, ServerSettings, parse_serve_args
 from blockspec.server.engine_loop import EngineLoadError, EngineLoop
 from blockspec.server.engine_process import EngineProcess, RemoteEngine

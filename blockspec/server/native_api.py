@@ -17,7 +17,7 @@ from blockspec.request import SamplingParams
 from blockspec.server.engine_loop import EngineStoppedError
 from blockspec.server.metrics import CONTENT_TYPE
 from blockspec.server.protocol import AbortRequest, GenerateRequest
-from blockspec.server.state import APIError, ClientGone, ServerState, new_id, sse
+from blockspec.server.state import APIError, ClientGone, ServerState, get_state, new_id, sse
 from blockspec.server.submission import Submission
 
 logger = logging.getLogger(__name__)
@@ -26,12 +26,6 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 METRICS_CALL_TIMEOUT_S = 5.0
 _RENAMES = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
 _RENAMES["sampling_params"] = "sampling_params"
-
-
-def _state(request: Request) -> ServerState:
-    from blockspec.server.app import get_state
-
-    return get_state(request)
 
 
 async def _inputs(state: ServerState, body: GenerateRequest) -> tuple[list[list[int]], bool, str]:
@@ -49,7 +43,7 @@ async def _inputs(state: ServerState, body: GenerateRequest) -> tuple[list[list[
 
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Any:
-    state = _state(request)
+    state = get_state(request)
     batch, single, prompt_param = await _inputs(state, body)
     raw = body.sampling_params
     if isinstance(raw, list):
@@ -104,14 +98,14 @@ async def _generate_stream(state: ServerState, submission: Submission, request: 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    loop = _state(request).loop
+    loop = get_state(request).loop
     return Response(status_code=200 if loop.alive and not loop.draining else 503)
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """SGLang's deep health check: 200 once a one-token generation went through the engine, else 503."""
-    state = _state(request)
+    state = get_state(request)
     if not state.loop.alive or state.loop.draining:
         return Response(status_code=503)
     reqs = state.make_requests([[0]], [{"max_new_tokens": 1, "temperature": 0}], [new_id("health")], "input_ids")
@@ -123,7 +117,7 @@ async def health_generate(request: Request) -> Response:
 
 
 async def _server_info(request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = get_state(request)
     try:
         info = await state.loop.call("get_server_info")
     except EngineStoppedError as exc:
@@ -152,13 +146,13 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
-    info = _state(request).info
+    info = get_state(request).info
     return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path, "is_generation": True}
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    state = _state(request)
+    state = get_state(request)
     try:  # NOTE: the radix cache's numbers live in the engine process; the rest arrive with every step
         stats = await asyncio.wait_for(state.loop.call("radix_cache_stats"), METRICS_CALL_TIMEOUT_S)
         state.metrics.set_cache_stats(stats)
@@ -173,7 +167,7 @@ async def metrics(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     """SGLang's /flush_cache: empties the radix cache; 400 while requests are queued or running."""
     try:
-        flushed = await _state(request).loop.call("flush_cache")
+        flushed = await get_state(request).loop.call("flush_cache")
     except EngineStoppedError as exc:
         raise APIError(503, str(exc)) from exc
     if flushed:
@@ -183,5 +177,5 @@ async def flush_cache(request: Request) -> Response:
 
 @router.post("/abort_request")
 async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
-    _state(request).loop.abort(body.rid)
+    get_state(request).loop.abort(body.rid)
     return {"rid": body.rid, "status": "abort requested"}

@@ -11,19 +11,13 @@ from fastapi.responses import StreamingResponse
 from blockspec.server.chat_tools import ChatTools, call_json, chat_tools
 from blockspec.server.logprob_format import chat_content, completion_logprobs, from_meta_info
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from blockspec.server.state import APIError, ClientGone, ServerState, finish_fields, new_id, sse, usage
+from blockspec.server.state import APIError, ClientGone, ServerState, finish_fields, get_state, new_id, sse, usage
 from blockspec.server.submission import Submission
 from blockspec.server.tool_calls import ToolCallStream
 
 router = APIRouter()
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_params": "body",
             "json_schema": "response_format"}
-
-
-def _state(request: Request) -> ServerState:
-    from blockspec.server.app import get_state
-
-    return get_state(request)
 
 
 def _max_new(state: ServerState, body: _SamplingFields, prompt_len: int, requested: Optional[int], default: Optional[int]) -> int:
@@ -72,19 +66,19 @@ def _check_model(state: ServerState, model: Optional[str]) -> None:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(_state(request))]}
+    return {"object": "list", "data": [_model_card(get_state(request))]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = get_state(request)
     _check_model(state, model_id)
     return _model_card(state)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    state = _state(request)
+    state = get_state(request)
     _check_model(state, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
@@ -157,7 +151,7 @@ async def _chat_stream(state: ServerState, submission: Submission, request: Requ
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    state = _state(request)
+    state = get_state(request)
     _check_model(state, body.model)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo: with logprobs it needs the prompt's log-probabilities, which are not computed", "echo")

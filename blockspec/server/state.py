@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Callable, Optional, Sequence, TypeVar
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from transformers import PreTrainedTokenizerBase
 
 from blockspec.request import Req, RequestLimits, SamplingParams, build_requests
@@ -221,3 +221,13 @@ def finish_fields(output: dict[str, Any]) -> tuple[Optional[str], Any]:
     kind = finish.get("type")
     matched = finish.get("matched") if kind == "stop" else None
     return kind, matched
+
+
+def get_state_of(app: FastAPI) -> ServerState:
+    state: ServerState = app.state.blockspec
+    return state
+
+
+def get_state(request: Request) -> ServerState:
+    """The server state of the app that is answering `request` (a FastAPI dependency of the routers)."""
+    return get_state_of(request.app)

@@ -69,7 +69,7 @@ def run_eval_only(options: TrainOptions, argv: Optional[Sequence[str]] = None) -
     """--eval-only: the draft in --out on every --eval-prompts set; the run is appended to its training_info.json."""
     import torch
 
-    from blockspec.train.pipeline import dtype_name, resolve_device, resolve_target_dtype
+    from blockspec.train.devices import dtype_name, resolve_device, resolve_target_dtype
     from blockspec.train.trainer import Dist
 
     options.validate()

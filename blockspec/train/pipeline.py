@@ -5,7 +5,6 @@ import datetime
 import gc
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +14,8 @@ import torch
 
 from blockspec.config import DEFAULT_CUDA_GRAPH_BS
 from blockspec.models.config import TargetConfig, load_json, load_target_config
-from blockspec.models.loader import resolve_dtype
 from blockspec.train.checkpoint import draft_config_dict, load_trainable_draft, save_draft, write_json
+from blockspec.train.devices import dtype_name, init_distributed, resolve_device, resolve_target_dtype
 from blockspec.train.data import (
     ResponseCache, Sample, default_mask_token_id, encode_prompt, generate_responses, maybe_load_tokenizer,
     mix_counts, mix_records, read_prompt_records, reject_heldout,
@@ -32,45 +31,6 @@ from blockspec.train.trainer import Dist, Trainer, TrainResult
 logger = logging.getLogger(__name__)
 
 GEN_MAX_RUNNING = 256  # NOTE: small targets decode launch-bound; wide batches (graphs up to this size) feed the GPU
-
-
-def uses_cuda(flag: str) -> bool:
-    return flag != "cpu" and torch.cuda.is_available()
-
-
-def init_distributed(device_flag: str) -> Dist:
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; the process group then carries DDP's gradient all-reduce."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Dist()
-    if not torch.distributed.is_initialized():
-        if uses_cuda(device_flag):
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if uses_cuda(device_flag) else "gloo"
-        # NOTE: ranks wait at barriers while others generate responses or evaluate; the default timeout is too short.
-        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(hours=6))
-    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size())
-
-
-def resolve_device(flag: str, dist: Dist) -> torch.device:
-    if dist.world > 1 and uses_cuda(flag):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if flag == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(flag)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available")
-    return device
-
-
-def resolve_target_dtype(flag: str, device: torch.device) -> torch.dtype:
-    if flag == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return resolve_dtype(flag)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int]], list[list[int]], Any]:
