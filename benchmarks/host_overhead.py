@@ -4,7 +4,7 @@ step, deltas, the flush to the server) under a closed loop of clients, on a tiny
 Each measured step's wall time is split into the model forwards (`CudaGraphs.run`, `ModelRunner.forward_extend`, the
 draft-KV materialise of extends; on CUDA each is followed by a device sync, so the step runs serialised and a forward
 holds its own device time), waits for the device (`torch.cuda.Event.synchronize`) and the rest: the host time this
-measures. `--clients` requests run at once; each
+measures, as wall time (`host`) and as this thread's CPU time (`host_cpu`: unmoved by other processes on the cores). `--clients` requests run at once; each
 one that finishes is replaced by a fresh prompt before the next step (its output lengths vary, so arrivals spread
 over the steps as they do in serving). Runs unchanged on CPU and CUDA; writes JSON to --out.
 
@@ -85,7 +85,7 @@ class Regions:
             paused = self.profiling and self.profiler is not None
             if paused:
                 self.profiler.disable()  # type: ignore[union-attr]
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             try:
                 result = fn(*args, **kwargs)
                 if self.synchronize and name != "device_wait":
@@ -94,6 +94,7 @@ class Regions:
             finally:
                 self._depth -= 1
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+                self.seconds["cpu"] = self.seconds.get("cpu", 0.0) + time.thread_time() - began_cpu
                 if paused:
                     self.profiler.enable()  # type: ignore[union-attr]
                 self.calls[name] = self.calls.get(name, 0) + 1
@@ -141,10 +142,7 @@ def instrument(engine: Engine, regions: Regions) -> Callable[[], None]:
         return lambda: None
     original = torch.cuda.Event.synchronize
     torch.cuda.Event.synchronize = regions.wrap("device_wait", original)  # type: ignore[method-assign]
-
-    def restore() -> None:
-        torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
-    return restore
+    return lambda: setattr(torch.cuda.Event, "synchronize", original)
 
 
 class ClosedLoop:
@@ -153,8 +151,7 @@ class ClosedLoop:
 
     def __init__(self, engine: Engine, args: argparse.Namespace, workdir: Path) -> None:
         self.engine, self.args = engine, args
-        self.rng = random.Random(args.seed)
-        self.vocab = TARGET["vocab_size"]
+        self.rng, self.vocab = random.Random(args.seed), TARGET["vocab_size"]
         to_engine, from_engine = f"ipc://{workdir}/to", f"ipc://{workdir}/from"
         self.context = zmq.Context()
         self.push = self.context.socket(zmq.PUSH)
@@ -190,9 +187,9 @@ class ClosedLoop:
         return finished
 
     def step(self, adds: list[wire.AddRequest]) -> tuple[float, dict[str, float]]:
-        """One pass of EngineCore.run's loop with `adds` taken first; (wall s, phase s)."""
+        """One pass of EngineCore.run's loop with `adds` taken first; (wall s, phase s and the thread's CPU s)."""
         core, scheduler = self.core, self.engine.scheduler
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.thread_time()
         for message in adds:
             core._handle(message)
         t1 = time.perf_counter()
@@ -202,7 +199,8 @@ class ClosedLoop:
         t3 = time.perf_counter()
         core._flush(stats=True)
         t4 = time.perf_counter()
-        return t4 - t0, {"intake": t1 - t0, "step": t2 - t1, "publish": t3 - t2, "flush": t4 - t3}
+        return t4 - t0, {"intake": t1 - t0, "step": t2 - t1, "publish": t3 - t2, "flush": t4 - t3,
+                         "cpu": time.thread_time() - cpu}
 
     def close(self) -> None:
         self.core.links.close()
@@ -239,6 +237,7 @@ def measure(mode: str, args: argparse.Namespace, target: Path, draft: Path, work
             if measured:
                 forward = sum(seconds.get(k, 0.0) for k in ("uniform", "extend", "draft_kv"))
                 wait = seconds.get("device_wait", 0.0)
+                phases["host_cpu"] = phases.pop("cpu") - seconds.get("cpu", 0.0)
                 rows.append(dict(wall=wall, host=wall - forward - wait, forward=forward, device_wait=wait,
                                  arrivals=len(adds), running=max(running_before, len(scheduler.running)),
                                  extend=calls.get("extend", 0) > 0, tokens=loop.tokens - committed_before, **phases))
@@ -256,7 +255,7 @@ def summarize(mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if not selected:
             return {"steps": 0}
         out: dict[str, Any] = {"steps": len(selected)}
-        for key in ("wall", "host", "forward", "device_wait", "intake", "step", "publish", "flush"):
+        for key in ("wall", "host", "host_cpu", "forward", "device_wait", "intake", "step", "publish", "flush"):
             values = [r[key] * 1e6 for r in selected]
             out[f"{key}_us_mean"] = round(statistics.fmean(values), 1)
             out[f"{key}_us_median"] = round(statistics.median(values), 1)
