@@ -1,6 +1,6 @@
 """PageAllocator / ReqToTokenTable bookkeeping: a batch's runs written at once equal per-entry writes; grow_many hands
-out the same pages and table entries as `grow` one request at a time; shrink returns pages in the order grow
-takes them back."""
+out the same pages and table entries as `grow` one request at a time, each entry the slot of its position's page
+(randomised lengths, page sizes 1 and 4); shrink returns pages in the order grow takes them back."""
 from __future__ import annotations
 
 import random
@@ -21,7 +21,10 @@ def test_write_runs_equals_entry_by_entry() -> None:
             start, length = rng.randrange(40), rng.randint(0, 5)
             length = min(length, 40 - start)
             values = [rng.randrange(1000) for _ in range(length)]
-            rows.append(row), starts.append(start), lengths.append(length), slots.extend(values)
+            rows.append(row)
+            starts.append(start)
+            lengths.append(length)
+            slots.extend(values)
             expected[row, start:start + length] = torch.tensor(values, dtype=torch.int64)
         table.write_runs(rows, starts, lengths, slots)
         assert torch.equal(table.table, expected)
