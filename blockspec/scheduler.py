@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from blockspec.admission import ArrivalBatching
 from blockspec.config import EngineConfig
+from blockspec.finish import append_tokens
 from blockspec.grammar import GrammarCompiler
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.prefix_cache import PrefixCache
@@ -22,7 +23,7 @@ from blockspec.sampling import make_generator
 from blockspec.spec_stats import SpecStatistics
 from blockspec.step.executor import StepExecutor, Worker
 from blockspec.step.plan import Committed, ExtendChunk, StepPlan
-from blockspec.tokenizer import TextStream, backend_of, find_stop
+from blockspec.tokenizer import TextStream, backend_of
 
 logger = logging.getLogger(__name__)
 
@@ -252,47 +253,13 @@ class Scheduler:
         self.spec.record(committed)
 
     def _commit(self, req: Req, tokens: list[int]) -> int:
-        """Appends tokens one by one, stopping at the first finish condition; returns how many were appended."""
+        """Appends tokens up to the first finish condition (finish.py); returns how many were appended."""
         if req.finished:
             return 0
         if req.first_token_time is None and tokens:
             req.first_token_time = time.monotonic()
-        appended = 0
-        for token in tokens:
-            req.all_ids.append(token)
-            appended += 1
-            req.finish = self._grammar_finish(req, token) or self._check_finish(req, token)
-            if req.finish is None and req.grammar is not None and req.grammar.terminated:
-                req.finish = Finish(FinishReason.STOP, matched=token)
-            if req.finish is not None:
-                break
+        appended = append_tokens(req, tokens, self.eos_token_ids, self.context_length, self.detokenizers.get(req.rid))
         if req.wants_logprobs:
             del req.output_token_logprobs[req.num_output_tokens:]
             del req.output_top_logprobs[req.num_output_tokens:]
         return appended
-
-    @staticmethod
-    def _grammar_finish(req: Req, token: int) -> Optional[Finish]:
-        """Advances a constrained request's matcher; an abort if its grammar refuses the token (NOTE: never expected)."""
-        if req.grammar is None or req.grammar.accept(token):
-            return None
-        return Finish(FinishReason.ABORT, message=f"token {token} does not match the request's {req.grammar.spec.kind}")
-
-    def _check_finish(self, req: Req, token: int) -> Optional[Finish]:
-        params = req.params
-        detok = self.detokenizers.get(req.rid)
-        if detok is not None:
-            before = len(req.text)
-            req.text += detok.push([token])
-            if params.stop:
-                hit = find_stop(req.text, params.stop, before)
-                if hit is not None:
-                    req.text = req.text[:hit[0]]
-                    return Finish(FinishReason.STOP, matched=hit[1])
-        if req.num_output_tokens >= params.max_new_tokens:
-            return Finish(FinishReason.LENGTH, length=req.num_output_tokens)
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return Finish(FinishReason.STOP, matched=token)
-        if len(req.all_ids) >= self.context_length:
-            return Finish(FinishReason.LENGTH, length=req.num_output_tokens)
-        return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
+import numpy as np
 import torch
 
 from blockspec.host_tensors import int64_array, int64_tensor, to_device
@@ -74,57 +75,70 @@ class PageAllocator:
 
     def grow(self, req: Req, new_len: int, table: "ReqToTokenTable") -> None:
         """Give `req` slots for positions [allocated_len, new_len) and write them into its table row."""
-        if new_len <= req.allocated_len:
+        start = req.allocated_len
+        if new_len <= start:
             return
         extra = self.extra_pages_needed(req, new_len)
         self._reserve(extra)
-        for _ in range(extra):
-            req.pages.append(self._free_pages.pop())
-        positions = torch.arange(req.allocated_len, new_len)
-        pages = int64_tensor(req.pages)
-        slots = pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        self._take(req, extra)
         assert req.pool_row is not None
-        table.write(req.pool_row, req.allocated_len, slots)
+        page = self.page_size
+        if page == 1:
+            slots = int64_tensor(req.pages[start:new_len])
+        else:  # NOTE: numpy: a prompt's positions at once (torch's CPU ops cost more per call at these sizes)
+            positions = np.arange(start, new_len, dtype=np.int64)
+            slots = torch.from_numpy(np.asarray(req.pages, dtype=np.int64)[positions // page] * page + positions % page)
+        table.write(req.pool_row, start, slots)
         req.allocated_len = new_len
 
+    def _take(self, req: Req, num_pages: int) -> None:
+        """Moves `num_pages` reserved pages to the end of req.pages (NOTE: in the order pop() x num_pages gives)."""
+        if num_pages:
+            free = self._free_pages
+            req.pages.extend(free[-1:-num_pages - 1:-1])
+            del free[-num_pages:]
+
     def grow_many(self, reqs: list[Req], new_len: list[int], table: "ReqToTokenTable") -> None:
-        """`grow` for a decode batch: slots computed on the host in Python (a few per request), and one table write
-        for the whole batch instead of one host→device copy per request."""
-        extras = [self.extra_pages_needed(req, length) for req, length in zip(reqs, new_len)]
-        if sum(extras) > self._available_pages:
+        """`grow` for a decode batch: each request's new slots on the host (a slice of its pages when page_size is 1)
+        and one table write for the whole batch (`write_runs`) instead of one host→device copy per request."""
+        page = self.page_size
+        extras = [max(0, -(-length // page) - len(req.pages)) for req, length in zip(reqs, new_len)]
+        total = sum(extras)
+        if total > self._available_pages:
             raise MemoryError("KV pool exhausted")  # callers check free slots first; nothing has changed yet
-        self._reserve(sum(extras))
-        page, free = self.page_size, self._free_pages
+        self._reserve(total)
         rows: list[int] = []
-        cols: list[int] = []
+        starts: list[int] = []
+        lengths: list[int] = []
         slots: list[int] = []
         for req, length, extra in zip(reqs, new_len, extras):
             start = req.allocated_len
             if length <= start:
                 continue
-            if extra:
-                req.pages.extend(free[-1:-extra - 1:-1])  # NOTE: the same pages, in the same order, as pop() x extra
-                del free[-extra:]
+            self._take(req, extra)
             pages = req.pages
             if page == 1:
                 slots.extend(pages[start:length])
             else:
                 slots.extend(pages[p // page] * page + p % page for p in range(start, length))
             assert req.pool_row is not None
-            rows.extend([req.pool_row] * (length - start))
-            cols.extend(range(start, length))
+            rows.append(req.pool_row)
+            starts.append(start)
+            lengths.append(length - start)
             req.allocated_len = length
-        table.write_entries(rows, cols, slots)
+        table.write_runs(rows, starts, lengths, slots)
 
     def shrink(self, req: Req, new_len: int) -> None:
         """Release positions >= new_len; pages still holding a kept position stay with the request."""
-        keep = self.pages_for(new_len)
+        keep = -(-new_len // self.page_size)
         if keep * self.page_size < req.shared_len:
             raise RuntimeError(f"{req.rid}: shrinking into its pages shared with the radix cache")
-        for page in reversed(req.pages[keep:]):
-            self._free_pages.append(page)
-        del req.pages[keep:]
-        req.allocated_len = min(req.allocated_len, new_len)
+        pages = req.pages
+        if len(pages) > keep:
+            self._free_pages.extend(pages[:keep - 1:-1] if keep else pages[::-1])
+            del pages[keep:]
+        if new_len < req.allocated_len:
+            req.allocated_len = new_len
 
     def release(self, req: Req) -> None:
         self.shrink(req, 0)
@@ -153,12 +167,15 @@ class ReqToTokenTable:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start:start + slots.numel()] = to_device(slots, self.table.device)
 
-    def write_entries(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
-        """table[rows[i], cols[i]] = slots[i] for all i: one host→device copy and one scatter."""
-        if not rows:
+    def write_runs(self, rows: list[int], starts: list[int], lengths: list[int], slots: list[int]) -> None:
+        """table[rows[i], starts[i]:starts[i] + lengths[i]] = the next lengths[i] entries of `slots`, for all i: one
+        host→device copy and one scatter. NOTE: the flat indices come from numpy per run, not per entry in Python (a
+        decode step writes B entries per request)."""
+        if not slots:
             return
-        host = int64_array(rows)
-        host.extend(cols)
-        host.extend(slots)
-        packed = to_device(int64_tensor(host), self.table.device).view(3, -1)
-        self.table[packed[0], packed[1]] = packed[2]
+        lens = np.asarray(lengths, dtype=np.int64)
+        first = np.asarray(rows, dtype=np.int64) * self.table.shape[1] + np.asarray(starts, dtype=np.int64)
+        flat = np.arange(len(slots), dtype=np.int64) + np.repeat(first - (np.cumsum(lens) - lens), lens)
+        host = np.concatenate([flat, np.frombuffer(int64_array(slots), dtype=np.int64)])
+        packed = to_device(torch.from_numpy(host), self.table.device)
+        self.table.view(-1)[packed[:len(slots)]] = packed[len(slots):]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from blockspec.host_tensors import int64_tensor
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.radix_tree import RadixTree
 from blockspec.request import Req
@@ -96,9 +97,8 @@ class PrefixCache:
             self.allocator.free(req.pages[first:last])
             req.pages[first:last] = pages[first:last]
             assert req.pool_row is not None
-            positions = range(first * ps, last * ps)
-            slots = [pages[p // ps] * ps + p % ps for p in positions]
-            self.table.write_entries([req.pool_row] * len(slots), list(positions), slots)
+            slots = [pages[p // ps] * ps + p % ps for p in range(first * ps, last * ps)]
+            self.table.write(req.pool_row, first * ps, int64_tensor(slots))
         self.tree.lock(node)
         self._unlock(req)
         req.cache_node, req.shared_len = node, length

@@ -217,14 +217,14 @@ class EngineCore:
 
     def _push_delta(self, tracked: _Tracked, final: bool, output: Optional[dict] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req
-        ids = req.output_ids
+        count = req.num_output_tokens  # NOTE: not output_ids, a copy of the whole output, every step per stream
         if not req.detokenized:
-            if not final and len(ids) == tracked.sent_ids:
+            if not final and count == tracked.sent_ids:
                 return
             self._append_delta(tracked, None, output, error, status)
             return
         text_end = len(req.text) if final else len(req.text) - _held_back(req.text, tracked.stops)
-        if not final and len(ids) == tracked.sent_ids and text_end <= tracked.sent_text:
+        if not final and count == tracked.sent_ids and text_end <= tracked.sent_text:
             return
         # NOTE: req.text only grows, except the stop-string cut on finish; the held-back suffix keeps the
         # streamed text a prefix of the final text.
@@ -233,13 +233,13 @@ class EngineCore:
 
     def _append_delta(self, tracked: _Tracked, text: Optional[str], output: Optional[dict], error: Optional[str], status: int) -> None:
         req = tracked.req
-        ids = req.output_ids
-        delta = wire.DeltaOut(req.rid, text, ids[tracked.sent_ids:], output, error, status)
+        count = req.num_output_tokens
+        delta = wire.DeltaOut(req.rid, text, req.all_ids[req.prompt_len + tracked.sent_ids:], output, error, status)
         if req.wants_logprobs:
-            delta.logprobs = req.output_token_logprobs[tracked.sent_ids:len(ids)]
-            delta.top_logprobs = req.output_top_logprobs[tracked.sent_ids:len(ids)]
+            delta.logprobs = req.output_token_logprobs[tracked.sent_ids:count]
+            delta.top_logprobs = req.output_top_logprobs[tracked.sent_ids:count]
         self.links.deltas[tracked.frontend].append(delta)
-        tracked.sent_ids = len(ids)
+        tracked.sent_ids = count
 
     def _finish(self, tracked: _Tracked, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req

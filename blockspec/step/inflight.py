@@ -7,7 +7,7 @@ while the device works on N+1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -31,6 +31,7 @@ class InFlightStep:
     ready: Optional[torch.cuda.Event]
     started: Optional[torch.cuda.Event] = None
     eager_ms: Optional[float] = None
+    _rows: Optional[list[list[int]]] = field(default=None, init=False, repr=False)
 
     def elapsed_ms(self) -> Optional[float]:
         """Device time of the step (call after `wait`); None when it was not timed."""
@@ -39,9 +40,12 @@ class InFlightStep:
         return self.eager_ms
 
     def wait(self) -> list[list[int]]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host_tokens.tolist()
+        """The host rows of `tokens` (NOTE: read once, the same list after: `finish` and `commit` both ask)."""
+        if self._rows is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._rows = self.host_tokens.tolist()
+        return self._rows
 
     def commit(self, committed_tokens: Callable[[list[int]], list[int]]) -> list[Optional[list[int]]]:
         """Waits, then per request the tokens `committed_tokens(row)` picks from its output row, kv_len advanced
