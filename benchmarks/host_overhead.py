@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch
 import zmq
 
 from blockspec import Engine
+from blockspec.bench.provenance import run_identity
 from blockspec.server import wire
 from blockspec.server.engine_core import EngineCore
 
@@ -62,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="streaming clients")
     parser.add_argument("--profile", type=Path, help="cProfile of the measured steps (first mode) to this path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-prefill-wait-steps", type=int, default=0, help="arrival batching (the serve flag)")
     return parser.parse_args()
 
 
@@ -120,6 +120,7 @@ def build_engine(mode: str, args: argparse.Namespace, target: Path, draft: Path)
         model_path=str(target), load_format="dummy", device=args.device, skip_tokenizer_init=True, host_threads=1,
         max_running_requests=args.clients, max_total_tokens=args.clients * (context + 4 * args.block_size),
         disable_radix_cache=not args.radix_cache, disable_overlap_schedule=args.no_overlap,
+        max_prefill_wait_steps=args.max_prefill_wait_steps,
         cuda_graph_bs=[b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b <= args.clients] or [args.clients],
     )
     if mode == "dflash":
@@ -287,9 +288,7 @@ def main() -> None:
             print(json.dumps(result), flush=True)
             results.append(result)
     cuda = args.device != "cpu" and torch.cuda.is_available()
-    commit = os.environ.get("BLOCKSPEC_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    out = {"benchmark": "host_overhead", "commit": commit, "device": torch.cuda.get_device_name() if cuda else "cpu",
+    out = {"benchmark": "host_overhead", **run_identity(), "device": torch.cuda.get_device_name() if cuda else "cpu",
            "args": {k: str(v) for k, v in vars(args).items()}, "torch_threads": torch.get_num_threads(),
            "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,10 @@ extend step admits several of them.
 Under closed-loop load every finished request is replaced by a new one a moment later, so without batching nearly
 every decode step is followed by an extend step of one or two prompts: a full forward (a weight read on a large
 model, host work on a small one) that stalls every running request. Holding arrivals for up to N steps turns N small
-extends into one. They are held only while it is cheap to: requests are decoding, no prompt work runs this step
-anyway, and the batch has room for more arrivals than are waiting (a batch that can fill the room is admitted at
-once). The oldest held arrival waits at most N decode steps.
+extends into one (the rows of finished requests stay free meanwhile; the batch runs a few requests short). They are
+held only while that is cheap: requests are decoding, no prompt work runs this step anyway, and the held prompts are
+fewer tokens than one extend step takes (a full step is admitted at once). The oldest held arrival waits at most N
+decode steps.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ class ArrivalBatching:
         self.held_steps = 0  # decode steps that ran while arrivals were held back
         self._held_since: Optional[int] = None  # the step at which the oldest held arrival was first held
 
-    def hold(self, step: int, waiting: int, free_rows: int, decoding: bool, extending: bool) -> bool:
-        """Whether the `waiting` arrivals stay queued at scheduler step `step` (`free_rows`: requests the batch can
-        still take; `decoding`: some request decodes this step; `extending`: this step extends some prompt)."""
-        cheap_to_wait = decoding and not extending and 0 < waiting < free_rows
+    def hold(self, step: int, waiting_tokens: int, step_tokens: int, decoding: bool, extending: bool) -> bool:
+        """Whether the waiting requests stay queued at scheduler step `step` (`waiting_tokens`: their prompt tokens
+        still to prefill; `step_tokens`: what one extend step takes; `decoding`: some request decodes this step;
+        `extending`: this step extends some prompt anyway)."""
+        cheap_to_wait = decoding and not extending and 0 < waiting_tokens < step_tokens
         if self.max_wait_steps == 0 or not cheap_to_wait:
             self._held_since = None
             return False

@@ -23,16 +23,16 @@ WAIT = 4
 
 def test_hold_policy() -> None:
     arrivals = ArrivalBatching(3)
-    assert [arrivals.hold(step, 1, 8, decoding=True, extending=False) for step in range(1, 6)] == \
+    assert [arrivals.hold(step, 10, 100, decoding=True, extending=False) for step in range(1, 6)] == \
         [True, True, True, False, True]  # NOTE: released 3 steps after the first hold, then a new window
     assert arrivals.held_steps == 4
-    cases = [dict(waiting=0, free_rows=8, decoding=True, extending=False),  # nothing to hold
-             dict(waiting=8, free_rows=8, decoding=True, extending=False),  # the arrivals fill the room
-             dict(waiting=1, free_rows=8, decoding=False, extending=False),  # nothing decodes: no one to stall
-             dict(waiting=1, free_rows=8, decoding=True, extending=True)]  # an extend step runs anyway
+    cases = [dict(waiting_tokens=0, step_tokens=100, decoding=True, extending=False),  # nothing to hold
+             dict(waiting_tokens=100, step_tokens=100, decoding=True, extending=False),  # a full extend step
+             dict(waiting_tokens=10, step_tokens=100, decoding=False, extending=False),  # nothing decodes
+             dict(waiting_tokens=10, step_tokens=100, decoding=True, extending=True)]  # an extend step runs anyway
     for case in cases:
         assert not ArrivalBatching(3).hold(1, **case), case
-    assert not ArrivalBatching(0).hold(1, 1, 8, decoding=True, extending=False)
+    assert not ArrivalBatching(0).hold(1, 10, 100, decoding=True, extending=False)
 
 
 def test_flag_validated(tmp_path: Path) -> None:

@@ -57,8 +57,8 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-running-requests", dict(type=int, default=64, help="requests decoding at once (default 64)")),
     ("--max-total-tokens", dict(type=int, help="KV pool size in tokens (default: from --mem-fraction-static)")),
     ("--chunked-prefill-size", dict(type=int, default=8192, help="-1 disables chunked prefill")),
-    ("--max-prefill-wait-steps", dict(type=int, default=0, help="while requests decode and the batch has room, new "
-                                      "arrivals wait up to N decode steps to be prefilled together (default 0: at once)")),
+    ("--max-prefill-wait-steps", dict(type=int, default=0, help="while requests decode, new arrivals wait up to N "
+                                      "decode steps to be prefilled together in one extend step (default 0: at once)")),
     ("--context-length", dict(type=int, help="prompt + output limit (default: the model's max_position_embeddings)")),
     ("--mem-fraction-static", dict(type=float, default=0.85, help="GPU memory share for weights + KV pool (default 0.85)")),
     ("--random-seed", dict(type=int, default=0, help="seed for dummy weights and simulated acceptance (default 0)")),
