@@ -80,9 +80,13 @@ class PageAllocator:
         self._reserve(extra)
         for _ in range(extra):
             req.pages.append(self._free_pages.pop())
-        positions = torch.arange(req.allocated_len, new_len)
-        pages = int64_tensor(req.pages)
-        slots = pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        if self.page_size == 1:  # NOTE: a page is a slot; converting only the new ones skips a prompt-long pass
+            slots = int64_tensor(req.pages[req.allocated_len:new_len])
+        else:
+            first, ps = req.allocated_len // self.page_size, self.page_size
+            positions = torch.arange(req.allocated_len - first * ps, new_len - first * ps)
+            pages = int64_tensor(req.pages[first:self.pages_for(new_len)])
+            slots = pages[positions // ps] * ps + positions % ps
         assert req.pool_row is not None
         table.write(req.pool_row, req.allocated_len, slots)
         req.allocated_len = new_len
