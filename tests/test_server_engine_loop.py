@@ -6,9 +6,11 @@ import asyncio
 import pytest
 
 from blockspec import Engine
+from blockspec.request import Req, SamplingParams
 from blockspec.server.engine_core import _held_back
 from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError
 from blockspec.server.metrics import ServerMetrics
+from blockspec.server.submission import Delta
 from server_support import save_text_model
 
 
@@ -25,6 +27,35 @@ def test_held_back_suffix() -> None:
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     path = save_text_model(tmp_path_factory.mktemp("loop_model"))
     return Engine(model_path=str(path), device="cpu", dtype="float32", max_total_tokens=8192, max_running_requests=1)
+
+
+def test_engine_checks_what_reaches_it_unchecked(engine: Engine) -> None:
+    """Requests the server did not validate get a 400 each from the engine (which no longer runs Engine.make_requests
+    on them); a valid one sent beside them still runs."""
+    loop = EngineLoop(engine, ServerMetrics())
+    bad_params = SamplingParams(max_new_tokens=2)
+    bad_params.temperature = -1.0
+    reqs = [Req([5, engine.scheduler.vocab_size], SamplingParams(max_new_tokens=2), "vocab"),
+            Req([], SamplingParams(), "empty"), Req([5, 6], bad_params, "params"),
+            Req([5, 6], SamplingParams(max_new_tokens=2, ignore_eos=True), "good")]
+
+    async def scenario() -> list[Delta]:
+        loop.start()
+        submission = loop.submit(reqs, stream=False)
+        finals: list[Delta] = []
+        while not submission.done:
+            delta = await asyncio.wait_for(submission.next(), 30)
+            if delta.final:
+                finals.append(delta)
+        await loop.stop()
+        return sorted(finals, key=lambda d: d.index)
+
+    vocab, empty, params, good = asyncio.run(scenario())
+    assert vocab.status == 400 and vocab.error is not None and "outside the vocabulary" in vocab.error
+    assert empty.status == 400 and empty.error is not None and "empty" in empty.error
+    assert params.status == 400 and params.error is not None and "temperature" in params.error
+    assert good.error is None and good.output is not None and good.output["meta_info"]["completion_tokens"] == 2
+    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 def test_queue_limit_and_shutdown_with_requests_in_flight(engine: Engine) -> None:

@@ -110,6 +110,25 @@ def test_malformed_json(server: BackgroundServer, content: bytes) -> None:
     assert response.json()["error"]["param"] == "body"
 
 
+@pytest.mark.parametrize("content", [
+    b'{"input_ids": [5, 6, 123456789012345678901234567890], "x": [1e400, NaN, -0, 1E5, 0.1], "a": 1, "a": 2}',
+    b'"\\ud800"', b'{"t": "a\\udc00b"}', "\ufeff{}".encode(), '{"t": "\u00e9"}'.encode("utf-16"),
+])
+def test_fast_json_request_parses_as_json_loads(content: bytes) -> None:
+    """Bodies pydantic-core parses give json.loads' value; those it refuses (lone surrogates, a BOM, UTF-16) go to
+    json.loads itself."""
+    import asyncio
+    import json
+
+    from blockspec.server.json_route import FastJSONRequest
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": content, "more_body": False}
+
+    parsed = asyncio.run(FastJSONRequest({"type": "http", "method": "POST", "headers": []}, receive).json())
+    assert repr(parsed) == repr(json.loads(content))
+
+
 def test_unknown_route_and_method(server: BackgroundServer) -> None:
     assert httpx.get(server.base_url + "/v1/nothing", timeout=30).status_code == 404
     assert httpx.get(server.base_url + CHAT, timeout=30).status_code == 405

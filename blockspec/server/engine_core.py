@@ -14,7 +14,7 @@ import msgspec
 import zmq
 
 from blockspec.engine import Engine
-from blockspec.request import FinishReason, Req
+from blockspec.request import FinishReason, Req, SamplingParams
 from blockspec.server import wire
 from blockspec.server.frontend_links import FrontendLinks
 
@@ -155,12 +155,13 @@ class EngineCore:
     def _add(self, message: wire.AddRequest) -> None:
         frontend = self.links.frontend_of(message.frontend)
         self.links.handled[frontend] += 1
+        # NOTE: not Engine.make_requests: msgspec decoded input_ids as a list of ints already (bools refused), so its
+        # per-token type check is skipped, and add_request checks the limits once (vocabulary range, lengths).
         try:
-            reqs, _ = self.engine.make_requests(input_ids=[message.input_ids], sampling_params=[message.params], rid=[message.rid])
+            req = Req(message.input_ids, SamplingParams.from_dict(message.params), message.rid)
         except ValueError as exc:
             self.links.deltas[frontend].append(wire.DeltaOut(message.rid, "", [], error=str(exc), status=400))
             return
-        req = reqs[0]
         req.arrival_time = message.arrival_time
         req.top_logprobs_num = message.top_logprobs_num
         tracked = _Tracked(req, message.stream, frontend, stops=list(req.params.stop))

@@ -15,13 +15,14 @@ import blockspec
 from blockspec.request_args import logprob_request
 from blockspec.request import SamplingParams
 from blockspec.server.engine_loop import EngineStoppedError
+from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.metrics import CONTENT_TYPE
 from blockspec.server.protocol import AbortRequest, GenerateRequest
 from blockspec.server.state import APIError, ClientGone, ServerState, get_state, new_id, sse
 from blockspec.server.submission import Submission
 
 logger = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(route_class=FastJSONRoute)
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 METRICS_CALL_TIMEOUT_S = 5.0
 _RENAMES = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}

@@ -9,13 +9,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from blockspec.server.chat_tools import ChatTools, call_json, chat_tools
+from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.logprob_format import chat_content, completion_logprobs, from_meta_info
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from blockspec.server.state import APIError, ClientGone, ServerState, finish_fields, get_state, new_id, sse, usage
 from blockspec.server.submission import Submission
 from blockspec.server.tool_calls import ToolCallStream
 
-router = APIRouter()
+router = APIRouter(route_class=FastJSONRoute)
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_params": "body",
             "json_schema": "response_format"}
 
