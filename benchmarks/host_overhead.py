@@ -29,18 +29,11 @@ from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.server import wire
 from blockspec.server.engine_core import EngineCore
+from serving_vs_engine_support import TINY, TINY_DRAFT
 
-TARGET = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-    max_position_embeddings=2048, tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-)
-DRAFT = dict(
-    architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-    max_position_embeddings=2048, rope_theta=10000.0, num_target_layers=2,
-    dflash_config={"mask_token_id": 3, "target_layer_ids": [0, 1]},
-)
+TARGET = dict(TINY, num_hidden_layers=2, max_position_embeddings=2048)
+DRAFT = dict(TINY_DRAFT, max_position_embeddings=2048, num_target_layers=2,
+             dflash_config={"mask_token_id": 3, "target_layer_ids": [0, 1]})
 MODES = ("dflash", "target")
 
 

@@ -11,9 +11,8 @@ import pytest
 from blockspec import Engine
 from blockspec.admission import ArrivalBatching
 from blockspec.request import Req
-from draft_training import train_tiny_draft
 from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
-from tiny_models import save_tiny_draft, save_tiny_model
+from tiny_models import save_tiny_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 EARLY = random_prompts([5, 9, 3], seed=1)
@@ -42,13 +41,8 @@ def test_flag_validated(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("admission")
-    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
-    draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
-    train_tiny_draft(draft, target, steps=200)
-    draft.save_pretrained(root / "draft")
-    return {"root": root, "target": target}
+def models(trained_pair: dict[str, Any]) -> dict[str, Any]:
+    return trained_pair
 
 
 def trickle_run(root: Path, spec: bool, wait_steps: int) -> tuple[Engine, list[Req], list[int]]:

@@ -10,9 +10,7 @@ import pytest
 
 from blockspec import Engine
 from blockspec.request import Req
-from draft_training import train_tiny_draft
 from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
-from tiny_models import save_tiny_draft, save_tiny_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 40, "ignore_eos": True}
@@ -21,13 +19,8 @@ LATE = random_prompts([37, 23, 50, 2], seed=2)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("mixed_chunk")
-    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
-    draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
-    train_tiny_draft(draft, target, steps=200)
-    draft.save_pretrained(root / "draft")
-    return {"root": root, "target": target}
+def models(trained_pair: dict[str, Any]) -> dict[str, Any]:
+    return trained_pair
 
 
 def staggered_run(root: Path, spec: bool, mixed: bool, params: dict[str, Any], page_size: int) -> tuple[Engine, list[Req]]:
