@@ -31,6 +31,14 @@ def chat_to_ids(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None
 ) -> list[int]:
     """The prompt of `messages` (and OpenAI-shaped `tools`, which the template must render) by the chat template."""
+    return list(tokenizer.encode(render_chat(tokenizer, messages, tools), add_special_tokens=False))
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None
+) -> str:
+    """The chat template's text for `messages` (+ `tools`) up to the assistant's turn; encode it without adding
+    special tokens (the template wrote them)."""
     if not messages:
         raise ValueError("messages must not be empty")
     for i, message in enumerate(messages):
@@ -41,7 +49,7 @@ def chat_to_ids(
     rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     if tools and rendered == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
         raise ToolsIgnoredError("this model's chat template does not render tools")
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return str(rendered)
 
 
 def backend_of(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:

@@ -78,11 +78,27 @@ def test_lone_surrogate_is_a_400_and_the_connection_lives_on(server: BackgroundS
         conn.close()
 
 
+class TokenizerStandIn:
+    """Replaces the server encoder's tokenizer (`BatchEncoder.backend`): each call runs `before` first."""
+
+    def __init__(self, real: Any, before: Any) -> None:
+        self.real, self.before = real, before
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> Any:
+        self.before()
+        return self.real.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        self.before()
+        return self.real.encode(text, add_special_tokens=add_special_tokens)
+
+
 def test_tokenizer_failure_is_a_400(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*args: Any, **kwargs: Any) -> list[int]:
+    def broken() -> None:
         raise TypeError("TextEncodeInput must be Union[...]")
 
-    monkeypatch.setattr(server.app.state.blockspec.tokenizer, "encode", broken)
+    encoder = server.app.state.blockspec.encoder
+    monkeypatch.setattr(encoder, "backend", TokenizerStandIn(encoder.backend, broken))
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         _assert_error(client.post(CMPL, json={"prompt": "hi"}), 400, "prompt")
         _assert_error(client.post(GEN, json={"text": "hi"}), 400, "text")
@@ -96,16 +112,14 @@ TOKENIZED = [(CMPL, {"prompt": "apples", "max_tokens": 2}), (GEN, {"text": "appl
 
 @pytest.mark.parametrize("path,body", TOKENIZED, ids=[p for p, _ in TOKENIZED])
 def test_tokenization_leaves_the_event_loop_free(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]) -> None:
-    tokenizer = server.app.state.blockspec.tokenizer
-    real_encode = tokenizer.encode
+    encoder = server.app.state.blockspec.encoder
     entered, release = threading.Event(), threading.Event()
 
-    def slow_encode(*args: Any, **kwargs: Any) -> list[int]:
+    def slow() -> None:
         entered.set()
         release.wait(10)  # a 20 MB prompt's worth of tokenizer time
-        return list(real_encode(*args, **kwargs))
 
-    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    monkeypatch.setattr(encoder, "backend", TokenizerStandIn(encoder.backend, slow))
     result: dict[str, int] = {}
     worker = threading.Thread(target=lambda: result.update(status=httpx.post(server.base_url + path, json=body, timeout=30).status_code))
     worker.start()

@@ -123,6 +123,8 @@ def create_app(engine: Union[Engine, EngineLoop], settings: Optional[ServerSetti
         finally:
             await state.loop.stop()
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            if state.encoder is not None:
+                state.encoder.close()
 
     app = FastAPI(title="blockspec", lifespan=lifespan)
     app.state.blockspec = state

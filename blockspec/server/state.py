@@ -14,12 +14,13 @@ from transformers import PreTrainedTokenizerBase
 
 from blockspec.request import Req, RequestLimits, SamplingParams, build_requests
 from blockspec.server.args import ServerSettings
+from blockspec.server.batch_encoder import BatchEncoder
 from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
 from blockspec.server.wire import EngineInfo
 from blockspec.server.detokenize import OutputTexts
-from blockspec.tokenizer import ToolsIgnoredError, backend_of, chat_to_ids, load_tokenizer
+from blockspec.tokenizer import ToolsIgnoredError, backend_of, load_tokenizer, render_chat
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 DISCONNECT_POLL_S = 0.5
@@ -63,15 +64,19 @@ class ServerState:
     # NOTE: one thread, so the tokenizer copy is never used concurrently (HF fast tokenizers mutate their state
     # per call) and tokenization never runs on the event loop.
     tokenize_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="blockspec-tokenize"))
+    encoder: Optional[BatchEncoder] = None  # texts → ids, batched (a tokenizer copy of its own)
 
     @classmethod
     def build(cls, loop: EngineLoop, settings: ServerSettings) -> "ServerState":
         info = loop.info
         assert info is not None and loop.metrics is not None, "the engine must be launched (or in-process) first"
         tokenizer = load_tokenizer(info.tokenizer_path, info.trust_remote_code) if info.has_tokenizer else None
-        if tokenizer is not None:  # NOTE: a copy of its own: this one runs on the event loop, the other off it
+        encoder = None
+        if tokenizer is not None:  # NOTE: copies of their own: one on the event loop, one on the encoder's thread
             loop.texts = OutputTexts(backend_of(load_tokenizer(info.tokenizer_path, info.trust_remote_code)))
-        return cls(loop, settings, loop.metrics, tokenizer, info.context_length, info.vocab_size, int(time.time()))
+            encoder = BatchEncoder(backend_of(load_tokenizer(info.tokenizer_path, info.trust_remote_code)))
+        return cls(loop, settings, loop.metrics, tokenizer, info.context_length, info.vocab_size, int(time.time()),
+                   encoder=encoder)
 
     @property
     def info(self) -> EngineInfo:
@@ -95,8 +100,9 @@ class ServerState:
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise APIError(400, f"{param}: text input needs a tokenizer; this server runs with --skip-tokenizer-init", param)
+        assert self.encoder is not None  # NOTE: built with the tokenizer
         try:
-            return await self._off_loop(lambda: [list(tokenizer.encode(text)) for text in texts])
+            return list(await asyncio.gather(*(self.encoder.encode(text) for text in texts)))
         except Exception as exc:
             raise APIError(400, f"{param}: the tokenizer rejected it: {exc}", param) from exc
 
@@ -110,8 +116,10 @@ class ServerState:
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise APIError(400, "messages: chat needs a tokenizer; this server runs with --skip-tokenizer-init", "messages")
+        assert self.encoder is not None
         try:
-            return await self._off_loop(lambda: chat_to_ids(tokenizer, messages, tools))
+            rendered = await self._off_loop(lambda: render_chat(tokenizer, messages, tools))
+            return await self.encoder.encode(rendered, add_special_tokens=False)
         except ToolsIgnoredError as exc:
             raise APIError(400, f"tools: {exc}", "tools") from exc
         except ValueError as exc:
