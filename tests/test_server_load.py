@@ -1,5 +1,6 @@
 """Load: 32 concurrent clients send 224 requests with random parameters to a DFlash server, some cancelled
-mid-stream. None is lost or hangs, the KV pool ends fully free, and greedy answers equal the offline Engine's."""
+mid-stream, with arrivals admitted at once and held up to 3 steps (--max-prefill-wait-steps). None is lost or hangs,
+the KV pool ends fully free, and greedy answers equal the offline Engine's."""
 from __future__ import annotations
 
 import asyncio
@@ -155,10 +156,11 @@ def dflash_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "target", root / "draft"
 
 
-@pytest.fixture(scope="module")
-def server(dflash_model: tuple[Path, Path]) -> Iterator[BackgroundServer]:
+@pytest.fixture(scope="module", params=[0, 3], ids=["admit-at-once", "arrivals-wait-3"])
+def server(dflash_model: tuple[Path, Path], request: pytest.FixtureRequest) -> Iterator[BackgroundServer]:
     target, draft = dflash_model
-    engine = Engine(model_path=str(target), speculative_draft_model_path=str(draft), **ENGINE_FLAGS)
+    engine = Engine(model_path=str(target), speculative_draft_model_path=str(draft), **ENGINE_FLAGS,
+                    max_prefill_wait_steps=request.param)
     with BackgroundServer(engine, ServerSettings(port=0)) as running:
         yield running
 
@@ -179,6 +181,8 @@ def test_concurrent_load_with_cancellations(server: BackgroundServer, dflash_mod
     info = wait_idle(server.base_url)
     assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
     assert info["internal_states"][0]["avg_spec_accept_length"] > 1.0
+    # NOTE: with --max-prefill-wait-steps the load's arrivals were held (and none lost, none hung: above)
+    assert (info["internal_states"][0]["num_steps_arrivals_held"] > 0) == (info["max_prefill_wait_steps"] > 0)
     metrics = httpx.get(server.base_url + "/metrics").text
     assert metric_value(metrics, "blockspec_requests_total", 'finish_reason="abort"') >= 1
     assert metric_value(metrics, "blockspec_spec_accept_length") > 1.0
