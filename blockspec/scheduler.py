@@ -163,8 +163,9 @@ class Scheduler:
             self.allocator.grow(req, req.kv_len + n, self.table)
             plan.extend.append(ExtendChunk(req, n))
             budget -= n
-        waiting_tokens = sum(req.pending_len for req in self.waiting) if self.arrivals.max_wait_steps else 0
-        if self.arrivals.hold(self.num_steps, waiting_tokens, budget, bool(self._decoding()), bool(plan.extend)):
+        # NOTE: only with arrival batching on: the waiting prompts' sum and the decoding list cost O(requests) per step
+        if self.arrivals.max_wait_steps and self.arrivals.hold(self.num_steps, sum(r.pending_len for r in self.waiting),
+                                                               budget, bool(self._decoding()), bool(plan.extend)):
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests and self.table.free_rows:
             req = self.waiting[0]

@@ -78,7 +78,7 @@ def test_another_engines_startup_compiles_are_not_stalls() -> None:
     first_engine_mark = log.count
     with log.startup():
         log.record("second_engine_kernel", "b")
-    assert log.stalls_since(first_engine_mark) == [] and len(log.since(first_engine_mark)) == 1
+    assert log.stalls_since(first_engine_mark) == [] and log.count - first_engine_mark == 1
     log.record("serving_kernel", "c")
     assert [event.kernel for event in log.stalls_since(first_engine_mark)] == ["serving_kernel"]
 

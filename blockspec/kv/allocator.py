@@ -67,6 +67,13 @@ class PageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def slots_of(self, pages: list[int], start: int, end: int) -> list[int]:
+        """The KV slots of positions [start, end) of a request holding `pages`."""
+        page = self.page_size
+        if page == 1:
+            return pages[start:end]
+        return [pages[p // page] * page + p % page for p in range(start, end)]
+
     def extra_pages_needed(self, req: Req, new_len: int) -> int:
         return max(0, self.pages_for(new_len) - len(req.pages))
 
@@ -101,8 +108,7 @@ class PageAllocator:
     def grow_many(self, reqs: list[Req], new_len: list[int], table: "ReqToTokenTable") -> None:
         """`grow` for a decode batch: each request's new slots on the host (a slice of its pages when page_size is 1)
         and one table write for the whole batch (`write_runs`) instead of one host→device copy per request."""
-        page = self.page_size
-        extras = [max(0, -(-length // page) - len(req.pages)) for req, length in zip(reqs, new_len)]
+        extras = [self.extra_pages_needed(req, length) for req, length in zip(reqs, new_len)]
         total = sum(extras)
         if total > self._available_pages:
             raise MemoryError("KV pool exhausted")  # callers check free slots first; nothing has changed yet
@@ -116,11 +122,7 @@ class PageAllocator:
             if length <= start:
                 continue
             self._take(req, extra)
-            pages = req.pages
-            if page == 1:
-                slots.extend(pages[start:length])
-            else:
-                slots.extend(pages[p // page] * page + p % page for p in range(start, length))
+            slots.extend(self.slots_of(req.pages, start, length))
             assert req.pool_row is not None
             rows.append(req.pool_row)
             starts.append(start)
@@ -130,7 +132,7 @@ class PageAllocator:
 
     def shrink(self, req: Req, new_len: int) -> None:
         """Release positions >= new_len; pages still holding a kept position stay with the request."""
-        keep = -(-new_len // self.page_size)
+        keep = self.pages_for(new_len)
         if keep * self.page_size < req.shared_len:
             raise RuntimeError(f"{req.rid}: shrinking into its pages shared with the radix cache")
         pages = req.pages

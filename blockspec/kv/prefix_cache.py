@@ -97,7 +97,7 @@ class PrefixCache:
             self.allocator.free(req.pages[first:last])
             req.pages[first:last] = pages[first:last]
             assert req.pool_row is not None
-            slots = [pages[p // ps] * ps + p % ps for p in range(first * ps, last * ps)]
+            slots = self.allocator.slots_of(pages, first * ps, last * ps)
             self.table.write(req.pool_row, first * ps, int64_tensor(slots))
         self.tree.lock(node)
         self._unlock(req)

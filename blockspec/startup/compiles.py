@@ -79,9 +79,6 @@ class KernelCompileLog:
     def count(self) -> int:
         return len(self.compiles)
 
-    def since(self, mark: int) -> list[KernelCompile]:
-        return self.compiles[mark:]
-
     def stalls_since(self, mark: int) -> list[KernelCompile]:
         """The compiles since `mark` outside every engine's start-up. NOTE: a second engine starting in the same
         process compiles its own variants; those are not stalls of the first one."""
