@@ -18,7 +18,6 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from blockspec import Engine
+from blockspec.bench.provenance import commit_id
 from blockspec.request import Req
 from blockspec.speculative.verify_length import AcceptanceStats, full_block
 from step_latency import write_configs
@@ -210,8 +210,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.batch_sizes, args.contexts, args.block_steps, args.rounds = [1, 2], [16], 3, 2
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip() or "unknown"
+    commit = args.commit or commit_id()
     date = datetime.date.today().isoformat()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
     report: dict[str, Any] = {"gpu": device, "date": date, "commit": commit, "torch": torch.__version__,

@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 from adaptive_verify import model_dirs, prefill, release, sync
 from blockspec import Engine
+from blockspec.bench.provenance import commit_id
 from blockspec.batch import ForwardMode, build_batch
 from plot_deterministic_cost import plot
 
@@ -158,8 +158,7 @@ def main() -> None:
         args.batch_sizes, args.contexts, args.prefill_tokens, args.repeat = [1, 2], [40], 24, 2
         if os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--smoke runs the deterministic kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-    commit = args.commit or os.environ.get("BLOCKSPEC_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = args.commit or commit_id()
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
         "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,

@@ -52,8 +52,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=None, help="cache root of the converted SmolLM2")
     parser.add_argument("--cpu-threads", type=int, default=2)
     parser.add_argument("--baseline-batch-sizes", type=int, nargs="*", default=[], help="more target-only runs at "
-                        "these batch sizes (the prompts in groups of that many), each compared with target_bs1: a "
-                        "wider rounding baseline")
+                        "these batch sizes (the prompts in groups of that many); every pair of target-only runs is "
+                        "the rounding baseline")
     parser.add_argument("--deterministic", action="store_true", help="every engine with "
                         "--enable-deterministic-inference (then DFlash should equal target-only everywhere)")
     args = parser.parse_args(argv)

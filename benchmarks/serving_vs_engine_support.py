@@ -20,8 +20,7 @@ from blockspec.bench.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
 )
 from blockspec.bench.processes import run_in_processes
-from blockspec.bench.report import percentile
-from blockspec.bench.report import RequestResult
+from blockspec.bench.report import RequestResult, percentile
 from blockspec.bench.serving import one_request, run_level
 from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
 

@@ -17,8 +17,6 @@ import gc
 import itertools
 import json
 import math
-import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from blockspec import Engine
+from blockspec.bench.provenance import commit_id
 from blockspec.layers.pdl import pdl_enabled
 from device_timing import DeviceSampler, cuda_ms, read_bandwidth, read_only_bandwidth, steady_ms
 
@@ -241,10 +240,7 @@ def main() -> None:
     read_only = read_only_bandwidth()
     print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s, read-only {read_only / 1e12:.2f} TB/s", flush=True)
     reference = [] if args.skip_reference else [run_reference(Path("."), c, 64) for c in args.contexts]
-    commit = os.environ.get("BLOCKSPEC_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit or "unknown",
+    report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit_id(),
               "torch": torch.__version__, "bandwidth_bytes_per_s": bandwidth,
               "read_only_bandwidth_bytes_per_s": read_only, "accept_len": args.accept_len,
               "backends": args.backends, "tp_size": args.tp_size, "flashinfer": flashinfer_version(),
