@@ -70,7 +70,7 @@ def test_lone_surrogate_is_a_400_and_the_connection_lives_on(server: BackgroundS
         assert bad.status == 400, payload
         assert "surrogate" in _assert_error(payload, 400, param)["message"]
         sock = conn.sock
-        conn.request("POST", CMPL, body=json.dumps({"prompt": "hi", "max_tokens": 2}), headers={"content-type": "application/json"})
+        conn.request("POST", CMPL, body=json.dumps({"prompt": "hi", "max_tokens": 2, "ignore_eos": True}), headers={"content-type": "application/json"})
         good = conn.getresponse()
         assert good.status == 200 and json.loads(good.read())["usage"]["completion_tokens"] == 2
         assert conn.sock is sock  # the same keep-alive connection answered
