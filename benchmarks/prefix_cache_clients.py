@@ -25,7 +25,7 @@ def closed_loop_procs(base_url: str, prompts: list[list[int]], params: dict[str,
     if n == 1:
         return asyncio.run(closed_loop(base_url, prompts, params, concurrency, timeout))
     shares = [concurrency // n + (i < concurrency % n) for i in range(n)]
-    per_process, wall = run_in_processes(
+    per_process, wall, _ = run_in_processes(
         _closed_loop_results, [(base_url, prompts[i::n], params, shares[i], timeout) for i in range(n)])
     return [per_process[j % n][j // n] for j in range(len(prompts))], wall  # NOTE: process i had prompts i::n
 

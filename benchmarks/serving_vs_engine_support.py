@@ -165,30 +165,38 @@ def _clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Opti
     return asyncio.run(run_level(ns, prompts, concurrency))
 
 
+def _clients_in_this_process(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
+                             seed: int) -> tuple[list[RequestResult], float, float]:
+    cpu = time.process_time()
+    results, wall = _clients(ns, prompts, concurrency, rate, seed)
+    return results, wall, time.process_time() - cpu
+
+
 def _clients_results(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
                      seed: int) -> list[RequestResult]:
     return _clients(ns, prompts, concurrency, rate, seed)[0]
 
 
 def run_clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
-                procs: int) -> tuple[list[RequestResult], float]:
+                procs: int, spawn: bool = False) -> tuple[list[RequestResult], float, float]:
     """The clients spread over `procs` processes (blockspec.bench.processes): process i takes prompts i::n and its
     share of the clients (or rate/n: merged Poisson streams are one Poisson stream); the duration runs from the first
-    start to the last end."""
+    start to the last end. Returns (results, duration, the clients' CPU seconds). One process runs here unless
+    `spawn` (the server runs in this process)."""
     n = max(1, min(procs, len(prompts), concurrency or len(prompts)))
-    if n == 1:
-        return _clients(ns, prompts, concurrency, rate, seed)
+    if n == 1 and not spawn:
+        return _clients_in_this_process(ns, prompts, concurrency, rate, seed)
     shares = [None if concurrency is None else concurrency // n + (i < concurrency % n) for i in range(n)]
-    per_process, wall = run_in_processes(
+    per_process, wall, cpu = run_in_processes(
         _clients_results, [(ns, prompts[i::n], shares[i], rate / n, seed + i) for i in range(n)])
-    return [r for results in per_process for r in results], wall
+    return [r for results in per_process for r in results], wall, cpu
 
 
 def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
-                  procs: int = 1) -> dict[str, Any]:
+                  procs: int = 1, spawn: bool = False) -> dict[str, Any]:
     """One closed-loop level (`concurrency` clients) or, with concurrency None, one Poisson run at `rate` req/s."""
     before, metrics_before = get_server_info(ns.base_url), metrics_text(ns.base_url)
-    results, duration = run_clients(ns, prompts, concurrency, rate, seed, procs)
+    results, duration, clients_cpu = run_clients(ns, prompts, concurrency, rate, seed, procs, spawn)
     after, metrics_after = get_server_info(ns.base_url), metrics_text(ns.base_url)
     engine_ttft = histogram_mean_between(metrics_before, metrics_after, "blockspec_time_to_first_token_seconds")
     ok = [r for r in results if r.ok]
@@ -211,6 +219,9 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         "e2e_p50_ms": percentile([r.latency for r in ok], 50) * 1e3,
         "mean_in_flight": sum(r.latency for r in ok) / duration,  # NOTE: Little's law over the run's own requests
         "server_accept_length": accept_length_between(before, after), "server_avg_accept_length": avg_accept_length(after),
+        # NOTE: near `client_procs` the clients, not the server, may be what limits the level
+        "client_procs": max(1, min(procs, len(prompts), concurrency or len(prompts))),
+        "clients_cpu_share": clients_cpu / duration,
         "first_error": errors[0] if errors else "",
         **compiles_between(before, after),
     }

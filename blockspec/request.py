@@ -58,6 +58,13 @@ class SamplingParams:
         params.validate()
         return params
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name (lists and dicts copied): what `from_dict` reads back. dataclasses.asdict's generic
+        deep copy cost more than the rest of a request's submission."""
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out["stop"], out["stop_token_ids"], out["logit_bias"] = list(self.stop), list(self.stop_token_ids), dict(self.logit_bias)
+        return out
+
     def validate(self) -> None:
         def number(value: Any) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -211,3 +211,16 @@ def test_extreme_seeds_accepted(tiny, make_engine) -> None:
 def test_sampling_params_reject_wrong_types(raw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict(raw)
+
+
+def test_sampling_params_to_dict_round_trips_every_field_as_copies() -> None:
+    """What the server sends the engine (wire.AddRequest.params): every field, read back equal, sharing no list."""
+    import dataclasses
+
+    params = SamplingParams.from_dict({"max_new_tokens": 5, "temperature": 0.5, "stop": ["x"], "stop_token_ids": [7],
+                                       "logit_bias": {"3": 1.5}, "regex": "a+", "seed": 3})
+    raw = params.to_dict()
+    assert raw == dataclasses.asdict(params) and set(raw) == {f.name for f in dataclasses.fields(SamplingParams)}
+    assert SamplingParams.from_dict(raw) == params
+    raw["stop"].append("y"), raw["stop_token_ids"].append(8), raw["logit_bias"].clear()
+    assert params.stop == ["x"] and params.stop_token_ids == [7] and params.logit_bias == {"3": 1.5}

@@ -5,21 +5,27 @@ from __future__ import annotations
 import multiprocessing
 import time
 from queue import Empty
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
+
+
+class ProcessRuns(NamedTuple):
+    results: list[Any]  # in the order of the argument tuples
+    wall_s: float  # first start to last end
+    cpu_s: float  # the processes' own CPU time while running (user + system, summed), start-up left out
 
 
 def _worker(index: int, run: Callable[..., Any], args: tuple[Any, ...], barrier: Any, queue: Any) -> None:
     barrier.wait()
-    start = time.monotonic()
+    start, cpu = time.monotonic(), time.process_time()
     result = run(*args)
-    queue.put((index, start, time.monotonic(), result))
+    queue.put((index, start, time.monotonic(), time.process_time() - cpu, result))
 
 
-def run_in_processes(run: Callable[..., Any], args_per_process: Sequence[tuple[Any, ...]]) -> tuple[list[Any], float]:
+def run_in_processes(run: Callable[..., Any], args_per_process: Sequence[tuple[Any, ...]]) -> ProcessRuns:
     """`run(*args)` in one spawned process per entry of `args_per_process` (`run` and its arguments picklable), all
-    started together behind a barrier; their results in the order of `args_per_process`, and the wall time from the
-    first start to the last end (time.monotonic is one clock for every process of a host). A process that dies is a
-    RuntimeError."""
+    started together behind a barrier; their results in the order of `args_per_process`, the wall time from the
+    first start to the last end (time.monotonic is one clock for every process of a host) and the CPU time they
+    spent in `run`. A process that dies is a RuntimeError."""
     ctx = multiprocessing.get_context("spawn")
     n = len(args_per_process)
     barrier, queue = ctx.Barrier(n + 1), ctx.Queue()
@@ -28,15 +34,15 @@ def run_in_processes(run: Callable[..., Any], args_per_process: Sequence[tuple[A
     for worker in workers:
         worker.start()
     barrier.wait(timeout=300)
-    outs: dict[int, tuple[float, float, Any]] = {}
+    outs: dict[int, tuple[float, float, float, Any]] = {}
     while len(outs) < n:
         try:
-            index, start, end, result = queue.get(timeout=1.0)
-            outs[index] = (start, end, result)
+            index, start, end, cpu, result = queue.get(timeout=1.0)
+            outs[index] = (start, end, cpu, result)
         except Empty:
             if any(w.exitcode not in (None, 0) for w in workers):
                 raise RuntimeError("a client process died") from None
     for worker in workers:
         worker.join()
-    wall = max(end for _, end, _ in outs.values()) - min(start for start, _, _ in outs.values())
-    return [outs[i][2] for i in range(n)], wall
+    wall = max(out[1] for out in outs.values()) - min(out[0] for out in outs.values())
+    return ProcessRuns([outs[i][3] for i in range(n)], wall, sum(out[2] for out in outs.values()))

@@ -3,13 +3,11 @@ Submissions from an asyncio task; notices when the engine is gone."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Any, Callable, Optional, Union
 
 import zmq
-import zmq.asyncio
 
 from blockspec.engine import Engine
 from blockspec.request import Req
@@ -64,7 +62,8 @@ class EngineLoop:
         self._fresh = 0
         self._launched = False
         self._stopping = False
-        self._reader: Optional[asyncio.Task[None]] = None
+        self._event_loop: Optional[asyncio.AbstractEventLoop] = None  # where the socket is read (start)
+        self._watch: Optional[asyncio.TimerHandle] = None
         self._stopped = asyncio.Event()
         self.draining = False
         self.alive = False
@@ -113,7 +112,10 @@ class EngineLoop:
         """Launches if needed and starts routing on the running event loop."""
         self.launch()
         self._stopped = asyncio.Event()
-        self._reader = asyncio.get_running_loop().create_task(self._read(zmq.asyncio.Socket.from_socket(self._from)))
+        loop = self._event_loop = asyncio.get_running_loop()
+        loop.add_reader(self._from.getsockopt(zmq.FD), self._read_ready)
+        self._watch = loop.call_later(WATCH_MS / 1e3, self._watch_engine)
+        self._read_ready()  # NOTE: what arrived before the reader was added raised no edge
 
     async def stop(self, timeout: float = 30.0) -> None:
         if not self._launched or self._stopping:
@@ -129,8 +131,7 @@ class EngineLoop:
                 logger.error("the engine did not stop within %.0f s", timeout)
         self.alive = False
         await asyncio.get_running_loop().run_in_executor(None, self.handle.join, timeout)
-        if self._reader is not None:
-            self._reader.cancel()
+        self._stop_reading()
         self._fail_routes("the server is shutting down", 503)
         self._flush_outbox()
         self._to.close(linger=0)
@@ -191,7 +192,7 @@ class EngineLoop:
                 submission.push(Delta(index, "", [], None, f"rid {req.rid!r} is already in flight", 400))
                 continue
             self._routes[req.rid] = (submission, index)
-            params = dataclasses.asdict(req.params)
+            params = req.params.to_dict()
             self._send(wire.AddRequest(
                 req.rid, list(req.all_ids[:req.prompt_len]), params, stream, now, req.top_logprobs_num, self.frontend
             ))
@@ -212,20 +213,35 @@ class EngineLoop:
         return await future
 
     # ---- routing -------------------------------------------------------------------------------
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            if not await sock.poll(WATCH_MS):
-                if not self.handle.is_alive() and not self._stopping:
-                    self._on_death()
-                    return
-                continue
-            # NOTE: every message already waiting is taken before any is routed: a server that fell behind
-            # catches up in one pass, and each stream then sends one merged chunk (Submission.next).
-            frames = [await sock.recv()]
-            while await sock.poll(0):
-                frames.append(await sock.recv())
-            for frame in frames:
-                self._handle(wire.decode_from_engine(frame))
+    def _read_ready(self) -> None:
+        """Takes every message waiting on the socket, then routes them (a server that fell behind catches up in one
+        pass, and each stream then sends one merged chunk: Submission.next). Runs as the socket's reader callback."""
+        # NOTE: a ZeroMQ socket's FD is edge-triggered: read until EVENTS has no POLLIN, or a wake-up is lost.
+        sock = self._from
+        frames: list[bytes] = []
+        while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames.append(sock.recv(zmq.NOBLOCK))
+        for frame in frames:
+            self._handle(wire.decode_from_engine(frame))
+
+    def _watch_engine(self) -> None:
+        """Every WATCH_MS: is the engine still there? (Reads the socket too: a guard against a lost edge.)"""
+        if not self.handle.is_alive() and not self._stopping:
+            self._read_ready()
+            self._stop_reading()
+            self._on_death()
+            return
+        self._read_ready()
+        if self._event_loop is not None:
+            self._watch = self._event_loop.call_later(WATCH_MS / 1e3, self._watch_engine)
+
+    def _stop_reading(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self._event_loop is not None and not self._from.closed:
+            self._event_loop.remove_reader(self._from.getsockopt(zmq.FD))
+        self._event_loop = None
 
     def _handle(self, message: wire.FromEngine) -> None:
         if isinstance(message, wire.Outputs):

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import uvicorn
 from fastapi import FastAPI
@@ -167,12 +167,18 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "blockspec serve") ->
 
 
 class BackgroundServer:
-    """`with BackgroundServer(engine) as server: httpx.get(server.base_url + "/health")` — loopback, free port."""
+    """`with BackgroundServer(engine) as server: httpx.get(server.base_url + "/health")` — loopback, free port.
 
-    def __init__(self, engine: Engine, settings: Optional[ServerSettings] = None, startup_timeout: float = 60.0) -> None:
+    `engine`: an Engine (its core runs on a thread of this process) or an EngineLoop over any EngineHandle, launched
+    here if it was not yet (benchmarks/frontend_capacity.py serves a stand-in engine process that way)."""
+
+    def __init__(self, engine: Union[Engine, EngineLoop], settings: Optional[ServerSettings] = None,
+                 startup_timeout: float = 60.0) -> None:
         self.settings = settings or ServerSettings(port=0)
         if self.settings.api_server_count != 1:
             raise ValueError("api_server_count > 1 needs `blockspec serve` (the engine in a process of its own)")
+        if isinstance(engine, EngineLoop):
+            engine.launch(startup_timeout)
         self.engine = engine
         self.app = create_app(engine, self.settings)
         self._server = _make_server(self.app, self.settings)

@@ -171,13 +171,7 @@ class ServerState:
         last_poll = time.monotonic()
         try:
             while not submission.done:
-                if submission.has_ready:
-                    delta: Optional[Delta] = await submission.next()
-                else:
-                    try:
-                        delta = await asyncio.wait_for(submission.next(), DISCONNECT_POLL_S)
-                    except asyncio.TimeoutError:
-                        delta = None
+                delta = await submission.next_within(DISCONNECT_POLL_S)
                 if time.monotonic() - last_poll >= DISCONNECT_POLL_S:
                     last_poll = time.monotonic()
                     if await request.is_disconnected():

@@ -54,31 +54,56 @@ def coalesce(deltas: list[Delta]) -> list[Delta]:
 
 
 class Submission:
-    """The requests of one HTTP call; their Deltas arrive on one asyncio queue, tagged by index."""
+    """The requests of one HTTP call; their Deltas arrive in one queue, tagged by index."""
 
     def __init__(self, reqs: list[Req], stream: bool, loop: asyncio.AbstractEventLoop) -> None:
         self.reqs = reqs
         self.stream = stream
         self.loop = loop
-        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.pending = set(range(len(reqs)))
-        self._ready: deque[Delta] = deque()
+        self._queued: deque[Delta] = deque()  # pushed, not merged yet
+        self._ready: deque[Delta] = deque()  # merged, not handed out yet
+        self._waiter: Optional[asyncio.Future[None]] = None  # NOTE: set while a consumer waits on an empty queue
 
     def push(self, delta: Delta) -> None:
         """Call on `loop` (the engine's deltas are routed there)."""
-        self.queue.put_nowait(delta)
+        self._queued.append(delta)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     @property
     def has_ready(self) -> bool:
-        return bool(self._ready) or not self.queue.empty()
+        return bool(self._ready) or bool(self._queued)
 
     async def next(self) -> Delta:
         """The next Delta; every Delta already queued for the same request is merged into it."""
+        while not self.has_ready:
+            await self._wait(None)
+        return self._take()
+
+    async def next_within(self, timeout: float) -> Optional[Delta]:
+        """`next()`, or None when nothing arrived within `timeout` seconds (one timer, no task: this runs per chunk)."""
+        if not self.has_ready:
+            await self._wait(timeout)
+            if not self.has_ready:
+                return None
+        return self._take()
+
+    async def _wait(self, timeout: Optional[float]) -> None:
+        waiter = self._waiter = self.loop.create_future()
+        timer = None if timeout is None else self.loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _take(self) -> Delta:
         if not self._ready:
-            waiting = [await self.queue.get()]
-            while not self.queue.empty():
-                waiting.append(self.queue.get_nowait())
-            self._ready.extend(coalesce(waiting))
+            self._ready.extend(coalesce(list(self._queued)))
+            self._queued.clear()
         delta = self._ready.popleft()
         if delta.final:
             self.pending.discard(delta.index)
@@ -87,3 +112,8 @@ class Submission:
     @property
     def done(self) -> bool:
         return not self.pending
+
+
+def _wake(waiter: "asyncio.Future[None]") -> None:
+    if not waiter.done():
+        waiter.set_result(None)
