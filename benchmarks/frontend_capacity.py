@@ -104,7 +104,7 @@ def run_preset(name: str, pace: Pace, args: argparse.Namespace, levels: list[int
                   f"({row['server_over_paced']:.2f}) running {row['stand_in_mean_running']:5.1f} "
                   f"ttft50 {row['ttft_p50_ms']:6.1f} itl50 {row['itl_p50_ms']:5.2f} itl99 {row['itl_p99_ms']:6.1f} "
                   f"cpu {row['server_cpu_share']:.2f} ({row['server_cpu_us_per_chunk']:.0f} us/chunk), clients "
-                  f"{row['clients_cpu_share']:.2f}", flush=True)
+                  f"{row['clients_cpu_share']:.2f}, stand-in {row['engine_cpu_share']:.2f}", flush=True)
     return rows
 
 

@@ -235,12 +235,13 @@ def describe(row: dict[str, Any]) -> str:
     return (f"{row['shape']:>8} {row['mode']:>6} {conc:>14} {row['engine_tok_s']:>10.0f} {row['server_tok_s']:>10.0f} "
             f"{ratio if ratio is not None else float('nan'):>6.2f} {row['ttft_p50_ms']:>8.1f} {row['ttft_p99_ms']:>8.1f} "
             f"{row['itl_p50_ms']:>7.2f} {row['itl_p99_ms']:>7.2f} {'-' if accept is None else f'{accept:.2f}':>6} "
-            f"{row['completed']}/{row['completed'] + row['failed']} {row.get('kernel_compiles', '-')}"
+            f"{row['completed']}/{row['completed'] + row['failed']} {row.get('kernel_compiles', '-')} "
+            f"{row.get('clients_cpu_share', float('nan')):.2f}/{row.get('client_procs', '-')}"
             f"{' ' + str(row['kernel_compiles_by_kernel']) if row.get('kernel_compiles_by_kernel') else ''}")
 
 
 HEADER = (f"{'shape':>8} {'mode':>6} {'concurrency':>14} {'engine t/s':>10} {'server t/s':>10} {'s/e':>6} "
-          f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok compiles")
+          f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok compiles clients-cpu/procs")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

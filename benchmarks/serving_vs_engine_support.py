@@ -19,7 +19,7 @@ import httpx
 from blockspec.bench.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
 )
-from blockspec.bench.processes import run_in_processes
+from blockspec.bench.processes import process_cpu_s, run_in_processes
 from blockspec.bench.report import RequestResult, percentile
 from blockspec.bench.serving import one_request, run_level
 from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
@@ -192,11 +192,20 @@ def run_clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: O
     return [r for results in per_process for r in results], wall, cpu
 
 
+def server_pids(info: dict[str, Any]) -> dict[str, Optional[int]]:
+    """The HTTP server process and the engine process of a /server_info answer (None where it names none)."""
+    api = info.get("api_server") or {}
+    return {"http": api.get("pid"), "engine": info.get("engine_pid")}
+
+
 def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
                   procs: int = 1, spawn: bool = False) -> dict[str, Any]:
     """One closed-loop level (`concurrency` clients) or, with concurrency None, one Poisson run at `rate` req/s."""
     before, metrics_before = get_server_info(ns.base_url), metrics_text(ns.base_url)
+    pids = server_pids(before)
+    cpu_before = {name: process_cpu_s(pid) if pid else None for name, pid in pids.items()}
     results, duration, clients_cpu = run_clients(ns, prompts, concurrency, rate, seed, procs, spawn)
+    cpu_after = {name: process_cpu_s(pid) if pid else None for name, pid in pids.items()}
     after, metrics_after = get_server_info(ns.base_url), metrics_text(ns.base_url)
     engine_ttft = histogram_mean_between(metrics_before, metrics_after, "blockspec_time_to_first_token_seconds")
     ok = [r for r in results if r.ok]
@@ -222,6 +231,9 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         # NOTE: near `client_procs` the clients, not the server, may be what limits the level
         "client_procs": max(1, min(procs, len(prompts), concurrency or len(prompts))),
         "clients_cpu_share": clients_cpu / duration,
+        # NOTE: busy shares of the server's processes over the level (about 1.0: that process is the limit)
+        **{f"{name}_cpu_share": None if cpu_before[name] is None or cpu_after[name] is None
+           else (cpu_after[name] - cpu_before[name]) / duration for name in ("http", "engine")},
         "first_error": errors[0] if errors else "",
         **compiles_between(before, after),
     }

@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))
 from serving_vs_engine import extra_engine_kwargs, serve_flags  # noqa: E402
 
 ROW_KEYS = {"shape", "mode", "concurrency", "engine_tok_s", "server_tok_s", "server_over_engine", "ttft_p50_ms",
-            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_accept_length"}
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_accept_length", "client_procs", "clients_cpu_share", "http_cpu_share", "engine_cpu_share"}
 
 
 def test_extra_flags_become_engine_kwargs_and_serve_flags() -> None:
@@ -59,5 +59,6 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         assert ROW_KEYS <= set(row)
         assert row["completed"] == 4 and row["failed"] == 0
         assert row["server_tok_s"] > 0 and row["engine_tok_s"] > 0 and row["ttft_p50_ms"] > 0
+        assert row["http_cpu_share"] > 0 and row["engine_cpu_share"] > 0 and row["clients_cpu_share"] > 0
         assert (row["server_accept_length"] is not None) == (row["mode"] == "dflash")
     assert all(r["rate"] > 0 for r in rows if r["concurrency"] == "poisson")

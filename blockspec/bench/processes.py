@@ -3,9 +3,11 @@ and its own queueing would land in every TTFT it measures."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
+from pathlib import Path
 from queue import Empty
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 
 class ProcessRuns(NamedTuple):
@@ -46,3 +48,14 @@ def run_in_processes(run: Callable[..., Any], args_per_process: Sequence[tuple[A
         worker.join()
     wall = max(out[1] for out in outs.values()) - min(out[0] for out in outs.values())
     return ProcessRuns([outs[i][3] for i in range(n)], wall, sum(out[2] for out in outs.values()))
+
+
+def process_cpu_s(pid: int) -> Optional[float]:
+    """User + system CPU seconds of process `pid` so far (Linux /proc); None when it cannot be read (another host,
+    gone, not Linux). A benchmark's view of a server it started: the HTTP and engine processes' busy shares."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # NOTE: after the ")" that closes the command name, utime and stime are the 12th and 13th fields
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
