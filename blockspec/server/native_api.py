@@ -71,7 +71,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     return outputs[0] if single else outputs
 
 
-async def _generate_stream(state: ServerState, submission: Submission, request: Request, single: bool) -> AsyncIterator[str]:
+async def _generate_stream(state: ServerState, submission: Submission, request: Request, single: bool) -> AsyncIterator[bytes]:
     """SGLang's default streaming: every chunk carries the cumulative text and output_ids."""
     texts = [""] * len(submission.reqs)
     ids: list[list[int]] = [[] for _ in submission.reqs]

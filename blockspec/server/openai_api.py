@@ -49,7 +49,7 @@ def _choice_finish(output: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _error_event(status: int, message: str) -> str:
+def _error_event(status: int, message: str) -> bytes:
     return sse(APIError(status, message).body())
 
 
@@ -106,14 +106,14 @@ def _chat_logprobs(state: ServerState, body: ChatCompletionRequest, output: dict
 
 
 async def _chat_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any],
-                       body: ChatCompletionRequest, tools: ChatTools) -> AsyncIterator[str]:
+                       body: ChatCompletionRequest, tools: ChatTools) -> AsyncIterator[bytes]:
     include_usage, n = body.include_usage, body.n
     calls = {index: ToolCallStream(tools.parser) for index in range(n)} if tools.parser else {}
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
     finals: dict[int, dict[str, Any]] = {}
 
-    def chunk(index: int, delta: dict[str, Any], finish: Optional[dict[str, Any]] = None, logprobs: Any = None) -> str:
+    def chunk(index: int, delta: dict[str, Any], finish: Optional[dict[str, Any]] = None, logprobs: Any = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})
 
@@ -200,14 +200,14 @@ async def _echoes(state: ServerState, body: CompletionRequest, batch: list[list[
 
 
 async def _completion_stream(state: ServerState, submission: Submission, request: Request, head: dict[str, Any],
-                             body: CompletionRequest, echoes: list[str]) -> AsyncIterator[str]:
+                             body: CompletionRequest, echoes: list[str]) -> AsyncIterator[bytes]:
     include_usage, n = body.include_usage, body.n
     extra = {"usage": None} if include_usage else {}
     finals: dict[int, dict[str, Any]] = {}
     offsets: dict[int, int] = {}
 
     def chunk(index: int, text: str, finish: Optional[dict[str, Any]] = None, ids: Sequence[int] = (),
-              logprobs: Optional[list[float]] = None, tops: Any = None) -> str:
+              logprobs: Optional[list[float]] = None, tops: Any = None) -> bytes:
         entry = None
         if body.logprobs is not None and logprobs is not None:
             entry = completion_logprobs(state.tokenizer, ids, logprobs, tops or [], offsets.get(index, 0), body.logprobs > 0)

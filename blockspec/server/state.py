@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, Callable, Optional, Sequence, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from transformers import PreTrainedTokenizerBase
 
@@ -47,9 +47,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sse(payload: Any) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+def sse(payload: Any) -> bytes:
+    """One server-sent event: `payload` as JSON (UTF-8, no escapes), or a bare string such as [DONE]."""
+    data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
+    return b"data: " + data + b"\n\n"
 
 
 @dataclass
