@@ -14,14 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
-
 from blockspec.bench.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
 )
 from blockspec.bench.processes import process_cpu_s, run_in_processes
 from blockspec.bench.report import RequestResult, percentile
-from blockspec.bench.serving import one_request, run_level
+from blockspec.bench.serving import one_request, open_session, run_level
 from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
 
 SMOLLM2_DRAFT = ROOT / "blockspec" / "assets" / "smollm2-135m-dflash-b16"
@@ -147,12 +145,11 @@ def client_namespace(base_url: str, max_new_tokens: int, timeout: float) -> argp
 async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: float, seed: int) -> tuple[list[RequestResult], float]:
     """Requests sent at exponential gaps (mean 1/rate s), none waiting on another; (results, first send to last end)."""
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(base_url=ns.base_url, timeout=ns.timeout, limits=limits) as client:
+    async with open_session(ns, len(prompts)) as session:
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
-            tasks.append(asyncio.create_task(one_request(client, ns, prompt, ns.max_new_tokens)))
+            tasks.append(asyncio.create_task(one_request(session, ns, prompt, ns.max_new_tokens)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start

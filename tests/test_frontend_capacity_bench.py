@@ -43,7 +43,7 @@ def test_short_run_writes_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("BLOCKSPEC_COMMIT", "test")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert frontend_capacity.main(["--out", str(tmp_path), "--presets", "llama8b-dflash", "--concurrency", "1,4",
-                                   "--rounds", "2", "--max-new-tokens", "16", "--client-procs", "2"]) == 0
+                                   "--rounds", "2", "--max-new-tokens", "64", "--client-procs", "2"]) == 0
     (path,) = tmp_path.glob("frontend_capacity_*_test.json")
     report = json.loads(path.read_text())
     assert report["commit"] == "test" and report["gpu"] == "cpu"
@@ -52,5 +52,5 @@ def test_short_run_writes_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     for row in rows:
         assert row["completed"] == 2 * row["concurrency"] and row["failed"] == 0
         assert row["paced_tok_s"] == pytest.approx(min(row["concurrency"], 64) * 4 / 0.0225)
-        assert 0 < row["server_over_paced"] <= 1.05 and row["stand_in_steps"] > 0
+        assert 0 < row["server_over_paced"] <= 1.1 and row["stand_in_steps"] > 0  # NOTE: an idle stand-in steps at once
         assert row["server_cpu_s"] > 0 and row["clients_cpu_share"] > 0 and row["client_procs"] >= 1
