@@ -93,6 +93,7 @@ class PacedLoop:
             now = time.monotonic()
             if now < due:
                 time.sleep(due - now)
+                self._drain(timeout_ms=0)  # NOTE: as the engine core, what arrived during a step joins the next one
             lag = max(0.0, time.monotonic() - due)
             self._step(lag)
             due = max(due + cycle_s, time.monotonic() - cycle_s)  # NOTE: behind by more than a step: do not sprint
