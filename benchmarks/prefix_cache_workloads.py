@@ -11,14 +11,15 @@ Prompts are built once from a tokenizer (the demo's ChatML one) and GSM8K, and c
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
+import aiohttp
+import msgspec
 
+from blockspec.bench.serving import open_session
 from blockspec.evals.gsm8k import few_shot_prefix, format_example, load_lines
 from blockspec.smollm2 import SYSTEM_PROMPT
 
@@ -123,36 +124,50 @@ class Result:
     error: str = ""
 
 
-async def stream_generate(client: httpx.AsyncClient, ids: list[int], params: dict[str, Any]) -> Result:
-    """One streamed /generate (SGLang chunks carry the cumulative output_ids); TTFT at the first chunk with a token."""
+class _Progress(msgspec.Struct):
+    meta_info: Optional[dict[str, Any]] = None
+    error: Any = None
+
+
+class _Final(msgspec.Struct):
+    output_ids: list[int]
+
+
+_PROGRESS, _FINAL = msgspec.json.Decoder(_Progress), msgspec.json.Decoder(_Final)
+
+
+async def stream_generate(session: aiohttp.ClientSession, ids: list[int], params: dict[str, Any]) -> Result:
+    """One streamed /generate (SGLang chunks carry the cumulative output_ids: only the last chunk's are read);
+    TTFT at the first chunk with a token."""
     start = time.perf_counter()
     first: Optional[float] = None
-    output: list[int] = []
+    last = b""
     try:
-        async with client.stream("POST", "/generate", json={"input_ids": ids, "sampling_params": params, "stream": True}) as response:
-            if response.status_code != 200:
-                return Result(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        async with session.post("generate", json={"input_ids": ids, "sampling_params": params, "stream": True}) as response:
+            if response.status != 200:
+                return Result(False, error=f"HTTP {response.status}: {(await response.read())[:200]!r}")
+            async for raw in response.content:
+                line = raw.rstrip(b"\r\n")
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return Result(False, error=str(chunk["error"]))
-                if chunk["output_ids"] and first is None:
+                chunk = _PROGRESS.decode(line[6:])
+                if chunk.error is not None or chunk.meta_info is None:
+                    return Result(False, error=str(chunk.error or "a chunk without meta_info"))
+                if chunk.meta_info.get("completion_tokens") and first is None:
                     first = time.perf_counter()
-                output = chunk["output_ids"]
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+                last = line[6:]
+        output = _FINAL.decode(last).output_ids if last else []
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
         return Result(False, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
-    return Result(True, (first or end) - start, end - start, list(output))
+    return Result(True, (first or end) - start, end - start, output)
 
 
 async def closed_loop(base_url: str, prompts: list[list[int]], params: dict[str, Any], concurrency: int,
                       timeout: float) -> tuple[list[Result], float]:
     """`concurrency` clients over the prompts; results in prompt order and the wall time of the whole set."""
     semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+    async with open_session(base_url, concurrency, timeout) as client:
 
         async def one(ids: list[int]) -> Result:
             async with semaphore:

@@ -145,7 +145,7 @@ def client_namespace(base_url: str, max_new_tokens: int, timeout: float) -> argp
 async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: float, seed: int) -> tuple[list[RequestResult], float]:
     """Requests sent at exponential gaps (mean 1/rate s), none waiting on another; (results, first send to last end)."""
     rng = random.Random(seed)
-    async with open_session(ns, len(prompts)) as session:
+    async with open_session(ns.base_url, len(prompts), ns.timeout, ns.api_key) as session:
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:

@@ -63,12 +63,13 @@ class _NativeChunk(msgspec.Struct):
 _NATIVE_CHUNK = msgspec.json.Decoder(_NativeChunk)
 
 
-def open_session(ns: argparse.Namespace, connections: int) -> aiohttp.ClientSession:
-    """The benchmark's HTTP client: aiohttp (C-accelerated parsing) keeps up with fast servers at about a third of the
-    CPU per streamed chunk that httpx took, which had made the clients, not the server, the limit of a level."""
+def open_session(base_url: str, connections: int, timeout: float, api_key: Optional[str] = None) -> aiohttp.ClientSession:
+    """The benchmarks' HTTP client: aiohttp (C-accelerated parsing) keeps up with fast servers at about a third of the
+    CPU per streamed chunk that httpx took, which had made the clients, not the server, the limit of a level. Paths
+    are relative to `base_url` ("generate", not "/generate")."""
     return aiohttp.ClientSession(
-        base_url=ns.base_url.rstrip("/") + "/", headers=auth_headers(ns.api_key),
-        connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=ns.timeout),
+        base_url=base_url.rstrip("/") + "/", headers=auth_headers(api_key),
+        connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=timeout),
         read_bufsize=MAX_CHUNK_BYTES,
     )
 
@@ -120,7 +121,7 @@ async def one_request(session: aiohttp.ClientSession, ns: argparse.Namespace, pr
 async def run_level(ns: argparse.Namespace, prompts: list[Prompt], concurrency: int) -> tuple[list[RequestResult], float]:
     semaphore = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", disable=ns.disable_tqdm)
-    async with open_session(ns, concurrency) as session:
+    async with open_session(ns.base_url, concurrency, ns.timeout, ns.api_key) as session:
 
         async def limited(prompt: Prompt) -> RequestResult:
             async with semaphore:
