@@ -14,6 +14,7 @@ serving at that pace. The stand-in has no prefill: a request gets its first toke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -51,6 +52,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--py-spy-s", type=float, default=0.0, help="py-spy this (the server's) process for ~S s "
                         "during the last level of the first preset: raw stacks and a summary beside the JSON "
                         "(needs ptrace of a parent: not inside every container)")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the stand-in streams as `blockspec serve "
+                        "--stream-interval N` would (a chunk once N new tokens are ready)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -89,8 +92,11 @@ def run_preset(name: str, pace: Pace, args: argparse.Namespace, levels: list[int
                 spy.wait(timeout=args.py_spy_s + 60)
             steps = report["busy_steps"] - report0["busy_steps"]
             paced = min(concurrency, pace.max_running) * pace.tokens_per_step / (pace.cycle_ms / 1e3)
-            chunks = sum(-(-args.max_new_tokens // pace.tokens_per_step) for _ in prompts)
+            steps_per_request = -(-args.max_new_tokens // pace.tokens_per_step)
+            steps_per_chunk = -(-pace.stream_interval // pace.tokens_per_step)
+            chunks = len(prompts) * -(-steps_per_request // steps_per_chunk)  # the stand-in's deltas
             row = {"preset": name, "cycle_ms": pace.cycle_ms, "tokens_per_step": pace.tokens_per_step,
+                   "stream_interval": pace.stream_interval,
                    "concurrency": concurrency, "paced_tok_s": paced, **level,
                    "server_over_paced": level["server_tok_s"] / paced,
                    "server_cpu_s": cpu, "server_cpu_share": cpu / level["duration_s"],
@@ -130,7 +136,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for i, name in enumerate(names):
         profile = args.out / f"{stem}_py_spy.txt" if args.py_spy_s > 0 and i == 0 else None
         started = time.perf_counter()
-        data["rows"] += run_preset(name, PRESETS[name], args, levels, profile)
+        pace = dataclasses.replace(PRESETS[name], stream_interval=args.stream_interval)
+        data["rows"] += run_preset(name, pace, args, levels, profile)
         print(f"  {name} took {time.perf_counter() - started:.0f} s", flush=True)
         path.write_text(json.dumps(data, indent=1))
         if profile is not None and profile.exists():

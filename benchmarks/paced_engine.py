@@ -31,6 +31,7 @@ class Pace:
     cycle_ms: float
     tokens_per_step: int
     max_running: int = 64
+    stream_interval: int = 1  # as `blockspec serve --stream-interval`: a chunk once this many new tokens are ready
     vocab_size: int = 49152
     context_length: int = 8192
 
@@ -149,8 +150,8 @@ class PacedLoop:
             run.steps += 1
             if len(run.ids) >= run.max_new_tokens:
                 done.append(run)
-            elif run.message.stream:
-                self.links.deltas[run.frontend].append(wire.DeltaOut(run.message.rid, None, fresh))
+            elif run.message.stream and len(run.ids) - run.sent >= self.pace.stream_interval:
+                self.links.deltas[run.frontend].append(wire.DeltaOut(run.message.rid, None, run.ids[run.sent:]))
                 run.sent = len(run.ids)
         for run in done:
             del self.running[run.message.rid]

@@ -28,6 +28,8 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     # NOTE: arrivals may wait up to this many decode steps to be prefilled together in one extend step (admission.py)
     max_prefill_wait_steps: int = 0
+    # NOTE: a streaming request gets a chunk once at least this many new tokens are ready (and always its last one)
+    stream_interval: int = 1
     context_length: Optional[int] = None
     random_seed: int = 0
     # NOTE: torch's intra-op threads for the engine's host-side tensor work (index arrays of a few thousand entries).
@@ -113,6 +115,8 @@ class EngineConfig:
         positive("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
         positive("piecewise_cuda_graph_max_tokens", self.piecewise_cuda_graph_max_tokens)
         positive("tp_size", self.tp_size)
+        if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")
         positive("triton_attention_split_tile_size", self.triton_attention_split_tile_size)
         if not isinstance(self.chunked_prefill_size, int) or (self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1):
             raise ValueError(f"chunked_prefill_size must be -1 (off) or a positive integer, got {self.chunked_prefill_size!r}")

@@ -59,6 +59,8 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--chunked-prefill-size", dict(type=int, default=8192, help="-1 disables chunked prefill")),
     ("--max-prefill-wait-steps", dict(type=int, default=0, help="while requests decode, new arrivals wait up to N "
                                       "decode steps to be prefilled together in one extend step (default 0: at once)")),
+    ("--stream-interval", dict(type=int, default=1, help="a streaming request gets a chunk once this many new tokens "
+                               "are ready, and its last one always (default 1: every step's tokens)")),
     ("--context-length", dict(type=int, help="prompt + output limit (default: the model's max_position_embeddings)")),
     ("--mem-fraction-static", dict(type=float, default=0.85, help="GPU memory share for weights + KV pool (default 0.85)")),
     ("--random-seed", dict(type=int, default=0, help="seed for dummy weights and simulated acceptance (default 0)")),

@@ -86,6 +86,7 @@ class EngineCore:
         self._context = zmq.Context()
         self.links = FrontendLinks(self._context, to_engine, from_engine)
         self._pull = self.links.pull
+        self.stream_interval = engine.config.stream_interval
 
     def run(self) -> None:
         self.links.connect()
@@ -219,14 +220,12 @@ class EngineCore:
     def _push_delta(self, tracked: _Tracked, final: bool, output: Optional[dict] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req
         count = req.num_output_tokens  # NOTE: not output_ids, a copy of the whole output, every step per stream
+        if not final and count - tracked.sent_ids < self.stream_interval:
+            return
         if not req.detokenized:
-            if not final and count == tracked.sent_ids:
-                return
             self._append_delta(tracked, None, output, error, status)
             return
         text_end = len(req.text) if final else len(req.text) - _held_back(req.text, tracked.stops)
-        if not final and count == tracked.sent_ids and text_end <= tracked.sent_text:
-            return
         # NOTE: req.text only grows, except the stop-string cut on finish; the held-back suffix keeps the
         # streamed text a prefix of the final text.
         self._append_delta(tracked, req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else "", output, error, status)
