@@ -64,8 +64,9 @@ class PaceReport:
 
 
 class PacedLoop:
-    def __init__(self, pace: Pace, to_engine: list[str], from_engine: list[str]) -> None:
+    def __init__(self, pace: Pace, to_engine: list[str], from_engine: list[str], parent_pid: int) -> None:
         self.pace = pace
+        self.parent_pid = parent_pid  # NOTE: the stand-in ends with the server process that launched it
         self._context = zmq.Context()
         self.links = FrontendLinks(self._context, to_engine, from_engine)
         self.running: dict[str, _Running] = {}
@@ -85,10 +86,12 @@ class PacedLoop:
         self.links.send(0, wire.Ready(self.info()))
         cycle_s = self.pace.cycle_ms / 1e3
         due = time.monotonic()
-        while not self.stopped:
+        while not self.stopped and os.getppid() == self.parent_pid:
             idle = not self.running and not self.waiting
             self._drain(timeout_ms=200 if idle else 0)
             if not self.running and not self.waiting:
+                if self.links.has_pending:  # NOTE: an abort's final answer, or `handled` counts, owed now
+                    self._flush()
                 due = time.monotonic()
                 continue
             now = time.monotonic()
@@ -117,12 +120,19 @@ class PacedLoop:
         if isinstance(message, wire.AddRequest):
             frontend = self.links.frontend_of(message.frontend)
             self.links.handled[frontend] += 1
-            self.waiting.append(_Running(message, frontend, int(message.params.get("max_new_tokens") or 128)))
+            self.waiting.append(_Running(message, frontend, int(message.params.get("max_new_tokens", 128))))
         elif isinstance(message, wire.Abort):
-            gone = self.running.pop(message.rid, None)
-            if gone is not None:
-                self._final(gone, "abort")
+            for run in [self.running.pop(message.rid, None)] + [r for r in self.waiting if r.message.rid == message.rid]:
+                if run is not None:
+                    self._final(run, "abort", error="aborted", status=400)
             self.waiting = deque(r for r in self.waiting if r.message.rid != message.rid)
+        elif isinstance(message, wire.Fail):
+            failed = [r for r in [*self.running.values(), *self.waiting]
+                      if message.frontend is None or r.frontend == message.frontend]
+            for run in failed:
+                self.running.pop(run.message.rid, None)
+                self._final(run, "abort", error=message.message, status=503)
+            self.waiting = deque(r for r in self.waiting if r not in failed)
         elif isinstance(message, wire.Call):
             answers = {"get_server_info": lambda: {"stand_in": True, **self.report.as_dict()},
                        "radix_cache_stats": lambda: dict(NO_CACHE)}
@@ -158,13 +168,14 @@ class PacedLoop:
             self._final(run, "length")
         self._flush()
 
-    def _final(self, run: _Running, reason: str) -> None:
+    def _final(self, run: _Running, reason: str, error: Optional[str] = None, status: int = 500) -> None:
+        """The request's last DeltaOut: its output, and for an abort the error the engine core would send."""
         message = run.message
         meta = {"id": message.rid, "prompt_tokens": len(message.input_ids), "completion_tokens": len(run.ids),
                 "cached_tokens": 0, "finish_reason": {"type": reason, "length": len(run.ids)} if reason == "length"
                 else {"type": reason}, "spec_verify_ct": run.steps}
         output = {"text": None, "output_ids": list(run.ids), "meta_info": meta}
-        self.links.deltas[run.frontend].append(wire.DeltaOut(message.rid, None, run.ids[run.sent:], output))
+        self.links.deltas[run.frontend].append(wire.DeltaOut(message.rid, None, run.ids[run.sent:], output, error, status))
 
     def _flush(self) -> None:
         links = self.links
@@ -176,8 +187,8 @@ class PacedLoop:
             links.handled[frontend] = 0
 
 
-def _paced_main(pace: Pace, to_engine: list[str], from_engine: list[str]) -> None:
-    PacedLoop(pace, to_engine, from_engine).run()
+def _paced_main(pace: Pace, to_engine: list[str], from_engine: list[str], parent_pid: int) -> None:
+    PacedLoop(pace, to_engine, from_engine, parent_pid).run()
 
 
 class PacedEngine(EngineHandle):
@@ -189,7 +200,7 @@ class PacedEngine(EngineHandle):
 
     def launch(self, to_engine: list[str], from_engine: list[str]) -> None:
         self.process = multiprocessing.get_context("spawn").Process(
-            target=_paced_main, args=(self.pace, to_engine, from_engine), name="paced-engine", daemon=True)
+            target=_paced_main, args=(self.pace, to_engine, from_engine, os.getpid()), name="paced-engine", daemon=True)
         self.process.start()
 
     def is_alive(self) -> bool:

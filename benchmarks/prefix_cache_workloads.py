@@ -19,7 +19,7 @@ from typing import Any, Optional
 import aiohttp
 import msgspec
 
-from blockspec.bench.serving import open_session
+from blockspec.bench.serving import CLIENT_ERRORS, open_session
 from blockspec.evals.gsm8k import few_shot_prefix, format_example, load_lines
 from blockspec.smollm2 import SYSTEM_PROMPT
 
@@ -157,7 +157,7 @@ async def stream_generate(session: aiohttp.ClientSession, ids: list[int], params
                     first = time.perf_counter()
                 last = line[6:]
         output = _FINAL.decode(last).output_ids if last else []
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+    except CLIENT_ERRORS as exc:
         return Result(False, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     return Result(True, (first or end) - start, end - start, output)

@@ -34,6 +34,17 @@ def test_stand_in_answers_like_an_engine() -> None:
         info = httpx.get(server.base_url + "/server_info", timeout=30).json()
         assert info["stand_in"] is True and info["busy_steps"] >= 8
         assert httpx.get(server.base_url + "/metrics", timeout=30).status_code == 200
+        # an abort ends the stream with an answer and frees the rid, as the engine core does
+        long = {"input_ids": [11], "rid": "gone", "stream": True,
+                "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True}}
+        with httpx.stream("POST", server.base_url + "/generate", json=long, timeout=30) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            assert httpx.post(server.base_url + "/abort_request", json={"rid": "gone"}, timeout=30).status_code == 200
+            events = sse_payloads(lines)
+        assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+        again = httpx.post(server.base_url + "/generate", json={**body, "rid": "gone"}, timeout=30).json()
+        assert len(again["output_ids"]) == 10
 
 
 @pytest.mark.slow

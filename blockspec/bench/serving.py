@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import aiohttp
 import httpx
 import msgspec
+from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
 from blockspec.bench.client import accept_length_between, auth_headers, first_model_id, get_server_info
@@ -20,6 +21,10 @@ from blockspec.bench.report import LevelResult, RequestResult, summarise, write_
 
 Prompt = Union[str, list[int]]
 MAX_CHUNK_BYTES = 1 << 24  # one SSE line (a /generate chunk carries the cumulative text and ids)
+# NOTE: what one streamed request can fail with; msgspec.DecodeError is a ValueError, aiohttp's LineTooLong an
+# HttpProcessingError (no ClientError)
+CLIENT_ERRORS = (aiohttp.ClientError, HttpProcessingError, asyncio.TimeoutError, ValueError,
+                 KeyError, TypeError, AttributeError)
 
 
 def load_prompts(ns: argparse.Namespace, vocab_size: int) -> list[Prompt]:
@@ -69,7 +74,8 @@ def open_session(base_url: str, connections: int, timeout: float, api_key: Optio
     are relative to `base_url` ("generate", not "/generate")."""
     return aiohttp.ClientSession(
         base_url=base_url.rstrip("/") + "/", headers=auth_headers(api_key),
-        connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=timeout),
+        connector=aiohttp.TCPConnector(limit=connections),
+        timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_read=timeout),  # NOTE: per read, as httpx's
         read_bufsize=MAX_CHUNK_BYTES,
     )
 
@@ -111,8 +117,7 @@ async def one_request(session: aiohttp.ClientSession, ns: argparse.Namespace, pr
                 else:
                     gaps.append(now - last)
                 last = now
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        # NOTE: msgspec.DecodeError is a ValueError, as is aiohttp's "line too long"
+    except CLIENT_ERRORS as exc:
         return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     return RequestResult(True, (first or end) - start, end - start, prompt_tokens, output_tokens, tuple(gaps))

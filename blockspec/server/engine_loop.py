@@ -222,18 +222,25 @@ class EngineLoop:
         while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames.append(sock.recv(zmq.NOBLOCK))
         for frame in frames:
-            self._handle(wire.decode_from_engine(frame))
+            try:
+                self._handle(wire.decode_from_engine(frame))
+            except Exception:  # NOTE: one bad frame must not cost the frames after it
+                logger.exception("dropped a message from the engine")
 
     def _watch_engine(self) -> None:
         """Every WATCH_MS: is the engine still there? (Reads the socket too: a guard against a lost edge.)"""
         if not self.handle.is_alive() and not self._stopping:
-            self._read_ready()
-            self._stop_reading()
-            self._on_death()
+            try:
+                self._read_ready()
+            finally:
+                self._stop_reading()
+                self._on_death()
             return
-        self._read_ready()
-        if self._event_loop is not None:
-            self._watch = self._event_loop.call_later(WATCH_MS / 1e3, self._watch_engine)
+        try:
+            self._read_ready()
+        finally:
+            if self._event_loop is not None:
+                self._watch = self._event_loop.call_later(WATCH_MS / 1e3, self._watch_engine)
 
     def _stop_reading(self) -> None:
         if self._watch is not None:
