@@ -2,7 +2,6 @@
 last one; the streamed output reassembles to the non-streamed answer, stop strings included."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import httpx
