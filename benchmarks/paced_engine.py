@@ -18,7 +18,7 @@ from typing import Any, Optional
 import zmq
 
 from blockspec.server import wire
-from blockspec.server.engine_process import EngineHandle
+from blockspec.server.engine_process import EngineProcess
 from blockspec.server.frontend_links import FrontendLinks
 
 
@@ -191,26 +191,17 @@ def _paced_main(pace: Pace, to_engine: list[str], from_engine: list[str], parent
     PacedLoop(pace, to_engine, from_engine, parent_pid).run()
 
 
-class PacedEngine(EngineHandle):
-    """An EngineHandle (blockspec.server.engine_process) whose engine is a PacedLoop in a process of its own."""
+class PacedEngine(EngineProcess):
+    """An engine handle (blockspec.server.engine_process) whose engine is a PacedLoop in a process of its own."""
 
     def __init__(self, pace: Pace) -> None:
+        super().__init__({})
         self.pace = pace
-        self.process: Optional[multiprocessing.process.BaseProcess] = None
 
     def launch(self, to_engine: list[str], from_engine: list[str]) -> None:
         self.process = multiprocessing.get_context("spawn").Process(
             target=_paced_main, args=(self.pace, to_engine, from_engine, os.getpid()), name="paced-engine", daemon=True)
         self.process.start()
-
-    def is_alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
-
-    def join(self, timeout: float) -> None:
-        if self.process is not None:
-            self.process.join(timeout)
-            if self.process.is_alive():
-                self.process.kill()
 
 
 __all__ = ["Pace", "PacedEngine", "PacedLoop", "PaceReport"]
