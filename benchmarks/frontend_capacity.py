@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from blockspec.bench.client import get_server_info
 from blockspec.bench.provenance import run_identity
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings
@@ -59,11 +61,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _process_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 def _py_spy(path: Path, seconds: float) -> subprocess.Popen[bytes]:
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     return subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--duration", str(max(1, round(seconds))),
@@ -72,8 +69,6 @@ def _py_spy(path: Path, seconds: float) -> subprocess.Popen[bytes]:
 
 
 def run_preset(name: str, pace: Pace, args: argparse.Namespace, levels: list[int], profile: Optional[Path]) -> list[dict[str, Any]]:
-    import random
-
     rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
     loop = EngineLoop(PacedEngine(pace))
@@ -85,9 +80,10 @@ def run_preset(name: str, pace: Pace, args: argparse.Namespace, levels: list[int
             prompts = [[rng.randrange(10, pace.vocab_size) for _ in range(args.prompt_len)]
                        for _ in range(args.rounds * concurrency)]
             spy = _py_spy(profile, args.py_spy_s) if profile is not None and index == len(levels) - 1 else None
-            cpu0, report0 = _process_cpu_s(), dict(_stand_in(server.base_url))
+            report0 = get_server_info(server.base_url)
             level = measure_level(ns, prompts, concurrency, 0.0, args.seed, args.client_procs, spawn=True)
-            cpu, report = _process_cpu_s() - cpu0, _stand_in(server.base_url)
+            report = get_server_info(server.base_url)
+            cpu = level["http_cpu_share"] * level["duration_s"]  # NOTE: the HTTP server is this process
             if spy is not None:
                 spy.wait(timeout=args.py_spy_s + 60)
             steps = report["busy_steps"] - report0["busy_steps"]
@@ -99,7 +95,7 @@ def run_preset(name: str, pace: Pace, args: argparse.Namespace, levels: list[int
                    "stream_interval": pace.stream_interval,
                    "concurrency": concurrency, "paced_tok_s": paced, **level,
                    "server_over_paced": level["server_tok_s"] / paced,
-                   "server_cpu_s": cpu, "server_cpu_share": cpu / level["duration_s"],
+                   "server_cpu_s": cpu, "server_cpu_share": level["http_cpu_share"],
                    "server_cpu_us_per_chunk": cpu / max(chunks, 1) * 1e6,
                    "server_cpu_us_per_request": cpu / max(len(prompts), 1) * 1e6,
                    "stand_in_steps": steps,
@@ -112,13 +108,6 @@ def run_preset(name: str, pace: Pace, args: argparse.Namespace, levels: list[int
                   f"cpu {row['server_cpu_share']:.2f} ({row['server_cpu_us_per_chunk']:.0f} us/chunk), clients "
                   f"{row['clients_cpu_share']:.2f}, stand-in {row['engine_cpu_share']:.2f}", flush=True)
     return rows
-
-
-def _stand_in(base_url: str) -> dict[str, Any]:
-    import httpx
-
-    info: dict[str, Any] = httpx.get(base_url + "/server_info", timeout=30).json()
-    return info
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import aiohttp
 import msgspec
 
-from blockspec.bench.serving import CLIENT_ERRORS, open_session
+from blockspec.bench.serving import CLIENT_ERRORS, NATIVE_CHUNK, open_session
 from blockspec.evals.gsm8k import few_shot_prefix, format_example, load_lines
 from blockspec.smollm2 import SYSTEM_PROMPT
 
@@ -124,16 +124,11 @@ class Result:
     error: str = ""
 
 
-class _Progress(msgspec.Struct):
-    meta_info: Optional[dict[str, Any]] = None
-    error: Any = None
-
-
 class _Final(msgspec.Struct):
     output_ids: list[int]
 
 
-_PROGRESS, _FINAL = msgspec.json.Decoder(_Progress), msgspec.json.Decoder(_Final)
+_FINAL = msgspec.json.Decoder(_Final)
 
 
 async def stream_generate(session: aiohttp.ClientSession, ids: list[int], params: dict[str, Any]) -> Result:
@@ -150,10 +145,10 @@ async def stream_generate(session: aiohttp.ClientSession, ids: list[int], params
                 line = raw.rstrip(b"\r\n")
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
-                chunk = _PROGRESS.decode(line[6:])
+                chunk = NATIVE_CHUNK.decode(line[6:])
                 if chunk.error is not None or chunk.meta_info is None:
                     return Result(False, error=str(chunk.error or "a chunk without meta_info"))
-                if chunk.meta_info.get("completion_tokens") and first is None:
+                if chunk.meta_info.completion_tokens and first is None:
                     first = time.perf_counter()
                 last = line[6:]
         output = _FINAL.decode(last).output_ids if last else []

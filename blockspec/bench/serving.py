@@ -57,7 +57,7 @@ class _Meta(msgspec.Struct):
     completion_tokens: int
 
 
-class _NativeChunk(msgspec.Struct):
+class NativeChunk(msgspec.Struct):
     """The fields of a /generate stream chunk the client reads; the cumulative text and output_ids are skipped
     unparsed (their parse grew with every chunk and made the client, not the server, the limit of a level)."""
 
@@ -65,7 +65,7 @@ class _NativeChunk(msgspec.Struct):
     error: Any = None
 
 
-_NATIVE_CHUNK = msgspec.json.Decoder(_NativeChunk)
+NATIVE_CHUNK = msgspec.json.Decoder(NativeChunk)  # one /generate stream chunk (bytes after "data: ")
 
 
 def open_session(base_url: str, connections: int, timeout: float, api_key: Optional[str] = None) -> aiohttp.ClientSession:
@@ -105,7 +105,7 @@ async def one_request(session: aiohttp.ClientSession, ns: argparse.Namespace, pr
                     if not any(c.get("text") for c in chunk.get("choices", [])):
                         continue
                 else:
-                    native = _NATIVE_CHUNK.decode(line[6:])
+                    native = NATIVE_CHUNK.decode(line[6:])
                     if native.error is not None or native.meta_info is None:
                         return RequestResult(False, error=str(native.error or "a chunk without meta_info"))
                     seen, output_tokens = output_tokens, native.meta_info.completion_tokens
