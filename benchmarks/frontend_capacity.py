@@ -56,6 +56,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "(needs ptrace of a parent: not inside every container)")
     parser.add_argument("--stream-interval", type=int, default=1, help="the stand-in streams as `blockspec serve "
                         "--stream-interval N` would (a chunk once N new tokens are ready)")
+    parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--tag", default="")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -134,6 +135,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             summary = summarize(profile, focus=("Server.run ",))
             (args.out / f"{stem}_py_spy_summary.txt").write_text(summary)
+    if not args.no_plot:
+        from plot_frontend_capacity import plot
+
+        print(f"plotted {plot(path)}")
     print(f"wrote {path}")
     return 0
 

@@ -56,6 +56,7 @@ def test_short_run_writes_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert frontend_capacity.main(["--out", str(tmp_path), "--presets", "llama8b-dflash", "--concurrency", "1,4",
                                    "--rounds", "2", "--max-new-tokens", "64", "--client-procs", "2"]) == 0
     (path,) = tmp_path.glob("frontend_capacity_*_test.json")
+    assert path.with_suffix(".png").is_file()
     report = json.loads(path.read_text())
     assert report["commit"] == "test" and report["gpu"] == "cpu"
     rows = report["rows"]
