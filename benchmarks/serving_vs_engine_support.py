@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from blockspec.bench.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
+    steps_between,
 )
 from blockspec.bench.processes import process_cpu_s, run_in_processes
 from blockspec.bench.report import RequestResult, percentile
@@ -205,6 +206,8 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
     cpu_after = {name: process_cpu_s(pid) if pid else None for name, pid in pids.items()}
     after, metrics_after = get_server_info(ns.base_url), metrics_text(ns.base_url)
     engine_ttft = histogram_mean_between(metrics_before, metrics_after, "blockspec_time_to_first_token_seconds")
+    phases = {f"engine_{phase}_mean_ms": histogram_mean_between(metrics_before, metrics_after, f"blockspec_request_{phase}_time_seconds")
+              for phase in ("receive", "queue", "prefill")}
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok]
     gaps = [g for r in ok for g in r.chunk_gaps]
@@ -220,6 +223,9 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         # difference is HTTP intake before the submit plus delivery of the first chunk.
         "ttft_mean_ms": sum(ttfts) / len(ttfts) * 1e3 if ttfts else None,
         "engine_ttft_mean_ms": None if engine_ttft is None else engine_ttft * 1e3,
+        # NOTE: the engine TTFT's phases: server submit -> scheduler, waiting queue, first prefill step -> first token
+        **{key: None if value is None else value * 1e3 for key, value in phases.items()},
+        **steps_between(before, after, duration),
         "itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
         "tpot_p50_ms": percentile(tpots, 50) * 1e3, "tpot_p99_ms": percentile(tpots, 99) * 1e3,
         "e2e_p50_ms": percentile([r.latency for r in ok], 50) * 1e3,

@@ -197,6 +197,8 @@ class Engine:
             "num_running_reqs": len(self.scheduler.running),
             "num_waiting_reqs": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions,
+            "num_steps": self.scheduler.num_steps,
+            "num_extend_steps": self.scheduler.num_extend_steps,
             "num_mixed_steps": self.scheduler.steps.mixed_steps,
             "num_steps_arrivals_held": self.scheduler.arrivals.held_steps,  # --max-prefill-wait-steps
             "radix_cache": self.radix_cache_stats(),

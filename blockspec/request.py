@@ -186,6 +186,10 @@ class Req:
         self.generator: Optional[torch.Generator] = None
         self.grammar: Optional[RequestGrammar] = None  # set by the scheduler for a constrained request (grammar.py)
         self.arrival_time = time.monotonic()
+        # NOTE: the phases of its time to first token: arrival -> received by the scheduler (add_request) -> scheduled
+        # (admitted to its first prefill step) -> first token.
+        self.received_time: Optional[float] = None
+        self.scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.spec_verify_ct = 0
         self.spec_accept_lengths: list[int] = []

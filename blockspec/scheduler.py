@@ -61,6 +61,7 @@ class Scheduler:
         self._grammar_compiler: Optional[GrammarCompiler] = None  # built on the first constrained request
         self.num_retractions = 0
         self.num_steps = 0
+        self.num_extend_steps = 0  # steps that ran prefill chunks (with or without decode in the same forward)
         self.arrivals = ArrivalBatching(config.max_prefill_wait_steps)
         self.spec = SpecStatistics(worker.decode_slots_per_req)
 
@@ -92,6 +93,7 @@ class Scheduler:
             req.detokenized = True
         if req.params.max_new_tokens == 0:
             req.finish = Finish(FinishReason.LENGTH, length=0)
+        req.received_time = time.monotonic()
         self.waiting.append(req)
 
     @property
@@ -119,6 +121,7 @@ class Scheduler:
         done = self.collect_finished()
         self.num_steps += 1
         plan = self._schedule_extend()
+        self.num_extend_steps += bool(plan.extend)
         if plan and self.config.enable_mixed_chunk:
             # NOTE: the running requests decode in the same forward: the step in flight is committed first.
             self._apply(self.steps.drain())
@@ -183,6 +186,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.in_prefill = True
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.prefix_cache.admitted(req)
             req.pool_row = self.table.acquire()
             self.allocator.grow(req, req.kv_len + n, self.table)

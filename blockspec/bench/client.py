@@ -84,3 +84,17 @@ def compiles_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
     per_kernel = {name: n - kernels0.get(name, 0) for name, n in kernels1.items() if n > kernels0.get(name, 0)}
     counted = total0 is not None and total1 is not None
     return {"kernel_compiles": total1 - total0 if counted else None, "kernel_compiles_by_kernel": per_kernel}
+
+
+def steps_between(before: dict[str, Any], after: dict[str, Any], duration: float) -> dict[str, Any]:
+    """Engine steps per second during a workload and the share of them that ran prefill chunks (None where the
+    server does not report them)."""
+    def state(info: dict[str, Any]) -> dict[str, Any]:
+        return dict((info.get("internal_states") or [{}])[0])
+
+    steps = [state(info).get("num_steps") for info in (before, after)]
+    extends = [state(info).get("num_extend_steps") for info in (before, after)]
+    if None in steps or None in extends or steps[1] <= steps[0]:
+        return {"engine_steps_per_s": None, "extend_step_share": None}
+    count = steps[1] - steps[0]
+    return {"engine_steps_per_s": count / max(duration, 1e-9), "extend_step_share": (extends[1] - extends[0]) / count}

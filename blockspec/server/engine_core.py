@@ -63,6 +63,10 @@ def engine_info(engine: Engine) -> wire.EngineInfo:
     )
 
 
+def _between(start: Optional[float], end: Optional[float]) -> Optional[float]:
+    return None if start is None or end is None else end - start
+
+
 def _finish_stat(req: Req, now: float) -> wire.FinishStat:
     first = req.first_token_time
     return wire.FinishStat(
@@ -73,6 +77,9 @@ def _finish_stat(req: Req, now: float) -> wire.FinishStat:
         ttft=None if first is None else first - req.arrival_time,
         decode_s=None if first is None else now - first,
         accept_lengths=list(req.spec_accept_lengths),
+        receive_s=_between(req.arrival_time, req.received_time),
+        queue_s=_between(req.received_time, req.scheduled_time),
+        prefill_s=_between(req.scheduled_time, first),
     )
 
 

@@ -28,6 +28,12 @@ class ServerMetrics:
         self.kv_total = Gauge("blockspec_kv_total_slots", "KV slots in the pool", registry=r)
         self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("blockspec_time_per_output_token_seconds", "Mean time per token after the first", buckets=_TPOT_BUCKETS, registry=r)
+        self.receive_time = Histogram("blockspec_request_receive_time_seconds", "Arrival to the engine's scheduler",
+                                      buckets=_TPOT_BUCKETS, registry=r)
+        self.queue_time = Histogram("blockspec_request_queue_time_seconds", "In the engine's waiting queue (received to "
+                                    "admitted to a prefill step)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("blockspec_request_prefill_time_seconds", "Admitted to first token",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("blockspec_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r)
         self.avg_accept = Gauge("blockspec_spec_accept_length", "Tokens committed per verify forward (bonus included)", registry=r)
         accept_buckets = tuple(float(n) for n in range(1, max_accept_length + 1)) + (float("inf"),)
@@ -89,6 +95,10 @@ class ServerMetrics:
             self.ttft.observe(finish.ttft)
             if finish.decode_s is not None and finish.completion_tokens > 1:
                 self.tpot.observe(finish.decode_s / (finish.completion_tokens - 1))
+        for value, histogram in ((finish.receive_s, self.receive_time), (finish.queue_s, self.queue_time),
+                                 (finish.prefill_s, self.prefill_time)):
+            if value is not None:
+                histogram.observe(value)
         for committed in finish.accept_lengths:
             self.accept_per_verify.observe(committed)
 

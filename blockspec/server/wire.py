@@ -90,6 +90,11 @@ class FinishStat(msgspec.Struct):
     ttft: Optional[float]
     decode_s: Optional[float]  # first token to finish
     accept_lengths: list[int]
+    # NOTE: the TTFT's phases (None where the request never got there): arrival -> the scheduler received it ->
+    # admitted to its first prefill step -> first token
+    receive_s: Optional[float] = None
+    queue_s: Optional[float] = None
+    prefill_s: Optional[float] = None
 
 
 class VerifyLengthStat(msgspec.Struct):
