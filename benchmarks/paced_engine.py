@@ -34,6 +34,7 @@ class Pace:
     stream_interval: int = 1  # as `blockspec serve --stream-interval`: a chunk once this many new tokens are ready
     vocab_size: int = 49152
     context_length: int = 8192
+    block_size: int = 16  # NOTE: the statistics a DFlash engine reports each step (tokens_per_step > 1) are this size
 
 
 @dataclass
@@ -73,6 +74,9 @@ class PacedLoop:
         self.waiting: deque[_Running] = deque()
         self.report = PaceReport()
         self.stopped = False
+        self.speculative = pace.tokens_per_step > 1
+        self._histogram = [0] * (pace.block_size + 1)
+        self._finished: list[wire.FinishStat] = []
 
     def info(self) -> wire.EngineInfo:
         pace = self.pace
@@ -163,9 +167,15 @@ class PacedLoop:
             elif run.message.stream and len(run.ids) - run.sent >= self.pace.stream_interval:
                 self.links.deltas[run.frontend].append(wire.DeltaOut(run.message.rid, None, run.ids[run.sent:]))
                 run.sent = len(run.ids)
+        if self.speculative:
+            self._histogram[self.pace.tokens_per_step] += len(self.running)
+        now = time.monotonic()
         for run in done:
             del self.running[run.message.rid]
             self._final(run, "length")
+            self._finished.append(wire.FinishStat(
+                "length", len(run.message.input_ids), len(run.ids), now - run.message.arrival_time, None, None,
+                [self.pace.tokens_per_step] * run.steps if self.speculative else []))
         self._flush()
 
     def _final(self, run: _Running, reason: str, error: Optional[str] = None, status: int = 500) -> None:
@@ -178,10 +188,19 @@ class PacedLoop:
         self.links.deltas[run.frontend].append(wire.DeltaOut(message.rid, None, run.ids[run.sent:], output, error, status))
 
     def _flush(self) -> None:
+        """Every server gets the step's statistics as the engine core sends them (DFlash: the accept histogram, the
+        verify length per batch size and the per-position rates; every finished request's FinishStat)."""
         links = self.links
+        spec: dict[str, Any] = {}
+        if self.speculative:
+            block = self.pace.block_size
+            spec = {"verify_lengths": [wire.VerifyLengthStat(len(self.running), block, float(self.pace.tokens_per_step),
+                                                             self.pace.cycle_ms)],
+                    "position_rates": [1.0 if j < self.pace.tokens_per_step else 0.0 for j in range(1, block)]}
+        finished, self._finished = self._finished, []
         for frontend in range(links.count):
             stats = wire.StepStats(len(self.running), len(self.waiting), links.handled[frontend], 1 << 24, 1 << 24,
-                                   None, [])
+                                   list(self._histogram) if self.speculative else None, finished, **spec)
             links.send(frontend, wire.Outputs(links.deltas[frontend], stats))
             links.deltas[frontend] = []
             links.handled[frontend] = 0

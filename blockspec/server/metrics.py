@@ -1,16 +1,49 @@
-"""Prometheus metrics, one registry per server (so several servers can live in one process)."""
+"""Prometheus metrics, one registry per server (so several servers can live in one process).
+
+NOTE: the engine reports every step (hundreds a second, to every HTTP server process), but metrics are read only
+when scraped: a step's labelled gauges are applied from the latest StepStats at `render`, and per-verify accept
+lengths are counted into a plain list (exposed as a histogram by `_CountedHistogram`), so a step costs O(1) here."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from blockspec.server.wire import FinishStat, StepStats, VerifyLengthStat
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, float("inf"))
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _CountedHistogram(Collector):
+    """A histogram over the integers 1..max_value (accept lengths) kept as counts per value: `counts[k]` = k seen."""
+
+    def __init__(self, name: str, documentation: str, max_value: int) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.counts = [0] * (max_value + 1)
+        self.overflow = 0  # values above max_value (+Inf bucket only)
+        self.total = 0.0
+
+    def observe(self, value: int) -> None:
+        if 0 <= value < len(self.counts):
+            self.counts[value] += 1
+        else:
+            self.overflow += 1
+        self.total += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        buckets: list[tuple[str, float]] = []
+        cumulative = 0
+        for value in range(1, len(self.counts)):
+            cumulative += self.counts[value] + (self.counts[0] if value == 1 else 0)
+            buckets.append((str(float(value)), cumulative))
+        buckets.append(("+Inf", cumulative + self.overflow))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self.total)
 
 
 class ServerMetrics:
@@ -36,10 +69,12 @@ class ServerMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("blockspec_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r)
         self.avg_accept = Gauge("blockspec_spec_accept_length", "Tokens committed per verify forward (bonus included)", registry=r)
-        accept_buckets = tuple(float(n) for n in range(1, max_accept_length + 1)) + (float("inf"),)
-        self.accept_per_verify = Histogram(
-            "blockspec_spec_accept_length_per_verify", "Tokens committed by each verify forward", buckets=accept_buckets, registry=r
+        self.accept_per_verify = _CountedHistogram(
+            "blockspec_spec_accept_length_per_verify", "Tokens committed by each verify forward", max_accept_length
         )
+        r.register(self.accept_per_verify)
+        self._finish_reasons: dict[str, Any] = {}  # NOTE: labelled children, looked up once per reason
+        self._last_step: Optional[StepStats] = None  # applied to the labelled gauges at render
         self.kernel_compiles = Gauge(
             "blockspec_kernel_compiles_after_startup",
             "Triton kernel variants compiled since the engine's start-up finished (each a stall; should stay 0)", registry=r,
@@ -87,7 +122,10 @@ class ServerMetrics:
                 self._cache_totals[key] = int(stats[key])
 
     def on_finish(self, finish: FinishStat) -> None:
-        self.requests.labels(finish_reason=finish.reason).inc()
+        requests = self._finish_reasons.get(finish.reason)
+        if requests is None:
+            requests = self._finish_reasons[finish.reason] = self.requests.labels(finish_reason=finish.reason)
+        requests.inc()
         self.prompt_tokens.inc(finish.prompt_tokens)
         self.generation_tokens.inc(finish.completion_tokens)
         self.e2e.observe(finish.e2e)
@@ -99,12 +137,19 @@ class ServerMetrics:
                                  (finish.prefill_s, self.prefill_time)):
             if value is not None:
                 histogram.observe(value)
+        observe = self.accept_per_verify.observe
         for committed in finish.accept_lengths:
-            self.accept_per_verify.observe(committed)
+            observe(committed)
 
     def on_step(self, stats: StepStats, num_queued: int) -> None:
         self.num_running.set(stats.num_running)
         self.num_queued.set(num_queued)
+        self._last_step = stats
+
+    def _apply_last_step(self) -> None:
+        stats = self._last_step
+        if stats is None:
+            return
         total, free = stats.kv_total, stats.kv_free
         self.kv_total.set(total)
         self.kv_free.set(free)
@@ -142,4 +187,5 @@ class ServerMetrics:
             self.position_accept.labels(position=str(position)).set(accepted / verifies)
 
     def render(self) -> bytes:
+        self._apply_last_step()
         return generate_latest(self.registry)
