@@ -18,7 +18,7 @@ from blockspec.bench.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
     steps_between,
 )
-from blockspec.bench.processes import process_cpu_s, run_in_processes
+from blockspec.bench.processes import http_server_pids, process_cpu_s, run_in_processes
 from blockspec.bench.report import RequestResult, percentile
 from blockspec.bench.serving import one_request, open_session, run_level
 from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
@@ -190,10 +190,18 @@ def run_clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: O
     return [r for results in per_process for r in results], wall, cpu
 
 
-def server_pids(info: dict[str, Any]) -> dict[str, Optional[int]]:
-    """The HTTP server process and the engine process of a /server_info answer (None where it names none)."""
-    api = info.get("api_server") or {}
-    return {"http": api.get("pid"), "engine": info.get("engine_pid")}
+def server_pids(info: dict[str, Any]) -> dict[str, list[int]]:
+    """The HTTP server processes (all of --api-server-count's; the answering one alone when the engine runs in no
+    process of its own) and the engine process of a /server_info answer (empty where it names none)."""
+    api_pid, engine_pid = (info.get("api_server") or {}).get("pid"), info.get("engine_pid")
+    http = http_server_pids(engine_pid) if engine_pid else []
+    return {"http": http or ([api_pid] if api_pid else []), "engine": [engine_pid] if engine_pid else []}
+
+
+def cpu_s(pids: list[int]) -> Optional[float]:
+    """CPU seconds the processes used so far, summed (None when any cannot be read)."""
+    times = [process_cpu_s(pid) for pid in pids]
+    return None if not times or None in times else sum(t for t in times if t is not None)
 
 
 def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
@@ -201,9 +209,9 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
     """One closed-loop level (`concurrency` clients) or, with concurrency None, one Poisson run at `rate` req/s."""
     before, metrics_before = get_server_info(ns.base_url), metrics_text(ns.base_url)
     pids = server_pids(before)
-    cpu_before = {name: process_cpu_s(pid) if pid else None for name, pid in pids.items()}
+    cpu_before = {name: cpu_s(group) for name, group in pids.items()}
     results, duration, clients_cpu = run_clients(ns, prompts, concurrency, rate, seed, procs, spawn)
-    cpu_after = {name: process_cpu_s(pid) if pid else None for name, pid in pids.items()}
+    cpu_after = {name: cpu_s(group) for name, group in pids.items()}
     after, metrics_after = get_server_info(ns.base_url), metrics_text(ns.base_url)
     engine_ttft = histogram_mean_between(metrics_before, metrics_after, "blockspec_time_to_first_token_seconds")
     phases = {f"engine_{phase}_mean_ms": histogram_mean_between(metrics_before, metrics_after, f"blockspec_request_{phase}_time_seconds")
@@ -234,7 +242,10 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         # NOTE: near `client_procs` the clients, not the server, may be what limits the level
         "client_procs": max(1, min(procs, len(prompts), concurrency or len(prompts))),
         "clients_cpu_share": clients_cpu / duration,
-        # NOTE: busy shares of the server's processes over the level (about 1.0: that process is the limit)
+        # NOTE: busy shares of the server's processes over the level (about 1.0: that process is the limit). The
+        # HTTP share sums the first server process and every process it started but the engine: the other servers
+        # of --api-server-count (N all busy: about N) and multiprocessing's idle resource tracker.
+        "http_processes": len(pids["http"]),
         **{f"{name}_cpu_share": None if cpu_before[name] is None or cpu_after[name] is None
            else (cpu_after[name] - cpu_before[name]) / duration for name in ("http", "engine")},
         "first_error": errors[0] if errors else "",

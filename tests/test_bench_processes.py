@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from blockspec.bench.processes import run_in_processes
+from blockspec.bench.processes import http_server_pids, run_in_processes
 
 
 def square_and_pid(x: int) -> tuple[int, int]:
@@ -40,3 +43,38 @@ def test_cpu_time_is_the_sum_of_what_the_processes_spent_running() -> None:
 def test_a_dead_process_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="a client process died"):
         run_in_processes(die, [(3,)])
+
+
+# NOTE: a stand-in for `blockspec serve --api-server-count 2`: the first server process starts the engine process
+# (with a child of its own), one more server process (with a child) and a helper; it prints the engine's and the extra
+# server's pids, then waits.
+_SERVE_TREE = """
+import subprocess, sys
+sleep = {sleep!r}
+with_child = [sys.executable, "-c", "import subprocess, time; subprocess.Popen(" + repr(sleep) + "); time.sleep(60)"]
+engine = subprocess.Popen(with_child)
+extra = subprocess.Popen(with_child)
+helper = subprocess.Popen(sleep)
+print(engine.pid, extra.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_http_server_pids_are_the_engines_parent_and_its_other_descendants() -> None:
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    main = subprocess.Popen([sys.executable, "-c", _SERVE_TREE.format(sleep=sleep)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert main.stdout is not None
+        engine, extra = map(int, main.stdout.readline().split())
+        deadline = time.monotonic() + 30
+        while len(pids := http_server_pids(engine)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)  # NOTE: the grandchildren start a moment later
+        time.sleep(0.5)
+        pids = http_server_pids(engine)
+        assert pids[0] == main.pid and extra in pids and engine not in pids
+        assert len(pids) == 4  # main, extra and its child, the helper; not the engine's child
+        assert http_server_pids(2 ** 22 + 12345) == []  # no such process
+    finally:
+        os.killpg(main.pid, signal.SIGKILL)  # NOTE: the whole tree (its own process group)
+        main.wait()

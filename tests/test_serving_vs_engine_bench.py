@@ -60,6 +60,7 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         assert row["completed"] == 4 and row["failed"] == 0
         assert row["server_tok_s"] > 0 and row["engine_tok_s"] > 0 and row["ttft_p50_ms"] > 0
         assert row["http_cpu_share"] > 0 and row["engine_cpu_share"] > 0 and row["clients_cpu_share"] > 0
+        assert row["http_processes"] >= 1
         assert (row["server_accept_length"] is not None) == (row["mode"] == "dflash")
         # NOTE: the engine TTFT's phases add up to it (each a mean over the same requests)
         phases = row["engine_receive_mean_ms"] + row["engine_queue_mean_ms"] + row["engine_prefill_mean_ms"]

@@ -59,3 +59,35 @@ def process_cpu_s(pid: int) -> Optional[float]:
         return None
     # NOTE: after the ")" that closes the command name, utime and stime are the 12th and 13th fields
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def parent_pids() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc (empty where there is none)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])  # NOTE: after ")": state, then ppid
+    return parents
+
+
+def http_server_pids(engine_pid: int) -> list[int]:
+    """Every HTTP server process of a `blockspec serve` (--api-server-count N: all N): the engine process's parent
+    (the first server process, which launched it) and that parent's other descendants, the engine's own excluded."""
+    parents = parent_pids()
+    main = parents.get(engine_pid)
+    if main is None:
+        return []
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    found, stack = [main], list(children.get(main, []))
+    while stack:
+        pid = stack.pop()
+        if pid == engine_pid:
+            continue
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return found
