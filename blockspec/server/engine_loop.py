@@ -196,6 +196,9 @@ class EngineLoop:
             self._send(wire.AddRequest(
                 req.rid, list(req.all_ids[:req.prompt_len]), params, stream, now, req.top_logprobs_num, self.frontend
             ))
+        # NOTE: at once, not at the end of this event-loop pass: on a busy loop that pass is every stream's chunk
+        # write long, and the request's prefill would wait it out (aborts and calls still go once per pass).
+        self._flush_outbox()
         return submission
 
     def abort(self, rid: str) -> None:
