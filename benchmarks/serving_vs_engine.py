@@ -27,9 +27,10 @@ from typing import Any, Optional, cast
 
 from blockspec.bench.provenance import commit_id
 from blockspec.bench.serving import load_prompts
+from serving_table import HEADER, describe
 from serving_vs_engine_support import (
-    DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, client_namespace, log_tail, materialise, measure_level,
-    run_engine_phase,
+    DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, cached_engine_phase, client_namespace, log_tail, materialise,
+    measure_level,
 )
 
 MODES = ("dflash", "target")
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", type=Path, nargs="*", default=[], help="earlier result JSONs whose rows (and "
                         "engines, errors) come first in this one: a run split over several commands")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--engine-cache", type=Path, help="a directory: an engine phase whose spec (engine flags, "
+                        "prompts, levels) ran before is read from it instead of run again (server-only variants)")
     parser.add_argument("--radix-cache", action="store_true", help="keep the prefix cache on (off by default: warm-up "
                         "and levels re-send the same prompts, which would hit it unequally on the two sides)")
     parser.add_argument("--py-spy-s", type=float, default=0.0, help="then the top level again for ~S s under py-spy "
@@ -160,11 +163,12 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
             "warmup": min(args.warmup, len(prompts)), "warmup_new_tokens": args.warmup_new_tokens,
             "levels": [(c, len(level_prompts(prompts, c, args))) for c in args.concurrency]}
     print(f"== {key}: engine", flush=True)
-    engine = run_engine_phase(spec, workdir, args.engine_timeout)
+    engine = cached_engine_phase(spec, workdir, args.engine_timeout, args.engine_cache)
     report.data["gpu"] = engine.pop("gpu")
     report.data["engines"][key + ":result"] = engine
     report.save()
-    print(f"   engine {engine['engine_tok_s']:.0f} tok/s ({engine['engine_wall_s']:.2f} s)", flush=True)
+    reused = " (engine phase reused)" if engine["reused_engine_phase"] else ""
+    print(f"   engine {engine['engine_tok_s']:.0f} tok/s ({engine['engine_wall_s']:.2f} s){reused}", flush=True)
     print(f"== {key}: server", flush=True)
     base = {"shape": shape.name, "mode": mode, "engine_tok_s": engine["engine_tok_s"],
             "engine_full_batch_tok_s": engine["engine_tok_s"],
@@ -226,31 +230,6 @@ def add_row(report: Report, base: dict[str, Any], level: dict[str, Any]) -> None
     report.data["rows"].append(row)
     report.save()
     print("   " + describe(row), flush=True)
-
-
-def describe(row: dict[str, Any]) -> str:
-    accept = row.get("server_accept_length")
-    conc = f"{row['concurrency']}" + (f"@{row['rate']:.1f}/s" if row["concurrency"] == "poisson" else "")
-    ratio = row["server_over_engine"]
-    return (f"{row['shape']:>8} {row['mode']:>6} {conc:>14} {row['engine_tok_s']:>10.0f} {row['server_tok_s']:>10.0f} "
-            f"{ratio if ratio is not None else float('nan'):>6.2f} {row['ttft_p50_ms']:>8.1f} {row['ttft_p99_ms']:>8.1f} "
-            f"{row['itl_p50_ms']:>7.2f} {row['itl_p99_ms']:>7.2f} {'-' if accept is None else f'{accept:.2f}':>6} "
-            f"{row['completed']}/{row['completed'] + row['failed']} {row.get('kernel_compiles', '-')} "
-            f"{row.get('clients_cpu_share', float('nan')):.2f}/{row.get('client_procs', '-')} "
-            f"{_num(row.get('http_cpu_share'), '.2f')}/{_num(row.get('engine_cpu_share'), '.2f')} "
-            f"{_num(row.get('engine_receive_mean_ms'), '.1f')}/{_num(row.get('engine_queue_mean_ms'), '.1f')}/"
-            f"{_num(row.get('engine_prefill_mean_ms'), '.1f')} {_num(row.get('engine_steps_per_s'), '.0f')}/"
-            f"{_num(row.get('extend_step_share'), '.2f')}"
-            f"{' ' + str(row['kernel_compiles_by_kernel']) if row.get('kernel_compiles_by_kernel') else ''}")
-
-
-def _num(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-HEADER = (f"{'shape':>8} {'mode':>6} {'concurrency':>14} {'engine t/s':>10} {'server t/s':>10} {'s/e':>6} "
-          f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok compiles clients-cpu/procs "
-          "http/engine-cpu receive/queue/prefill-ms steps-per-s/extend-share")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

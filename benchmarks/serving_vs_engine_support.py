@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import random
 import subprocess
@@ -91,6 +92,23 @@ def run_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float) -> dic
         raise RuntimeError(f"engine phase failed (exit {proc.returncode}):\n{log_tail(log_path)}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result
+
+
+def cached_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float, cache: Optional[Path]) -> dict[str, Any]:
+    """`run_engine_phase`, or the result an earlier run with the same spec left in `cache` (flag variants that change
+    only the server, such as --api-server-count, need the engine phase once: it takes a minute on the device). The
+    result says whether it was reused (`reused_engine_phase`)."""
+    if cache is None:
+        return {**run_engine_phase(spec, workdir, timeout), "reused_engine_phase": False}
+    # NOTE: the shapes' config.json live in this run's workdir: the spec is keyed with that prefix taken out
+    text = json.dumps(spec, sort_keys=True).replace(str(workdir), "<workdir>")
+    path = cache / f"engine_{hashlib.sha256(text.encode()).hexdigest()[:20]}.json"
+    if path.is_file():
+        return {**json.loads(path.read_text()), "reused_engine_phase": True}
+    result = run_engine_phase(spec, workdir, timeout)
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return {**result, "reused_engine_phase": False}
 
 
 def engine_main(spec_path: Path, out_path: Path) -> None:

@@ -3,7 +3,10 @@
 # tool's `run`, carrying .whl): each variant is a set of extra flags for both the engine and the server, run in turn
 # with its own --tag, SHAPES / MODES / CONC as in device_serving.sh (Poisson off; PROMPTS prompts, ROUNDS per client:
 # 1024 / 16 make a 64-client level last seconds, not the < 1 s that start-up effects dominate); CLIENT_PROCS client
-# processes (rows carry the clients' and the server processes' CPU shares); each run is cut at RUN_S seconds.
+# processes (rows carry the clients' and the server processes' CPU shares); each run is cut at RUN_S seconds. Measured
+# on the H200 (2026-12-02): one shape and mode at one level takes ≈ 180 s on a fresh machine (Triton compiles; a cut
+# run leaves no row) and ≈ 150 s after it, ≈ 60 s less when its engine phase is reused (the variants share
+# --engine-cache: one that changes only server flags reuses the first's). Mind the session's device time left.
 # Output (JSON per variant, log) goes to $OUT.
 # Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) VARIANTS="default=;threads16=--host-threads 16;mixed=--enable-mixed-chunk" \
 #        scripts/device_serving_ab.sh
@@ -14,9 +17,9 @@ for variant in "${variants[@]}"; do
     name=${variant%%=*}
     flags=${variant#*=}
     echo "== variant $name: ${flags:-(no extra flags)}"
-    timeout "${RUN_S:-120}" python3 benchmarks/serving_vs_engine.py --shapes "${SHAPES:-smollm2}" --modes "${MODES:-dflash}" \
+    timeout "${RUN_S:-260}" python3 benchmarks/serving_vs_engine.py --shapes "${SHAPES:-smollm2}" --modes "${MODES:-dflash}" \
         --concurrency "${CONC:-64}" --poisson-rate 0 --num-prompts "${PROMPTS:-1024}" --max-rounds "${ROUNDS:-16}" \
-        --client-procs "${CLIENT_PROCS:-4}" --no-plot \
+        --client-procs "${CLIENT_PROCS:-4}" --no-plot --engine-cache /tmp/blockspec-engine-cache \
         --tag "ab_$name" --out "$out" \
         --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph $flags" 2>&1 \
         | grep -E "^ +(smollm2|llama8b) |engine [0-9]|took|!!" | tee -a "$out/serving_ab.log"

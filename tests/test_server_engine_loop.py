@@ -8,7 +8,8 @@ import pytest
 from blockspec import Engine
 from blockspec.request import Req, SamplingParams
 from blockspec.server.engine_core import _held_back
-from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError
+from blockspec.server.engine_errors import EngineStoppedError, QueueFullError
+from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta
 from server_support import save_text_model

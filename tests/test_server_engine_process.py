@@ -14,7 +14,8 @@ import pytest
 
 from blockspec.request import Req, SamplingParams
 from blockspec.server import wire
-from blockspec.server.engine_loop import EngineLoadError, EngineLoop, EngineStoppedError
+from blockspec.server.engine_errors import EngineLoadError, EngineStoppedError
+from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.engine_process import EngineProcess
 from server_support import save_text_model, server_process
 

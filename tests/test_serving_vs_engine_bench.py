@@ -67,3 +67,29 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         assert row["engine_queue_mean_ms"] >= 0 and phases == pytest.approx(row["engine_ttft_mean_ms"], rel=1e-6)
         assert row["engine_steps_per_s"] > 0 and 0 < row["extend_step_share"] <= 1
     assert all(r["rate"] > 0 for r in rows if r["concurrency"] == "poisson")
+
+
+def test_engine_phase_is_reused_for_the_same_spec_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import serving_vs_engine_support as support
+
+    runs: list[dict] = []
+
+    def fake_phase(spec: dict, workdir: Path, timeout: float) -> dict:
+        runs.append(spec)
+        return {"engine_tok_s": 100.0 * len(runs), "gpu": "cpu"}
+
+    monkeypatch.setattr(support, "run_engine_phase", fake_phase)
+    cache = tmp_path / "cache"
+
+    def spec(workdir: Path, max_new_tokens: int = 8) -> dict:
+        return {"engine": {"model_path": str(workdir / "tiny")}, "prompts": [[1, 2]], "max_new_tokens": max_new_tokens}
+
+    first = support.cached_engine_phase(spec(tmp_path / "a"), tmp_path / "a", 1.0, cache)
+    # NOTE: another run's workdir, the same shape and work: read back, not run
+    again = support.cached_engine_phase(spec(tmp_path / "b"), tmp_path / "b", 1.0, cache)
+    other = support.cached_engine_phase(spec(tmp_path / "c", 16), tmp_path / "c", 1.0, cache)
+    uncached = support.cached_engine_phase(spec(tmp_path / "a"), tmp_path / "a", 1.0, None)
+    assert len(runs) == 3
+    assert (first["reused_engine_phase"], again["reused_engine_phase"], other["reused_engine_phase"]) == (False, True, False)
+    assert again["engine_tok_s"] == first["engine_tok_s"] == 100.0 and other["engine_tok_s"] == 200.0
+    assert uncached["reused_engine_phase"] is False and uncached["engine_tok_s"] == 300.0

@@ -13,6 +13,7 @@ from blockspec.engine import Engine
 from blockspec.request import Req
 from blockspec.server import wire
 from blockspec.server.detokenize import OutputTexts
+from blockspec.server.engine_errors import DIED_MESSAGE, EngineLoadError, EngineStoppedError, QueueFullError
 from blockspec.server.engine_process import EngineHandle, EngineThread, RemoteEngine
 from blockspec.server.frontends import EngineAddresses
 from blockspec.server.metrics import ServerMetrics
@@ -20,19 +21,6 @@ from blockspec.server.submission import Delta, Submission
 
 logger = logging.getLogger(__name__)
 WATCH_MS = 200
-DIED_MESSAGE = "the engine process died"
-
-
-class QueueFullError(RuntimeError):
-    pass
-
-
-class EngineStoppedError(RuntimeError):
-    pass
-
-
-class EngineLoadError(RuntimeError):
-    pass
 
 
 class EngineLoop:
@@ -196,8 +184,7 @@ class EngineLoop:
             self._send(wire.AddRequest(
                 req.rid, list(req.all_ids[:req.prompt_len]), params, stream, now, req.top_logprobs_num, self.frontend
             ))
-        # NOTE: at once, not at the end of this event-loop pass: on a busy loop that pass is every stream's chunk
-        # write long, and the request's prefill would wait it out (aborts and calls still go once per pass).
+        # NOTE: now, not at the end of this loop pass (on a busy loop, every stream's chunk write long)
         self._flush_outbox()
         return submission
 
@@ -232,17 +219,14 @@ class EngineLoop:
 
     def _watch_engine(self) -> None:
         """Every WATCH_MS: is the engine still there? (Reads the socket too: a guard against a lost edge.)"""
-        if not self.handle.is_alive() and not self._stopping:
-            try:
-                self._read_ready()
-            finally:
-                self._stop_reading()
-                self._on_death()
-            return
+        gone = not self.handle.is_alive() and not self._stopping
         try:
             self._read_ready()
         finally:
-            if self._event_loop is not None:
+            if gone:
+                self._stop_reading()
+                self._on_death()
+            elif self._event_loop is not None:
                 self._watch = self._event_loop.call_later(WATCH_MS / 1e3, self._watch_engine)
 
     def _stop_reading(self) -> None:

@@ -22,7 +22,8 @@ from blockspec.engine import Engine
 from blockspec.server.app import create_app
 from blockspec.server.state import get_state_of
 from blockspec.server.args import ServeArgs, ServerSettings, parse_serve_args
-from blockspec.server.engine_loop import EngineLoadError, EngineLoop
+from blockspec.server.engine_errors import EngineLoadError
+from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.engine_process import EngineProcess, RemoteEngine
 from blockspec.server.frontends import EngineAddresses, FrontendGroup, reuse_port_socket
 from blockspec.server.wire import EngineInfo

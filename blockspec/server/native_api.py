@@ -14,7 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 import blockspec
 from blockspec.request_args import logprob_request
 from blockspec.request import SamplingParams
-from blockspec.server.engine_loop import EngineStoppedError
+from blockspec.server.engine_errors import EngineStoppedError
 from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.metrics import CONTENT_TYPE
 from blockspec.server.protocol import AbortRequest, GenerateRequest

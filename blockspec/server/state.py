@@ -15,7 +15,8 @@ from transformers import PreTrainedTokenizerBase
 from blockspec.request import Req, RequestLimits, SamplingParams, build_requests
 from blockspec.server.args import ServerSettings
 from blockspec.server.batch_encoder import BatchEncoder
-from blockspec.server.engine_loop import EngineLoop, EngineStoppedError, QueueFullError
+from blockspec.server.engine_errors import EngineStoppedError, QueueFullError
+from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
 from blockspec.server.wire import EngineInfo
