@@ -45,6 +45,8 @@ class _Running:
     ids: list[int] = field(default_factory=list)
     sent: int = 0  # ids already streamed
     steps: int = 0
+    received: float = 0.0  # time.monotonic() when the stand-in took it from the socket
+    admitted: float = 0.0  # ... when a step admitted it (its first tokens come at that step: no prefill)
 
 
 @dataclass
@@ -75,6 +77,9 @@ class PacedLoop:
         self.report = PaceReport()
         self.stopped = False
         self.speculative = pace.tokens_per_step > 1
+        if pace.tokens_per_step > pace.block_size:
+            raise ValueError(f"tokens_per_step {pace.tokens_per_step} > block_size {pace.block_size}")
+        self._slots = pace.block_size if self.speculative else 1  # NOTE: a DFlash request writes a block per cycle
         self._histogram = [0] * (pace.block_size + 1)
         self._finished: list[wire.FinishStat] = []
 
@@ -82,7 +87,7 @@ class PacedLoop:
         pace = self.pace
         return wire.EngineInfo(model_path="paced-stand-in", tokenizer_path="", trust_remote_code=False, has_tokenizer=False,
                                context_length=pace.context_length, vocab_size=pace.vocab_size, total_slots=1 << 24,
-                               slots_per_decode=pace.tokens_per_step, decode_slots_per_req=pace.tokens_per_step,
+                               slots_per_decode=self._slots, decode_slots_per_req=self._slots,
                                max_running_requests=pace.max_running, pid=os.getpid())
 
     def run(self) -> None:
@@ -124,7 +129,8 @@ class PacedLoop:
         if isinstance(message, wire.AddRequest):
             frontend = self.links.frontend_of(message.frontend)
             self.links.handled[frontend] += 1
-            self.waiting.append(_Running(message, frontend, int(message.params.get("max_new_tokens", 128))))
+            self.waiting.append(_Running(message, frontend, int(message.params.get("max_new_tokens", 128)),
+                                         received=time.monotonic()))
         elif isinstance(message, wire.Abort):
             for run in [self.running.pop(message.rid, None)] + [r for r in self.waiting if r.message.rid == message.rid]:
                 if run is not None:
@@ -150,6 +156,7 @@ class PacedLoop:
     def _step(self, lag: float) -> None:
         while self.waiting and len(self.running) < self.pace.max_running:
             admitted = self.waiting.popleft()
+            admitted.admitted = time.monotonic()
             self.running[admitted.message.rid] = admitted
         report = self.report
         report.steps += 1
@@ -173,9 +180,11 @@ class PacedLoop:
         for run in done:
             del self.running[run.message.rid]
             self._final(run, "length")
+            arrival = run.message.arrival_time
             self._finished.append(wire.FinishStat(
-                "length", len(run.message.input_ids), len(run.ids), now - run.message.arrival_time, None, None,
-                [self.pace.tokens_per_step] * run.steps if self.speculative else []))
+                "length", len(run.message.input_ids), len(run.ids), now - arrival, run.admitted - arrival,
+                now - run.admitted, [self.pace.tokens_per_step] * run.steps if self.speculative else [],
+                receive_s=run.received - arrival, queue_s=run.admitted - run.received, prefill_s=0.0))
         self._flush()
 
     def _final(self, run: _Running, reason: str, error: Optional[str] = None, status: int = 500) -> None:

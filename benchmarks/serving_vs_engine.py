@@ -18,6 +18,7 @@ import datetime
 import json
 import math
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -235,6 +236,9 @@ def add_row(report: Report, base: dict[str, Any], level: dict[str, Any]) -> None
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # NOTE: SIGTERM (`timeout`) unwinds like an error, so the server process (a session of its own) and the engine
+    # phase's process are stopped by their context managers instead of outliving the benchmark on the GPU
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for flag in ("num_prompts", "prompt_len", "max_new_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")

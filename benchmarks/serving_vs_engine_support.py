@@ -20,6 +20,7 @@ from blockspec.bench.client import (
     steps_between,
 )
 from blockspec.bench.processes import http_server_pids, process_cpu_s, run_in_processes
+from blockspec.bench.provenance import commit_id
 from blockspec.bench.report import RequestResult, percentile
 from blockspec.bench.serving import one_request, open_session, run_level
 from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
@@ -100,8 +101,9 @@ def cached_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float, cac
     result says whether it was reused (`reused_engine_phase`)."""
     if cache is None:
         return {**run_engine_phase(spec, workdir, timeout), "reused_engine_phase": False}
-    # NOTE: the shapes' config.json live in this run's workdir: the spec is keyed with that prefix taken out
-    text = json.dumps(spec, sort_keys=True).replace(str(workdir), "<workdir>")
+    # NOTE: the shapes' config.json live in this run's workdir: the spec is keyed with that prefix taken out, and
+    # with the code's commit (a warm machine keeps /tmp between calls of an A/B across commits)
+    text = commit_id() + json.dumps(spec, sort_keys=True).replace(str(workdir), "<workdir>")
     path = cache / f"engine_{hashlib.sha256(text.encode()).hexdigest()[:20]}.json"
     if path.is_file():
         return {**json.loads(path.read_text()), "reused_engine_phase": True}
@@ -212,7 +214,7 @@ def server_pids(info: dict[str, Any]) -> dict[str, list[int]]:
     """The HTTP server processes (all of --api-server-count's; the answering one alone when the engine runs in no
     process of its own) and the engine process of a /server_info answer (empty where it names none)."""
     api_pid, engine_pid = (info.get("api_server") or {}).get("pid"), info.get("engine_pid")
-    http = http_server_pids(engine_pid) if engine_pid else []
+    http = http_server_pids(engine_pid) if engine_pid and engine_pid != api_pid else []
     return {"http": http or ([api_pid] if api_pid else []), "engine": [engine_pid] if engine_pid else []}
 
 

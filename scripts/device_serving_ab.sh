@@ -23,7 +23,7 @@ for variant in "${variants[@]}"; do
         --tag "ab_$name" --out "$out" \
         --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph $flags" 2>&1 \
         | grep -E "^ +(smollm2|llama8b) |engine [0-9]|took|!!" | tee -a "$out/serving_ab.log"
-    # NOTE: a variant cut at RUN_S leaves its server and engine processes (timeout kills only the benchmark), which
-    # would hold the GPU's memory and fail every variant after it.
-    pkill -f "blockspec.serve|serving_vs_engine_support.py engine|multiprocessing.spawn" 2>/dev/null && sleep 5
+    # NOTE: a variant cut at RUN_S stops its server on SIGTERM; one that survived would hold the GPU's memory and fail
+    # every variant after it
+    if pkill -f -- "-m blockspec[.]serve" 2>/dev/null; then sleep 5; fi
 done

@@ -91,3 +91,40 @@ def test_queue_limit_and_shutdown_with_requests_in_flight(engine: Engine) -> Non
     info = engine.get_server_info()
     assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_a_submission_reaches_the_engine_socket_before_the_event_loop_moves_on() -> None:
+    """The AddRequest frame is sent inside `submit` (a busy event loop's pass would otherwise delay every prefill);
+    an abort queued earlier in the same pass goes in the same frame, ahead of it."""
+    import os
+
+    import zmq
+
+    from blockspec.server import wire
+    from blockspec.server.engine_process import RemoteEngine
+    from blockspec.server.frontends import EngineAddresses
+
+    addresses = EngineAddresses.create(1)
+    info = wire.EngineInfo("m", "t", False, False, 64, 100, 1024, 1, 1, 4, os.getpid())
+    loop = EngineLoop(RemoteEngine(info), ServerMetrics(), addresses=addresses)
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    try:
+        loop.launch()  # NOTE: another process "launched" the engine: this one only binds its sockets
+        pull.connect(addresses.to_engine[0])
+
+        async def scenario() -> tuple[bool, list[wire.ToEngine]]:
+            loop.abort("earlier")
+            loop.submit([Req([5, 6], SamplingParams(max_new_tokens=2), "now")], stream=True)
+            sent_in_submit = bool(pull.poll(1000))  # NOTE: no await since submit: the loop has not moved on
+            await loop.stop()
+            return sent_in_submit, wire.decode_to_engine(pull.recv()) if sent_in_submit else []
+
+        sent_in_submit, messages = asyncio.run(scenario())
+        assert sent_in_submit, "the submission waited for the end of the event-loop pass"
+        assert [type(m).__name__ for m in messages] == ["Abort", "AddRequest"]
+        assert isinstance(messages[1], wire.AddRequest) and messages[1].rid == "now" and messages[1].input_ids == [5, 6]
+    finally:
+        pull.close(linger=0)
+        context.term()
+        addresses.cleanup()

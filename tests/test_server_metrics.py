@@ -33,7 +33,8 @@ def test_accept_length_histogram_counts_every_verify() -> None:
 def test_ttft_phases_and_finish_reasons() -> None:
     metrics = ServerMetrics()
     metrics.on_finish(_finish([2]))
-    metrics.on_finish(wire.FinishStat("abort", 8, 0, 0.1, None, None, []))  # NOTE: never scheduled: no phases
+    # NOTE: aborted while queued: no first token, so its receive time stays out of the phases (they add up to the TTFT)
+    metrics.on_finish(wire.FinishStat("abort", 8, 0, 0.1, None, None, [], receive_s=0.003))
     text = metrics.render().decode()
     for phase, value in (("receive", 0.001), ("queue", 0.002), ("prefill", 0.047)):
         assert f"blockspec_request_{phase}_time_seconds_count 1.0" in text

@@ -30,8 +30,8 @@ class _CountedHistogram(Collector):
         self.total = 0.0
 
     def observe(self, value: int) -> None:
-        if 0 <= value < len(self.counts):
-            self.counts[value] += 1
+        if value < len(self.counts):
+            self.counts[max(value, 0)] += 1
         else:
             self.overflow += 1
         self.total += value
@@ -133,10 +133,11 @@ class ServerMetrics:
             self.ttft.observe(finish.ttft)
             if finish.decode_s is not None and finish.completion_tokens > 1:
                 self.tpot.observe(finish.decode_s / (finish.completion_tokens - 1))
-        for value, histogram in ((finish.receive_s, self.receive_time), (finish.queue_s, self.queue_time),
-                                 (finish.prefill_s, self.prefill_time)):
-            if value is not None:
-                histogram.observe(value)
+            # NOTE: the phases of the same requests as the TTFT (one aborted while queued has a receive time only)
+            for value, histogram in ((finish.receive_s, self.receive_time), (finish.queue_s, self.queue_time),
+                                     (finish.prefill_s, self.prefill_time)):
+                if value is not None:
+                    histogram.observe(value)
         observe = self.accept_per_verify.observe
         for committed in finish.accept_lengths:
             observe(committed)
