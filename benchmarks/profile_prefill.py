@@ -1,4 +1,6 @@
-"""Kernel-level profile of prefill/extend on 8B shapes, eager vs piecewise CUDA graphs (DFlash on: FULL aux capture).
+"""Kernel-level profile of prefill/extend, eager vs piecewise CUDA graphs (DFlash on: FULL aux capture), on 8B shapes
+or SmolLM2-135M shapes with the shipped draft (`--shape smollm2`: serving's extend steps of ~23 prompts x 128 tokens
+take ~15 ms there against a ~1.8 ms cycle, issue 18: try `--cases 23x128 1x128`).
 
 For each (batch, tokens) case prints the wall time, the summed kernel time and the top kernels, so the gap between
 the two paths (copies, launches, host time) can be attributed."""
@@ -13,21 +15,23 @@ from torch.profiler import ProfilerActivity, profile
 
 from blockspec import Engine
 from prefill_latency import extend_ms
-from step_latency import write_configs
+from serving_vs_engine_support import materialise
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", nargs="+", default=["1x16", "1x256", "8x2048"], help="BATCHxTOKENS")
+    parser.add_argument("--shape", choices=("llama8b", "smollm2"), default="llama8b")
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--trace-dir", type=Path, help="also write a Chrome trace (CPU + CUDA) per piecewise case")
     args = parser.parse_args()
     cases = [tuple(int(x) for x in case.split("x")) for case in args.cases]
     with tempfile.TemporaryDirectory() as tmp:
-        target_dir, draft_dir = write_configs(Path(tmp))
+        shape = materialise(args.shape, Path(tmp), None, None)
+        target_dir, draft_dir = shape.target, shape.draft
         engine = Engine(model_path=str(target_dir), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                         max_total_tokens=65536, chunked_prefill_size=8192, cuda_graph_bs=[1],
-                        enforce_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=max(t for _, t in cases),
+                        enforce_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=max(b * t for b, t in cases),
                         speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir))
         piecewise = engine.runner.piecewise
         for bs, tokens in cases:
