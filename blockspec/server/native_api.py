@@ -9,7 +9,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, cast
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 import blockspec
 from blockspec.request_args import logprob_request
@@ -18,7 +18,7 @@ from blockspec.server.engine_errors import EngineStoppedError
 from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.metrics import CONTENT_TYPE
 from blockspec.server.protocol import AbortRequest, GenerateRequest
-from blockspec.server.state import APIError, ClientGone, ServerState, get_state, new_id, sse
+from blockspec.server.state import APIError, ClientGone, EventStream, ServerState, get_state, new_id, sse
 from blockspec.server.submission import Submission
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     reqs = state.make_requests(batch, params, rids, prompt_param, _RENAMES, top_logprobs_num)
     submission = state.submit(reqs, body.stream)
     if body.stream:
-        return StreamingResponse(_generate_stream(state, submission, request, single), media_type="text/event-stream")
+        return EventStream(_generate_stream(state, submission, request, single))
     outputs = await state.collect(submission, request, keep_aborted=True)
     return outputs[0] if single else outputs
 

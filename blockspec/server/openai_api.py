@@ -6,13 +6,12 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional, Sequence, cast
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from blockspec.server.chat_tools import ChatTools, call_json, chat_tools
 from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.logprob_format import chat_content, completion_logprobs, from_meta_info
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from blockspec.server.state import APIError, ClientGone, ServerState, finish_fields, get_state, new_id, sse, usage
+from blockspec.server.state import APIError, ClientGone, EventStream, ServerState, finish_fields, get_state, new_id, sse, usage
 from blockspec.server.submission import Submission
 from blockspec.server.tool_calls import ToolCallStream
 
@@ -89,7 +88,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     submission = _submit(state, body, [ids], body.requested_max_tokens, None, "messages", rid, tools.sampling_fields())
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if body.stream:
-        return StreamingResponse(_chat_stream(state, submission, request, head, body, tools), media_type="text/event-stream")
+        return EventStream(_chat_stream(state, submission, request, head, body, tools))
     outputs = await state.collect(submission, request)
     choices = []
     for i, output in enumerate(outputs):
@@ -171,8 +170,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     echoes = await _echoes(state, body, batch)
     if body.stream:
-        return StreamingResponse(_completion_stream(state, submission, request, head, body, echoes),
-                                 media_type="text/event-stream")
+        return EventStream(_completion_stream(state, submission, request, head, body, echoes))
     outputs = await state.collect(submission, request)
     choices = [
         {"index": i, "text": echoes[i] + o["text"], "logprobs": _completion_logprobs(state, body, o), **_choice_finish(o)}

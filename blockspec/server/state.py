@@ -6,10 +6,13 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Callable, Optional, Sequence, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Sequence, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from blockspec.request import Req, RequestLimits, SamplingParams, build_requests
@@ -52,6 +55,26 @@ def sse(payload: Any) -> bytes:
     """One server-sent event: `payload` as JSON (UTF-8, no escapes), or a bare string such as [DONE]."""
     data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
     return b"data: " + data + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response without Starlette's per-response anyio task group and its second task that waits
+    for the client's disconnect (stand-in, request-bound load on this CPU: 15–20 % less server CPU per request). The
+    streams' own generators notice a client that left (`ServerState.deltas` polls every DISCONNECT_POLL_S and aborts
+    the engine's requests); uvicorn drops writes to a closed connection."""
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # NOTE: a task of its own, as Starlette's: resuming it for each chunk does not walk the middleware stack
+        stream = asyncio.ensure_future(self.stream_response(send))
+        try:
+            await stream
+        except OSError as exc:
+            raise ClientDisconnect() from exc
+        finally:
+            stream.cancel()
 
 
 @dataclass
