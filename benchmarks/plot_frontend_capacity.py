@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plot_common import finish_axis, plt, save_beside
+from plot_common import concurrency_ticks, finish_axis, plt, save_titled
 
 
 def plot(path: Path) -> Path:
@@ -23,13 +23,8 @@ def plot(path: Path) -> Path:
     finish_axis(share_ax, "concurrent clients", "server tok/s ÷ paced ceiling", "server share of the stand-in's pace")
     finish_axis(cpu_ax, "concurrent clients", "server CPU µs per engine delta", "server process CPU per delta")
     cpu_ax.set_yscale("log")
-    ticks = sorted({r["concurrency"] for r in rows})
-    for ax in (share_ax, cpu_ax):
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-    fig.suptitle(f"{report['gpu']} · {report['date']} · commit {report['commit']}", fontsize=10)
-    out = save_beside(fig, path)
-    plt.close(fig)
-    return out
+    concurrency_ticks((share_ax, cpu_ax), rows)
+    return save_titled(fig, report, path)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plot_common import plt, save_beside
+from plot_common import plt, save_titled
 
 PANELS = (("tok_s", "output tokens/s", False), ("ttft_p50_ms", "TTFT p50 (ms)", True), ("accept_len", "accept length", False))
 
@@ -31,10 +31,7 @@ def plot(path: Path) -> Path:
             ax.set_yscale("log")
         ax.set_title(label)
         ax.legend(fontsize=7)
-    fig.suptitle(f"radix prefix cache · {report['gpu']} · {report['date']} · commit {report['commit']}", fontsize=10)
-    out = save_beside(fig, path)
-    plt.close(fig)
-    return out
+    return save_titled(fig, report, path, prefix="radix prefix cache · ")
 
 
 if __name__ == "__main__":

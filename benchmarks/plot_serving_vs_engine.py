@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plot_common import finish_axis, plt, save_beside
+from plot_common import concurrency_ticks, finish_axis, plt, save_titled
 
 
 def plot(path: Path) -> Path:
@@ -30,13 +30,8 @@ def plot(path: Path) -> Path:
     ratio_ax.axhline(0.9, color="gray", ls="--", alpha=0.6, label="goal 0.90")
     finish_axis(ratio_ax, "concurrent clients", "server tok/s ÷ engine tok/s", "server ÷ engine")
     finish_axis(tok_ax, "concurrent clients", "output tokens/s", "throughput (dotted: offline engine, same concurrency)")
-    ticks = sorted({r["concurrency"] for r in rows if r["concurrency"] != "poisson"})
-    for ax in (ratio_ax, tok_ax):
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-    fig.suptitle(f"{report['gpu']} · {report['date']} · commit {report['commit']}", fontsize=10)
-    out = save_beside(fig, path)
-    plt.close(fig)
-    return out
+    concurrency_ticks((ratio_ax, tok_ax), rows)
+    return save_titled(fig, report, path)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import httpx
 
 from blockspec.bench.provenance import commit_id
 from blockspec.bench.client import (
-    accept_length_between, compiles_between, get_server_info, histogram_mean_between, metrics_text,
+    accept_length_between, compiles_between, engine_state, get_server_info, histogram_mean_between, metrics_text,
 )
 from prefix_cache_clients import run_workload
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
@@ -137,7 +137,7 @@ def _ms(seconds: Optional[float]) -> Optional[float]:
 
 
 def radix_stats(info: dict[str, Any]) -> dict[str, Any]:
-    return dict((info.get("internal_states") or [{}])[0].get("radix_cache") or {})
+    return dict(engine_state(info).get("radix_cache") or {})
 
 
 def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[str], workloads: list[Workload],

@@ -23,18 +23,22 @@ def get_server_info(base_url: str, api_key: Optional[str] = None, timeout: float
     return {}
 
 
+def engine_state(info: dict[str, Any]) -> dict[str, Any]:
+    """The engine's internal state in a server_info answer ({} where it has none)."""
+    states = info.get("internal_states") or [{}]
+    return dict(states[0]) if states else {}
+
+
 def spec_totals(info: dict[str, Any]) -> tuple[float, int]:
     """(tokens committed by verifies, verify count) from a server_info answer; (0, 0) without speculation."""
-    states = info.get("internal_states") or [{}]
-    state = states[0] if states else {}
+    state = engine_state(info)
     avg = float(state.get("avg_spec_accept_length") or 0.0)
     count = int(state.get("spec_verify_ct") or 0)
     return avg * count, count
 
 
 def avg_accept_length(info: dict[str, Any]) -> Optional[float]:
-    states = info.get("internal_states") or [{}]
-    value = states[0].get("avg_spec_accept_length") if states else None
+    value = engine_state(info).get("avg_spec_accept_length")
     return float(value) if value is not None else None
 
 
@@ -75,12 +79,10 @@ def histogram_mean_between(before: str, after: str, name: str) -> Optional[float
 
 def compiles_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Triton variants the server compiled during a workload (stalls; issue 25), in all and per kernel."""
-    def state(info: dict[str, Any]) -> dict[str, Any]:
-        return dict((info.get("internal_states") or [{}])[0])
-
-    total0, total1 = state(before).get("kernel_compiles_after_startup"), state(after).get("kernel_compiles_after_startup")
-    kernels0 = state(before).get("kernel_compiles_after_startup_by_kernel") or {}
-    kernels1 = state(after).get("kernel_compiles_after_startup_by_kernel") or {}
+    state0, state1 = engine_state(before), engine_state(after)
+    total0, total1 = state0.get("kernel_compiles_after_startup"), state1.get("kernel_compiles_after_startup")
+    kernels0 = state0.get("kernel_compiles_after_startup_by_kernel") or {}
+    kernels1 = state1.get("kernel_compiles_after_startup_by_kernel") or {}
     per_kernel = {name: n - kernels0.get(name, 0) for name, n in kernels1.items() if n > kernels0.get(name, 0)}
     counted = total0 is not None and total1 is not None
     return {"kernel_compiles": total1 - total0 if counted else None, "kernel_compiles_by_kernel": per_kernel}
@@ -89,11 +91,8 @@ def compiles_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
 def steps_between(before: dict[str, Any], after: dict[str, Any], duration: float) -> dict[str, Any]:
     """Engine steps per second during a workload and the share of them that ran prefill chunks (None where the
     server does not report them)."""
-    def state(info: dict[str, Any]) -> dict[str, Any]:
-        return dict((info.get("internal_states") or [{}])[0])
-
-    steps = [state(info).get("num_steps") for info in (before, after)]
-    extends = [state(info).get("num_extend_steps") for info in (before, after)]
+    steps = [engine_state(info).get("num_steps") for info in (before, after)]
+    extends = [engine_state(info).get("num_extend_steps") for info in (before, after)]
     if None in steps or None in extends or steps[1] <= steps[0]:
         return {"engine_steps_per_s": None, "extend_step_share": None}
     count = steps[1] - steps[0]

@@ -53,23 +53,26 @@ def run_in_processes(run: Callable[..., Any], args_per_process: Sequence[tuple[A
 def process_cpu_s(pid: int) -> Optional[float]:
     """User + system CPU seconds of process `pid` so far (Linux /proc); None when it cannot be read (another host,
     gone, not Linux). A benchmark's view of a server it started: the HTTP and engine processes' busy shares."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    # NOTE: after the ")" that closes the command name, utime and stime are the 12th and 13th fields
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(path: Path) -> Optional[list[str]]:
+    """The fields of a /proc/<pid>/stat after the command name (None when it cannot be read)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return path.read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    # NOTE: after the ")" that closes the command name, utime and stime are the 12th and 13th fields
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parent_pids() -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc (empty where there is none)."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])  # NOTE: after ")": state, then ppid
+        fields = _stat_fields(stat)
+        if fields is not None:
+            parents[int(stat.parent.name)] = int(fields[1])  # NOTE: after ")": state, then ppid
     return parents
 
 

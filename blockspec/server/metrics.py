@@ -20,29 +20,25 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class _CountedHistogram(Collector):
-    """A histogram over the integers 1..max_value (accept lengths) kept as counts per value: `counts[k]` = k seen."""
+    """A histogram with buckets le=1..max_value (accept lengths) kept as counts per bucket: `counts[k]` = values in
+    (k - 1, k] (k = 1: every value <= 1), `counts[max_value + 1]` = values above max_value (+Inf only)."""
 
     def __init__(self, name: str, documentation: str, max_value: int) -> None:
         self.name = name
         self.documentation = documentation
-        self.counts = [0] * (max_value + 1)
-        self.overflow = 0  # values above max_value (+Inf bucket only)
+        self.counts = [0] * (max_value + 2)
         self.total = 0.0
 
     def observe(self, value: int) -> None:
-        if value < len(self.counts):
-            self.counts[max(value, 0)] += 1
-        else:
-            self.overflow += 1
+        self.counts[min(max(value, 1), len(self.counts) - 1)] += 1
         self.total += value
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         buckets: list[tuple[str, float]] = []
         cumulative = 0
         for value in range(1, len(self.counts)):
-            cumulative += self.counts[value] + (self.counts[0] if value == 1 else 0)
-            buckets.append((str(float(value)), cumulative))
-        buckets.append(("+Inf", cumulative + self.overflow))
+            cumulative += self.counts[value]
+            buckets.append(("+Inf" if value == len(self.counts) - 1 else str(float(value)), cumulative))
         yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self.total)
 
 
