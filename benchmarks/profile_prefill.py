@@ -1,9 +1,10 @@
 """Kernel-level profile of prefill/extend, eager vs piecewise CUDA graphs (DFlash on: FULL aux capture), on 8B shapes
 or SmolLM2-135M shapes with the shipped draft (`--shape smollm2`: serving's extend steps of ~23 prompts x 128 tokens
-take ~15 ms there against a ~1.8 ms cycle, issue 18: try `--cases 23x128 1x128`).
+take ~15 ms there against a ~1.8 ms cycle, issue 18: try `--cases 23x2944 1x128`; TOKENS is the case's total).
 
 For each (batch, tokens) case prints the wall time, the summed kernel time and the top kernels, so the gap between
-the two paths (copies, launches, host time) can be attributed."""
+the two paths (copies, launches, host time) can be attributed; and the wall time of the worker's whole extend (the
+scheduler's extend step without the scheduler: batch building, forward, draft KV, first tokens)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockspec import Engine
-from prefill_latency import extend_ms
+from device_timing import cuda_ms
+from prefill_latency import extend_ms, make_reqs, release
 from serving_vs_engine_support import materialise
 
 
@@ -52,7 +54,19 @@ def main() -> None:
                 print(f"==== bs {bs} x {tokens} tokens, {label}: wall {wall:.2f} ms, kernels {total:.2f} ms ====")
                 for e in events[: args.top]:
                     print(f"{e.device_time_total / 3 / 1e3:8.3f} ms  {e.count // 3:5d}x  {e.key[:90]}")
+        engine.runner.piecewise = piecewise
+        for bs, tokens in cases:
+            reqs = make_reqs(engine, bs, tokens)
+            ms = cuda_ms(lambda: whole_extend(engine, reqs), 10)
+            release(engine, reqs)
+            print(f"==== bs {bs} x {tokens} tokens: the worker's whole extend {ms:.2f} ms ====")
         engine.shutdown()
+
+
+def whole_extend(engine: Engine, reqs: list) -> None:
+    for req in reqs:
+        req.kv_len = 0
+    engine.worker.extend(reqs, [req.prompt_len for req in reqs])
 
 
 if __name__ == "__main__":

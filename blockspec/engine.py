@@ -199,6 +199,8 @@ class Engine:
             "num_retractions": self.scheduler.num_retractions,
             "num_steps": self.scheduler.num_steps,
             "num_extend_steps": self.scheduler.num_extend_steps,
+            "step_seconds": self.scheduler.step_seconds,
+            "extend_step_seconds": self.scheduler.extend_step_seconds,
             "num_mixed_steps": self.scheduler.steps.mixed_steps,
             "num_steps_arrivals_held": self.scheduler.arrivals.held_steps,  # --max-prefill-wait-steps
             "radix_cache": self.radix_cache_stats(),

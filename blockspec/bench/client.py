@@ -89,11 +89,22 @@ def compiles_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
 
 
 def steps_between(before: dict[str, Any], after: dict[str, Any], duration: float) -> dict[str, Any]:
-    """Engine steps per second during a workload and the share of them that ran prefill chunks (None where the
-    server does not report them)."""
-    steps = [engine_state(info).get("num_steps") for info in (before, after)]
-    extends = [engine_state(info).get("num_extend_steps") for info in (before, after)]
-    if None in steps or None in extends or steps[1] <= steps[0]:
-        return {"engine_steps_per_s": None, "extend_step_share": None}
-    count = steps[1] - steps[0]
-    return {"engine_steps_per_s": count / max(duration, 1e-9), "extend_step_share": (extends[1] - extends[0]) / count}
+    """Engine steps per second during a workload, the share of them that ran prefill chunks, and the mean wall time of
+    an extend step and of any other step (None where the server does not report them)."""
+    def delta(key: str) -> Optional[float]:
+        values = [engine_state(info).get(key) for info in (before, after)]
+        return None if None in values else values[1] - values[0]
+
+    steps, extends = delta("num_steps"), delta("num_extend_steps")
+    out: dict[str, Any] = {"engine_steps_per_s": None, "extend_step_share": None, "engine_extend_step_mean_ms": None,
+                           "engine_other_step_mean_ms": None}
+    if steps is None or extends is None or steps <= 0:
+        return out
+    out.update(engine_steps_per_s=steps / max(duration, 1e-9), extend_step_share=extends / steps)
+    seconds, extend_seconds = delta("step_seconds"), delta("extend_step_seconds")
+    if seconds is not None and extend_seconds is not None:
+        if extends:
+            out["engine_extend_step_mean_ms"] = 1e3 * extend_seconds / extends
+        if steps > extends:
+            out["engine_other_step_mean_ms"] = 1e3 * (seconds - extend_seconds) / (steps - extends)
+    return out
