@@ -28,7 +28,8 @@ def make_reqs(engine: Engine, batch_size: int, tokens: int) -> list[Req]:
     per_req = max(1, tokens // batch_size)
     reqs = []
     for _ in range(batch_size):
-        req = Req(torch.randint(10, engine.runner.target_config.vocab_size, (per_req,)).tolist(), SamplingParams())
+        req = Req(torch.randint(10, engine.runner.target_config.vocab_size, (per_req,)).tolist(),
+                  SamplingParams(temperature=0.0))
         req.pool_row = runner.req_to_token.acquire()
         runner.allocator.grow(req, per_req, runner.req_to_token)
         reqs.append(req)

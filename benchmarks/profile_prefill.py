@@ -4,11 +4,16 @@ take ~15 ms there against a ~1.8 ms cycle, issue 18: try `--cases 23x2944 1x128`
 
 For each (batch, tokens) case prints the wall time, the summed kernel time and the top kernels, so the gap between
 the two paths (copies, launches, host time) can be attributed; and the wall time of the worker's whole extend (the
-scheduler's extend step without the scheduler: batch building, forward, draft KV, first tokens)."""
+scheduler's extend step without the scheduler: batch building, forward, draft KV, first tokens).
+
+`--host-loop-s S` then runs each case's whole extend for S s eagerly and S s on the piecewise graphs, in the functions
+`host_loop_eager` / `host_loop_piecewise`: run the script under `py-spy record --format raw` and summarise with
+`serving_profile.py FILE --focus host_loop_piecewise` to see where the host time of an extend goes."""
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +30,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["1x16", "1x256", "8x2048"], help="BATCHxTOKENS")
     parser.add_argument("--shape", choices=("llama8b", "smollm2"), default="llama8b")
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--host-loop-s", type=float, default=0.0, help="then S s of whole extends per case and path")
     parser.add_argument("--trace-dir", type=Path, help="also write a Chrome trace (CPU + CUDA) per piecewise case")
     args = parser.parse_args()
     cases = [tuple(int(x) for x in case.split("x")) for case in args.cases]
@@ -58,9 +64,33 @@ def main() -> None:
         for bs, tokens in cases:
             reqs = make_reqs(engine, bs, tokens)
             ms = cuda_ms(lambda: whole_extend(engine, reqs), 10)
-            release(engine, reqs)
             print(f"==== bs {bs} x {tokens} tokens: the worker's whole extend {ms:.2f} ms ====")
+            if args.host_loop_s > 0:
+                engine.runner.piecewise = None
+                count = host_loop_eager(engine, reqs, args.host_loop_s)
+                engine.runner.piecewise = piecewise
+                count_graphed = host_loop_piecewise(engine, reqs, args.host_loop_s)
+                print(f"     host loops: {1e3 * args.host_loop_s / count:.2f} ms eager, "
+                      f"{1e3 * args.host_loop_s / count_graphed:.2f} ms piecewise per extend")
+            release(engine, reqs)
         engine.shutdown()
+
+
+def host_loop_eager(engine: Engine, reqs: list, seconds: float) -> int:
+    return _loop(engine, reqs, seconds)
+
+
+def host_loop_piecewise(engine: Engine, reqs: list, seconds: float) -> int:
+    return _loop(engine, reqs, seconds)
+
+
+def _loop(engine: Engine, reqs: list, seconds: float) -> int:
+    count, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        whole_extend(engine, reqs)
+        count += 1
+    torch.cuda.synchronize()
+    return count
 
 
 def whole_extend(engine: Engine, reqs: list) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from blockspec.bench.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
-    steps_between,
+    forwards_between, steps_between,
 )
 from blockspec.bench.processes import http_server_pids, process_cpu_s, run_in_processes
 from blockspec.bench.provenance import commit_id
@@ -254,6 +254,7 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         # NOTE: the engine TTFT's phases: server submit -> scheduler, waiting queue, first prefill step -> first token
         **{key: None if value is None else value * 1e3 for key, value in phases.items()},
         **steps_between(before, after, duration),
+        **forwards_between(before, after),
         "itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
         "tpot_p50_ms": percentile(tpots, 50) * 1e3, "tpot_p99_ms": percentile(tpots, 99) * 1e3,
         "e2e_p50_ms": percentile([r.latency for r in ok], 50) * 1e3,

@@ -67,6 +67,7 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         assert row["engine_queue_mean_ms"] >= 0 and phases == pytest.approx(row["engine_ttft_mean_ms"], rel=1e-6)
         assert row["engine_steps_per_s"] > 0 and 0 < row["extend_step_share"] <= 1
         assert row["engine_extend_step_mean_ms"] > 0 and row["engine_other_step_mean_ms"] > 0
+        assert sum(row["server_forward_counts"].values()) > 0
     assert all(r["rate"] > 0 for r in rows if r["concurrency"] == "poisson")
 
 

@@ -88,6 +88,15 @@ def compiles_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
     return {"kernel_compiles": total1 - total0 if counted else None, "kernel_compiles_by_kernel": per_kernel}
 
 
+def forwards_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The server's forwards during a workload by how they ran (graph replays, eager uniform forwards, piecewise
+    extends, extends the piecewise graphs could not take): `server_forward_counts`, None where not reported."""
+    counts0, counts1 = (engine_state(info).get("forward_counts") for info in (before, after))
+    if counts0 is None or counts1 is None:
+        return {"server_forward_counts": None}
+    return {"server_forward_counts": {kind: n - counts0.get(kind, 0) for kind, n in counts1.items()}}
+
+
 def steps_between(before: dict[str, Any], after: dict[str, Any], duration: float) -> dict[str, Any]:
     """Engine steps per second during a workload, the share of them that ran prefill chunks, and the mean wall time of
     an extend step and of any other step (None where the server does not report them)."""
