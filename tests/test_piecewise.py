@@ -112,6 +112,8 @@ def test_buckets() -> None:
     assert buckets[-3:] == [3584, 3840, 4096]
     assert all(b % 4 == 0 for b in buckets)
     assert default_buckets(100)[-1] == 100
+    assert default_buckets(8192)[-9:] == [4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192]
+    assert default_buckets(5000)[-3:] == [4096, 4608, 5000]
     assert bucket_for(buckets, 1) == 4 and bucket_for(buckets, 33) == 48 and bucket_for(buckets, 4096) == 4096
     assert bucket_for(buckets, 4097) is None
 

@@ -148,7 +148,7 @@ class ModelRunner:
         config = self.config
         if not (config.enforce_piecewise_cuda_graph and self.device.type == "cuda" and not config.disable_cuda_graph):
             return
-        max_tokens = self.config.piecewise_cuda_graph_max_tokens
+        max_tokens = self.config.piecewise_max_tokens
         buckets = self.config.piecewise_cuda_graph_tokens or default_buckets(max_tokens)
         self.piecewise = PiecewiseGraphRunner(
             self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graphs.pool,

@@ -32,8 +32,10 @@ AuxConsumer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def default_buckets(max_tokens: int) -> list[int]:
-    """4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64, then step 256 up to max_tokens."""
-    ranges = [(4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, max(max_tokens, 1280), 256)]
+    """4..32 step 4, 48..256 step 16, 288..512 step 32, 576..1024 step 64, 1280..4096 step 256, then step 512 up to
+    max_tokens (and max_tokens itself)."""
+    ranges = [(4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256),
+              (4608, max(max_tokens, 4608), 512)]
     buckets = sorted({n for lo, hi, step in ranges for n in range(lo, hi + 1, step) if n <= max_tokens})
     if not buckets or buckets[-1] < max_tokens:
         buckets.append(max_tokens)
