@@ -6,7 +6,7 @@ draft-KV materialise of extends; on CUDA each is followed by a device sync, so t
 holds its own device time), waits for the device (`torch.cuda.Event.synchronize`) and the rest: the host time this
 measures, as wall time (`host`) and as this thread's CPU time (`host_cpu`: unmoved by other processes on the cores). `--clients` requests run at once; each
 one that finishes is replaced by a fresh prompt before the next step (its output lengths vary, so arrivals spread
-over the steps as they do in serving). Runs unchanged on CPU and CUDA; writes JSON to --out.
+over the steps as they do in serving), over `--frontends` server links. Runs unchanged on CPU and CUDA; writes JSON to --out.
 
     python benchmarks/host_overhead.py --out /tmp/host.json [--modes dflash,target] [--profile /tmp/host.prof]
 """
@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="JSON result path")
     parser.add_argument("--modes", default=",".join(MODES), help="dflash,target")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--frontends", type=int, default=1, help="HTTP server processes the engine feeds "
+                        "(--api-server-count; requests spread round-robin)")
     parser.add_argument("--clients", type=int, default=64, help="closed-loop clients (requests running at once)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="mean; each request draws from [n/2, 3n/2]")
@@ -146,13 +148,15 @@ class ClosedLoop:
     def __init__(self, engine: Engine, args: argparse.Namespace, workdir: Path) -> None:
         self.engine, self.args = engine, args
         self.rng, self.vocab = random.Random(args.seed), TARGET["vocab_size"]
-        to_engine, from_engine = f"ipc://{workdir}/to", f"ipc://{workdir}/from"
+        frontends = range(args.frontends)
+        to_engine, from_engine = [f"ipc://{workdir}/to{i}" for i in frontends], [f"ipc://{workdir}/from{i}" for i in frontends]
         self.context = zmq.Context()
-        self.push = self.context.socket(zmq.PUSH)
-        self.push.bind(to_engine)
-        self.pull = self.context.socket(zmq.PULL)
-        self.pull.bind(from_engine)
-        self.core = EngineCore(engine, [to_engine], [from_engine])
+        self.pushes = [self.context.socket(zmq.PUSH) for _ in frontends]
+        self.pulls = [self.context.socket(zmq.PULL) for _ in frontends]
+        for push, pull, to, back in zip(self.pushes, self.pulls, to_engine, from_engine):
+            push.bind(to)
+            pull.bind(back)
+        self.core = EngineCore(engine, to_engine, from_engine)
         self.core.links.connect()
         engine.scheduler.detokenize_all = False  # NOTE: as EngineCore.run sets it
         self.next_rid = 0
@@ -165,19 +169,21 @@ class ClosedLoop:
             n = self.args.max_new_tokens
             params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": self.rng.randint(max(1, n // 2), n * 3 // 2)}
             prompt = [self.rng.randrange(4, self.vocab) for _ in range(self.args.prompt_len)]
-            out.append(wire.AddRequest(f"r{self.next_rid}", prompt, params, self.args.stream, time.monotonic()))
+            out.append(wire.AddRequest(f"r{self.next_rid}", prompt, params, self.args.stream, time.monotonic(),
+                                       frontend=self.next_rid % self.args.frontends))
             self.next_rid += 1
         return out
 
     def read_back(self) -> int:
         """Frames the engine sent: returns how many requests finished (tokens counted)."""
         finished = 0
-        while self.pull.poll(0):
-            message = wire.decode_from_engine(self.pull.recv())
-            if isinstance(message, wire.Outputs):
-                for delta in message.deltas:
-                    finished += delta.output is not None or delta.error is not None
-                    self.tokens += len(delta.ids)
+        for pull in self.pulls:
+            while pull.poll(0):
+                message = wire.decode_from_engine(pull.recv())
+                if isinstance(message, wire.Outputs):
+                    for delta in message.deltas:
+                        finished += delta.output is not None or delta.error is not None
+                        self.tokens += len(delta.ids)
         return finished
 
     def step(self, adds: list[wire.AddRequest]) -> tuple[float, dict[str, float]]:
@@ -198,8 +204,8 @@ class ClosedLoop:
 
     def close(self) -> None:
         self.core.links.close()
-        self.push.close(linger=0)
-        self.pull.close(linger=0)
+        for socket in (*self.pushes, *self.pulls):
+            socket.close(linger=0)
         self.context.term()
 
 

@@ -56,3 +56,16 @@ def test_step_gauges_show_the_latest_step_when_scraped() -> None:
     assert 'blockspec_spec_verify_position_accept_rate{position="1"} 0.5' in text
     assert 'blockspec_spec_verify_num_draft_tokens{batch_size="3"} 4.0' in text
     assert "blockspec_spec_accept_length 3.0" in text  # histogram[k] verifies committed k: 30 tokens / 10
+
+
+def test_a_step_without_detail_keeps_the_last_detailed_one() -> None:
+    """The engine reads its statistics every DETAIL_INTERVAL_S (StepStats.detailed); the steps between carry the
+    counts alone, and a scrape then shows the counts of the latest step and the detail of the latest detailed one."""
+    metrics = ServerMetrics(max_accept_length=4)
+    metrics.on_step(wire.StepStats(3, 1, 0, 100, 40, [0, 1, 2, 3, 4], [], 0, [wire.VerifyLengthStat(3, 4, 2.5, 1.2)],
+                                   [0.9, 0.4, 0.3]), num_queued=0)
+    metrics.on_step(wire.StepStats(5, 0, 0, 100, 20, None, [], detailed=False), num_queued=0)
+    text = metrics.render().decode()
+    assert "blockspec_num_running_reqs 5.0" in text and "blockspec_token_usage 0.8" in text
+    assert 'blockspec_spec_verify_position_accept_rate{position="1"} 0.9' in text
+    assert "blockspec_spec_accept_length 3.0" in text

@@ -20,6 +20,7 @@ from blockspec.server.frontend_links import FrontendLinks
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500
+DETAIL_INTERVAL_S = 0.05  # the StepStats fields that cost a read of the engine's statistics, at most this often
 
 
 @dataclass
@@ -90,6 +91,7 @@ class EngineCore:
         self.parent_pid = parent_pid
         self._tracked: dict[str, _Tracked] = {}
         self._finished: list[wire.FinishStat] = []  # NOTE: every server gets all of them (complete metrics in each)
+        self._detail_sent = float("-inf")
         self._context = zmq.Context()
         self.links = FrontendLinks(self._context, to_engine, from_engine)
         self._pull = self.links.pull
@@ -111,12 +113,12 @@ class EngineCore:
                     except Exception as exc:  # keep serving: fail what was in flight, free its KV
                         logger.exception("engine step failed")
                         self._fail_all(f"engine error: {exc}")
-                self._flush(stats=stepped or self.links.has_pending)
+                self._flush(stats=stepped or self.links.has_pending, detail=not scheduler.has_work)
         finally:
             scheduler.detokenize_all = True
             self._fail_all("the server is shutting down", status=503)
             self._drain_refused("the server is shutting down")
-            self._flush(stats=True)
+            self._flush(stats=True, detail=True)
             self.links.send_all(wire.Stopped())
             self.links.close()
             self._context.term()
@@ -193,18 +195,24 @@ class EngineCore:
             if tracked.stream:
                 self._push_delta(tracked, final=False)
 
-    def _flush(self, stats: bool) -> None:
+    def _flush(self, stats: bool, detail: bool = False) -> None:
+        """Sends each server its deltas and, with `stats`, the step's statistics (the detailed fields when `detail`
+        or DETAIL_INTERVAL_S has passed since they were last sent)."""
         links = self.links
         if not stats and not any(links.deltas):
             return
         base = None
         if stats:
             scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
-            histogram = list(scheduler.spec.accept_histogram) if self.engine.worker.is_speculative else None
-            base = wire.StepStats(
-                len(scheduler.running), len(scheduler.waiting), 0, allocator.total_slots, allocator.free_slots,
-                histogram, self._finished, self.engine.kernel_compiles_after_startup, *self._verify_stats(),
-            )
+            now = time.monotonic()
+            detail = detail or now - self._detail_sent >= DETAIL_INTERVAL_S
+            base = wire.StepStats(len(scheduler.running), len(scheduler.waiting), 0, allocator.total_slots,
+                                  allocator.free_slots, None, self._finished, detailed=detail)
+            if detail:
+                self._detail_sent = now
+                base.spec_histogram = list(scheduler.spec.accept_histogram) if self.engine.worker.is_speculative else None
+                base.kernel_compiles_after_startup = self.engine.kernel_compiles_after_startup
+                base.verify_lengths, base.position_rates = self._verify_stats()
             self._finished = []
         for frontend in range(links.count):
             if base is None and not links.deltas[frontend]:

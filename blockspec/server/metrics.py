@@ -71,6 +71,7 @@ class ServerMetrics:
         r.register(self.accept_per_verify)
         self._finish_reasons: dict[str, Any] = {}  # NOTE: labelled children, looked up once per reason
         self._last_step: Optional[StepStats] = None  # applied to the labelled gauges at render
+        self._last_detail: Optional[StepStats] = None  # the last one with the detailed fields (StepStats.detailed)
         self.kernel_compiles = Gauge(
             "blockspec_kernel_compiles_after_startup",
             "Triton kernel variants compiled since the engine's start-up finished (each a stall; should stay 0)", registry=r,
@@ -142,6 +143,8 @@ class ServerMetrics:
         self.num_running.set(stats.num_running)
         self.num_queued.set(num_queued)
         self._last_step = stats
+        if stats.detailed:
+            self._last_detail = stats
 
     def _apply_last_step(self) -> None:
         stats = self._last_step
@@ -151,6 +154,9 @@ class ServerMetrics:
         self.kv_total.set(total)
         self.kv_free.set(free)
         self.kv_usage.set((total - free) / total if total else 0.0)
+        stats = self._last_detail
+        if stats is None:
+            return
         if stats.spec_histogram is not None:
             self.set_spec_stats(stats.spec_histogram)
         if stats.kernel_compiles_after_startup is not None:

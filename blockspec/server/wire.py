@@ -117,6 +117,9 @@ class StepStats(msgspec.Struct):
     kernel_compiles_after_startup: Optional[int] = None  # Engine.kernel_compiles_after_startup
     verify_lengths: Optional[list[VerifyLengthStat]] = None
     position_rates: Optional[list[float]] = None  # DFlash: P(d_j accepted | tried, d_1..d_{j-1} accepted), j = 1..B-1
+    # NOTE: False: spec_histogram .. position_rates were not read this step (the engine sends them every
+    # engine_core.DETAIL_INTERVAL_S and when it goes idle); the receiver keeps the last detailed ones
+    detailed: bool = True
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -36,10 +36,14 @@ class KernelCompileLog:
         self.serving = False  # some engine finished its start-up: compiles outside a start-up are stalls
         self._runtime: Optional[Any] = None  # triton.knobs.runtime once our hook is installed
         self._previous_hook: Optional[Any] = None
+        self._tried = False
         self._lock = threading.Lock()
 
     def install(self) -> None:
         """Chains onto Triton's post-compile hook (a hook already there keeps being called). Once per process."""
+        if self._tried:  # NOTE: cheap after the first call: engine_core reads the count at the steps it reports
+            return
+        self._tried = True
         if importlib.util.find_spec("triton") is None:
             return
         import triton
@@ -48,8 +52,6 @@ class KernelCompileLog:
         if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
             logger.warning("Triton %s has no post-compile hook (triton.knobs, 3.4+): kernel compiles are not counted",
                            triton.__version__)
-            return
-        if self._runtime is not None:
             return
         self._previous_hook = runtime.jit_post_compile_hook
         runtime.jit_post_compile_hook = self._on_compile
