@@ -101,7 +101,9 @@ class StepExecutor:
             return None
         self.allocator.grow_many(reqs, [r.kv_len + ahead for r in reqs], self.table)
         previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight)
-        return [] if previous is None else self._commit(previous, keep_ahead=self.slots_per_decode)
+        # NOTE: nothing shrinks: each request keeps its slots to (pre-commit kv_len) + 2B, which the next launch grows
+        # from (by what this commit advanced, not by B + that), and `drain` or its release frees the rest
+        return [] if previous is None else self._commit(previous, keep_ahead=None)
 
     def drain(self) -> list[Committed]:
         """Commits the step in flight, if any (nothing runs after it, so its rejected slots are released)."""
@@ -110,12 +112,14 @@ class StepExecutor:
         step, self.in_flight = self.in_flight, None
         return self._commit(step, keep_ahead=0)
 
-    def _commit(self, step: InFlightStep, keep_ahead: int) -> list[Committed]:
-        """A launched step's tokens; each request keeps slots to kv_len + keep_ahead (the step after it)."""
+    def _commit(self, step: InFlightStep, keep_ahead: Optional[int]) -> list[Committed]:
+        """A launched step's tokens; each request keeps slots to kv_len + keep_ahead (every slot it has: None)."""
         committed: list[Committed] = []
+        shrink = self.allocator.shrink
         for req, tokens in zip(step.reqs, self.worker.finish(step)):
             if tokens is None:  # finished or aborted since the launch
                 continue
-            self.allocator.shrink(req, req.kv_len + keep_ahead)
+            if keep_ahead is not None:
+                shrink(req, req.kv_len + keep_ahead)
             committed.append(Committed(req, tokens, verified=True))
         return committed
