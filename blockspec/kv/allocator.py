@@ -108,10 +108,16 @@ class PageAllocator:
     def grow_many(self, reqs: list[Req], new_len: list[int], table: "ReqToTokenTable") -> None:
         """`grow` for a decode batch: each request's new slots on the host (a slice of its pages when page_size is 1)
         and one table write for the whole batch (`write_runs`) instead of one host→device copy per request."""
-        extras = [self.extra_pages_needed(req, length) for req, length in zip(reqs, new_len)]
+        if not self.try_grow_many(reqs, new_len, table):
+            raise MemoryError("KV pool exhausted")  # callers check free slots first; nothing has changed yet
+
+    def try_grow_many(self, reqs: list[Req], new_len: list[int], table: "ReqToTokenTable") -> bool:
+        """`grow_many`, or False with nothing changed when the free pool cannot give every request its slots."""
+        page = self.page_size  # NOTE: extra_pages_needed inlined: once per request per decode step
+        extras = [max(0, -(-length // page) - len(req.pages)) for req, length in zip(reqs, new_len)]
         total = sum(extras)
         if total > self._available_pages:
-            raise MemoryError("KV pool exhausted")  # callers check free slots first; nothing has changed yet
+            return False
         self._reserve(total)
         rows: list[int] = []
         starts: list[int] = []
@@ -129,6 +135,7 @@ class PageAllocator:
             lengths.append(length - start)
             req.allocated_len = length
         table.write_runs(rows, starts, lengths, slots)
+        return True
 
     def shrink(self, req: Req, new_len: int) -> None:
         """Release positions >= new_len; pages still holding a kept position stay with the request."""

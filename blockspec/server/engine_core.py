@@ -191,9 +191,19 @@ class EngineCore:
             tracked = self._tracked.pop(req.rid, None)
             if tracked is not None:
                 self._finish(tracked, now=now)
+        interval, deltas = self.stream_interval, self.links.deltas
         for tracked in self._tracked.values():
-            if tracked.stream:
+            if not tracked.stream:
+                continue
+            req = tracked.req
+            if req.detokenized or req.top_logprobs_num is not None:
                 self._push_delta(tracked, final=False)
+                continue
+            # NOTE: _push_delta's ids-only case inlined (once per stream per step)
+            ids, sent = req.all_ids, req.prompt_len + tracked.sent_ids
+            if len(ids) - sent >= interval:
+                deltas[tracked.frontend].append(wire.DeltaOut(req.rid, None, ids[sent:]))
+                tracked.sent_ids = len(ids) - req.prompt_len
 
     def _flush(self, stats: bool, detail: bool = False) -> None:
         """Sends each server its deltas and, with `stats`, the step's statistics (the detailed fields when `detail`

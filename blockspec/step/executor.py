@@ -97,9 +97,9 @@ class StepExecutor:
         if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
             return None
         ahead = 2 * self.slots_per_decode
-        if any(r.kv_len + ahead > self.table.max_context_len for r in reqs) or not self.fits(reqs, ahead):
+        lengths = [r.kv_len + ahead for r in reqs]
+        if max(lengths) > self.table.max_context_len or not self.allocator.try_grow_many(reqs, lengths, self.table):
             return None
-        self.allocator.grow_many(reqs, [r.kv_len + ahead for r in reqs], self.table)
         previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight)
         # NOTE: nothing shrinks: each request keeps its slots to (pre-commit kv_len) + 2B, which the next launch grows
         # from (by what this commit advanced, not by B + that), and `drain` or its release frees the rest
