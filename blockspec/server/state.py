@@ -69,9 +69,20 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # NOTE: a task of its own, as Starlette's: resuming it for each chunk does not walk the middleware stack (a
         # cancel of this task reaches the one it awaits)
-        await asyncio.ensure_future(self.stream_response(send))
+        await asyncio.ensure_future(self._stream(send))
         if self.background is not None:
             await self.background()
+
+    async def _stream(self, send: Send) -> None:
+        try:
+            await self.stream_response(send)
+        finally:
+            # NOTE: cancelled while `send` waited (a full write buffer), the body generator would stay suspended at
+            # its yield until the garbage collector broke the traceback's cycle; closing it now runs its cleanup (the
+            # abort of the engine's requests) at once
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 @dataclass
