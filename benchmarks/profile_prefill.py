@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from blockspec import Engine
 from device_timing import cuda_ms
+from extend_host_split import host_split
 from prefill_latency import extend_ms, make_reqs, release
 from serving_vs_engine_support import materialise
 
@@ -30,6 +31,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["1x16", "1x256", "8x2048"], help="BATCHxTOKENS")
     parser.add_argument("--shape", choices=("llama8b", "smollm2"), default="llama8b")
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--host-split", type=int, default=0, help="then N whole extends per case and path, host "
+                        "time per part (extend_host_split.py)")
     parser.add_argument("--host-loop-s", type=float, default=0.0, help="then S s of whole extends per case and path")
     parser.add_argument("--trace-dir", type=Path, help="also write a Chrome trace (CPU + CUDA) per piecewise case")
     args = parser.parse_args()
@@ -65,6 +68,12 @@ def main() -> None:
             reqs = make_reqs(engine, bs, tokens)
             ms = cuda_ms(lambda: whole_extend(engine, reqs), 10)
             print(f"==== bs {bs} x {tokens} tokens: the worker's whole extend {ms:.2f} ms ====")
+            if args.host_split > 0:
+                for label, runner_piecewise in (("eager", None), ("piecewise", piecewise)):
+                    engine.runner.piecewise = runner_piecewise
+                    split = host_split(engine, reqs, args.host_split)
+                    print(f"     host us per part, {label}: " + ", ".join(f"{k} {v:.0f}" for k, v in split.items()))
+                engine.runner.piecewise = piecewise
             if args.host_loop_s > 0:
                 engine.runner.piecewise = None
                 count = host_loop_eager(engine, reqs, args.host_loop_s)
