@@ -192,9 +192,9 @@ class DFlashWorker(DFlashBase):
             [req.pool_row for req in everyone],  # type: ignore[misc]
             self.runner.req_to_token.table, [end - 1 for end in chunk_ends] + block_rows, self.capture,
         )
-        if n > 1:  # NOTE: the mask placeholders become d_1..d_{n-1}
-            proposal_rows = torch.tensor([r for r in block_rows if (r - offset) % n], device=batch.input_ids.device)
-            batch.input_ids[proposal_rows] = proposals.reshape(-1)
+        if n > 1:  # NOTE: the mask placeholders become d_1..d_{n-1} (rows made on the device: no host→device copy)
+            rows = torch.arange(len(decode_reqs) * n, device=batch.input_ids.device).view(-1, n)[:, 1:] + offset
+            batch.input_ids[rows.reshape(-1)] = proposals.reshape(-1)
         output = self.extend_forward(batch)
         for req, length in zip(reqs, chunk_lens):
             req.kv_len += length
