@@ -46,7 +46,7 @@ class EngineConfig:
     enable_mixed_chunk: bool = False  # one forward: prefill chunks + the running requests' decode tokens / verify blocks
     disable_radix_cache: bool = False  # the radix prefix cache (target + draft KV of shared prefixes) is on by default
     enforce_piecewise_cuda_graph: bool = False
-    # NOTE: None: the chunked-prefill budget (8192 without chunking), so every extend step the scheduler plans fits a
+    # NOTE: None: the chunked-prefill budget up to 8192 (`piecewise_max_tokens`), so the default's extend steps fit a
     # bucket: an extend the graphs cannot take runs eagerly, ≈ 17 ms of host launches on SmolLM2 shapes (H200)
     piecewise_cuda_graph_max_tokens: Optional[int] = None
     piecewise_cuda_graph_tokens: Optional[list[int]] = None  # explicit token buckets for piecewise graphs
@@ -201,7 +201,8 @@ class EngineConfig:
 
     @property
     def piecewise_max_tokens(self) -> int:
-        """The largest piecewise-graph token bucket: the flag's value, else the chunk budget (else 8192)."""
+        """The largest piecewise-graph token bucket: the flag's value, else the chunk budget capped at 8192 (the
+        static buffers and the graph pool grow with it; above 8k tokens an extend's compute outweighs eager launches)."""
         if self.piecewise_cuda_graph_max_tokens is not None:
             return self.piecewise_cuda_graph_max_tokens
-        return self.chunk_budget or 8192
+        return min(self.chunk_budget or 8192, 8192)

@@ -163,6 +163,8 @@ class Scheduler:
     def _decoding(self) -> list[Req]:
         return [r for r in self.running if r.pending_len == 1 and not (r.finished or r.in_prefill)]
 
+    # NOTE: conservative while a step is in flight: its requests already hold most of their next step's slots (the
+    # overlap schedule keeps them between launches), yet each still counts a full step here
     def _decode_headroom(self, num_running: int) -> int:
         pages = self.allocator.pages_for(self.steps.slots_per_decode) + 1
         return num_running * pages * self.allocator.page_size

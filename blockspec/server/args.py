@@ -73,7 +73,7 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--enable-mixed-chunk", dict(action="store_true", help="one forward carries prefill chunks with the running decode/verify")),
     ("--enforce-piecewise-cuda-graph", dict(action="store_true", help="piecewise CUDA graphs for prefill/extend")),
     ("--piecewise-cuda-graph-max-tokens", dict(type=int, help="largest piecewise-graph token bucket (default: the "
-                                                              "--chunked-prefill-size, else 8192)")),
+                                                              "--chunked-prefill-size, at most 8192)")),
     ("--piecewise-cuda-graph-tokens", dict(type=int, nargs="+", help="explicit token buckets for piecewise graphs")),
     ("--cuda-graph-backend-prefill", dict(choices=("piecewise", "none"), help="piecewise = --enforce-piecewise-cuda-graph")),
     ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks (one process and GPU each; default 1)")),

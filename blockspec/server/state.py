@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from blockspec.tokenizer import ToolsIgnoredError, backend_of, load_tokenizer, r
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 DISCONNECT_POLL_S = 0.5
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -82,7 +84,10 @@ class EventStream(StreamingResponse):
             # abort of the engine's requests) at once
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
-                await close()
+                try:
+                    await close()
+                except Exception:  # NOTE: logged, not raised: it would replace the exception that ended the stream
+                    logger.exception("closing a response stream failed")
 
 
 @dataclass
