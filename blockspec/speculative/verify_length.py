@@ -72,6 +72,7 @@ class AcceptanceStats:
         self.prior_weight = prior_weight
         self.tried = [0.0] * max_proposals  # NOTE: index j - 1 holds position j (proposal d_j)
         self.passed = [0.0] * max_proposals
+        self._survival: Optional[list[float]] = None  # NOTE: kept until the next observe (each cycle's choice asks ≥ 4x)
 
     def observe(self, num_draft_tokens: int, accepted: Sequence[int]) -> None:
         """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted."""
@@ -85,6 +86,7 @@ class AcceptanceStats:
             tried = at_least[j] if j < num_draft_tokens - 1 else 0
             self.tried[j] = self.tried[j] * fade + tried
             self.passed[j] = self.passed[j] * fade + (at_least[j + 1] if tried else 0)
+        self._survival = None
 
     def rates(self) -> list[float]:
         """P(d_j accepted | d_1..d_{j-1} accepted), j = 1..B-1."""
@@ -96,15 +98,20 @@ class AcceptanceStats:
 
     def survival(self) -> list[float]:
         """P(accepted ≥ j), j = 1..B-1."""
-        out, alive = [], 1.0
-        for rate in self.rates():
-            alive *= rate
-            out.append(alive)
-        return out
+        return list(self._cached_survival())
+
+    def _cached_survival(self) -> list[float]:
+        if self._survival is None:
+            out, alive = [], 1.0
+            for rate in self.rates():
+                alive *= rate
+                out.append(alive)
+            self._survival = out
+        return self._survival
 
     def expected_tokens(self, num_draft_tokens: int) -> float:
         """Tokens a cycle of this verify length commits on average: 1 + E[min(accepted, n - 1)]."""
-        return 1.0 + sum(self.survival()[: num_draft_tokens - 1])
+        return 1.0 + sum(self._cached_survival()[: num_draft_tokens - 1])
 
 
 class CycleTimes:
