@@ -17,8 +17,15 @@ def describe(row: dict[str, Any]) -> str:
             f"{_num(row.get('engine_receive_mean_ms'), '.1f')}/{_num(row.get('engine_queue_mean_ms'), '.1f')}/"
             f"{_num(row.get('engine_prefill_mean_ms'), '.1f')} {_num(row.get('engine_steps_per_s'), '.0f')}/"
             f"{_num(row.get('extend_step_share'), '.2f')} {_num(row.get('engine_extend_step_mean_ms'), '.1f')}/"
-            f"{_num(row.get('engine_other_step_mean_ms'), '.2f')}"
+            f"{_num(row.get('engine_other_step_mean_ms'), '.2f')} {_extends(row.get('server_forward_counts'))}"
             f"{' ' + str(row['kernel_compiles_by_kernel']) if row.get('kernel_compiles_by_kernel') else ''}")
+
+
+def _extends(counts: Optional[dict[str, int]]) -> str:
+    """The level's extend forwards: on piecewise graphs / eager (no bucket fitted)."""
+    if not counts:
+        return "-"
+    return f"{counts.get('piecewise', 0)}/{counts.get('piecewise_fallback', 0)}"
 
 
 def _num(value: Optional[float], spec: str) -> str:
@@ -27,4 +34,4 @@ def _num(value: Optional[float], spec: str) -> str:
 
 HEADER = (f"{'shape':>8} {'mode':>6} {'concurrency':>14} {'engine t/s':>10} {'server t/s':>10} {'s/e':>6} "
           f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok compiles clients-cpu/procs "
-          "http/engine-cpu receive/queue/prefill-ms steps-per-s/extend-share extend/other-step-ms")
+          "http/engine-cpu receive/queue/prefill-ms steps-per-s/extend-share extend/other-step-ms extends-piecewise/eager")
