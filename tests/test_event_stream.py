@@ -1,5 +1,6 @@
-"""EventStream: a stream whose task is cancelled while `send` waits (a client that stopped reading) closes its body
-generator at once, so the generator's cleanup (the engine requests' abort) does not wait for the garbage collector."""
+"""A client that stops reading a stream gets its engine requests aborted at once: EventStream closes the body generator
+when its task is cancelled while `send` waits (the cleanup does not wait for the garbage collector), and the OpenAI
+streams abort from their first chunks on, before the deltas' own cleanup exists."""
 from __future__ import annotations
 
 import asyncio
@@ -45,3 +46,32 @@ def test_a_cancelled_stream_closes_its_generator_at_once() -> None:
         asyncio.run(main())
     finally:
         gc.enable()
+
+
+def test_a_stream_closed_before_its_deltas_still_aborts_its_requests() -> None:
+    """The chat stream's role chunks and the completion stream's echo chunks come before the deltas (whose cleanup
+    aborts the engine's requests): a client gone while they are sent must abort them too."""
+    from types import SimpleNamespace
+
+    from blockspec.request import Req, SamplingParams
+    from blockspec.server.chat_tools import ChatTools
+    from blockspec.server.openai_api import _chat_stream, _completion_stream
+    from blockspec.server.submission import Submission
+
+    async def main() -> list[str]:
+        aborted: list[str] = []
+        loop = asyncio.get_running_loop()
+        reqs = [Req([1, 2, 3], SamplingParams(), f"r{i}") for i in range(2)]
+        state = SimpleNamespace(abort_pending=lambda sub: aborted.extend(sub.reqs[i].rid for i in sorted(sub.pending)),
+                                tokenizer=None)
+        chat = _chat_stream(state, Submission(reqs, True, loop), None, {"id": "x"},  # type: ignore[arg-type]
+                            SimpleNamespace(include_usage=False, n=2), ChatTools())
+        assert b"assistant" in await chat.__anext__()
+        await chat.aclose()
+        completion = _completion_stream(state, Submission(reqs, True, loop), None, {"id": "y"},  # type: ignore[arg-type]
+                                        SimpleNamespace(include_usage=False, n=2, logprobs=None), ["echo", "echo"])
+        assert b"echo" in await completion.__anext__()
+        await completion.aclose()
+        return aborted
+
+    assert asyncio.run(main()) == ["r0", "r1", "r0", "r1"]

@@ -116,8 +116,12 @@ async def _chat_stream(state: ServerState, submission: Submission, request: Requ
         choice = {"index": index, "delta": delta, "logprobs": logprobs, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})
 
-    for index in range(n):
-        yield chunk(index, {"role": "assistant", "content": ""})
+    try:
+        for index in range(n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+    except BaseException:  # NOTE: closed or cancelled before the deltas' own cleanup exists: abort here
+        state.abort_pending(submission)
+        raise
     try:
         async with aclosing(state.deltas(submission, request)) as deltas:
             async for delta in deltas:
@@ -213,9 +217,13 @@ async def _completion_stream(state: ServerState, submission: Submission, request
         choice = {"index": index, "text": text, "logprobs": entry, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})
 
-    for index, echo in enumerate(echoes):
-        if echo:
-            yield chunk(index, echo)
+    try:
+        for index, echo in enumerate(echoes):
+            if echo:
+                yield chunk(index, echo)
+    except BaseException:  # NOTE: closed or cancelled before the deltas' own cleanup exists: abort here
+        state.abort_pending(submission)
+        raise
     try:
         async with aclosing(state.deltas(submission, request)) as deltas:
             async for delta in deltas:

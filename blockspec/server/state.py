@@ -217,8 +217,12 @@ class ServerState:
                 if delta is not None:
                     yield delta
         finally:
-            for index in submission.pending:
-                self.loop.abort(submission.reqs[index].rid)
+            self.abort_pending(submission)
+
+    def abort_pending(self, submission: Submission) -> None:
+        """Aborts the submission's unfinished requests in the engine (a no-op once all have finished)."""
+        for index in submission.pending:
+            self.loop.abort(submission.reqs[index].rid)
 
     async def collect(self, submission: Submission, request: Request, keep_aborted: bool = False) -> list[dict[str, Any]]:
         """Final outputs in submission order; an error (or an abort, unless `keep_aborted`) becomes an APIError."""
