@@ -196,6 +196,9 @@ class Req:
         # NOTE: logprobs (None: not asked for). Workers append one entry per token they return; the scheduler cuts
         # the lists back to the output when a finish condition stops the commit mid-block.
         self.top_logprobs_num: Optional[int] = None
+        # NOTE: samples_on_host as Scheduler.add_request fixed it (params, logprobs and grammar are set by then); the
+        # workers ask every step for every request
+        self.admitted_samples_on_host: Optional[bool] = None
         self.min_tokens_blocked_ids: set[int] = set()  # EOS + stop_token_ids, set by the scheduler (min_new_tokens)
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
@@ -224,6 +227,8 @@ class Req:
     @property
     def samples_on_host(self) -> bool:
         """Whether its tokens need more than the device's greedy argmax (no run-ahead, no fused greedy cycle)."""
+        if self.admitted_samples_on_host is not None:
+            return self.admitted_samples_on_host
         return not self.params.is_greedy or self.wants_logprobs or self.params.has_penalties or self.grammar is not None
 
     def meta_info(self) -> dict[str, Any]:

@@ -96,6 +96,8 @@ class Scheduler:
             req.detokenized = True
         if req.params.max_new_tokens == 0:
             req.finish = Finish(FinishReason.LENGTH, length=0)
+        req.admitted_samples_on_host = None
+        req.admitted_samples_on_host = req.samples_on_host
         req.received_time = time.monotonic()
         self.waiting.append(req)
 
@@ -161,7 +163,8 @@ class Scheduler:
         self._apply(self.steps.drain())
 
     def _decoding(self) -> list[Req]:
-        return [r for r in self.running if r.pending_len == 1 and not (r.finished or r.in_prefill)]
+        # NOTE: pending_len == 1 and not finished, spelled out: this runs over the whole batch every step
+        return [r for r in self.running if r.finish is None and not r.in_prefill and len(r.all_ids) - r.kv_len == 1]
 
     # NOTE: conservative while a step is in flight: its requests already hold most of their next step's slots (the
     # overlap schedule keeps them between launches), yet each still counts a full step here
@@ -246,7 +249,9 @@ class Scheduler:
         return True
 
     def collect_finished(self) -> list[Req]:
-        finished = [r for r in self.running if r.finished] + [r for r in self.waiting if r.finished]
+        finished = [r for r in self.running if r.finish is not None]  # NOTE: twice a step over the batch
+        if self.waiting:
+            finished += [r for r in self.waiting if r.finish is not None]
         for req in finished:
             self._release(req)
             if req in self.running:
