@@ -266,17 +266,16 @@ class Scheduler:
 
     # ---- committing tokens -----------------------------------------------------------------
     def _apply(self, committed: list[Committed]) -> None:
+        speculative, spec = self.steps.is_speculative, self.spec
         for item in committed:
+            req = item.req
             if not item.verified:  # NOTE: an extend's first token: the request decodes from now on
-                item.req.in_prefill = False
-            appended = self._commit(item.req, item.tokens)
-            if item.verified and self.steps.is_speculative:
-                self._record_spec(item.req, appended)
-
-    def _record_spec(self, req: Req, committed: int) -> None:
-        req.spec_verify_ct += 1
-        req.spec_accept_lengths.append(committed)
-        self.spec.record(committed)
+                req.in_prefill = False
+            appended = self._commit(req, item.tokens)
+            if item.verified and speculative:  # NOTE: one verify cycle of this request, `appended` tokens kept
+                req.spec_verify_ct += 1
+                req.spec_accept_lengths.append(appended)
+                spec.record(appended)
 
     def _commit(self, req: Req, tokens: list[int]) -> int:
         """Appends tokens up to the first finish condition (finish.py); returns how many were appended."""
