@@ -1,11 +1,12 @@
 """Where the host time of a serving run goes: a server started under py-spy (the server and its engine process) while
 closed-loop clients keep it busy (serving_vs_engine.py --py-spy-s S), and a summary of py-spy's raw stacks.
 
-`python benchmarks/serving_profile.py FILE.txt [--top N]` prints, per process, the busiest functions by self and by
+`python benchmarks/serving_profile.py FILE.txt[.gz] [--top N]` prints, per process, the busiest functions by self and by
 inclusive samples (idle waits — zmq poll, selectors, sleeping threads — counted apart)."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import shutil
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -34,13 +35,24 @@ def profile_server(start_server: Callable[[list[str]], Any], out_path: Path, run
         run_clients(server.base_url)
     if not out_path.exists():
         raise RuntimeError("py-spy wrote nothing")
-    return summarize(out_path, focus=FOCUS)
+    summary = summarize(out_path, top=40, focus=FOCUS)
+    compress(out_path)
+    return summary
+
+
+def compress(path: Path) -> Path:
+    """PATH → PATH.gz (the raw stacks of a serving run are tens of MB as text; the device returns small files only)."""
+    packed = path.with_name(path.name + ".gz")
+    with path.open("rb") as raw, gzip.open(packed, "wb") as out:
+        shutil.copyfileobj(raw, out)
+    path.unlink()
+    return packed
 
 
 def profile_top_level(start_server: Callable[[list[str]], Any], sent: list[list[int]], concurrency: int,
                       args: argparse.Namespace, stem: Path) -> None:
     """serving_vs_engine.py --py-spy-s: a fresh server under py-spy, a warm-up, then `sent` at `concurrency` closed-loop
-    clients; raw stacks to STEM.txt, the summary to STEM_summary.txt (and stdout)."""
+    clients; raw stacks to STEM.txt.gz, the summary (40 functions a list) to STEM_summary.txt and stdout."""
     from serving_vs_engine_support import client_namespace, measure_level, run_clients
 
     def clients(url: str) -> None:
@@ -57,7 +69,8 @@ def profile_top_level(start_server: Callable[[list[str]], Any], sent: list[list[
 def _stacks(path: Path) -> list[tuple[str, list[str], int]]:
     """(process, frames below its process frame, samples) per line of py-spy's raw output."""
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    text = gzip.open(path, "rt", errors="replace").read() if path.suffix == ".gz" else path.read_text(errors="replace")
+    for line in text.splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
