@@ -64,7 +64,6 @@ class Scheduler:
         self.num_extend_steps = 0  # steps that ran prefill chunks (with or without decode in the same forward)
         self.extend_step_seconds = 0.0  # wall time of those steps (host work and device waits), and of all steps
         self.step_seconds = 0.0
-        self._last_step_extended = False
         self.arrivals = ArrivalBatching(config.max_prefill_wait_steps)
         self.spec = SpecStatistics(worker.decode_slots_per_req)
 
@@ -123,11 +122,11 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Runs one step: an extend plan if any prompt work can be scheduled, else a decode step (overlapped with the
         step in flight when the batch allows it). Returns the requests that finished (or were aborted) during it."""
-        started = time.perf_counter()
+        started, extends_before = time.perf_counter(), self.num_extend_steps
         done = self._step()
         elapsed = time.perf_counter() - started
         self.step_seconds += elapsed
-        if self._last_step_extended:
+        if self.num_extend_steps > extends_before:
             self.extend_step_seconds += elapsed
         return done
 
@@ -135,7 +134,6 @@ class Scheduler:
         done = self.collect_finished()
         self.num_steps += 1
         plan = self._schedule_extend()
-        self._last_step_extended = bool(plan.extend)
         self.num_extend_steps += bool(plan.extend)
         if plan and self.config.enable_mixed_chunk:
             # NOTE: the running requests decode in the same forward: the step in flight is committed first.
