@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 
 from blockspec import Engine
 from engine_testing import assert_engine_idle
+from interpreter_dot import exact_interpreter_dot
 from tiny_models import build_tiny_model, save_tiny_model
 
 # NOTE: tiny models gain nothing from intra-op threads, and on a small shared machine the thread pool's spinning
@@ -51,6 +52,12 @@ class TinyCheckpoints:
                 raise ValueError(variant)
             self._cache[key] = TinyCheckpoint(kind, path, model)
         return self._cache[key]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_dot_rows_independent() -> Iterator[None]:
+    """Under TRITON_INTERPRET a row of `tl.dot` must not round by its place in the tile (interpreter_dot.py)."""
+    yield from exact_interpreter_dot()
 
 
 @pytest.fixture(scope="session")
