@@ -1,0 +1,85 @@
+"""EngineCore's flush to several HTTP server processes: a server hears from the engine when it has deltas, when the
+engine took its requests, or with the detailed statistics (every DETAIL_INTERVAL_S and when the engine goes idle);
+no finish statistic is lost on the way, and every server gets every request's."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import zmq
+
+from blockspec import Engine
+from blockspec.server import engine_core, wire
+from blockspec.server.engine_core import EngineCore
+
+
+class TwoServers:
+    """Plays two HTTP server processes: binds their sockets, reads back what the engine sent to each."""
+
+    def __init__(self, engine: Engine, root: Path) -> None:
+        self.context = zmq.Context()
+        to_engine = [f"ipc://{root}/to{i}" for i in range(2)]
+        from_engine = [f"ipc://{root}/from{i}" for i in range(2)]
+        self.pushes = [self.context.socket(zmq.PUSH) for _ in range(2)]
+        self.pulls = [self.context.socket(zmq.PULL) for _ in range(2)]
+        for push, pull, to, back in zip(self.pushes, self.pulls, to_engine, from_engine):
+            push.bind(to)
+            pull.bind(back)
+        self.core = EngineCore(engine, to_engine, from_engine)
+        self.core.links.connect()
+        engine.scheduler.detokenize_all = False
+
+    def received(self, server: int) -> list[wire.Outputs]:
+        messages = []
+        while self.pulls[server].poll(200 if not messages else 50):
+            message = wire.decode_from_engine(self.pulls[server].recv())
+            assert isinstance(message, wire.Outputs)
+            messages.append(message)
+        return messages
+
+    def close(self) -> None:
+        self.core.links.close()
+        for sock in (*self.pushes, *self.pulls):
+            sock.close(linger=0)
+        self.context.term()
+
+
+def add(core: EngineCore, rid: str, max_new_tokens: int, server: int) -> None:
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": max_new_tokens}
+    core._handle(wire.AddRequest(rid, [5, 6, 7, 8], params, False, time.monotonic(), frontend=server))
+
+
+def loop_pass(core: EngineCore) -> None:
+    """One pass of EngineCore.run's loop after intake."""
+    scheduler = core.engine.scheduler
+    core._publish(scheduler.step())
+    core._flush(stats=True, detail=not scheduler.has_work)
+
+
+def test_a_busy_engine_writes_only_to_servers_it_owes(make_engine: Callable[..., Engine], tiny: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_core, "DETAIL_INTERVAL_S", 3600.0)
+    servers = TwoServers(make_engine(tiny("llama").path), tmp_path)
+    core = servers.core
+    try:
+        add(core, "short", 2, server=0)
+        add(core, "long", 12, server=0)
+        loop_pass(core)  # the first pass: both servers get the detailed statistics once
+        assert [len(servers.received(s)) for s in (0, 1)] == [1, 1]
+        while "short" in core._tracked:
+            loop_pass(core)
+        first = servers.received(0)
+        assert any(d.rid == "short" and d.output is not None for m in first for d in m.deltas)
+        assert servers.received(1) == []  # busy, nothing for server 1: its copy of the finish statistic waits
+        while core.engine.scheduler.has_work:
+            loop_pass(core)
+        to_zero, to_one = servers.received(0), servers.received(1)
+        assert to_one and to_one[-1].stats is not None and to_one[-1].stats.detailed  # idle: everyone hears
+        for messages in (first + to_zero, to_one):
+            finished = [f for m in messages if m.stats is not None for f in m.stats.finished]
+            assert sorted(f.completion_tokens for f in finished) == [2, 12]
+        assert sum(m.stats.handled for m in to_one if m.stats is not None) == 0
+    finally:
+        servers.close()
