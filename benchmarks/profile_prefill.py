@@ -35,6 +35,8 @@ def main() -> None:
                         "time per part (extend_host_split.py)")
     parser.add_argument("--host-loop-s", type=float, default=0.0, help="then S s of whole extends per case and path")
     parser.add_argument("--trace-dir", type=Path, help="also write a Chrome trace (CPU + CUDA) per piecewise case")
+    parser.add_argument("--piecewise-eager-attention", action="store_true", help="the serve flag: attention eager "
+                        "between the piecewise graphs (default: one graph per bucket, attentions included)")
     args = parser.parse_args()
     cases = [tuple(int(x) for x in case.split("x")) for case in args.cases]
     with tempfile.TemporaryDirectory() as tmp:
@@ -43,7 +45,8 @@ def main() -> None:
         engine = Engine(model_path=str(target_dir), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                         max_total_tokens=65536, chunked_prefill_size=8192, cuda_graph_bs=[1],
                         enforce_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=max(b * t for b, t in cases),
-                        speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir))
+                        speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
+                        piecewise_eager_attention=args.piecewise_eager_attention)
         piecewise = engine.runner.piecewise
         for bs, tokens in cases:
             for label in ("eager", "piecewise"):

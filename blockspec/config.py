@@ -50,6 +50,9 @@ class EngineConfig:
     # bucket: an extend the graphs cannot take runs eagerly, ≈ 17 ms of host launches on SmolLM2 shapes (H200)
     piecewise_cuda_graph_max_tokens: Optional[int] = None
     piecewise_cuda_graph_tokens: Optional[list[int]] = None  # explicit token buckets for piecewise graphs
+    # NOTE: Triton attention: each bucket's whole extend forward, attentions included, is one graph (one replay,
+    # not one per piece + an eager attention launch per layer); True keeps the attentions eager between the pieces
+    piecewise_eager_attention: bool = False
     cuda_graph_backend_prefill: Optional[str] = None  # "piecewise" is an alias of enforce_piecewise_cuda_graph
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     speculative_simulate_accept_len: Optional[float] = None  # benchmarking only: forces the accept length
@@ -79,7 +82,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("skip_tokenizer_init", "trust_remote_code", "disable_cuda_graph", "disable_overlap_schedule",
-                     "enforce_piecewise_cuda_graph", "enable_mixed_chunk", "disable_radix_cache",
+                     "enforce_piecewise_cuda_graph", "piecewise_eager_attention", "enable_mixed_chunk", "disable_radix_cache",
                      "enable_deterministic_inference"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

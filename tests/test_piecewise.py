@@ -189,3 +189,38 @@ def test_aux_consumer_writes_the_draft_kv_like_eager_materialise(tmp_path: Path)
         assert changed <= set(real.tolist()) | {0}
         assert 0 in changed  # the 18 padding rows of the 32-token bucket went to the dummy slot
     release(engine, reqs)
+
+
+@pytest.fixture(scope="module")
+def triton_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    pytest.importorskip("triton")
+    root = tmp_path_factory.mktemp("pcg_triton")
+    save_tiny_model("llama", root)
+    return Engine(model_path=str(root), device="cpu", dtype="float32", page_size=4, max_total_tokens=2048,
+                  skip_tokenizer_init=True, attention_backend="triton", max_running_requests=8)
+
+
+@pytest.mark.parametrize("prefix,new", [([0], [5]), ([20, 0, 3], [13, 40, 1])])
+def test_whole_forward_graph_equals_plain_forward(triton_engine: Engine, prefix: list[int], new: list[int]) -> None:
+    """Triton attention inside the bucket's graph (GraphExtendAttention): the same logits, aux and KV as the plain
+    forward; padding writes only the dummy slot; a batch with more requests than the static buffers is refused."""
+    from blockspec.attention.triton_graph_extend import GraphExtendAttention
+
+    runner = triton_engine.runner
+    graph_attention = GraphExtendAttention(runner.attention, runner.req_to_token.table, 4, 64)  # type: ignore[arg-type]
+    pcg = PiecewiseGraphRunner(runner.model, runner.attention, [16, 64], CAPTURE, runner.device,
+                               graph_attention=graph_attention)
+    batch, reqs = extend_batch(triton_engine, prefix, new, CAPTURE)
+    with torch.inference_mode():
+        expected = runner.model(batch, runner.attention)
+        kv_plain = [t.clone() for t in runner.kv_pool.k + runner.kv_pool.v]
+        got = pcg.forward(batch, use_graphs=False)
+    torch.testing.assert_close(got.logits, expected.logits)
+    torch.testing.assert_close(got.aux_hidden, expected.aux_hidden)
+    for before, after in zip(kv_plain, runner.kv_pool.k + runner.kv_pool.v):
+        torch.testing.assert_close(before[1:], after[1:])
+    assert pcg.can_run(batch)
+    release(triton_engine, reqs)
+    crowded, reqs = extend_batch(triton_engine, [0] * 5, [1] * 5, CAPTURE)
+    assert not pcg.can_run(crowded)
+    release(triton_engine, reqs)

@@ -103,6 +103,56 @@ def paged_attention_kernel(
     q_len = tl.load(q_lens_ptr + req)
     if pid_m * BLOCK_M >= q_len * GROUP:
         return
+    attend_program(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, kv_head, pid_m, pid_split, q_len,
+        stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
+        stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, qk_scale_log2, window,
+        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL, USE_WINDOW, DOT_PRECISION, MASK_EDGES_ONLY,
+    )
+
+
+@triton.jit(do_not_specialize_on_alignment=INDEX_POINTERS)
+def tiled_extend_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    req_to_token_ptr, req_rows_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr, tile_req_ptr, tile_m_ptr, tile_count_ptr,
+    stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row, stride_o_tok, stride_o_head,
+    qk_scale_log2, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """paged_attention_kernel's work for a ragged extend batch without a host-side launch shape (so it can live in
+    a CUDA graph): axis 0 walks a tile table made on the device (triton_graph_extend.py), tile t being query-row
+    block tile_m[t] of request tile_req[t], for t < tile_count; axis 1 is the KV head. Unsplit."""
+    wait_for_previous_grid(PDL)
+    tile = tl.program_id(0)
+    if tile >= tl.load(tile_count_ptr):
+        return
+    req = tl.load(tile_req_ptr + tile)
+    pid_m = tl.load(tile_m_ptr + tile)
+    q_len = tl.load(q_lens_ptr + req)
+    attend_program(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
+        req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, tl.program_id(1), pid_m, 0, q_len,
+        stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
+        stride_o_tok, stride_o_head, 0, 0, 0, qk_scale_log2, window,
+        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, 1, CAUSAL, USE_WINDOW, DOT_PRECISION, MASK_EDGES_ONLY,
+    )
+
+
+@triton.jit
+def attend_program(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, kv_head, pid_m, pid_split, q_len,
+    stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
+    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, qk_scale_log2, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr,
+):
+    """One program's work: query-row block pid_m of request `req` (it exists: pid_m * BLOCK_M < q_len * GROUP) for
+    KV head `kv_head`, over the keys of split pid_split."""
     seq_len = tl.load(seq_lens_ptr + req)
     q_start = tl.load(q_starts_ptr + req)
     table_row = tl.load(req_rows_ptr + req).to(tl.int64)

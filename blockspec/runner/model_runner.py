@@ -20,6 +20,8 @@ from blockspec.models.llama import ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
 from blockspec.batch import ForwardBatch, GraphInputs
 from blockspec.runner.graphs import CudaGraphs, GraphKind
+from blockspec.attention.triton_backend import DEFAULT_ATTENTION_KERNELS, TritonAttentionBackend
+from blockspec.attention.triton_graph_extend import GraphExtendAttention
 from blockspec.runner.piecewise_graph import AuxConsumer, PiecewiseGraphRunner, default_buckets
 
 if TYPE_CHECKING:
@@ -150,9 +152,14 @@ class ModelRunner:
             return
         max_tokens = self.config.piecewise_max_tokens
         buckets = self.config.piecewise_cuda_graph_tokens or default_buckets(max_tokens)
+        graph_attention = None
+        if not config.piecewise_eager_attention and type(self.attention) is TritonAttentionBackend \
+                and self.attention.kernels is DEFAULT_ATTENTION_KERNELS:
+            graph_attention = GraphExtendAttention(self.attention, self.req_to_token.table, config.max_running_requests,
+                                                   max(buckets))
         self.piecewise = PiecewiseGraphRunner(
             self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graphs.pool,
-            aux_consumer,
+            aux_consumer, graph_attention,
         )
         started = time.perf_counter()
         with torch.inference_mode():

@@ -72,6 +72,9 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--disable-radix-cache", dict(action="store_true", help="no prefix sharing: every prompt is prefilled in full")),
     ("--enable-mixed-chunk", dict(action="store_true", help="one forward carries prefill chunks with the running decode/verify")),
     ("--enforce-piecewise-cuda-graph", dict(action="store_true", help="piecewise CUDA graphs for prefill/extend")),
+    ("--piecewise-eager-attention", dict(action="store_true", help="run attention eagerly between the piecewise "
+     "graphs (default with Triton attention: each token bucket's whole extend forward, attentions included, is one "
+     "graph)")),
     ("--piecewise-cuda-graph-max-tokens", dict(type=int, help="largest piecewise-graph token bucket (default: the "
                                                               "--chunked-prefill-size, at most 8192)")),
     ("--piecewise-cuda-graph-tokens", dict(type=int, nargs="+", help="explicit token buckets for piecewise graphs")),
