@@ -16,7 +16,7 @@ from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E40
 from blockspec.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from blockspec.attention.triton_graph_extend import GraphExtendAttention  # noqa: E402
 from blockspec.batch import ForwardMode  # noqa: E402
-from test_triton_attention import make_case  # noqa: E402
+from test_triton_attention import DEVICE, make_case  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
 
@@ -43,9 +43,9 @@ def test_tiled_extend_matches_torch_and_eager_triton(prefix: list[int], new: lis
     attention.load(batch)
     plan = attention.make_tile_table(bucket)
     tokens = q.shape[0]
-    padded_q = torch.zeros(bucket, HEADS, HEAD_DIM)
+    padded_q = torch.zeros(bucket, HEADS, HEAD_DIM, device=DEVICE)
     padded_q[:tokens] = q
-    out = torch.full((bucket, HEADS * HEAD_DIM), 7.0)
+    out = torch.full((bucket, HEADS * HEAD_DIM), 7.0, device=DEVICE)
     attention.forward(padded_q, 0, out, plan)
     torch.testing.assert_close(out[:tokens], expected.reshape(tokens, -1), atol=1e-4, rtol=1e-4)
     assert torch.equal(out[:tokens], eager.reshape(tokens, -1)) or plan.tiles != backend.plan(batch).tiles

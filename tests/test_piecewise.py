@@ -196,8 +196,9 @@ def triton_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     pytest.importorskip("triton")
     root = tmp_path_factory.mktemp("pcg_triton")
     save_tiny_model("llama", root)
-    return Engine(model_path=str(root), device="cpu", dtype="float32", page_size=4, max_total_tokens=2048,
-                  skip_tokenizer_init=True, attention_backend="triton", max_running_requests=8)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # NOTE: on CPU, Triton's interpreter (root conftest)
+    return Engine(model_path=str(root), device=device, dtype="float32", page_size=4, max_total_tokens=2048,
+                  skip_tokenizer_init=True, attention_backend="triton", max_running_requests=8, disable_cuda_graph=True)
 
 
 @pytest.mark.parametrize("prefix,new", [([0], [5]), ([20, 0, 3], [13, 40, 1])])
