@@ -37,7 +37,7 @@ from blockspec.bench.client import (
 )
 from prefix_cache_clients import run_workload
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
-from serving_server import ServerProcess, log_tail
+from serving_server import ServerProcess, exit_on_sigterm, log_tail
 from serving_vs_engine import extra_engine_kwargs, serve_flags
 from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
 
@@ -216,6 +216,7 @@ def gpu_name() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    exit_on_sigterm()
     args = build_parser().parse_args(argv)
     shapes = ["tiny"] if args.smoke else [s.strip() for s in args.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]

@@ -27,6 +27,12 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (`timeout`) unwinds like an error, so every ServerProcess (a session of its own, which the signal
+    does not reach) is stopped by its context manager instead of outliving the benchmark on the GPU."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -54,17 +60,25 @@ class ServerProcess:
             # NOTE: a session of its own, so a server that ignores SIGTERM is killed with every process it started.
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
                                          start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:  # NOTE: SIGTERM (exit_on_sigterm) while starting too: __exit__ never runs then
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} before it was healthy")
             try:
                 if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.__exit__(None, None, None)
         raise RuntimeError(f"server not healthy after {self.startup_timeout:.0f}s")
 
     def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:

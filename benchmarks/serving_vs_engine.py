@@ -18,7 +18,6 @@ import datetime
 import json
 import math
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any, Optional, cast
 
 from blockspec.bench.provenance import commit_id
 from blockspec.bench.serving import load_prompts
+from serving_server import exit_on_sigterm
 from serving_table import HEADER, describe
 from serving_vs_engine_support import (
     DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, cached_engine_phase, client_namespace, log_tail, materialise,
@@ -236,9 +236,7 @@ def add_row(report: Report, base: dict[str, Any], level: dict[str, Any]) -> None
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # NOTE: SIGTERM (`timeout`) unwinds like an error, so the server process (a session of its own) and the engine
-    # phase's process are stopped by their context managers instead of outliving the benchmark on the GPU
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_sigterm()  # NOTE: the engine phase's process is stopped by its context manager too
     for flag in ("num_prompts", "prompt_len", "max_new_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")

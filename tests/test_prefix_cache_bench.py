@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,44 @@ def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
         assert (r["cache_hit_rate"] > 0) == (r["cache"] == "on")
     assert len(report["goals"]) == 3
     assert all(g["accept_len_rel_diff"] == 0.0 for g in report["goals"])  # fp32 CPU, greedy: identical verifies
+
+
+def _serve_children(parent: int) -> list[int]:
+    """Pids of `blockspec.serve` processes whose parent is `parent` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"blockspec.serve" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def test_sigterm_stops_the_server_it_started(workloads_file: Path, tmp_path: Path) -> None:
+    """`timeout` cut a device run of this benchmark and its server (a session of its own) kept the GPU's memory:
+    SIGTERM must stop the server before the benchmark exits."""
+    root = BENCHMARKS.parent
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    command = [sys.executable, str(BENCHMARKS / "prefix_cache.py"), "--smoke", "--workloads", str(workloads_file),
+               "--commit", "test", "--out", str(tmp_path), "--startup-timeout", "120", "--no-plot"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=BENCHMARKS)
+    try:
+        deadline = time.monotonic() + 120
+        servers: list[int] = []
+        while not servers and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            servers = _serve_children(proc.pid)
+        assert servers, "the benchmark never started its server"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143
+        assert not any(Path(f"/proc/{pid}").exists() and b"blockspec.serve" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                       for pid in servers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
