@@ -50,6 +50,15 @@ def test_segments_equal_plain_forward(engine: Engine, prefix: list[int], new: li
     runner = engine.runner
     pcg = PiecewiseGraphRunner(runner.model, runner.attention, default_buckets(128), capture, runner.device)
     batch, reqs = extend_batch(engine, prefix, new, capture)  # a cached prefix reads whatever its slots hold
+    check_against_plain_forward(engine, pcg, batch, capture)
+    release(engine, reqs)
+
+
+def check_against_plain_forward(engine: Engine, pcg: PiecewiseGraphRunner, batch: ForwardBatch,
+                                capture: tuple[int, ...]) -> None:
+    """`pcg.forward` (eager segments) gives the plain forward's logits, hidden, aux and KV; padding wrote only the
+    dummy slot."""
+    runner = engine.runner
     with torch.inference_mode():
         expected = runner.model(batch, runner.attention)
         kv_plain = [t.clone() for t in runner.kv_pool.k + runner.kv_pool.v]
@@ -62,7 +71,6 @@ def test_segments_equal_plain_forward(engine: Engine, prefix: list[int], new: li
         assert got.aux_hidden is None
     for before, after in zip(kv_plain, runner.kv_pool.k + runner.kv_pool.v):
         torch.testing.assert_close(before[1:], after[1:])  # padding wrote only slot 0, the dummy slot
-    release(engine, reqs)
 
 
 def test_capture_follows_the_requested_order(engine: Engine) -> None:
@@ -212,14 +220,7 @@ def test_whole_forward_graph_equals_plain_forward(triton_engine: Engine, prefix:
     pcg = PiecewiseGraphRunner(runner.model, runner.attention, [16, 64], CAPTURE, runner.device,
                                graph_attention=graph_attention)
     batch, reqs = extend_batch(triton_engine, prefix, new, CAPTURE)
-    with torch.inference_mode():
-        expected = runner.model(batch, runner.attention)
-        kv_plain = [t.clone() for t in runner.kv_pool.k + runner.kv_pool.v]
-        got = pcg.forward(batch, use_graphs=False)
-    torch.testing.assert_close(got.logits, expected.logits)
-    torch.testing.assert_close(got.aux_hidden, expected.aux_hidden)
-    for before, after in zip(kv_plain, runner.kv_pool.k + runner.kv_pool.v):
-        torch.testing.assert_close(before[1:], after[1:])
+    check_against_plain_forward(triton_engine, pcg, batch, CAPTURE)
     assert pcg.can_run(batch)
     release(triton_engine, reqs)
     crowded, reqs = extend_batch(triton_engine, [0] * 5, [1] * 5, CAPTURE)
