@@ -46,7 +46,10 @@ class GraphExtendAttention:
 
         self.q_starts, self.q_lens = index_buffer(max_requests), index_buffer(max_requests)
         self.req_rows, self.seq_lens = index_buffer(max_requests), index_buffer(max_requests)
-        most_tiles = max(self.plan_for(n).num_tiles for n in (1, max_tokens))
+        # NOTE: the bound of the narrowest tiles, not the largest bucket's plan: a middle bucket on narrow tiles can
+        # need more tiles than the largest bucket on wide ones.
+        narrowest = min(EXTEND_POLICY.tiles.block_m, SMALL_EXTEND_POLICY.tiles.block_m)
+        most_tiles = triton.cdiv(max_tokens * self.group, narrowest) + min(max_tokens, max_requests)
         self.tile_req, self.tile_m, self.tile_count = index_buffer(most_tiles), index_buffer(most_tiles), index_buffer(1)
         self.tile_ids = torch.arange(most_tiles, dtype=torch.int64, device=device)
 
@@ -55,7 +58,7 @@ class GraphExtendAttention:
         kv_heads = self.backend.num_kv_heads
         wide = triton.cdiv(num_tokens * self.group, EXTEND_POLICY.tiles.block_m) * kv_heads >= TWO_WAVES
         tiles = (EXTEND_POLICY if wide else SMALL_EXTEND_POLICY).tiles
-        # NOTE: every request wastes at most one partly filled row block.
+        # NOTE: every request with new tokens (at most one per token) wastes at most one partly filled row block.
         requests = min(num_tokens, self.max_requests)
         return TilePlan(tiles, triton.cdiv(num_tokens * self.group, tiles.block_m) + requests)
 
@@ -76,12 +79,15 @@ class GraphExtendAttention:
     def make_tile_table(self, num_tokens: int) -> TilePlan:
         """The tile table of the loaded batch, on the device (graph-safe: fixed shapes, no host sync)."""
         plan = self.plan_for(num_tokens)
-        requests = min(num_tokens, self.max_requests)
+        if plan.num_tiles > self.tile_ids.numel():
+            raise ValueError(f"a {num_tokens}-token bucket needs {plan.num_tiles} tiles; the table holds "
+                             f"{self.tile_ids.numel()} (built for fewer tokens)")
         block_m = plan.tiles.block_m
-        per_request = (self.q_lens[:requests] * self.group + block_m - 1) // block_m
+        # NOTE: every request slot, not the bucket's count: requests without new tokens (no tiles) may sit anywhere.
+        per_request = (self.q_lens * self.group + block_m - 1) // block_m
         ends = torch.cumsum(per_request, 0)
         ids = self.tile_ids[:plan.num_tiles]
-        owner = torch.searchsorted(ends, ids, right=True).clamp_(max=requests - 1)
+        owner = torch.searchsorted(ends, ids, right=True).clamp_(max=self.max_requests - 1)
         self.tile_req[:plan.num_tiles].copy_(owner)
         self.tile_m[:plan.num_tiles].copy_(ids - (ends[owner] - per_request[owner]))
         self.tile_count.copy_(ends[-1:])
