@@ -16,6 +16,7 @@ import zmq
 from blockspec.engine import Engine
 from blockspec.request import FinishReason, Req, SamplingParams
 from blockspec.server import wire
+from blockspec.server.engine_reports import engine_info, finish_stat
 from blockspec.server.frontend_links import FrontendLinks
 
 logger = logging.getLogger(__name__)
@@ -43,45 +44,6 @@ def _held_back(text: str, stops: list[str]) -> int:
                 longest = n
                 break
     return longest
-
-
-def engine_info(engine: Engine) -> wire.EngineInfo:
-    config = engine.config
-    limits = engine.scheduler.limits
-    return wire.EngineInfo(
-        model_path=engine.model_id,
-        tokenizer_path=config.tokenizer_path or config.model_path,
-        trust_remote_code=config.trust_remote_code,
-        has_tokenizer=engine.tokenizer is not None,
-        context_length=engine.scheduler.context_length,
-        vocab_size=engine.scheduler.vocab_size,
-        total_slots=limits.total_slots,
-        slots_per_decode=limits.slots_per_decode,
-        decode_slots_per_req=engine.worker.decode_slots_per_req,
-        max_running_requests=config.max_running_requests,
-        pid=os.getpid(),
-        startup=engine.startup.as_dict(),
-    )
-
-
-def _between(start: Optional[float], end: Optional[float]) -> Optional[float]:
-    return None if start is None or end is None else end - start
-
-
-def _finish_stat(req: Req, now: float) -> wire.FinishStat:
-    first = req.first_token_time
-    return wire.FinishStat(
-        reason=req.finish.reason.value if req.finish is not None else "unknown",
-        prompt_tokens=req.prompt_len,
-        completion_tokens=len(req.output_ids),
-        e2e=now - req.arrival_time,
-        ttft=_between(req.arrival_time, first),
-        decode_s=_between(first, now),
-        accept_lengths=list(req.spec_accept_lengths),
-        receive_s=_between(req.arrival_time, req.received_time),
-        queue_s=_between(req.received_time, req.scheduled_time),
-        prefill_s=_between(req.scheduled_time, first),
-    )
 
 
 class EngineCore:
@@ -281,7 +243,7 @@ class EngineCore:
         now = now or time.monotonic()
         output = Engine.output_of(req)
         output["meta_info"]["e2e_latency"] = now - req.arrival_time
-        stat = _finish_stat(req, now)
+        stat = finish_stat(req, now)
         for pending in self._finished:
             pending.append(stat)
         # NOTE: an abort the engine decided (the KV pool ran out) is an answer: finish_reason {"type": "abort",

@@ -14,7 +14,8 @@ import zmq
 
 from blockspec.engine import Engine
 from blockspec.server import wire
-from blockspec.server.engine_core import EngineCore, engine_info
+from blockspec.server.engine_core import EngineCore
+from blockspec.server.engine_reports import engine_info
 
 
 class EngineHandle(ABC):
