@@ -136,9 +136,10 @@ class PiecewiseGraphRunner:
         # NOTE: the eager warm-up below really stores K/V (and draft KV): point every row at the dummy slot first.
         for static in (self.input_ids, self.positions, self.out_cache_loc):
             static.zero_()
+        if self.graph_attention is not None:
+            self.graph_attention.q_lens.zero_()  # NOTE: no request: the warm-ups' attention has no tiles
         for n in reversed(self.buckets):
             if self.graph_attention is not None:
-                self.graph_attention.q_lens.zero_()  # NOTE: no request: the warm-up's attention has no tiles
                 self.whole_forward(n)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
