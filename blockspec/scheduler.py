@@ -143,8 +143,8 @@ class Scheduler:
                 plan.decode = decoding
             self._apply(self.steps.run(plan))
         elif plan:
-            # NOTE: a step in flight stays so: its requests have no prompt work (pending_len 1) and are not retracted
-            # here; the next decode step carries them and adds the newly prefilled ones.
+            # NOTE: a step in flight is committed while the device runs the extend (StepExecutor.run); its requests
+            # have no prompt work (pending_len 1) and are not retracted here.
             self._apply(self.steps.run(plan))
         else:
             committed = self.steps.run_ahead(self._decoding())

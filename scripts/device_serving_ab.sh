@@ -9,21 +9,29 @@
 # --engine-cache: one that changes only server flags reuses the first's). Mind the session's device time left.
 # PYSPY_S > 0: the first variant's top level runs again for ~PYSPY_S s under py-spy (serving_vs_engine.py --py-spy-s;
 # its summary lands in the log). Output (JSON per variant, log, profiles) goes to $OUT.
+# A variant named parent:NAME runs the tree in PARENT_DIR (an older commit, PARENT_COMMIT: `git archive <commit>
+# --prefix=ab_parent/ | tar -x`, carried as an untracked folder) with the same flags: an A/B across commits.
 # Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) VARIANTS="default=;threads16=--host-threads 16;mixed=--enable-mixed-chunk" \
 #        scripts/device_serving_ab.sh
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
+here=$PWD
+out=$(cd "$out" && pwd)
 IFS=';' read -ra variants <<< "${VARIANTS:-default=;threads16=--host-threads 16}"
 py_spy_s=${PYSPY_S:-0}
 for variant in "${variants[@]}"; do
     name=${variant%%=*}
     flags=${variant#*=}
-    echo "== variant $name: ${flags:-(no extra flags)}"
-    timeout "${RUN_S:-260}" python3 benchmarks/serving_vs_engine.py --shapes "${SHAPES:-smollm2}" --modes "${MODES:-dflash}" \
+    tree=$here commit=$BLOCKSPEC_COMMIT
+    if [ "${name#parent:}" != "$name" ]; then
+        name=parent_${name#parent:} tree=$here/${PARENT_DIR:?a parent: variant needs PARENT_DIR} commit=${PARENT_COMMIT:?}
+    fi
+    echo "== variant $name ($commit): ${flags:-(no extra flags)}"
+    (cd "$tree" && BLOCKSPEC_COMMIT=$commit PYTHONPATH=/tmp/site:$tree timeout "${RUN_S:-260}" python3 benchmarks/serving_vs_engine.py --shapes "${SHAPES:-smollm2}" --modes "${MODES:-dflash}" \
         --concurrency "${CONC:-64}" --poisson-rate 0 --num-prompts "${PROMPTS:-1024}" --max-rounds "${ROUNDS:-16}" \
         --client-procs "${CLIENT_PROCS:-4}" --no-plot --engine-cache /tmp/blockspec-engine-cache --py-spy-s "$py_spy_s" \
         --tag "ab_$name" --out "$out" \
-        --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph $flags" 2>&1 \
+        --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph $flags") 2>&1 \
         | grep -E "^ +(smollm2|llama8b) |engine [0-9]|took|!!|^process|^  +[0-9. ]+%|self:|inclusive" | tee -a "$out/serving_ab.log"
     py_spy_s=0
     # NOTE: a variant cut at RUN_S stops its server on SIGTERM; one that survived would hold the GPU's memory and fail

@@ -72,8 +72,8 @@ def test_overlap_equals_synchronous_and_target(root: Path) -> None:
 
 
 def test_arrivals_and_aborts_mid_pipeline(root: Path) -> None:
-    """Requests join while a cycle is in flight (it stays in flight over their prefill; the next cycle carries the
-    old requests from the device and adds the new ones from the host), others are aborted with one in flight."""
+    """Requests join while a cycle is in flight (the extend step commits it while the extend runs; the next cycle
+    launches the old and new requests from the host), others are aborted with one in flight."""
     expected = engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=greedy(40))
     engine = engine_for(root)
     scheduler = engine.scheduler
@@ -82,22 +82,21 @@ def test_arrivals_and_aborts_mid_pipeline(root: Path) -> None:
         scheduler.add_request(req)
     later = list(reqs[3:])
     aborted: set[str] = set()
-    step = mixed = 0
+    step = committed_over_extend = 0
     while scheduler.has_work or later:
-        before = scheduler.steps.in_flight
+        before, extends = scheduler.steps.in_flight, scheduler.num_extend_steps
         scheduler.step()
         step += 1
-        after = scheduler.steps.in_flight
-        if before is not None and after is not None and after is not before:
-            old_ids, new_ids = {id(r) for r in before.reqs}, {id(r) for r in after.reqs}
-            mixed += bool(new_ids - old_ids) and bool(new_ids & old_ids)
+        if scheduler.num_extend_steps > extends and before is not None:
+            assert scheduler.steps.in_flight is None and all(r.kv_len + 1 == len(r.all_ids) for r in before.reqs if not r.finished)
+            committed_over_extend += 1
         if later and step % 4 == 0 and scheduler.steps.in_flight is not None:
             scheduler.add_request(later.pop(0))
         if step >= 9 and not aborted and scheduler.steps.in_flight is not None:
             victim = scheduler.steps.in_flight.reqs[0]
             assert scheduler.abort(victim.rid)
             aborted.add(victim.rid)
-    assert mixed > 0
+    assert committed_over_extend > 0
     assert aborted
     for req, want in zip(reqs, expected):
         if req.rid in aborted:

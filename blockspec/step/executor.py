@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence
 
+import torch
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.request import Req
 from blockspec.step.inflight import InFlightStep
@@ -28,6 +29,10 @@ class Worker(Protocol):
     def init_cuda_graphs(self) -> None: ...
 
     def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> list[Optional[int]]: ...
+
+    def extend_logits(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor: ...
+
+    def first_tokens(self, reqs: Sequence[Req], logits: torch.Tensor) -> list[Optional[int]]: ...
 
     def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
 
@@ -70,9 +75,15 @@ class StepExecutor:
     def run(self, plan: StepPlan) -> list[Committed]:
         """Runs the plan synchronously, in one forward when it has both parts (`Worker.mixed`): its extend chunks
         and one decode step of its decode requests (slots for it are given here; the scheduler made room with
-        `fits`). Nothing of the plan may be in flight."""
+        `fits`). Nothing of the plan may be in flight. An extend-only plan commits the decode step in flight, if any,
+        while the device runs the extend (returned with the plan's own commits).
+
+        NOTE: the extend is queued behind the step in flight, so waiting for its first tokens waits for both; that
+        step's commit (host work) runs inside the wait instead of after it, and its finished requests leave a step
+        sooner. The next decode step then launches from host rows (nothing is carried)."""
         reqs, lens = [c.req for c in plan.extend], [c.length for c in plan.extend]
         decode_reqs = plan.decode
+        committed: list[Committed] = []
         if decode_reqs:
             assert self.in_flight is None, "drain the step in flight before a synchronous decode step"
             grown = [req.kv_len + self.slots_per_decode for req in decode_reqs]
@@ -80,10 +91,13 @@ class StepExecutor:
         if reqs and decode_reqs:
             first, decoded = self.worker.mixed(reqs, lens, decode_reqs)
             self.mixed_steps += 1
+        elif reqs:
+            logits = self.worker.extend_logits(reqs, lens)
+            committed = self.drain()
+            first, decoded = self.worker.first_tokens(reqs, logits), []
         else:
-            first = self.worker.extend(reqs, lens) if reqs else []
-            decoded = self.worker.decode(decode_reqs) if decode_reqs else []
-        committed = [Committed(req, [token], verified=False) for req, token in zip(reqs, first) if token is not None]
+            first, decoded = [], self.worker.decode(decode_reqs) if decode_reqs else []
+        committed += [Committed(req, [token], verified=False) for req, token in zip(reqs, first) if token is not None]
         for req, tokens in zip(decode_reqs, decoded):
             self.allocator.shrink(req, req.kv_len)
             committed.append(Committed(req, tokens, verified=True))
