@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from blockspec import Engine
 from blockspec.request import Req, SamplingParams
+from blockspec.step.inflight import InFlightStep, launch_rows
 from blockspec.step.plan import ExtendChunk, StepPlan
 from engine_testing import assert_engine_idle, hf_greedy, prefilled
 from tiny_models import save_tiny_draft, save_tiny_model
@@ -91,3 +93,26 @@ def test_overlap_switch_is_the_executors(models: dict[str, Any]) -> None:
         engine.scheduler.abort(req.rid)
     engine.scheduler.step()
     assert_engine_idle(engine)
+
+
+def test_launch_rows_mixes_carried_and_fresh_requests() -> None:
+    """launch_rows orders the carried requests first (in the order asked) and takes their rows from the carry's
+    outputs at the right indices, the others from the host (the scheduler itself now drains before new requests
+    decode, so this case is exercised here)."""
+    reqs = [Req([1, 2], SamplingParams(), f"r{i}") for i in range(4)]
+    carry_reqs = [reqs[2], reqs[0], reqs[3]]
+    carry = InFlightStep(carry_reqs, torch.tensor([[20], [0], [30]]), torch.zeros(3, 1), torch.zeros(3, 1), None)
+
+    def carried_rows(step: InFlightStep, index: Any) -> torch.Tensor:
+        return step.rows if index is None else step.rows[index]
+
+    def fresh_rows(fresh: list[Req]) -> torch.Tensor:
+        return torch.tensor([[100 + int(r.rid[1:])] for r in fresh])
+
+    order, rows = launch_rows([reqs[1], reqs[3], reqs[2]], carry, carried_rows, fresh_rows, torch.device("cpu"))
+    assert [r.rid for r in order] == ["r3", "r2", "r1"]
+    assert rows.tolist() == [[30], [20], [101]]
+    order, rows = launch_rows(carry_reqs, carry, carried_rows, fresh_rows, torch.device("cpu"))
+    assert order == carry_reqs and rows.tolist() == [[20], [0], [30]]
+    order, rows = launch_rows(reqs[:2], None, carried_rows, fresh_rows, torch.device("cpu"))
+    assert order == reqs[:2] and rows.tolist() == [[100], [101]]

@@ -68,7 +68,7 @@ def launch_rows(
     fresh_rows: Callable[[list[Req]], torch.Tensor],
     device: torch.device,
 ) -> tuple[list[Req], torch.Tensor]:
-    """The next step's requests (those of `carry` first, in carry's order) and device input rows: carried ones
+    """The next step's requests (those of `carry` first, in the order of `reqs`) and device input rows: carried ones
     derived on the device from carry's outputs by `carried_rows(carry, index)`, the others from the host."""
     carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
     carried = [req for req in reqs if id(req) in carried_at]
