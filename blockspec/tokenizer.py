@@ -90,6 +90,18 @@ class TextStream:
         return text
 
 
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that could still grow into one of `stops` (streamed text holds it back
+    until the next tokens decide)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if stop.startswith(text[-n:]):
+                longest = n
+                break
+    return longest
+
+
 def find_stop(text: str, stops: list[str], search_from: int) -> Optional[tuple[int, str]]:
     """Earliest occurrence of any stop string that ends after `search_from`."""
     best: Optional[tuple[int, str]] = None

@@ -7,7 +7,7 @@ import pytest
 
 from blockspec import Engine
 from blockspec.request import Req, SamplingParams
-from blockspec.server.engine_core import _held_back
+from blockspec.tokenizer import held_back as _held_back
 from blockspec.server.engine_errors import EngineStoppedError, QueueFullError
 from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics

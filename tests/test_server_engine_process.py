@@ -47,6 +47,9 @@ def test_engine_process_death_fails_in_flight_and_refuses_new(tmp_path: Path) ->
         loop.start()
         info = await loop.call("get_server_info")
         assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+        loop_times = info["internal_states"][0]["serving_loop"]  # NOTE: added by the engine process's loop
+        assert set(loop_times) == {"intake_seconds", "idle_seconds", "publish_seconds", "flush_seconds", "loops"}
+        assert all(v >= 0 for v in loop_times.values())
         req = Req([5, 6, 7], SamplingParams.from_dict(LONG), "long")
         submission = loop.submit([req], stream=True)
         first = await asyncio.wait_for(submission.next(), 30)

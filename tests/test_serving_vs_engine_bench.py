@@ -67,6 +67,11 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         assert row["engine_queue_mean_ms"] >= 0 and phases == pytest.approx(row["engine_ttft_mean_ms"], rel=1e-6)
         assert row["engine_steps_per_s"] > 0 and 0 < row["extend_step_share"] <= 1
         assert row["engine_extend_step_mean_ms"] > 0 and row["engine_other_step_mean_ms"] > 0
+        # NOTE: the serving loop's time outside the steps, per step: each phase ran, and all of it fits the duration
+        loop_ms = [row[f"engine_{p}_per_step_ms"] for p in ("intake", "publish", "flush")]
+        assert all(ms > 0 for ms in loop_ms)
+        steps = row["engine_steps_per_s"] * row["duration_s"]
+        assert sum(loop_ms) * steps < 1e3 * row["duration_s"]
         assert sum(row["server_forward_counts"].values()) > 0
     assert all(r["rate"] > 0 for r in rows if r["concurrency"] == "poisson")
 

@@ -97,18 +97,27 @@ def forwards_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
     return {"server_forward_counts": {kind: n - counts0.get(kind, 0) for kind, n in counts1.items()}}
 
 
+LOOP_PHASES = ("intake", "publish", "flush")
+
+
 def steps_between(before: dict[str, Any], after: dict[str, Any], duration: float) -> dict[str, Any]:
-    """Engine steps per second during a workload, the share of them that ran prefill chunks, and the mean wall time of
-    an extend step and of any other step (None where the server does not report them)."""
+    """Engine steps per second during a workload, the share of them that ran prefill chunks, the mean wall time of
+    an extend step and of any other step, and per step the serving loop's time outside it (`serving_loop`: taking
+    messages, making deltas, sending them); None where the server does not report them."""
     def delta(key: str) -> Optional[float]:
         values = [engine_state(info).get(key) for info in (before, after)]
         return None if None in values else values[1] - values[0]
 
     steps, extends = delta("num_steps"), delta("num_extend_steps")
     out: dict[str, Any] = {"engine_steps_per_s": None, "extend_step_share": None, "engine_extend_step_mean_ms": None,
-                           "engine_other_step_mean_ms": None}
+                           "engine_other_step_mean_ms": None, **{f"engine_{p}_per_step_ms": None for p in LOOP_PHASES}}
     if steps is None or extends is None or steps <= 0:
         return out
+    loops = [engine_state(info).get("serving_loop") for info in (before, after)]
+    if loops[0] is not None and loops[1] is not None:
+        for phase in LOOP_PHASES:
+            key = f"{phase}_seconds"
+            out[f"engine_{phase}_per_step_ms"] = 1e3 * (loops[1][key] - loops[0][key]) / steps
     out.update(engine_steps_per_s=steps / max(duration, 1e-9), extend_step_share=extends / steps)
     seconds, extend_seconds = delta("step_seconds"), delta("extend_step_seconds")
     if seconds is not None and extend_seconds is not None:

@@ -16,8 +16,9 @@ import zmq
 from blockspec.engine import Engine
 from blockspec.request import FinishReason, Req, SamplingParams
 from blockspec.server import wire
-from blockspec.server.engine_reports import engine_info, finish_stat
+from blockspec.server.engine_reports import LoopTimes, engine_info, finish_stat
 from blockspec.server.frontend_links import FrontendLinks
+from blockspec.tokenizer import held_back
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500
@@ -35,17 +36,6 @@ class _Tracked:
     client_aborted: bool = False
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that could still grow into a stop string."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if stop.startswith(text[-n:]):
-                longest = n
-                break
-    return longest
-
-
 class EngineCore:
     def __init__(self, engine: Engine, to_engine: list[str], from_engine: list[str], parent_pid: Optional[int] = None) -> None:
         """`to_engine[i]` / `from_engine[i]`: the addresses HTTP server process i bound."""
@@ -59,6 +49,7 @@ class EngineCore:
         self._finished: list[list[wire.FinishStat]] = [[] for _ in range(self.links.count)]
         self._pull = self.links.pull
         self.stream_interval = engine.config.stream_interval
+        self.loop_times = LoopTimes()
 
     def run(self) -> None:
         self.links.connect()
@@ -66,17 +57,30 @@ class EngineCore:
         scheduler = self.engine.scheduler
         scheduler.detokenize_all = False  # NOTE: the server process detokenises (server/detokenize.py)
         try:
+            times, clock = self.loop_times, time.perf_counter
             while True:
-                if not self._drain(block=not scheduler.has_work):
+                idle, started = not scheduler.has_work, clock()
+                if not self._drain(block=idle):
                     break
+                taken = clock()
                 stepped = scheduler.has_work
                 if stepped:
                     try:
-                        self._publish(scheduler.step())
+                        finished = scheduler.step()
+                        stepped_at = clock()
+                        self._publish(finished)
+                        times.publish_seconds += clock() - stepped_at
                     except Exception as exc:  # keep serving: fail what was in flight, free its KV
                         logger.exception("engine step failed")
                         self._fail_all(f"engine error: {exc}")
+                flushing = clock()
                 self._flush(stats=stepped or self.links.has_pending, detail=not scheduler.has_work)
+                if idle:
+                    times.idle_seconds += taken - started
+                else:
+                    times.intake_seconds += taken - started
+                times.flush_seconds += clock() - flushing
+                times.loops += 1
         finally:
             scheduler.detokenize_all = True
             self._fail_all("the server is shutting down", status=503)
@@ -120,10 +124,17 @@ class EngineCore:
             try:
                 if message.name.startswith("_"):
                     raise AttributeError(f"{message.name} is not an engine call")
-                result = wire.CallResult(message.call_id, getattr(self.engine, message.name)())
+                result = wire.CallResult(message.call_id, self._call(message.name))
             except Exception as exc:
                 result = wire.CallResult(message.call_id, error=f"{type(exc).__name__}: {exc}")
             self.links.send(self.links.frontend_of(message.frontend), result)
+
+    def _call(self, name: str) -> object:
+        """An Engine method's answer; /server_info's also carries this loop's `LoopTimes`."""
+        result = getattr(self.engine, name)()
+        if name == "get_server_info":
+            result["internal_states"][0]["serving_loop"] = self.loop_times.as_dict()
+        return result
 
     def _add(self, message: wire.AddRequest) -> None:
         frontend = self.links.frontend_of(message.frontend)
@@ -219,7 +230,7 @@ class EngineCore:
         if not req.detokenized:
             self._append_delta(tracked, None, output, error, status)
             return
-        text_end = len(req.text) if final else len(req.text) - _held_back(req.text, tracked.stops)
+        text_end = len(req.text) if final else len(req.text) - held_back(req.text, tracked.stops)
         # NOTE: req.text only grows, except the stop-string cut on finish; the held-back suffix keeps the
         # streamed text a prefix of the final text.
         self._append_delta(tracked, req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else "", output, error, status)

@@ -1,8 +1,10 @@
-"""What the engine reports over the ZeroMQ boundary besides outputs: its limits once (`engine_info`, in Ready) and
-each finished request's timings (`finish_stat`, in StepStats)."""
+"""What the engine reports over the ZeroMQ boundary besides outputs: its limits once (`engine_info`, in Ready),
+each finished request's timings (`finish_stat`, in StepStats) and where the serving loop's time goes (`LoopTimes`,
+in /server_info)."""
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from blockspec.engine import Engine
@@ -47,3 +49,20 @@ def finish_stat(req: Req, now: float) -> wire.FinishStat:
         queue_s=between(req.received_time, req.scheduled_time),
         prefill_s=between(req.scheduled_time, first),
     )
+
+
+@dataclass
+class LoopTimes:
+    """Seconds the engine process's serving loop spent outside `Scheduler.step` since start, by phase: taking
+    messages while there is work (`intake`), waiting for one while idle (`idle`), turning the step's tokens into
+    deltas (`publish`) and sending them (`flush`). With the scheduler's `step_seconds` this accounts for the loop's wall
+    time; /server_info reports it as `internal_states[0]["serving_loop"]`."""
+
+    intake_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    publish_seconds: float = 0.0
+    flush_seconds: float = 0.0
+    loops: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)

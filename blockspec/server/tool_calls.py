@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from blockspec.tokenizer import held_back
+
 PARSERS = ("llama3", "qwen3")
 _QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _QWEN_START = "<tool_call>"
@@ -128,7 +130,7 @@ class ToolCallStream:
         if start >= 0:
             self.in_call = True
             return self._send(start)
-        return self._send(len(self.text) - _held_back(self.text, _QWEN_START))
+        return self._send(len(self.text) - held_back(self.text, [_QWEN_START]))
 
     def _send(self, end: int) -> str:
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
@@ -139,10 +141,3 @@ class ToolCallStream:
         rest = self.text[self.sent:]
         content, calls = parse_tool_calls(self.parser, rest)
         return (content or "") if calls else rest, calls
-
-
-def _held_back(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
