@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -11,7 +11,7 @@ from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_wi
 from blockspec.attention.triton_kernels import LOG2E, merge_splits_kernel, paged_attention_kernel
 from blockspec.kv.pool import KVPool
 from blockspec.layers.pdl import pdl_launch
-from blockspec.batch import ForwardBatch
+from blockspec.batch import ForwardBatch, ForwardMode
 
 @dataclass(frozen=True)
 class KernelTiles:
@@ -145,6 +145,17 @@ class TritonAttentionBackend(PagedBackendBase):
         policy = launch_policy(rows, bs, self.num_kv_heads)
         return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, rows, policy, max_seq), policy.tiles)
 
+    def tile_options(self, q: torch.Tensor, tiles: KernelTiles, mode: ForwardMode, layer_id: int, kernel: Any) -> dict[str, Any]:
+        """The launch options every attention kernel of this backend takes alike (the paged kernel here, the tiled
+        extend kernel of triton_graph_extend.py): head and tile sizes, masks, dot precision, warps, stages, PDL."""
+        window = layer_window(self.sliding_windows, layer_id)
+        return dict(
+            HEAD_DIM=self.head_dim, BLOCK_D=self.block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            CAUSAL=layer_is_causal(mode, self.draft_layer_causal, layer_id), USE_WINDOW=window is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MASK_EDGES_ONLY=tiles.mask_edges_only,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(q, kernel),
+        )
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch,
         kv_stored: bool = False, out: Optional[torch.Tensor] = None,
@@ -154,7 +165,6 @@ class TritonAttentionBackend(PagedBackendBase):
         num_tokens = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         window = layer_window(self.sliding_windows, layer_id)
-        causal = layer_is_causal(batch.mode, self.draft_layer_causal, layer_id)
         splits = meta.num_splits
         part_acc, part_max, part_sum = split_partials(out, self.num_heads, splits, self.block_d, splits > 1)
         table = batch.req_to_token
@@ -165,12 +175,8 @@ class TritonAttentionBackend(PagedBackendBase):
             table, batch.req_rows, meta.q_starts, meta.q_lens, batch.seq_lens,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             out.stride(0), out.stride(1), self.num_heads * splits, splits, 1,
-            self.scale * LOG2E, window or 0,
-            NUM_KV_HEADS=self.num_kv_heads, GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=splits, CAUSAL=causal,
-            USE_WINDOW=window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            MASK_EDGES_ONLY=tiles.mask_edges_only, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            **pdl_launch(q, self.kernels.attention),
+            self.scale * LOG2E, window or 0, NUM_KV_HEADS=self.num_kv_heads, GROUP=group, NUM_SPLITS=splits,
+            **self.tile_options(q, tiles, batch.mode, layer_id, self.kernels.attention),
         )
         if splits > 1:
             heads_per_program = min(triton.next_power_of_2(self.num_heads), merge_heads_per_program(splits, self.block_d))

@@ -13,13 +13,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from blockspec.attention.base import layer_is_causal, layer_window
+from blockspec.attention.base import layer_window
 from blockspec.attention.triton_backend import (
     EXTEND_POLICY, SMALL_EXTEND_POLICY, TWO_WAVES, KernelTiles, TritonAttentionBackend,
 )
 from blockspec.attention.triton_kernels import LOG2E, tiled_extend_attention_kernel
 from blockspec.batch import ForwardBatch, ForwardMode
-from blockspec.layers.pdl import pdl_launch
 
 
 @dataclass(frozen=True)
@@ -100,16 +99,11 @@ class GraphExtendAttention:
         k_cache, v_cache = backend.pool.k[layer_id], backend.pool.v[layer_id]
         out = out.view(q.shape)
         window = layer_window(backend.sliding_windows, layer_id)
-        tiles = plan.tiles
         table = self.req_to_token
         tiled_extend_attention_kernel[(plan.num_tiles, backend.num_kv_heads)](
             q, k_cache, v_cache, out, table, self.req_rows, self.q_starts, self.q_lens, self.seq_lens,
             self.tile_req, self.tile_m, self.tile_count,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0), out.stride(0),
-            out.stride(1), backend.scale * LOG2E, window or 0,
-            GROUP=self.group, HEAD_DIM=backend.head_dim, BLOCK_D=backend.block_d, BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n, CAUSAL=layer_is_causal(ForwardMode.EXTEND, backend.draft_layer_causal, layer_id),
-            USE_WINDOW=window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            MASK_EDGES_ONLY=tiles.mask_edges_only, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            **pdl_launch(q, tiled_extend_attention_kernel),
+            out.stride(1), backend.scale * LOG2E, window or 0, GROUP=self.group,
+            **backend.tile_options(q, plan.tiles, ForwardMode.EXTEND, layer_id, tiled_extend_attention_kernel),
         )
