@@ -143,9 +143,13 @@ class Scheduler:
                 plan.decode = decoding
             self._apply(self.steps.run(plan))
         elif plan:
-            # NOTE: a step in flight is committed while the device runs the extend (StepExecutor.run); its requests
-            # have no prompt work (pending_len 1) and are not retracted here.
-            self._apply(self.steps.run(plan))
+            # NOTE: the extend is queued behind the decode step in flight (its requests have no prompt work and are not
+            # retracted here); that step is committed and applied while the device runs both, so its host work sits
+            # inside the wait for the first tokens and its finished requests leave a step sooner. The next decode
+            # step launches from host rows.
+            logits = self.steps.launch_extend(plan)
+            self._apply(self.steps.drain())
+            self._apply(self.steps.extend_commits(plan, logits))
         else:
             committed = self.steps.run_ahead(self._decoding())
             if committed is None:

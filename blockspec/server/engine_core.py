@@ -59,10 +59,16 @@ class EngineCore:
         try:
             times, clock = self.loop_times, time.perf_counter
             while True:
-                idle, started = not scheduler.has_work, clock()
-                if not self._drain(block=idle):
+                if not scheduler.has_work:
+                    waiting = clock()
+                    woken = self._pull.poll(IDLE_POLL_MS)
+                    times.idle_seconds += clock() - waiting
+                    if not woken and self._parent_gone():
+                        break
+                taking = clock()
+                if not self._drain():
                     break
-                taken = clock()
+                times.intake_seconds += clock() - taking
                 stepped = scheduler.has_work
                 if stepped:
                     try:
@@ -75,10 +81,6 @@ class EngineCore:
                         self._fail_all(f"engine error: {exc}")
                 flushing = clock()
                 self._flush(stats=stepped or self.links.has_pending, detail=not scheduler.has_work)
-                if idle:
-                    times.idle_seconds += taken - started
-                else:
-                    times.intake_seconds += taken - started
                 times.flush_seconds += clock() - flushing
                 times.loops += 1
         finally:
@@ -93,10 +95,8 @@ class EngineCore:
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
 
-    def _drain(self, block: bool) -> bool:
-        """Handles every message that is waiting (waits for one when `block`); returns False on stop."""
-        if block and not self._pull.poll(IDLE_POLL_MS):
-            return not self._parent_gone()
+    def _drain(self) -> bool:
+        """Handles every message that is waiting, without waiting for one; returns False on stop."""
         while True:
             try:
                 frame = self._pull.recv(zmq.NOBLOCK)

@@ -53,10 +53,11 @@ def finish_stat(req: Req, now: float) -> wire.FinishStat:
 
 @dataclass
 class LoopTimes:
-    """Seconds the engine process's serving loop spent outside `Scheduler.step` since start, by phase: taking
-    messages while there is work (`intake`), waiting for one while idle (`idle`), turning the step's tokens into
-    deltas (`publish`) and sending them (`flush`). With the scheduler's `step_seconds` this accounts for the loop's wall
-    time; /server_info reports it as `internal_states[0]["serving_loop"]`."""
+    """Seconds the engine process's serving loop spent outside `Scheduler.step` since start, by phase: waiting for a
+    message while idle (`idle`), taking the messages that are there (`intake`), turning a step's tokens into deltas
+    (`publish`) and sending what the servers are owed (`flush`, also in loops without a step). With the scheduler's
+    `step_seconds` this is the loop's wall time, but for a failed step's clean-up and the loop's own bookkeeping.
+    /server_info reports it as `internal_states[0]["serving_loop"]`."""
 
     intake_seconds: float = 0.0
     idle_seconds: float = 0.0

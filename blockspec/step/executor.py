@@ -75,15 +75,9 @@ class StepExecutor:
     def run(self, plan: StepPlan) -> list[Committed]:
         """Runs the plan synchronously, in one forward when it has both parts (`Worker.mixed`): its extend chunks
         and one decode step of its decode requests (slots for it are given here; the scheduler made room with
-        `fits`). Nothing of the plan may be in flight. An extend-only plan commits the decode step in flight, if any,
-        while the device runs the extend (returned with the plan's own commits).
-
-        NOTE: the extend is queued behind the step in flight, so waiting for its first tokens waits for both; that
-        step's commit (host work) runs inside the wait instead of after it, and its finished requests leave a step
-        sooner. The next decode step then launches from host rows (nothing is carried)."""
+        `fits`). Nothing of the plan may be in flight (an extend-only plan may also go through `launch_extend`)."""
         reqs, lens = [c.req for c in plan.extend], [c.length for c in plan.extend]
         decode_reqs = plan.decode
-        committed: list[Committed] = []
         if decode_reqs:
             assert self.in_flight is None, "drain the step in flight before a synchronous decode step"
             grown = [req.kv_len + self.slots_per_decode for req in decode_reqs]
@@ -91,17 +85,24 @@ class StepExecutor:
         if reqs and decode_reqs:
             first, decoded = self.worker.mixed(reqs, lens, decode_reqs)
             self.mixed_steps += 1
-        elif reqs:
-            logits = self.worker.extend_logits(reqs, lens)
-            committed = self.drain()
-            first, decoded = self.worker.first_tokens(reqs, logits), []
         else:
-            first, decoded = [], self.worker.decode(decode_reqs) if decode_reqs else []
-        committed += [Committed(req, [token], verified=False) for req, token in zip(reqs, first) if token is not None]
+            first = self.worker.extend(reqs, lens) if reqs else []
+            decoded = self.worker.decode(decode_reqs) if decode_reqs else []
+        committed = first_token_commits(reqs, first)
         for req, tokens in zip(decode_reqs, decoded):
             self.allocator.shrink(req, req.kv_len)
             committed.append(Committed(req, tokens, verified=True))
         return committed
+
+    def launch_extend(self, plan: StepPlan) -> torch.Tensor:
+        """Launches an extend-only plan's forward without waiting for it (a decode step may stay in flight ahead of
+        it); its last-token logits [bs, V], for `extend_commits`."""
+        return self.worker.extend_logits([c.req for c in plan.extend], [c.length for c in plan.extend])
+
+    def extend_commits(self, plan: StepPlan, logits: torch.Tensor) -> list[Committed]:
+        """The first tokens of an extend launched by `launch_extend` (waits for its logits)."""
+        reqs = [c.req for c in plan.extend]
+        return first_token_commits(reqs, self.worker.first_tokens(reqs, logits))
 
     def run_ahead(self, reqs: list[Req]) -> Optional[list[Committed]]:
         """Launches a decode step for `reqs`, then commits the step in flight (if any) while the device runs it.
@@ -137,3 +138,8 @@ class StepExecutor:
                 shrink(req, req.kv_len + keep_ahead)
             committed.append(Committed(req, tokens, verified=True))
         return committed
+
+
+def first_token_commits(reqs: Sequence[Req], first: Sequence[Optional[int]]) -> list[Committed]:
+    """An extend's first tokens as commits (none for a request still mid-prompt)."""
+    return [Committed(req, [token], verified=False) for req, token in zip(reqs, first) if token is not None]
