@@ -8,7 +8,7 @@
 # run leaves no row) and ≈ 150 s after it, ≈ 60 s less when its engine phase is reused (the variants share
 # --engine-cache: one that changes only server flags reuses the first's). Mind the session's device time left.
 # PYSPY_S > 0: the first variant's top level runs again for ~PYSPY_S s under py-spy (serving_vs_engine.py --py-spy-s;
-# its summary lands in the log). Output (JSON per variant, log, profiles) goes to $OUT.
+# its summary lands in the log). Output (JSON per variant, an A/B plot of them all, log, profiles) goes to $OUT.
 # A variant named parent:NAME runs the tree in PARENT_DIR (an older commit, PARENT_COMMIT: `git archive <commit>
 # --prefix=ab_parent/ | tar -x`, carried as an untracked folder) with the same flags: an A/B across commits.
 # Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) VARIANTS="default=;threads16=--host-threads 16;mixed=--enable-mixed-chunk" \
@@ -19,6 +19,7 @@ here=$PWD
 out=$(cd "$out" && pwd)
 IFS=';' read -ra variants <<< "${VARIANTS:-default=;threads16=--host-threads 16}"
 py_spy_s=${PYSPY_S:-0}
+ab_jsons=()
 for variant in "${variants[@]}"; do
     name=${variant%%=*}
     flags=${variant#*=}
@@ -37,4 +38,12 @@ for variant in "${variants[@]}"; do
     # NOTE: a variant cut at RUN_S stops its server on SIGTERM; one that survived would hold the GPU's memory and fail
     # every variant after it
     if pkill -f -- "-m blockspec[.]serve" 2>/dev/null; then sleep 5; fi
+    ab_jsons+=("$out"/serving_vs_engine_*_ab_"$name".json)
 done
+# NOTE: the variants side by side in run order (a variant cut before its row leaves no JSON: the glob stays literal)
+existing=()
+for json in "${ab_jsons[@]}"; do [ -f "$json" ] && existing+=("$json"); done
+if [ ${#existing[@]} -gt 0 ]; then
+    python3 benchmarks/plot_serving_ab.py --out "$out/serving_ab_$(date +%F)_${BLOCKSPEC_COMMIT}.png" "${existing[@]}" \
+        || echo "no A/B plot (plot_serving_ab.py failed)"
+fi

@@ -100,3 +100,23 @@ def test_engine_phase_is_reused_for_the_same_spec_only(tmp_path: Path, monkeypat
     assert (first["reused_engine_phase"], again["reused_engine_phase"], other["reused_engine_phase"]) == (False, True, False)
     assert again["engine_tok_s"] == first["engine_tok_s"] == 100.0 and other["engine_tok_s"] == 200.0
     assert uncached["reused_engine_phase"] is False and uncached["engine_tok_s"] == 300.0
+
+
+def test_ab_plot_draws_one_pair_of_bars_per_variant(tmp_path: Path) -> None:
+    """plot_serving_ab.py: the variants of one A/B call side by side, titled with their GPU, date and commits."""
+    from plot_serving_ab import plot, variant_name
+
+    row = {"shape": "smollm2", "mode": "dflash", "concurrency": 64, "engine_tok_s": 100.0, "server_tok_s": 90.0,
+           "server_over_engine": 0.9, "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0}
+    paths = []
+    for commit, tag in (("aaa1111", "parent_api4"), ("bbb2222", "api4")):
+        path = tmp_path / f"serving_vs_engine_2026-12-02_{commit}_ab_{tag}.json"
+        path.write_text(json.dumps({"gpu": "cpu", "date": "2026-12-02", "commit": commit, "rows": [row]}))
+        paths.append(path)
+    assert variant_name(paths[0], {"commit": "aaa1111"}) == "aaa1111\nparent_api4"
+    out = plot(paths, tmp_path / "ab.png")
+    assert out.is_file() and out.stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        empty = tmp_path / "serving_vs_engine_2026-12-02_ccc_ab_none.json"
+        empty.write_text(json.dumps({"gpu": "cpu", "date": "2026-12-02", "commit": "ccc", "rows": []}))
+        plot([empty], tmp_path / "none.png")
