@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional, Protocol, Sequence
 
 import torch
+
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.request import Req
 from blockspec.step.inflight import InFlightStep
