@@ -71,11 +71,12 @@ def test_overlap_equals_synchronous_and_target(root: Path) -> None:
     assert_engine_idle(engine)
 
 
-def test_arrivals_and_aborts_mid_pipeline(root: Path) -> None:
+@pytest.mark.parametrize("draft", [True, False], ids=["dflash", "target"])
+def test_arrivals_and_aborts_mid_pipeline(root: Path, draft: bool) -> None:
     """Requests join while a cycle is in flight (the extend step commits it while the extend runs; the next cycle
     launches the old and new requests from the host), others are aborted with one in flight."""
     expected = engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=greedy(40))
-    engine = engine_for(root)
+    engine = engine_for(root, draft=draft)
     scheduler = engine.scheduler
     reqs, _ = engine.make_requests(input_ids=PROMPTS, sampling_params=greedy(40))
     for req in reqs[:3]:
