@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from blockspec.bench.processes import http_server_pids, run_in_processes
+from blockspec.bench.processes import http_server_pids, process_cpu_s, run_in_processes
 
 
 def square_and_pid(x: int) -> tuple[int, int]:
@@ -78,3 +78,24 @@ def test_http_server_pids_are_the_engines_parent_and_its_other_descendants() -> 
     finally:
         os.killpg(main.pid, signal.SIGKILL)  # NOTE: the whole tree (its own process group)
         main.wait()
+
+
+def test_process_cpu_s_of_another_process_is_exact_below_a_clock_tick() -> None:
+    """A child's CPU time grows by about the 3 ms it spins, not by 0 or 10 ms (/proc/<pid>/stat counts 10 ms
+    ticks); a process that is gone reads as None."""
+    code = ("import time\nprint('ready', flush=True)\ninput()\n"
+            "end = time.process_time() + 0.003\nwhile time.process_time() < end: pass\n"
+            "print('spun', flush=True)\ninput()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline() == "ready\n"  # NOTE: start-up done; the child waits in input()
+        before = process_cpu_s(child.pid)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "spun\n"
+        after = process_cpu_s(child.pid)
+        assert before is not None and after is not None and 0.003 <= after - before < 0.009
+    finally:
+        child.communicate("\n", timeout=30)
+    assert process_cpu_s(child.pid) is None
