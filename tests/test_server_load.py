@@ -70,6 +70,9 @@ def make_specs(seed: int = 7) -> list[Spec]:
             params["stop_token_ids"] = [rng.randrange(3, 95)]
         stream = rng.random() < 0.5
         cancel = rng.randint(1, 3) if stream and rng.random() < 0.25 else None
+        if cancel is not None:  # NOTE: long enough that the abort reaches the engine before the request ends
+            params.update(max_new_tokens=120, ignore_eos=True)
+            params.pop("stop_token_ids", None)
         prompt = [rng.randrange(3, 95) for _ in range(rng.randint(1, 48))]
         specs.append(Spec(i, rng.choice(["generate", "completions"]), prompt, params, stream, cancel))
     return specs

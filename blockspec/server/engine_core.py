@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
@@ -18,6 +17,7 @@ from blockspec.request import FinishReason, Req, SamplingParams
 from blockspec.server import wire
 from blockspec.server.engine_reports import LoopTimes, engine_info, finish_stat
 from blockspec.server.frontend_links import FrontendLinks
+from blockspec.server.tracked import TrackedRequest
 from blockspec.tokenizer import held_back
 
 logger = logging.getLogger(__name__)
@@ -25,23 +25,15 @@ IDLE_POLL_MS = 500
 DETAIL_INTERVAL_S = 0.05  # the StepStats fields that cost a read of the engine's statistics, at most this often
 
 
-@dataclass
-class _Tracked:
-    req: Req
-    stream: bool
-    frontend: int = 0
-    sent_ids: int = 0
-    sent_text: int = 0
-    stops: list[str] = field(default_factory=list)
-    client_aborted: bool = False
-
-
 class EngineCore:
     def __init__(self, engine: Engine, to_engine: list[str], from_engine: list[str], parent_pid: Optional[int] = None) -> None:
         """`to_engine[i]` / `from_engine[i]`: the addresses HTTP server process i bound."""
         self.engine = engine
         self.parent_pid = parent_pid
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
+        # NOTE: the streams of _tracked by kind: ids-only ones take _publish's short path once per step
+        self._ids_streams: dict[str, TrackedRequest] = {}
+        self._other_streams: dict[str, TrackedRequest] = {}
         self._detail_sent = float("-inf")
         self._context = zmq.Context()
         self.links = FrontendLinks(self._context, to_engine, from_engine)
@@ -148,7 +140,7 @@ class EngineCore:
             return
         req.arrival_time = message.arrival_time
         req.top_logprobs_num = message.top_logprobs_num
-        tracked = _Tracked(req, message.stream, frontend, stops=list(req.params.stop))
+        tracked = TrackedRequest(req, message.stream, frontend, stops=list(req.params.stop))
         if req.rid in self._tracked:
             self._finish(tracked, error=f"rid {req.rid!r} is already in flight", status=400)
             return
@@ -158,26 +150,29 @@ class EngineCore:
             self._finish(tracked, error=str(exc), status=400)
             return
         self._tracked[req.rid] = tracked
+        if tracked.stream:
+            (self._ids_streams if tracked.ids_only else self._other_streams)[req.rid] = tracked
+
+    def _untrack(self, rid: str) -> Optional[TrackedRequest]:
+        self._ids_streams.pop(rid, None)
+        self._other_streams.pop(rid, None)
+        return self._tracked.pop(rid, None)
 
     def _publish(self, finished: list[Req]) -> None:
         now = time.monotonic()
         for req in finished:
-            tracked = self._tracked.pop(req.rid, None)
+            tracked = self._untrack(req.rid)
             if tracked is not None:
                 self._finish(tracked, now=now)
-        interval, deltas = self.stream_interval, self.links.deltas
-        for tracked in self._tracked.values():
-            if not tracked.stream:
-                continue
-            req = tracked.req
-            if req.detokenized or req.top_logprobs_num is not None:
-                self._push_delta(tracked, final=False)
-                continue
+        interval, deltas, delta = self.stream_interval, self.links.deltas, wire.DeltaOut
+        for tracked in self._ids_streams.values():
             # NOTE: _push_delta's ids-only case inlined (once per stream per step)
-            ids, sent = req.all_ids, req.prompt_len + tracked.sent_ids
+            ids, sent = tracked.ids, tracked.sent_end
             if len(ids) - sent >= interval:
-                deltas[tracked.frontend].append(wire.DeltaOut(req.rid, None, ids[sent:]))
-                tracked.sent_ids = len(ids) - req.prompt_len
+                deltas[tracked.frontend].append(delta(tracked.req.rid, None, ids[sent:]))
+                tracked.sent_end = len(ids)
+        for tracked in self._other_streams.values():
+            self._push_delta(tracked, final=False)
 
     def _flush(self, stats: bool, detail: bool = False) -> None:
         """Sends each server its deltas and, with `stats`, the step's statistics (the detailed fields when `detail`
@@ -222,10 +217,9 @@ class EngineCore:
                    for bs, c in sorted(worker.verify_policy.last.items())]
         return lengths, worker.acceptance.rates()
 
-    def _push_delta(self, tracked: _Tracked, final: bool, output: Optional[dict] = None, error: Optional[str] = None, status: int = 500) -> None:
+    def _push_delta(self, tracked: TrackedRequest, final: bool, output: Optional[dict] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req
-        count = req.num_output_tokens  # NOTE: not output_ids, a copy of the whole output, every step per stream
-        if not final and count - tracked.sent_ids < self.stream_interval:
+        if not final and len(tracked.ids) - tracked.sent_end < self.stream_interval:
             return
         if not req.detokenized:
             self._append_delta(tracked, None, output, error, status)
@@ -236,17 +230,17 @@ class EngineCore:
         self._append_delta(tracked, req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else "", output, error, status)
         tracked.sent_text = max(tracked.sent_text, text_end)
 
-    def _append_delta(self, tracked: _Tracked, text: Optional[str], output: Optional[dict], error: Optional[str], status: int) -> None:
-        req = tracked.req
-        count = req.num_output_tokens
-        delta = wire.DeltaOut(req.rid, text, req.all_ids[req.prompt_len + tracked.sent_ids:], output, error, status)
+    def _append_delta(self, tracked: TrackedRequest, text: Optional[str], output: Optional[dict], error: Optional[str], status: int) -> None:
+        req, end = tracked.req, len(tracked.ids)
+        delta = wire.DeltaOut(req.rid, text, tracked.ids[tracked.sent_end:], output, error, status)
         if req.wants_logprobs:
-            delta.logprobs = req.output_token_logprobs[tracked.sent_ids:count]
-            delta.top_logprobs = req.output_top_logprobs[tracked.sent_ids:count]
+            sent, count = tracked.sent_end - req.prompt_len, end - req.prompt_len
+            delta.logprobs = req.output_token_logprobs[sent:count]
+            delta.top_logprobs = req.output_top_logprobs[sent:count]
         self.links.deltas[tracked.frontend].append(delta)
-        tracked.sent_ids = count
+        tracked.sent_end = end
 
-    def _finish(self, tracked: _Tracked, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
+    def _finish(self, tracked: TrackedRequest, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
         req = tracked.req
         if error is not None:
             self._push_delta(tracked, final=True, error=error, status=status)
@@ -276,7 +270,9 @@ class EngineCore:
             logger.exception("could not release the KV of failed requests")
             finished = []
         for rid in failing:
-            self._finish(self._tracked.pop(rid), error=message, status=status)
+            tracked = self._untrack(rid)
+            assert tracked is not None
+            self._finish(tracked, error=message, status=status)
         self._publish([req for req in finished if req.rid in self._tracked])
 
     def _drain_refused(self, message: str) -> None:
