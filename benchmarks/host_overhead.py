@@ -35,6 +35,7 @@ TARGET = dict(TINY, num_hidden_layers=2, max_position_embeddings=2048)
 DRAFT = dict(TINY_DRAFT, max_position_embeddings=2048, num_target_layers=2,
              dflash_config={"mask_token_id": 3, "target_layer_ids": [0, 1]})
 MODES = ("dflash", "target")
+SUMMARY = ("host", "host_cpu", "intake", "step", "publish", "flush", "forward")  # the printed line per step kind
 
 
 def parse_args() -> argparse.Namespace:
@@ -285,6 +286,9 @@ def main() -> None:
             workdir.mkdir()
             result = measure(mode, args, target, draft, workdir, args.profile if i == 0 else None)
             print(json.dumps(result), flush=True)
+            for kind in ("decode_steps", "extend_steps"):
+                row = result[kind]
+                print(mode, kind, " ".join(f"{key}={row.get(key + '_us_mean')}" for key in SUMMARY), "(us per step)")
             results.append(result)
     cuda = args.device != "cpu" and torch.cuda.is_available()
     out = {"benchmark": "host_overhead", **run_identity(), "device": torch.cuda.get_device_name() if cuda else "cpu",

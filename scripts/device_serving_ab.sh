@@ -11,6 +11,8 @@
 # its summary lands in the log). Output (JSON per variant, an A/B plot of them all, log, profiles) goes to $OUT.
 # A variant named parent:NAME runs the tree in PARENT_DIR (an older commit, PARENT_COMMIT: `git archive <commit>
 # --prefix=ab_parent/ | tar -x`, carried as an untracked folder) with the same flags: an A/B across commits.
+# HOST_S > 0: first benchmarks/host_overhead.py on the device (the engine loop's host time per step split into intake,
+# step, publish and flush; --frontends 4, both modes), cut at HOST_S seconds; its JSON lands in $OUT.
 # Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) VARIANTS="default=;threads16=--host-threads 16;mixed=--enable-mixed-chunk" \
 #        scripts/device_serving_ab.sh
 set -uo pipefail
@@ -19,6 +21,11 @@ here=$PWD
 out=$(cd "$out" && pwd)
 IFS=';' read -ra variants <<< "${VARIANTS:-default=;threads16=--host-threads 16}"
 py_spy_s=${PYSPY_S:-0}
+if [ "${HOST_S:-0}" -gt 0 ]; then
+    PYTHONPATH=/tmp/site:$here/benchmarks:$here timeout "$HOST_S" python3 benchmarks/host_overhead.py --device cuda \
+        --frontends 4 --out "$out/host_overhead_$(date +%F)_${BLOCKSPEC_COMMIT}.json" 2>&1 | grep -E "^(dflash|target) " \
+        | tee -a "$out/serving_ab.log"
+fi
 ab_jsons=()
 for variant in "${variants[@]}"; do
     name=${variant%%=*}
