@@ -174,7 +174,8 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
     base = {"shape": shape.name, "mode": mode, "engine_tok_s": engine["engine_tok_s"],
             "engine_full_batch_tok_s": engine["engine_tok_s"],
             "engine_tok_s_by_concurrency": engine["engine_tok_s_by_concurrency"],
-            "engine_accept_length": engine["engine_accept_length"], "num_prompts": len(prompts),
+            "engine_accept_length": engine["engine_accept_length"], "engine_core_mhz": engine.get("engine_core_mhz"),
+            "num_prompts": len(prompts),
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens}
     log_path = workdir / f"server_{shape.name}_{mode}.log"
     try:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from blockspec.bench.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
     forwards_between, steps_between,
 )
+from blockspec.bench.core_clock import CoreClock
 from blockspec.bench.processes import http_server_pids, process_cpu_s, run_in_processes
 from blockspec.bench.provenance import commit_id
 from blockspec.bench.report import RequestResult, percentile
@@ -135,6 +137,7 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     assert isinstance(outputs, list)
     tokens = sum(len(out["output_ids"]) for out in outputs)
     by_concurrency: dict[str, float] = {}
+    clock = CoreClock(os.getpid()).__enter__()  # NOTE: the closed-loop levels' waves (what the rows compare with)
     for concurrency, count in spec["levels"]:
         # NOTE: the closed-loop level's work in waves of `concurrency` prompts (all equally long: ignore_eos).
         level_prompts, level_tokens = prompts[:count], 0
@@ -146,7 +149,9 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
             assert isinstance(wave, list)
             level_tokens += sum(len(out["output_ids"]) for out in wave)
         by_concurrency[str(concurrency)] = level_tokens / (time.perf_counter() - start)
+    clock.__exit__(None, None, None)
     result = {
+        "engine_core_mhz": clock.mean_mhz,
         "engine_tok_s": tokens / wall, "engine_wall_s": wall, "engine_output_tokens": tokens,
         "engine_tok_s_by_concurrency": by_concurrency,
         "engine_accept_length": accept_length_between(before, after),
@@ -230,7 +235,8 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
     before, metrics_before = get_server_info(ns.base_url), metrics_text(ns.base_url)
     pids = server_pids(before)
     cpu_before = {name: cpu_s(group) for name, group in pids.items()}
-    results, duration, clients_cpu = run_clients(ns, prompts, concurrency, rate, seed, procs, spawn)
+    with CoreClock(pids["engine"][0] if pids["engine"] else os.getpid()) as clock:
+        results, duration, clients_cpu = run_clients(ns, prompts, concurrency, rate, seed, procs, spawn)
     cpu_after = {name: cpu_s(group) for name, group in pids.items()}
     after, metrics_after = get_server_info(ns.base_url), metrics_text(ns.base_url)
     engine_ttft = histogram_mean_between(metrics_before, metrics_after, "blockspec_time_to_first_token_seconds")
@@ -269,6 +275,9 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         "http_processes": len(pids["http"]),
         **{f"{name}_cpu_share": None if cpu_before[name] is None or cpu_after[name] is None
            else (cpu_after[name] - cpu_before[name]) / duration for name in ("http", "engine")},
+        # NOTE: the server's engine process's core clock over the level, against the offline engine's
+        # (engine_core_mhz): a host-bound engine among busy processes may run at a lower clock than alone
+        "server_engine_core_mhz": clock.mean_mhz,
         "first_error": errors[0] if errors else "",
         **compiles_between(before, after),
     }

@@ -60,6 +60,8 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         assert row["completed"] == 4 and row["failed"] == 0
         assert row["server_tok_s"] > 0 and row["engine_tok_s"] > 0 and row["ttft_p50_ms"] > 0
         assert row["http_cpu_share"] > 0 and row["engine_cpu_share"] > 0 and row["clients_cpu_share"] > 0
+        # NOTE: core clocks: None only where neither cpufreq nor /proc/cpuinfo says (not on Linux CI machines)
+        assert row["server_engine_core_mhz"] > 0 and row["engine_core_mhz"] > 0
         assert row["http_processes"] >= 1
         assert (row["server_accept_length"] is not None) == (row["mode"] == "dflash")
         # NOTE: the engine TTFT's phases add up to it (each a mean over the same requests)

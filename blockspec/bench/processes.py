@@ -60,12 +60,12 @@ def process_cpu_s(pid: int) -> Optional[float]:
         return time.clock_gettime((~pid << 3) | 2)
     except (OSError, OverflowError, AttributeError):
         pass
-    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    fields = stat_fields(Path(f"/proc/{pid}/stat"))
     # NOTE: after the ")" that closes the command name, utime and stime are the 12th and 13th fields
     return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _stat_fields(path: Path) -> Optional[list[str]]:
+def stat_fields(path: Path) -> Optional[list[str]]:
     """The fields of a /proc/<pid>/stat after the command name (None when it cannot be read)."""
     try:
         return path.read_text().rsplit(")", 1)[1].split()
@@ -77,7 +77,7 @@ def parent_pids() -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc (empty where there is none)."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = _stat_fields(stat)
+        fields = stat_fields(stat)
         if fields is not None:
             parents[int(stat.parent.name)] = int(fields[1])  # NOTE: after ")": state, then ppid
     return parents
