@@ -83,3 +83,31 @@ def test_a_busy_engine_writes_only_to_servers_it_owes(make_engine: Callable[...,
         assert sum(m.stats.handled for m in to_one if m.stats is not None) == 0
     finally:
         servers.close()
+
+
+def test_stream_deltas_carry_statistics_only_when_they_say_something_new(
+        make_engine: Callable[..., Engine], tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steady decoding (same running and waiting counts, nothing taken or finished): the deltas go alone; the step
+    that finishes a request carries the statistics, with its finish statistic."""
+    monkeypatch.setattr(engine_core, "DETAIL_INTERVAL_S", 3600.0)
+    servers = TwoServers(make_engine(tiny("llama").path), tmp_path)
+    core = servers.core
+    try:
+        params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 10}
+        for rid in ("a", "b"):
+            core._handle(wire.AddRequest(rid, [5, 6, 7, 8], params, True, time.monotonic(), frontend=0))
+        loop_pass(core)
+        assert all(m.stats is not None for m in servers.received(0))  # taken: the counts changed
+        steady = []
+        while core.engine.scheduler.has_work:
+            loop_pass(core)
+            steady += servers.received(0)
+        with_stats = [m for m in steady if m.stats is not None]
+        assert any(m.stats is None and m.deltas for m in steady)  # steady steps: deltas alone
+        finished = [f for m in with_stats for f in m.stats.finished]  # type: ignore[union-attr]
+        assert sorted(f.completion_tokens for f in finished) == [10, 10]
+        assert with_stats[-1].stats.detailed and with_stats[-1].stats.num_running == 0  # type: ignore[union-attr]
+        ids = {rid: [i for m in steady for d in m.deltas if d.rid == rid for i in d.ids] for rid in ("a", "b")}
+        assert all(len(v) == 9 for v in ids.values())  # NOTE: every id after the first pass's first token
+    finally:
+        servers.close()

@@ -35,6 +35,7 @@ class EngineCore:
         self._ids_streams: dict[str, TrackedRequest] = {}
         self._other_streams: dict[str, TrackedRequest] = {}
         self._detail_sent = float("-inf")
+        self._counts_sent = (-1, -1)  # NOTE: the running and waiting counts of the last StepStats sent
         self._context = zmq.Context()
         self.links = FrontendLinks(self._context, to_engine, from_engine)
         # NOTE: every server gets every request's FinishStat (complete metrics in each), with its next message
@@ -180,7 +181,9 @@ class EngineCore:
 
         NOTE: a server with no deltas and no newly taken requests gets statistics only with the detailed fields (at
         most every DETAIL_INTERVAL_S, and whenever the engine goes idle): one message per server per step cost the
-        engine a send per server per step under load. Its gauges and finish statistics lag by that much at most."""
+        engine a send per server per step under load. Its gauges and finish statistics lag by that much at most.
+        Statistics go out at all only when they say something new: requests taken or finished, other running or
+        waiting counts, or the detailed fields due (the KV gauges of the steps between lag that long)."""
         links = self.links
         if not stats and not any(links.deltas):
             return
@@ -189,8 +192,12 @@ class EngineCore:
             scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
             now = time.monotonic()
             detail = detail or now - self._detail_sent >= DETAIL_INTERVAL_S
-            base = wire.StepStats(len(scheduler.running), len(scheduler.waiting), 0, allocator.total_slots,
-                                  allocator.free_slots, None, [], detailed=detail)
+            counts = (len(scheduler.running), len(scheduler.waiting))
+            stats = detail or counts != self._counts_sent or any(links.handled) or any(self._finished)
+        if stats:
+            self._counts_sent = counts
+            base = wire.StepStats(counts[0], counts[1], 0, allocator.total_slots, allocator.free_slots, None, [],
+                                  detailed=detail)
             if detail:
                 self._detail_sent = now
                 base.spec_histogram = list(scheduler.spec.accept_histogram) if self.engine.worker.is_speculative else None
