@@ -111,3 +111,37 @@ def test_stream_deltas_carry_statistics_only_when_they_say_something_new(
         assert all(len(v) == 9 for v in ids.values())  # NOTE: every id after the first pass's first token
     finally:
         servers.close()
+
+
+def test_a_server_that_missed_a_count_change_gets_it_with_its_next_deltas(
+        make_engine: Callable[..., Engine], tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Server 0's new request changes the running count while server 1's stream owes no delta (stream interval 4):
+    server 1's next deltas carry the new count, not the one it heard last."""
+    monkeypatch.setattr(engine_core, "DETAIL_INTERVAL_S", 3600.0)
+    servers = TwoServers(make_engine(tiny("llama").path), tmp_path)
+    core = servers.core
+    core.stream_interval = 4
+    try:
+        params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40}
+        core._handle(wire.AddRequest("b", [5, 6, 7, 8], params, True, time.monotonic(), frontend=1))
+        loop_pass(core)
+        while True:  # NOTE: until a step after which server 1 is owed no delta
+            loop_pass(core)
+            servers.received(1)
+            tracked = core._tracked["b"]
+            if len(tracked.ids) - tracked.sent_end < 3:
+                break
+        core._handle(wire.AddRequest("c", [5, 6, 7, 8], params, True, time.monotonic(), frontend=0))
+        loop_pass(core)
+        missed = servers.received(1)
+        assert all(m.stats is None or m.stats.num_running == 2 for m in missed)
+        while not missed or all(m.stats is None for m in missed):
+            loop_pass(core)
+            missed += servers.received(1)
+        first = next(m for m in missed if m.stats is not None)
+        assert first.stats is not None and first.stats.num_running == 2
+        assert missed.index(first) == next(i for i, m in enumerate(missed) if m.deltas)  # NOTE: its first deltas
+        while core.engine.scheduler.has_work:
+            loop_pass(core)
+    finally:
+        servers.close()

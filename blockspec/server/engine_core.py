@@ -35,9 +35,10 @@ class EngineCore:
         self._ids_streams: dict[str, TrackedRequest] = {}
         self._other_streams: dict[str, TrackedRequest] = {}
         self._detail_sent = float("-inf")
-        self._counts_sent = (-1, -1)  # NOTE: the running and waiting counts of the last StepStats sent
         self._context = zmq.Context()
         self.links = FrontendLinks(self._context, to_engine, from_engine)
+        # NOTE: per server, the running and waiting counts of the last StepStats it was sent
+        self._counts_sent = [(-1, -1)] * self.links.count
         # NOTE: every server gets every request's FinishStat (complete metrics in each), with its next message
         self._finished: list[list[wire.FinishStat]] = [[] for _ in range(self.links.count)]
         self._pull = self.links.pull
@@ -182,38 +183,41 @@ class EngineCore:
         NOTE: a server with no deltas and no newly taken requests gets statistics only with the detailed fields (at
         most every DETAIL_INTERVAL_S, and whenever the engine goes idle): one message per server per step cost the
         engine a send per server per step under load. Its gauges and finish statistics lag by that much at most.
-        Statistics go out at all only when they say something new: requests taken or finished, other running or
-        waiting counts, or the detailed fields due (the KV gauges of the steps between lag that long)."""
+        A server's deltas carry statistics only when they tell it something new: requests it sent were taken, finish
+        statistics wait for it, the running or waiting counts differ from the last it got, or the detailed fields
+        are due (its KV gauges lag that long)."""
         links = self.links
         if not stats and not any(links.deltas):
             return
-        base = None
+        base: Optional[wire.StepStats] = None
+        counts = (len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
         if stats:
-            scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
-            now = time.monotonic()
-            detail = detail or now - self._detail_sent >= DETAIL_INTERVAL_S
-            counts = (len(scheduler.running), len(scheduler.waiting))
-            stats = detail or counts != self._counts_sent or any(links.handled) or any(self._finished)
-        if stats:
-            self._counts_sent = counts
-            base = wire.StepStats(counts[0], counts[1], 0, allocator.total_slots, allocator.free_slots, None, [],
-                                  detailed=detail)
-            if detail:
-                self._detail_sent = now
-                base.spec_histogram = list(scheduler.spec.accept_histogram) if self.engine.worker.is_speculative else None
-                base.kernel_compiles_after_startup = self.engine.kernel_compiles_after_startup
-                base.verify_lengths, base.position_rates = self._verify_stats()
+            detail = detail or time.monotonic() - self._detail_sent >= DETAIL_INTERVAL_S
         for frontend in range(links.count):
             deltas, handled = links.deltas[frontend], links.handled[frontend]
-            if not deltas and (base is None or not (handled or detail)):
+            owed = stats and (handled or detail or bool(self._finished[frontend]) or counts != self._counts_sent[frontend])
+            with_stats = owed and bool(deltas or handled or detail)
+            if not deltas and not with_stats:
                 continue
             step_stats = None
-            if base is not None:
+            if with_stats:
+                base = base or self._step_stats(counts, detail)
                 step_stats = msgspec.structs.replace(base, handled=handled, finished=self._finished[frontend])
                 self._finished[frontend] = []
                 links.handled[frontend] = 0
+                self._counts_sent[frontend] = counts
             links.send(frontend, wire.Outputs(deltas, step_stats))
             links.deltas[frontend] = []
+
+    def _step_stats(self, counts: tuple[int, int], detail: bool) -> wire.StepStats:
+        allocator, scheduler = self.engine.runner.allocator, self.engine.scheduler
+        base = wire.StepStats(counts[0], counts[1], 0, allocator.total_slots, allocator.free_slots, None, [], detailed=detail)
+        if detail:
+            self._detail_sent = time.monotonic()
+            base.spec_histogram = list(scheduler.spec.accept_histogram) if self.engine.worker.is_speculative else None
+            base.kernel_compiles_after_startup = self.engine.kernel_compiles_after_startup
+            base.verify_lengths, base.position_rates = self._verify_stats()
+        return base
 
     def _verify_stats(self) -> tuple[Optional[list[wire.VerifyLengthStat]], Optional[list[float]]]:
         """DFlash's verify length per batch size (and what it was chosen on), and the per-position acceptance rates."""
@@ -278,8 +282,8 @@ class EngineCore:
             finished = []
         for rid in failing:
             tracked = self._untrack(rid)
-            assert tracked is not None
-            self._finish(tracked, error=message, status=status)
+            if tracked is not None:
+                self._finish(tracked, error=message, status=status)
         self._publish([req for req in finished if req.rid in self._tracked])
 
     def _drain_refused(self, message: str) -> None:
