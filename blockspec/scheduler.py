@@ -145,11 +145,16 @@ class Scheduler:
         elif plan:
             # NOTE: the extend is queued behind the decode step in flight (its requests have no prompt work and are not
             # retracted here); that step is committed and applied while the device runs both, so its host work sits
-            # inside the wait for the first tokens and its finished requests leave a step sooner. The next decode
-            # step launches from host rows.
+            # inside the wait for the first tokens and its finished requests leave a step sooner. When the batch can
+            # run ahead, the next decode step is queued behind the extend too (the new requests' first tokens taken
+            # on the device), so the device does not idle after the extend; else it launches from host rows.
             logits = self.steps.launch_extend(plan)
-            self._apply(self.steps.drain())
-            self._apply(self.steps.extend_commits(plan, logits))
+            ahead = self.steps.extend_run_ahead(plan, logits, self._decoding())
+            if ahead is not None:
+                self._apply(ahead)
+            else:
+                self._apply(self.steps.drain())
+                self._apply(self.steps.extend_commits(plan, logits))
         else:
             committed = self.steps.run_ahead(self._decoding())
             if committed is None:

@@ -71,10 +71,16 @@ def random_prompts(lengths: Sequence[int], seed: int = 0, vocab: int = VOCAB) ->
 
 
 def prefilled(engine: Engine, prompts: list[list[int]], sampling_params: dict) -> list[Req]:
-    """Queues the prompts and steps until every request has its prompt in the KV cache (ready to decode)."""
+    """Queues the prompts and steps until every request has its prompt in the KV cache (ready to decode), with
+    nothing in flight: the overlap schedule is off meanwhile (with it, an extend step also launches a decode step)."""
     reqs, _ = engine.make_requests(input_ids=prompts, sampling_params=sampling_params)
     for req in reqs:
         engine.scheduler.add_request(req)
-    while any(r.pending_len != 1 for r in reqs):
-        engine.scheduler.step()
+    steps, overlap = engine.scheduler.steps, engine.scheduler.steps.overlap
+    steps.overlap = False
+    try:
+        while any(r.pending_len != 1 for r in reqs):
+            engine.scheduler.step()
+    finally:
+        steps.overlap = overlap
     return reqs

@@ -73,8 +73,9 @@ def test_overlap_equals_synchronous_and_target(root: Path) -> None:
 
 @pytest.mark.parametrize("draft", [True, False], ids=["dflash", "target"])
 def test_arrivals_and_aborts_mid_pipeline(root: Path, draft: bool) -> None:
-    """Requests join while a cycle is in flight (the extend step commits it while the extend runs; the next cycle
-    launches the old and new requests from the host), others are aborted with one in flight."""
+    """Requests join while a cycle is in flight (the extend step commits it while the extend runs, and launches the
+    next cycle behind the extend for the old requests and the new ones, whose first tokens stay on the device), others
+    are aborted with one in flight."""
     expected = engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=greedy(40))
     engine = engine_for(root, draft=draft)
     scheduler = engine.scheduler
@@ -83,21 +84,28 @@ def test_arrivals_and_aborts_mid_pipeline(root: Path, draft: bool) -> None:
         scheduler.add_request(req)
     later = list(reqs[3:])
     aborted: set[str] = set()
-    step = committed_over_extend = 0
+    step = committed_over_extend = launched_over_extend = 0
     while scheduler.has_work or later:
         before, extends = scheduler.steps.in_flight, scheduler.num_extend_steps
+        admitted = {id(r) for r in scheduler.running if r.in_prefill} | {id(r) for r in scheduler.waiting}
         scheduler.step()
         step += 1
+        after = scheduler.steps.in_flight
         if scheduler.num_extend_steps > extends and before is not None:
-            assert scheduler.steps.in_flight is None and all(r.kv_len + 1 == len(r.all_ids) for r in before.reqs if not r.finished)
+            assert after is not before and all(r.kv_len + 1 == len(r.all_ids) for r in before.reqs if not r.finished)
             committed_over_extend += 1
+        if scheduler.num_extend_steps > extends and after is not None:
+            # NOTE: launched behind the extend: its new requests' first tokens are committed, their next step in flight
+            new = [r for r in after.reqs if id(r) in admitted]
+            assert new and all(r.kv_len + 1 == len(r.all_ids) == r.prompt_len + 1 for r in new if not r.finished)
+            launched_over_extend += 1
         if later and step % 4 == 0 and scheduler.steps.in_flight is not None:
             scheduler.add_request(later.pop(0))
         if step >= 9 and not aborted and scheduler.steps.in_flight is not None:
             victim = scheduler.steps.in_flight.reqs[0]
             assert scheduler.abort(victim.rid)
             aborted.add(victim.rid)
-    assert committed_over_extend > 0
+    assert committed_over_extend > 0 and launched_over_extend > 0
     assert aborted
     for req, want in zip(reqs, expected):
         if req.rid in aborted:
@@ -180,3 +188,27 @@ def test_next_decode_rows_from_device_outputs() -> None:
     cycle = InFlightStep([], rows, tokens, tokens, None)
     assert next_decode_rows(cycle, None).tolist() == [[40, 3, 21], [41, 5, 31]]
     assert next_decode_rows(cycle, torch.tensor([1])).tolist() == [[41, 5, 31]]
+
+
+@pytest.mark.parametrize("draft", [True, False], ids=["dflash", "target"])
+def test_first_token_that_finishes_a_request_discards_its_launched_step(root: Path, draft: bool) -> None:
+    """A request whose first token ends it (max_new_tokens 1, or a stop token) had its first decode step launched
+    behind the extend: that step is discarded, its slots come back, the other requests' outputs are unchanged."""
+    first = [o["output_ids"][0] for o in engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=greedy(1))]
+    params = [greedy(1), greedy(6), {**greedy(6), "ignore_eos": False, "stop_token_ids": [first[2]]}, *[greedy(9)] * 6]
+    expected = engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=params)
+    engine = engine_for(root, draft=draft)
+    reqs, _ = engine.make_requests(input_ids=PROMPTS, sampling_params=params)
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    launched_with_first = 0
+    while engine.scheduler.has_work:
+        extends = engine.scheduler.num_extend_steps
+        engine.scheduler.step()
+        in_flight = engine.scheduler.steps.in_flight
+        if engine.scheduler.num_extend_steps > extends and in_flight is not None:
+            launched_with_first += any(r is reqs[0] or r is reqs[2] for r in in_flight.reqs)
+    assert launched_with_first > 0
+    assert [r.output_ids for r in reqs] == [o["output_ids"] for o in expected]
+    assert reqs[0].output_ids == [first[0]] and reqs[2].output_ids == [first[2]]
+    assert_engine_idle(engine)

@@ -16,7 +16,7 @@ from blockspec.runner.graphs import GraphKind
 from blockspec.sampling import append_logprobs, greedy_tokens, sampling_probs
 from blockspec.speculative.acceptance import greedy_accept_counts, rejection_accept
 from blockspec.speculative.dflash_base import DFlashBase
-from blockspec.step.inflight import InFlightStep, host_copy, launch_rows
+from blockspec.step.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
 
 
 class DFlashWorker(DFlashBase):
@@ -29,16 +29,17 @@ class DFlashWorker(DFlashBase):
         )
 
     @torch.inference_mode()
-    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep:
+    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,
+               first: Optional[FirstTokens] = None) -> InFlightStep:
         """Launches a greedy cycle without waiting for it, at the verify length chosen for this batch size. Requests
         of `carry` (launched, not yet committed) take their input rows from its device outputs; the others from the
-        host. The cycle's requests are ordered carried first. The scheduler has given each request slots up to
-        kv_len + B (+ B more when carried)."""
+        host, those of `first` with their bonus token from its tensor. The cycle's requests are ordered carried
+        first. The scheduler has given each request slots up to kv_len + B (+ B more when carried)."""
         device, n = self.runner.device, self.choose_verify_length(len(reqs))
         mask = self.draft_config.mask_token_id
         reqs_in_order, rows = launch_rows(
             reqs, carry, lambda cycle, index: next_cycle_rows(cycle, index, n, mask),
-            lambda fresh: self.block_rows(fresh, n).rows.to(device, non_blocking=True), device,
+            lambda fresh: self.block_rows(fresh, n).rows.to(device, non_blocking=True), device, first,
         )
         started = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
         if started is not None:

@@ -4,7 +4,10 @@ Overlap schedule (greedy decode, target-only or DFlash): `run_ahead` launches st
 commits step N, whose host bookkeeping (commit, finish checks, slot release, statistics) then runs while the device
 works. Step N+1's inputs are derived on the device from N's outputs (step/inflight.py), so a request in flight has
 a kv_len that lags one uncommitted step (<= B tokens), and N+1 writes up to B slots past that: requests in flight
-hold slots to kv_len + 2B. `drain` commits the step in flight when the next step cannot overlap.
+hold slots to kv_len + 2B. `drain` commits the step in flight when the next step cannot overlap. An extend step
+(`launch_extend`) queues its forward behind the step in flight and, through `extend_run_ahead`, the next decode
+step behind the extend, for the decoding requests and those whose prompt the extend completes (their first token,
+the extend's argmax, goes into that step's rows on the device).
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import torch
 
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.request import Req
-from blockspec.step.inflight import InFlightStep
+from blockspec.sampling import greedy_tokens
+from blockspec.step.inflight import FirstTokens, InFlightStep, device_index, host_copy
 from blockspec.step.plan import Committed, StepPlan
 
 
@@ -43,7 +47,8 @@ class Worker(Protocol):
 
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool: ...
 
-    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep: ...
+    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,
+               first: Optional[FirstTokens] = None) -> InFlightStep: ...
 
     def finish(self, step: InFlightStep) -> list[Optional[list[int]]]: ...
 
@@ -104,6 +109,28 @@ class StepExecutor:
         """The first tokens of an extend launched by `launch_extend` (waits for its logits)."""
         reqs = [c.req for c in plan.extend]
         return first_token_commits(reqs, self.worker.first_tokens(reqs, logits))
+
+    def extend_run_ahead(self, plan: StepPlan, logits: torch.Tensor, decoding: list[Req]) -> Optional[list[Committed]]:
+        """After `launch_extend`: launches the next decode step behind the extend, for the decoding requests and the
+        plan's requests whose prompt it completes (their first token, the extend's argmax, stays on the device), then
+        commits the step in flight and the first tokens while the device runs both. None (nothing done) where
+        `run_ahead` would decline or a finishing prompt's first token needs the host (`extend_commits` then)."""
+        ready = [chunk.req for chunk in plan.extend if chunk.req.pending_len == 0]
+        reqs = decoding + ready
+        if not (self.overlap and ready and self.worker.can_run_ahead(reqs)):
+            return None
+        ahead = 2 * self.slots_per_decode
+        lengths = [r.kv_len + ahead for r in reqs]
+        if max(lengths) > self.table.max_context_len or not self.allocator.try_grow_many(reqs, lengths, self.table):
+            return None
+        index = device_index([i for i, c in enumerate(plan.extend) if c.req.pending_len == 0], len(plan.extend), logits.device)
+        first = FirstTokens(ready, greedy_tokens(logits if index is None else logits[index]))
+        host_first, first_ready = host_copy(first.tokens)
+        previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight, first)
+        committed = [] if previous is None else self._commit(previous, keep_ahead=None)
+        if first_ready is not None:
+            first_ready.synchronize()
+        return committed + first_token_commits(ready, host_first.tolist())
 
     def run_ahead(self, reqs: list[Req]) -> Optional[list[Committed]]:
         """Launches a decode step for `reqs`, then commits the step in flight (if any) while the device runs it.

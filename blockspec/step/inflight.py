@@ -61,15 +61,26 @@ class InFlightStep:
         return committed
 
 
+@dataclass
+class FirstTokens:
+    """An extend's first tokens still on the device: `tokens[i]` (shape [len(reqs)]) is the token of `reqs[i]`, not
+    yet in its `all_ids` (the overlap schedule launches their first decode step before the host reads them)."""
+
+    reqs: list[Req]
+    tokens: torch.Tensor
+
+
 def launch_rows(
     reqs: Sequence[Req],
     carry: Optional[InFlightStep],
     carried_rows: Callable[[InFlightStep, Optional[torch.Tensor]], torch.Tensor],
     fresh_rows: Callable[[list[Req]], torch.Tensor],
     device: torch.device,
+    first: Optional[FirstTokens] = None,
 ) -> tuple[list[Req], torch.Tensor]:
     """The next step's requests (those of `carry` first, in the order of `reqs`) and device input rows: carried ones
-    derived on the device from carry's outputs by `carried_rows(carry, index)`, the others from the host."""
+    derived on the device from carry's outputs by `carried_rows(carry, index)`, the others from the host; the input
+    token (column 0) of a request of `first` comes from `first.tokens` (its host row holds a placeholder there)."""
     carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
     carried = [req for req in reqs if id(req) in carried_at]
     fresh = [req for req in reqs if id(req) not in carried_at]
@@ -79,7 +90,15 @@ def launch_rows(
         parts.append(carried_rows(carry, device_index([carried_at[id(r)] for r in carried], len(carry.reqs), device)))
     if fresh:
         parts.append(fresh_rows(fresh))
-    return carried + fresh, parts[0] if len(parts) == 1 else torch.cat(parts)
+    ordered, rows = carried + fresh, parts[0] if len(parts) == 1 else torch.cat(parts)
+    if first is not None and first.reqs:
+        source = {id(req): i for i, req in enumerate(first.reqs)}
+        at = [i for i, req in enumerate(ordered) if id(req) in source]
+        assert len(at) == len(first.reqs), "every request of `first` runs in the step"
+        index = device_index([source[id(ordered[i])] for i in at], len(first.reqs), device)
+        tokens = first.tokens if index is None else first.tokens[index]
+        rows[to_device(int64_tensor(at), device), 0] = tokens.to(rows.dtype)
+    return ordered, rows
 
 
 def host_copy(tokens: torch.Tensor, timed: bool = False) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:

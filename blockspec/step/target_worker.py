@@ -12,7 +12,7 @@ from blockspec.request import Req
 from blockspec.runner.graphs import EagerForward, GraphKind
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sampling import append_logprobs, greedy_tokens, sample_next_tokens
-from blockspec.step.inflight import InFlightStep, host_copy, launch_rows
+from blockspec.step.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
 
 
 class TargetWorker:
@@ -114,13 +114,15 @@ class TargetWorker:
         return self.runner.graphs.runs_from_device_rows(GraphKind.DECODE) and not any(r.samples_on_host for r in reqs)
 
     @torch.inference_mode()
-    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None) -> InFlightStep:
+    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,
+               first: Optional[FirstTokens] = None) -> InFlightStep:
         """Launches a greedy decode step without waiting for it: requests of `carry` take their token and length
-        from its device outputs. The executor has given each request slots up to kv_len + 2."""
+        from its device outputs, those of `first` their token from its tensor. The executor has given each request
+        slots up to kv_len + 2."""
         device = self.runner.device
         ordered, rows = launch_rows(
             reqs, carry, next_decode_rows,
-            lambda fresh: self._decode_rows(fresh).rows.to(device, non_blocking=True), device,
+            lambda fresh: self._decode_rows(fresh).rows.to(device, non_blocking=True), device, first,
         )
         logits = self.runner.forward_uniform(GraphKind.DECODE, DeviceRows(ForwardMode.DECODE, rows)).logits
         tokens = greedy_tokens(logits).view(-1, 1)
