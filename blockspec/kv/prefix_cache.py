@@ -82,7 +82,9 @@ class PrefixCache:
         runs) and become its shared pages. Pages the tree already had for those tokens (computed by a request
         admitted at the same time) replace the request's copies, which are freed.
 
-        NOTE: only for a request with no step in flight (a chunk runs synchronously), so its table row may change."""
+        NOTE: its table row may change and its page copies be freed although a decode step launched behind its
+        extend (StepExecutor.extend_run_ahead) may still be in flight: that step reads the row and writes only at or
+        past kv_len, and the device runs every step in launch order on one stream, so it saw the row as it was."""
         if self.tree is None or req.finished:
             return
         length = self._valid_full_pages(req) * self.page_size
