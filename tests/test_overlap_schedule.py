@@ -212,3 +212,31 @@ def test_first_token_that_finishes_a_request_discards_its_launched_step(root: Pa
     assert [r.output_ids for r in reqs] == [o["output_ids"] for o in expected]
     assert reqs[0].output_ids == [first[0]] and reqs[2].output_ids == [first[2]]
     assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("draft", [True, False], ids=["dflash", "target"])
+def test_decoding_runs_ahead_of_a_prompt_still_in_chunks(root: Path, draft: bool) -> None:
+    """A long prompt arrives while others decode: its extend steps complete no prompt, yet the decoding requests' next
+    step is queued behind each chunk; every output equals target-only."""
+    prompts = [[5, 6, 7], [9, 8, 7, 6], [(11 + 7 * i) % 90 + 3 for i in range(50)]]
+    expected = engine_for(root, draft=False).generate(input_ids=prompts, sampling_params=greedy(24))
+    engine = engine_for(root, draft=draft, disable_radix_cache=True)
+    scheduler = engine.scheduler
+    reqs, _ = engine.make_requests(input_ids=prompts, sampling_params=greedy(24))
+    scheduler.add_request(reqs[0])
+    scheduler.add_request(reqs[1])
+    for _ in range(3):
+        scheduler.step()
+    scheduler.add_request(reqs[2])
+    behind_chunks = 0
+    while scheduler.has_work:
+        extends = scheduler.num_extend_steps
+        chunked = reqs[2].in_prefill
+        scheduler.step()
+        in_flight = scheduler.steps.in_flight
+        if scheduler.num_extend_steps > extends and reqs[2].in_prefill and chunked and in_flight is not None:
+            assert reqs[2] not in in_flight.reqs and {id(reqs[0]), id(reqs[1])} <= {id(r) for r in in_flight.reqs}
+            behind_chunks += 1
+    assert behind_chunks >= 2  # NOTE: 50 tokens in chunks of 16: three chunks complete no prompt
+    assert [r.output_ids for r in reqs] == [o["output_ids"] for o in expected]
+    assert_engine_idle(engine)

@@ -114,23 +114,26 @@ class StepExecutor:
         """After `launch_extend`: launches the next decode step behind the extend, for the decoding requests and the
         plan's requests whose prompt it completes (their first token, the extend's argmax, stays on the device), then
         commits the step in flight and the first tokens while the device runs both. None (nothing done) where
-        `run_ahead` would decline or a finishing prompt's first token needs the host (`extend_commits` then)."""
+        `run_ahead` would decline (then `drain` and `extend_commits`)."""
         ready = [chunk.req for chunk in plan.extend if chunk.req.pending_len == 0]
         reqs = decoding + ready
-        if not (self.overlap and ready and self.worker.can_run_ahead(reqs)):
+        if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
             return None
         ahead = 2 * self.slots_per_decode
         lengths = [r.kv_len + ahead for r in reqs]
         if max(lengths) > self.table.max_context_len or not self.allocator.try_grow_many(reqs, lengths, self.table):
             return None
-        index = device_index([i for i, c in enumerate(plan.extend) if c.req.pending_len == 0], len(plan.extend), logits.device)
-        first = FirstTokens(ready, greedy_tokens(logits if index is None else logits[index]))
-        host_first, first_ready = host_copy(first.tokens)
+        first, host_first, first_ready = None, None, None
+        if ready:
+            index = device_index([i for i, c in enumerate(plan.extend) if c.req.pending_len == 0], len(plan.extend),
+                                 logits.device)
+            first = FirstTokens(ready, greedy_tokens(logits if index is None else logits[index]))
+            host_first, first_ready = host_copy(first.tokens)
         previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight, first)
         committed = [] if previous is None else self._commit(previous, keep_ahead=None)
         if first_ready is not None:
             first_ready.synchronize()
-        return committed + first_token_commits(ready, host_first.tolist())
+        return committed + ([] if host_first is None else first_token_commits(ready, host_first.tolist()))
 
     def run_ahead(self, reqs: list[Req]) -> Optional[list[Committed]]:
         """Launches a decode step for `reqs`, then commits the step in flight (if any) while the device runs it.
