@@ -117,11 +117,7 @@ class StepExecutor:
         `run_ahead` would decline (then `drain` and `extend_commits`)."""
         ready = [chunk.req for chunk in plan.extend if chunk.req.pending_len == 0]
         reqs = decoding + ready
-        if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
-            return None
-        ahead = 2 * self.slots_per_decode
-        lengths = [r.kv_len + ahead for r in reqs]
-        if max(lengths) > self.table.max_context_len or not self.allocator.try_grow_many(reqs, lengths, self.table):
+        if not self._can_run_ahead(reqs):
             return None
         first, host_first, first_ready = None, None, None
         if ready:
@@ -140,16 +136,19 @@ class StepExecutor:
 
         None (nothing done) when the batch cannot overlap: the schedule is off, sampled requests, a host-planned
         graph, or no room for slots two steps ahead (the synchronous step, after `drain`, may then retract)."""
-        if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
-            return None
-        ahead = 2 * self.slots_per_decode
-        lengths = [r.kv_len + ahead for r in reqs]
-        if max(lengths) > self.table.max_context_len or not self.allocator.try_grow_many(reqs, lengths, self.table):
+        if not self._can_run_ahead(reqs):
             return None
         previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight)
         # NOTE: nothing shrinks: each request keeps its slots to (pre-commit kv_len) + 2B, which the next launch grows
         # from (by what this commit advanced, not by B + that), and `drain` or its release frees the rest
         return [] if previous is None else self._commit(previous, keep_ahead=None)
+
+    def _can_run_ahead(self, reqs: list[Req]) -> bool:
+        """Whether `reqs` can be launched ahead of the host's commit; if so, each now has slots two steps ahead."""
+        if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
+            return False
+        lengths = [r.kv_len + 2 * self.slots_per_decode for r in reqs]
+        return max(lengths) <= self.table.max_context_len and self.allocator.try_grow_many(reqs, lengths, self.table)
 
     def drain(self) -> list[Committed]:
         """Commits the step in flight, if any (nothing runs after it, so its rejected slots are released)."""
