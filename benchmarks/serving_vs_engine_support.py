@@ -137,19 +137,18 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     assert isinstance(outputs, list)
     tokens = sum(len(out["output_ids"]) for out in outputs)
     by_concurrency: dict[str, float] = {}
-    clock = CoreClock(os.getpid()).__enter__()  # NOTE: the closed-loop levels' waves (what the rows compare with)
-    for concurrency, count in spec["levels"]:
-        # NOTE: the closed-loop level's work in waves of `concurrency` prompts (all equally long: ignore_eos).
-        level_prompts, level_tokens = prompts[:count], 0
-        # NOTE: one untimed wave first: batch sizes the full-batch warm-up never ran may compile kernels.
-        engine.generate(input_ids=level_prompts[:concurrency], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
-        start = time.perf_counter()
-        for first in range(0, len(level_prompts), concurrency):
-            wave = engine.generate(input_ids=level_prompts[first:first + concurrency], sampling_params=params)
-            assert isinstance(wave, list)
-            level_tokens += sum(len(out["output_ids"]) for out in wave)
-        by_concurrency[str(concurrency)] = level_tokens / (time.perf_counter() - start)
-    clock.__exit__(None, None, None)
+    with CoreClock(os.getpid()) as clock:  # NOTE: the closed-loop levels' waves (what the rows compare with)
+        for concurrency, count in spec["levels"]:
+            # NOTE: the closed-loop level's work in waves of `concurrency` prompts (all equally long: ignore_eos).
+            level_prompts, level_tokens = prompts[:count], 0
+            # NOTE: one untimed wave first: batch sizes the full-batch warm-up never ran may compile kernels.
+            engine.generate(input_ids=level_prompts[:concurrency], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
+            start = time.perf_counter()
+            for first in range(0, len(level_prompts), concurrency):
+                wave = engine.generate(input_ids=level_prompts[first:first + concurrency], sampling_params=params)
+                assert isinstance(wave, list)
+                level_tokens += sum(len(out["output_ids"]) for out in wave)
+            by_concurrency[str(concurrency)] = level_tokens / (time.perf_counter() - start)
     result = {
         "engine_core_mhz": clock.mean_mhz,
         "engine_tok_s": tokens / wall, "engine_wall_s": wall, "engine_output_tokens": tokens,

@@ -115,17 +115,16 @@ class StepExecutor:
         plan's requests whose prompt it completes (their first token, the extend's argmax, stays on the device), then
         commits the step in flight and the first tokens while the device runs both. None (nothing done) where
         `run_ahead` would decline (then `drain` and `extend_commits`)."""
-        ready = [chunk.req for chunk in plan.extend if chunk.req.pending_len == 0]
-        reqs = decoding + ready
-        if not self._can_run_ahead(reqs):
+        ready_at = [i for i, chunk in enumerate(plan.extend) if chunk.req.pending_len == 0]
+        ready = [plan.extend[i].req for i in ready_at]
+        if not self._can_run_ahead(decoding + ready):
             return None
         first, host_first, first_ready = None, None, None
         if ready:
-            index = device_index([i for i, c in enumerate(plan.extend) if c.req.pending_len == 0], len(plan.extend),
-                                 logits.device)
+            index = device_index(ready_at, len(plan.extend), logits.device)
             first = FirstTokens(ready, greedy_tokens(logits if index is None else logits[index]))
             host_first, first_ready = host_copy(first.tokens)
-        previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight, first)
+        previous, self.in_flight = self.in_flight, self.worker.launch(decoding + ready, self.in_flight, first)
         committed = [] if previous is None else self._commit(previous, keep_ahead=None)
         if first_ready is not None:
             first_ready.synchronize()
