@@ -16,7 +16,7 @@ import pytest
 
 from blockspec import Engine
 from blockspec.server import BackgroundServer
-from blockspec.server.args import ServerSettings, parse_serve_args
+from blockspec.server.args import ServerSettings, default_api_server_count, parse_serve_args
 from server_support import metric_value, save_text_model, server_process, wait_idle
 from test_server_shutdown import GRACE_S, sigterm_drains
 
@@ -97,8 +97,14 @@ def test_engine_death_stops_every_server_process(model: Path) -> None:
         assert all(_gone(pid) for pid in pids.values())
 
 
+def test_api_server_count_default_scales_with_cores_on_a_gpu() -> None:
+    assert [default_api_server_count("cuda", cores) for cores in (None, 2, 7, 8, 16, 128)] == [1, 1, 1, 2, 4, 4]
+    assert default_api_server_count("cuda:1", 16) == 4
+    assert default_api_server_count("cpu", 128) == 1
+
+
 def test_api_server_count_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_serve_args(["--model-path", "/m"]).server.api_server_count == 1
+    assert parse_serve_args(["--model-path", "/m", "--device", "cpu"]).server.api_server_count == 1
     assert parse_serve_args(["--model-path", "/m", "--api-server-count", "4"]).server.api_server_count == 4
     for bad in ("0", "65"):
         with pytest.raises(SystemExit) as exc:
