@@ -11,6 +11,7 @@ import pytest
 from blockspec import Engine
 from blockspec.admission import ArrivalBatching
 from blockspec.request import Req
+from blockspec.server.args import parse_serve_args
 from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 from tiny_models import save_tiny_model
 
@@ -38,6 +39,15 @@ def test_flag_validated(tmp_path: Path) -> None:
     save_tiny_model("llama", tmp_path / "target")
     with pytest.raises(ValueError, match="max_prefill_wait_steps"):
         Engine(model_path=str(tmp_path / "target"), device="cpu", max_prefill_wait_steps=-1)
+
+
+def test_serve_default_waits_one_step_under_dflash() -> None:
+    plain = ["--model-path", "/m"]
+    spec = [*plain, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d"]
+    assert parse_serve_args(plain).engine["max_prefill_wait_steps"] == 0
+    assert parse_serve_args(spec).engine["max_prefill_wait_steps"] == 1
+    assert parse_serve_args([*spec, "--max-prefill-wait-steps", "0"]).engine["max_prefill_wait_steps"] == 0
+    assert parse_serve_args([*plain, "--max-prefill-wait-steps", "3"]).engine["max_prefill_wait_steps"] == 3
 
 
 @pytest.fixture(scope="module")
