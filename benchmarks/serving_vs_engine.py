@@ -8,7 +8,8 @@ that many prompts (the engine number that level's row compares with), then `pyth
 streaming closed-loop clients on `/generate` (input_ids; spread over --client-procs processes) at each concurrency,
 plus one Poisson-arrival run: server tok/s, server ÷ engine, TTFT and inter-chunk latency (ITL) p50/p99, the
 server's accept length. The demo pair with real weights: --shapes smollm2 --model-dir <converted SmolLM2 dir>
---accept-len 0 (the shipped draft has its weights). A run split over commands: --merge the earlier JSONs.
+--accept-len 0 (the shipped draft has its weights) --dataset gsm8k (GSM8K test questions as chats, the workload
+the draft was trained for; scripts/device_demo_pair.sh serving). A run split over commands: --merge the earlier JSONs.
 Writes benchmarks/results/serving_vs_engine_<date>_<commit>[_tag].json after every phase, then a PNG beside it.
 """
 from __future__ import annotations
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-rounds", type=int, default=0, help="a closed-loop level sends at most this many "
                         "prompts per client (0: all --num-prompts; e.g. 16 shortens the 1-client level)")
     parser.add_argument("--client-procs", type=int, default=4, help="client processes sharing each level's clients")
+    parser.add_argument("--dataset", choices=("random", "gsm8k"), default="random", help="random: --prompt-len random "
+                        "token ids; gsm8k: GSM8K test questions as one-turn chats by the tokenizer's chat template "
+                        "(--tokenizer-path, else --model-dir; the demo pair's real workload)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=64, help="prompts of the warm-up generate / warm-up level")
@@ -93,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--py-spy-s", type=float, default=0.0, help="then the top level again for ~S s under py-spy "
                         "(server + engine process, serving_profile.py): raw stacks and a summary beside the JSON")
     return parser
+
+
+def gsm8k_chat_prompts(tokenizer_path: Path, count: int) -> list[list[int]]:
+    """The first `count` GSM8K test questions, each the user turn of a chat, as the chat template's token ids."""
+    from greedy_drift import load_questions
+
+    from blockspec.tokenizer import chat_to_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    return [chat_to_ids(tokenizer, [{"role": "user", "content": question}]) for question in load_questions(None, count)]
 
 
 def extra_engine_kwargs(extra: list[str]) -> dict[str, Any]:
@@ -257,7 +271,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             shape = materialise(name, Path(tmp), args.model_dir, args.draft_dir)
             prompt_ns = argparse.Namespace(seed=args.seed, dataset_name="random", num_prompts=args.num_prompts,
                                            random_input_len=args.prompt_len)
-            prompts = cast(list[list[int]], load_prompts(prompt_ns, shape.vocab_size))
+            prompts = (gsm8k_chat_prompts(args.tokenizer_path or shape.target, args.num_prompts)
+                       if args.dataset == "gsm8k" else cast(list[list[int]], load_prompts(prompt_ns, shape.vocab_size)))
             for mode in args.modes:
                 start = time.perf_counter()
                 try:

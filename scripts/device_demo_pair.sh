@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The demo pair (SmolLM2-135M-Instruct with real weights + the shipped DFlash draft) on one GPU, for the benchmarks
-# that need real weights: greedy_drift.py (#22) and prefix_cache.py --shapes demo (#20). The GGUF travels in three
+# that need real weights: greedy_drift.py (#22), prefix_cache.py --shapes demo (#20) and serving_vs_engine.py on
+# GSM8K chats (#18's shape (a); CONC levels, both modes, default serve flags; SERVING_S cuts it). The GGUF travels in three
 # parts (scripts/device_gguf.sh), one per `run`, back to back; calls that only bring a part run `stash` (or any other
 # device work, carrying the part along). State (the GGUF, the converted model) stays in .device-state/demo_pair while
 # the machine is warm.
 #   1. carry .whl .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part00   scripts/device_demo_pair.sh stash
 #   2. carry .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part01        scripts/device_demo_pair.sh stash
 #   3. carry .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part02        BLOCKSPEC_COMMIT=<c> scripts/device_demo_pair.sh drift
-#   4. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/device_demo_pair.sh prefix
+#   4. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/device_demo_pair.sh prefix   (or serving)
 # DRIFT_FLAGS / PREFIX_FLAGS add flags to greedy_drift.py / prefix_cache.py; DRIFT_S / PREFIX_S cut each run.
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: $0 stash|drift|prefix ..." >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: $0 stash|drift|prefix|serving ..." >&2; exit 2; }
 source "$(dirname "$0")/device_gguf.sh"
 source "$(dirname "$0")/device_env.sh"
 state=${STATE:-.device-state/demo_pair}
@@ -21,9 +22,9 @@ for stage in "$@"; do
         stash)
             ls -l "$gguf_parts" 2>/dev/null
             continue ;;
-        drift|prefix) ;;
+        drift|prefix|serving) ;;
         *)
-            echo "unknown stage $stage (stash, drift, prefix)" >&2
+            echo "unknown stage $stage (stash, drift, prefix, serving)" >&2
             exit 2 ;;
     esac
     if [ -z "$model" ]; then
@@ -35,6 +36,12 @@ print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))")
         timeout "${DRIFT_S:-250}" python3 benchmarks/greedy_drift.py --model-path "$model" --out "$out" \
             ${DRIFT_FLAGS:-} > "$out/greedy_drift.log" 2>&1 || code=$?
         grep -v -E "INFO (blockspec|httpx)" "$out/greedy_drift.log" | tail -"${TAIL:-25}"
+    elif [ "$stage" = serving ]; then
+        timeout "${SERVING_S:-560}" python3 benchmarks/serving_vs_engine.py --shapes smollm2 --model-dir "$model" \
+            --tokenizer-path "$model" --accept-len 0 --dataset gsm8k --concurrency "${CONC:-1,8,32,64}" \
+            --num-prompts 1024 --max-rounds 16 --tag demo_pair --out "$out" \
+            --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph" > "$out/serving.log" 2>&1 || code=$?
+        grep -v -E "INFO (blockspec|httpx)" "$out/serving.log" | tail -"${TAIL:-25}"
     else
         timeout "${PREFIX_S:-300}" python3 benchmarks/prefix_cache.py --shapes demo --demo-model-dir "$model" --out "$out" \
             ${PREFIX_FLAGS:-} > "$out/prefix_cache.log" 2>&1 || code=$?

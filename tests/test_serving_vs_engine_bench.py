@@ -13,7 +13,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from serving_vs_engine import extra_engine_kwargs, serve_flags  # noqa: E402
+from serving_vs_engine import extra_engine_kwargs, gsm8k_chat_prompts, serve_flags  # noqa: E402
 
 ROW_KEYS = {"shape", "mode", "concurrency", "engine_tok_s", "server_tok_s", "server_over_engine", "ttft_p50_ms",
             "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_accept_length", "client_procs", "clients_cpu_share", "http_cpu_share", "engine_cpu_share"}
@@ -26,6 +26,21 @@ def test_extra_flags_become_engine_kwargs_and_serve_flags() -> None:
                          "disable_cuda_graph": False, "cuda_graph_bs": [1, 2], "speculative_simulate_accept_len": 3.2})
     assert flags == ["--model-path", "m", "--skip-tokenizer-init", "--cuda-graph-bs", "1", "2",
                      "--speculative-simulate-accept-len", "3.2"]
+
+
+def test_gsm8k_prompts_are_chats_of_the_test_questions(tmp_path: Path) -> None:
+    from greedy_drift import load_questions
+    from server_support import save_text_model
+
+    from blockspec.tokenizer import load_tokenizer
+
+    model = save_text_model(tmp_path / "model")
+    prompts = gsm8k_chat_prompts(model, 3)
+    tokenizer = load_tokenizer(model)
+    questions = load_questions(None, 3)
+    assert len(prompts) == 3 and len(set(map(tuple, prompts))) == 3
+    for ids, question in zip(prompts, questions):
+        assert question in tokenizer.decode(ids)
 
 
 def test_help() -> None:
