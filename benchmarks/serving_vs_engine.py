@@ -34,6 +34,7 @@ from serving_vs_engine_support import (
     DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, cached_engine_phase, client_namespace, log_tail, materialise,
     measure_level,
 )
+from serving_workload import gsm8k_chat_prompts, serve_dflash_wait_steps
 
 MODES = ("dflash", "target")
 POISSON_FRACTION = 0.8  # default Poisson rate: this fraction of the top closed-loop level's request throughput
@@ -99,16 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def gsm8k_chat_prompts(tokenizer_path: Path, count: int) -> list[list[int]]:
-    """The first `count` GSM8K test questions, each the user turn of a chat, as the chat template's token ids."""
-    from greedy_drift import load_questions
-
-    from blockspec.tokenizer import chat_to_ids, load_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_path)
-    return [chat_to_ids(tokenizer, [{"role": "user", "content": question}]) for question in load_questions(None, count)]
-
-
 def extra_engine_kwargs(extra: list[str]) -> dict[str, Any]:
     """The EngineConfig keywords that `blockspec serve` flags in `extra` change from their defaults."""
     from blockspec.server.args import parse_serve_args
@@ -147,7 +138,8 @@ def engine_kwargs(shape: Shape, mode: str, args: argparse.Namespace, extra: dict
             raise ValueError(f"shape {shape.name} has no draft: pass --draft-dir")
         accept = DEFAULT_ACCEPT[shape.name] if args.accept_len is None else args.accept_len
         kwargs.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(shape.draft),
-                      speculative_simulate_accept_len=accept if accept > 0 else None)
+                      speculative_simulate_accept_len=accept if accept > 0 else None,
+                      max_prefill_wait_steps=serve_dflash_wait_steps(shlex.split(args.extra_flags)))
     kwargs.update(extra)
     return kwargs
 
@@ -190,7 +182,7 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
             "engine_tok_s_by_concurrency": engine["engine_tok_s_by_concurrency"],
             "engine_accept_length": engine["engine_accept_length"], "engine_core_mhz": engine.get("engine_core_mhz"),
             "num_prompts": len(prompts),
-            "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens}
+            "prompt_len": round(sum(map(len, prompts)) / len(prompts)), "max_new_tokens": args.max_new_tokens}
     log_path = workdir / f"server_{shape.name}_{mode}.log"
     try:
         levels = run_server_levels(ServerProcess(serve_flags(kwargs) + extra_tokens, log_path, args.startup_timeout),

@@ -128,7 +128,7 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
 
 
 def test_hardening_flags() -> None:
-    defaults = parse_serve_args(["--model-path", "/m"]).server
+    defaults = parse_serve_args(["--model-path", "/m", "--device", "cpu"]).server
     assert defaults.max_request_bytes == 16 * 1024 * 1024 and defaults.shutdown_grace_s == 20.0
     assert defaults.header_timeout_s == 10.0 and defaults.timeout_keep_alive == 5
     assert defaults == ServerSettings(port=30000)

@@ -13,7 +13,8 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from serving_vs_engine import extra_engine_kwargs, gsm8k_chat_prompts, serve_flags  # noqa: E402
+from serving_vs_engine import extra_engine_kwargs, serve_flags  # noqa: E402
+from serving_workload import gsm8k_chat_prompts, serve_dflash_wait_steps  # noqa: E402
 
 ROW_KEYS = {"shape", "mode", "concurrency", "engine_tok_s", "server_tok_s", "server_over_engine", "ttft_p50_ms",
             "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_accept_length", "client_procs", "clients_cpu_share", "http_cpu_share", "engine_cpu_share"}
@@ -41,6 +42,12 @@ def test_gsm8k_prompts_are_chats_of_the_test_questions(tmp_path: Path) -> None:
     assert len(prompts) == 3 and len(set(map(tuple, prompts))) == 3
     for ids, question in zip(prompts, questions):
         assert question in tokenizer.decode(ids)
+
+
+def test_engine_side_waits_as_the_server_does_under_dflash() -> None:
+    assert serve_dflash_wait_steps([]) == 1
+    assert serve_dflash_wait_steps(["--max-prefill-wait-steps", "0"]) == 0
+    assert serve_dflash_wait_steps(["--api-server-count", "2", "--max-prefill-wait-steps", "4"]) == 4
 
 
 def test_help() -> None:

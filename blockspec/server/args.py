@@ -181,7 +181,7 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
         # the offline engine at 0, 0.97 at 1 (fewer, larger extend steps, each of which stalls every running cycle)
         engine["max_prefill_wait_steps"] = 1 if engine["speculative_algorithm"] else 0
     if values["api_server_count"] is None:
-        values["api_server_count"] = default_api_server_count(engine["device"], os.cpu_count())
+        values["api_server_count"] = default_api_server_count(engine["device"], usable_cpu_count())
     server = ServerSettings(**{_dest(flag): values[_dest(flag)] for flag, _ in _SERVER_FLAGS})
     if not 0 <= server.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {server.port}")
@@ -204,6 +204,11 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
     except ValueError as exc:
         parser.error(_flagify(str(exc)))
     return ServeArgs(engine=engine, server=server)
+
+
+def usable_cpu_count() -> Optional[int]:
+    """The CPUs this process may run on (a container's limit), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def default_api_server_count(device: str, cpu_count: Optional[int]) -> int:
