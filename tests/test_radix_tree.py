@@ -24,6 +24,16 @@ def test_match_is_whole_pages_and_splits_nodes() -> None:
         tree.insert([1, 2, 3], [10, 11])
 
 
+def test_insert_and_match_is_insert_then_match() -> None:
+    tree = RadixTree(page_size=2)
+    assert tree.insert_and_match([1, 2, 3, 4, 5, 6], [10, 11, 12])[0] == 0
+    present, pages, node = tree.insert_and_match([1, 2, 3, 4, 7, 8], [20, 21, 22])
+    assert (present, pages, node.key) == (4, [10, 11, 22], [7, 8])
+    present, pages, node = tree.insert_and_match([1, 2], [30])  # ends inside a node: split there, as match would
+    assert (present, pages, node.key) == (2, [10], [1, 2])
+    assert tree.match([1, 2, 0])[1] is node and tree.num_pages == 4
+
+
 def test_locks_protect_and_eviction_is_least_recently_used() -> None:
     tree = RadixTree(page_size=1)
     tree.insert([1, 2, 3], [11, 12, 13])

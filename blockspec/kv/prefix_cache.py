@@ -91,8 +91,7 @@ class PrefixCache:
         if length <= req.shared_len:
             return
         tokens, ps = req.all_ids[:length], self.page_size
-        present = self.tree.insert(tokens, req.pages[:length // ps])
-        pages, node = self.tree.match(tokens)
+        present, pages, node = self.tree.insert_and_match(tokens, req.pages[:length // ps])
         assert len(pages) * ps == length
         first, last = req.shared_len // ps, present // ps
         if last > first:

@@ -69,10 +69,15 @@ class RadixTree:
         """Caches `tokens` (a whole number of pages) as held by `pages`. Returns how many leading tokens were cached
         already: the tree keeps its own pages for those (the caller still owns `pages` for them) and adopts the
         rest of `pages`."""
+        return self.insert_and_match(tokens, pages)[0]
+
+    def insert_and_match(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[int, list[int], RadixNode]:
+        """`insert` and then `match(tokens)` in one walk: (tokens cached already, the tree's pages for all of
+        `tokens`, the node they end at)."""
         if len(tokens) != len(pages) * self.page_size:
             raise ValueError(f"{len(tokens)} tokens are not {len(pages)} pages of {self.page_size}")
         now = next(self._clock)
-        node, position = self.root, 0
+        node, position, path_pages = self.root, 0, []
         while position < len(tokens):
             first = self._first_page(tokens, position)
             child = node.children.get(first)
@@ -80,14 +85,16 @@ class RadixTree:
                 leaf = RadixNode(list(tokens[position:]), list(pages[position // self.page_size:]), node, now)
                 node.children[first] = leaf
                 self.num_pages += len(leaf.pages)
-                return position
+                path_pages.extend(leaf.pages)
+                return position, path_pages, leaf
             common = self._common_length(child.key, tokens, position, len(tokens))
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now
+            path_pages.extend(child.pages)
             position += common
             node = child
-        return position
+        return position, path_pages, node
 
     # ---- locks -------------------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
