@@ -34,7 +34,7 @@ from serving_vs_engine_support import (
     DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, cached_engine_phase, client_namespace, log_tail, materialise,
     measure_level,
 )
-from serving_workload import gsm8k_chat_prompts, serve_dflash_wait_steps
+from serving_workload import gsm8k_chat_prompts, row_weights, serve_dflash_wait_steps
 
 MODES = ("dflash", "target")
 POISSON_FRACTION = 0.8  # default Poisson rate: this fraction of the top closed-loop level's request throughput
@@ -177,7 +177,7 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
     reused = " (engine phase reused)" if engine["reused_engine_phase"] else ""
     print(f"   engine {engine['engine_tok_s']:.0f} tok/s ({engine['engine_wall_s']:.2f} s){reused}", flush=True)
     print(f"== {key}: server", flush=True)
-    base = {"shape": shape.name, "mode": mode, "engine_tok_s": engine["engine_tok_s"],
+    base = {"shape": shape.name, "weights": row_weights(kwargs), "mode": mode, "engine_tok_s": engine["engine_tok_s"],
             "engine_full_batch_tok_s": engine["engine_tok_s"],
             "engine_tok_s_by_concurrency": engine["engine_tok_s_by_concurrency"],
             "engine_accept_length": engine["engine_accept_length"], "engine_core_mhz": engine.get("engine_core_mhz"),

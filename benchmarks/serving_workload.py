@@ -1,7 +1,9 @@
-"""What serving_vs_engine.py sends beyond random token ids: GSM8K chat prompts, and the arrival wait the server runs."""
+"""What serving_vs_engine.py sends beyond random token ids (GSM8K chat prompts), the arrival wait the server runs,
+and what a row says of its weights."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def gsm8k_chat_prompts(tokenizer_path: Path, count: int) -> list[list[int]]:
@@ -20,3 +22,8 @@ def serve_dflash_wait_steps(extra_tokens: list[str]) -> int:
 
     dflash = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "unused"]
     return int(parse_serve_args(["--model-path", "unused", *dflash, *extra_tokens]).engine["max_prefill_wait_steps"])
+
+
+def row_weights(engine_kwargs: dict[str, Any]) -> str:
+    """A row's `weights`: "dummy" (random weights of the shape's config) or "real" (a checkpoint's)."""
+    return "dummy" if engine_kwargs.get("load_format") == "dummy" else "real"

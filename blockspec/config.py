@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 import torch
 
+from blockspec.admission import WAIT_POLICIES
+
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SPECULATIVE_ALGORITHMS = (None, "DFLASH")
 DEFAULT_CUDA_GRAPH_BS = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
@@ -28,6 +30,7 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     # NOTE: arrivals may wait up to this many decode steps to be prefilled together in one extend step (admission.py)
     max_prefill_wait_steps: int = 0
+    prefill_wait_policy: str = "fixed"  # fixed: held arrivals go after N steps; cost: sooner, once holding cost an extend
     # NOTE: a streaming request gets a chunk once at least this many new tokens are ready (and always its last one)
     stream_interval: int = 1
     context_length: Optional[int] = None
@@ -128,6 +131,8 @@ class EngineConfig:
         if not isinstance(self.max_prefill_wait_steps, int) or isinstance(self.max_prefill_wait_steps, bool) \
                 or self.max_prefill_wait_steps < 0:
             raise ValueError(f"max_prefill_wait_steps must be a non-negative integer, got {self.max_prefill_wait_steps!r}")
+        if self.prefill_wait_policy not in WAIT_POLICIES:
+            raise ValueError(f"prefill_wait_policy must be one of {WAIT_POLICIES}, got {self.prefill_wait_policy!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
         if isinstance(self.speculative_algorithm, str):

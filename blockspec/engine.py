@@ -219,6 +219,7 @@ class Engine:
             "context_length": self.runner.context_length,
             "page_size": self.config.page_size,
             "max_prefill_wait_steps": self.config.max_prefill_wait_steps,
+            "prefill_wait_policy": self.config.prefill_wait_policy,
             "disable_radix_cache": self.config.disable_radix_cache,
             "tp_size": self.config.tp_size,
             "host_threads": torch.get_num_threads(),  # torch's intra-op threads in this engine's process (--host-threads)

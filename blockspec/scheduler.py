@@ -64,7 +64,7 @@ class Scheduler:
         self.num_extend_steps = 0  # steps that ran prefill chunks (with or without decode in the same forward)
         self.extend_step_seconds = 0.0  # wall time of those steps (host work and device waits), and of all steps
         self.step_seconds = 0.0
-        self.arrivals = ArrivalBatching(config.max_prefill_wait_steps)
+        self.arrivals = ArrivalBatching(config.max_prefill_wait_steps, config.prefill_wait_policy)
         self.spec = SpecStatistics(worker.decode_slots_per_req)
 
     # ---- requests in and out -------------------------------------------------------------
@@ -126,8 +126,10 @@ class Scheduler:
         done = self._step()
         elapsed = time.perf_counter() - started
         self.step_seconds += elapsed
-        if self.num_extend_steps > extends_before:
+        extended = self.num_extend_steps > extends_before
+        if extended:
             self.extend_step_seconds += elapsed
+        self.arrivals.observe(elapsed, extended)
         return done
 
     def _step(self) -> list[Req]:
@@ -191,10 +193,11 @@ class Scheduler:
             self.allocator.grow(req, req.kv_len + n, self.table)
             plan.extend.append(ExtendChunk(req, n))
             budget -= n
-        # NOTE: only with arrival batching on: the waiting prompts' sum and the decoding list cost O(requests) per step
-        if self.arrivals.max_wait_steps and self.arrivals.hold(self.num_steps, sum(r.pending_len for r in self.waiting),
-                                                               budget, bool(self._decoding()), bool(plan.extend)):
-            return plan
+        if self.arrivals.max_wait_steps:  # NOTE: only then: the waiting prompts' sum and the decoding list cost O(requests)
+            decoding, rows = len(self._decoding()), min(self.config.max_running_requests - len(self.running), self.table.free_rows)
+            if self.arrivals.hold(self.num_steps, sum(r.pending_len for r in self.waiting), budget, decoding > 0,
+                                  bool(plan.extend), decoding, min(len(self.waiting), rows)):
+                return plan
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests and self.table.free_rows:
             req = self.waiting[0]
             if req.pending_len + self.steps.slots_per_decode > self.allocator.total_slots:

@@ -9,7 +9,9 @@
 #   2. carry .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part01        scripts/device_demo_pair.sh stash
 #   3. carry .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part02        BLOCKSPEC_COMMIT=<c> scripts/device_demo_pair.sh drift
 #   4. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/device_demo_pair.sh prefix   (or serving)
-# DRIFT_FLAGS / PREFIX_FLAGS add flags to greedy_drift.py / prefix_cache.py; DRIFT_S / PREFIX_S cut each run.
+# DRIFT_FLAGS / PREFIX_FLAGS / SERVING_FLAGS add flags to greedy_drift.py / prefix_cache.py / serving_vs_engine.py;
+# SERVING_EXTRA adds serve flags (both sides), TAG a suffix, MODES the modes of the serving stage; DRIFT_S / PREFIX_S /
+# SERVING_S cut each run.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 stash|drift|prefix|serving ..." >&2; exit 2; }
 source "$(dirname "$0")/device_gguf.sh"
@@ -39,9 +41,10 @@ print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))")
     elif [ "$stage" = serving ]; then
         timeout "${SERVING_S:-560}" python3 benchmarks/serving_vs_engine.py --shapes smollm2 --model-dir "$model" \
             --tokenizer-path "$model" --accept-len 0 --dataset gsm8k --concurrency "${CONC:-1,8,32,64}" \
-            --num-prompts 1024 --max-rounds 16 --tag demo_pair --out "$out" \
-            --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph" > "$out/serving.log" 2>&1 || code=$?
-        grep -v -E "INFO (blockspec|httpx)" "$out/serving.log" | tail -"${TAIL:-25}"
+            --modes "${MODES:-dflash,target}" --num-prompts 1024 --max-rounds 16 --tag "demo_pair${TAG:-}" --out "$out" \
+            ${SERVING_FLAGS:-} --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph ${SERVING_EXTRA:-}" \
+            > "$out/serving${TAG:-}.log" 2>&1 || code=$?
+        grep -v -E "INFO (blockspec|httpx)" "$out/serving${TAG:-}.log" | tail -"${TAIL:-25}"
     else
         timeout "${PREFIX_S:-300}" python3 benchmarks/prefix_cache.py --shapes demo --demo-model-dir "$model" --out "$out" \
             ${PREFIX_FLAGS:-} > "$out/prefix_cache.log" 2>&1 || code=$?

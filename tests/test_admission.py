@@ -35,10 +35,38 @@ def test_hold_policy() -> None:
     assert not ArrivalBatching(0).hold(1, 10, 100, decoding=True, extending=False)
 
 
+def test_cost_policy_releases_once_holding_cost_an_extend_step() -> None:
+    arrivals = ArrivalBatching(10, "cost")
+    assert arrivals.extend_cost(4) is None  # NOTE: no step timed yet: held as `fixed` holds
+    assert [arrivals.hold(step, 10, 100, True, False, running=4, admissible=2) for step in range(1, 13)] == \
+        [True] * 10 + [False, True]
+    arrivals = ArrivalBatching(10, "cost")
+    arrivals.observe(0.003, extended=True)
+    arrivals.observe(0.001, extended=False)
+    arrivals.observe(0.001, extended=False)
+    assert arrivals.extend_cost(4) == pytest.approx(12.0)  # 4 running requests stall for 3 decode steps
+    # NOTE: 2 held requests a step: held cost 0, 2, .., 10 before each hold; at 12 they go, then a new window
+    assert [arrivals.hold(step, 10, 100, True, False, running=4, admissible=2) for step in range(1, 9)] == \
+        [True] * 6 + [False, True]
+    assert arrivals.held_steps == 7
+    capped = ArrivalBatching(3, "cost")
+    capped.observe(1.0, extended=True)
+    capped.observe(0.001, extended=False)
+    assert [capped.hold(step, 10, 100, True, False, running=64, admissible=1) for step in range(1, 5)] == \
+        [True, True, True, False]  # NOTE: never past --max-prefill-wait-steps, however dear an extend step is
+    assert not capped.hold(5, 10, 100, True, False, running=4, admissible=0)  # no free row: nothing to batch
+    capped.observe(2.0, extended=True)
+    assert capped.extend_seconds == pytest.approx(1.1)  # a running average, not the last step
+    with pytest.raises(ValueError, match="policy"):
+        ArrivalBatching(1, "adaptive")
+
+
 def test_flag_validated(tmp_path: Path) -> None:
     save_tiny_model("llama", tmp_path / "target")
     with pytest.raises(ValueError, match="max_prefill_wait_steps"):
         Engine(model_path=str(tmp_path / "target"), device="cpu", max_prefill_wait_steps=-1)
+    with pytest.raises(ValueError, match="prefill_wait_policy"):
+        Engine(model_path=str(tmp_path / "target"), device="cpu", prefill_wait_policy="soon")
 
 
 def test_serve_default_waits_one_step_under_dflash() -> None:
@@ -55,10 +83,11 @@ def models(trained_pair: dict[str, Any]) -> dict[str, Any]:
     return trained_pair
 
 
-def trickle_run(root: Path, spec: bool, wait_steps: int) -> tuple[Engine, list[Req], list[int]]:
+def trickle_run(root: Path, spec: bool, wait_steps: int, policy: str = "fixed") -> tuple[Engine, list[Req], list[int]]:
     """Early requests decode; the late ones arrive one per step. Returns the waiting-queue length after each step."""
     args: dict[str, Any] = dict(model_path=str(root / "target"), device="cpu", dtype="float32", max_total_tokens=2048,
-                                skip_tokenizer_init=True, max_prefill_wait_steps=wait_steps)
+                                skip_tokenizer_init=True, max_prefill_wait_steps=wait_steps,
+                                prefill_wait_policy=policy)
     if spec:
         args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
     engine = Engine(**args)
@@ -93,4 +122,17 @@ def test_trickled_arrivals_are_admitted_together_and_lossless(models: dict[str, 
     if spec:
         assert sum(sum(r.spec_accept_lengths) - len(r.spec_accept_lengths) for r in held_reqs) > 0
     for engine in (plain, held):
+        assert_engine_idle(engine)
+
+
+def test_cost_policy_is_lossless(models: dict[str, Any]) -> None:
+    """The cost policy releases on this machine's own step timings, so when is not fixed here; outputs and per-cycle
+    acceptance are, whatever it decides."""
+    plain, plain_reqs, _ = trickle_run(models["root"], True, 0)
+    costed, costed_reqs, costed_queue = trickle_run(models["root"], True, WAIT, "cost")
+    assert max(costed_queue) >= 1 and 1 <= costed.scheduler.arrivals.held_steps <= WAIT
+    assert costed.get_server_info()["prefill_wait_policy"] == "cost"
+    for a, b in zip(plain_reqs, costed_reqs):
+        assert a.output_ids == b.output_ids and a.spec_accept_lengths == b.spec_accept_lengths
+    for engine in (plain, costed):
         assert_engine_idle(engine)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))
 from serving_vs_engine import extra_engine_kwargs, serve_flags  # noqa: E402
 from serving_workload import gsm8k_chat_prompts, serve_dflash_wait_steps  # noqa: E402
 
-ROW_KEYS = {"shape", "mode", "concurrency", "engine_tok_s", "server_tok_s", "server_over_engine", "ttft_p50_ms",
+ROW_KEYS = {"shape", "weights", "mode", "concurrency", "engine_tok_s", "server_tok_s", "server_over_engine", "ttft_p50_ms",
             "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_accept_length", "client_procs", "clients_cpu_share", "http_cpu_share", "engine_cpu_share"}
 
 
@@ -48,6 +48,33 @@ def test_engine_side_waits_as_the_server_does_under_dflash() -> None:
     assert serve_dflash_wait_steps([]) == 1
     assert serve_dflash_wait_steps(["--max-prefill-wait-steps", "0"]) == 0
     assert serve_dflash_wait_steps(["--api-server-count", "2", "--max-prefill-wait-steps", "4"]) == 4
+
+
+def test_wait_policy_flags_reach_the_engine_side() -> None:
+    extra = extra_engine_kwargs(["--max-prefill-wait-steps", "8", "--prefill-wait-policy", "cost"])
+    assert extra == {"max_prefill_wait_steps": 8, "prefill_wait_policy": "cost"}
+
+
+def test_merge_keeps_sources_and_tells_weights_apart(tmp_path: Path) -> None:
+    from merge_serving_results import merge
+
+    def result(name: str, commit: str, load_format: str, rows: list[dict[str, object]]) -> Path:
+        data = {"gpu": "NVIDIA H200", "date": "2026-12-03", "commit": commit, "flags": {"extra_flags": "--x"},
+                "engines": {"smollm2/dflash": {"load_format": load_format}}, "errors": [], "rows": rows}
+        (tmp_path / name).write_text(json.dumps(data))
+        return tmp_path / name
+
+    old = result("a.json", "aaa", "dummy", [{"shape": "smollm2", "mode": "dflash", "concurrency": 8, "server_tok_s": 1},
+                                            {"shape": "smollm2", "mode": "dflash", "concurrency": 64, "server_tok_s": 2}])
+    new = result("b.json", "bbb", "auto", [{"shape": "smollm2", "mode": "dflash", "concurrency": 8, "server_tok_s": 3}])
+    again = result("c.json", "ccc", "dummy", [{"shape": "smollm2", "weights": "dummy", "mode": "dflash",
+                                               "concurrency": 64, "server_tok_s": 4}])
+    merged = merge([old, new, again], tmp_path / "out.json")
+    rows = {(r["weights"], r["concurrency"]): (r["server_tok_s"], r["commit"]) for r in merged["rows"]}
+    assert rows == {("dummy", 8): (1, "aaa"), ("dummy", 64): (4, "ccc"), ("real", 8): (3, "bbb")}
+    assert [s["file"] for s in merged["sources"]] == ["a.json", "b.json", "c.json"] and merged["commit"] == "ccc"
+    assert set(merged["engines"]) == {"a.json:smollm2/dflash", "b.json:smollm2/dflash", "c.json:smollm2/dflash"}
+    assert json.loads((tmp_path / "out.json").read_text()) == merged
 
 
 def test_help() -> None:

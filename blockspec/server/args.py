@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from blockspec.admission import WAIT_POLICIES
 from blockspec.config import ATTENTION_BACKENDS, EngineConfig
 from blockspec.server.compat_flags import add_compat_arguments, apply_compat_flags
 from blockspec.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -61,6 +62,9 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--max-prefill-wait-steps", dict(type=int, help="while requests decode, new arrivals wait up to N decode steps "
                                       "to be prefilled together in one extend step (default: 1 with "
                                       "--speculative-algorithm, else 0: at once)")),
+    ("--prefill-wait-policy", dict(default="fixed", choices=WAIT_POLICIES, help="fixed: held arrivals wait the N steps "
+                                   "of --max-prefill-wait-steps; cost: N at most, released once holding them has "
+                                   "cost as much as an extend step (default fixed)")),
     ("--stream-interval", dict(type=int, default=1, help="a streaming request gets a chunk once this many new tokens "
                                "are ready, and its last one always (default 1: every step's tokens)")),
     ("--context-length", dict(type=int, help="prompt + output limit (default: the model's max_position_embeddings)")),

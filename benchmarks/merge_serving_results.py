@@ -1,0 +1,56 @@
+"""Joins serving_vs_engine result JSONs (rows of several device calls, commits or shapes) into one table + plot.
+
+Each row keeps where it came from: `source` (its file), `commit` (its run's), `weights` ("dummy" or "real", read
+from its engine's load format where an older file's rows lack it); the engines are keyed "<file>:<shape>/<mode>".
+Rows of the same shape, weights, mode and concurrency in several files: the later file's row wins (list the files
+oldest first). Usage: python benchmarks/merge_serving_results.py OUT.json IN.json [IN.json ...]
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from serving_workload import row_weights
+
+
+def merge(paths: list[Path], out: Path) -> dict[str, Any]:
+    merged: dict[str, Any] = {"gpu": None, "date": None, "commit": None, "sources": [], "engines": {}, "errors": [],
+                              "rows": []}
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        if merged["gpu"] not in (None, data["gpu"]):
+            raise ValueError(f"{path}: measured on {data['gpu']}, the others on {merged['gpu']}")
+        merged.update(gpu=data["gpu"], date=max(merged["date"] or "", data["date"]))
+        extra_flags = data.get("flags", {}).get("extra_flags")
+        merged["sources"].append({"file": path.name, "commit": data["commit"], "extra_flags": extra_flags})
+        for key, engine in data.get("engines", {}).items():
+            merged["engines"][f"{path.name}:{key}"] = engine
+        merged["errors"] += [{**error, "source": path.name} for error in data.get("errors", [])]
+        for row in data["rows"]:
+            engine = data.get("engines", {}).get(f"{row['shape']}/{row['mode']}", {})
+            row = {**row, "weights": row.get("weights") or row_weights(engine), "source": path.name,
+                   "commit": data["commit"]}
+            rows[(row["shape"], row["weights"], row["mode"], str(row["concurrency"]))] = row
+    merged["commit"] = merged["sources"][-1]["commit"] if merged["sources"] else None
+    merged["rows"] = list(rows.values())
+    out.write_text(json.dumps(merged, indent=1, default=str))
+    return merged
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    merge([Path(p) for p in argv[1:]], out)
+    from plot_serving_vs_engine import plot
+
+    print(f"wrote {out} and {plot(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
