@@ -1,9 +1,10 @@
 """Joins serving_vs_engine result JSONs (rows of several device calls, commits or shapes) into one table + plot.
 
 Each row keeps where it came from: `source` (its file), `commit` (its run's), `weights` ("dummy" or "real", read
-from its engine's load format where an older file's rows lack it); the engines are keyed "<file>:<shape>/<mode>".
-Rows of the same shape, weights, mode and concurrency in several files: the later file's row wins (list the files
-oldest first). Usage: python benchmarks/merge_serving_results.py OUT.json IN.json [IN.json ...]
+from its engine's load format where an older file's rows lack it; "unknown" without one); the engines are keyed
+"<file>:<shape>/<mode>" (file names must differ). Rows of the same shape, weights, mode and level (concurrency, or
+Poisson rate) in several files: the later file's row wins (list the files oldest first). The top-level `commit` names
+every commit the rows come from. Usage: python benchmarks/merge_serving_results.py OUT.json IN.json [IN.json ...]
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from serving_workload import row_weights
 def merge(paths: list[Path], out: Path) -> dict[str, Any]:
     merged: dict[str, Any] = {"gpu": None, "date": None, "commit": None, "sources": [], "engines": {}, "errors": [],
                               "rows": []}
-    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}  # by (shape, weights, mode, level)
+    if len({path.name for path in paths}) < len(paths):
+        raise ValueError(f"two inputs share a file name: {[path.name for path in paths]}")
     for path in paths:
         data = json.loads(path.read_text())
         if merged["gpu"] not in (None, data["gpu"]):
@@ -30,11 +33,13 @@ def merge(paths: list[Path], out: Path) -> dict[str, Any]:
             merged["engines"][f"{path.name}:{key}"] = engine
         merged["errors"] += [{**error, "source": path.name} for error in data.get("errors", [])]
         for row in data["rows"]:
-            engine = data.get("engines", {}).get(f"{row['shape']}/{row['mode']}", {})
-            row = {**row, "weights": row.get("weights") or row_weights(engine), "source": path.name,
-                   "commit": data["commit"]}
-            rows[(row["shape"], row["weights"], row["mode"], str(row["concurrency"]))] = row
-    merged["commit"] = merged["sources"][-1]["commit"] if merged["sources"] else None
+            engine = data.get("engines", {}).get(f"{row['shape']}/{row['mode']}")
+            weights = row.get("weights") or (row_weights(engine) if engine is not None else "unknown")
+            row = {**row, "weights": weights, "source": path.name, "commit": data["commit"]}
+            level = (str(row["concurrency"]), row.get("rate"))
+            rows[(row["shape"], row["weights"], row["mode"], level)] = row
+    commits = [source["commit"] for source in merged["sources"]]
+    merged["commit"] = "+".join(dict.fromkeys(commits)) or None
     merged["rows"] = list(rows.values())
     out.write_text(json.dumps(merged, indent=1, default=str))
     return merged

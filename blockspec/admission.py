@@ -12,11 +12,15 @@ decode steps.
 Policies:
 - `fixed`: the held arrivals go after N steps.
 - `cost`: they go sooner, once holding has cost as much as an extend step does: each held step costs one request-step
-  per held request (its row idles), an extend step costs every running request its duration in decode steps (they
-  stall). Releasing when the first reaches the second (the ski-rental rule) is within 2x of the best release time
-  in hindsight, whatever the arrivals. Step durations are live averages of this engine's own steps; before both kinds
-  were seen, it behaves as `fixed`. DFlash needs this more than target-only decoding: its requests finish in
-  different cycles (acceptance differs per request), so replacements trickle in one or two per cycle.
+  per held request that has a free row (the row idles), an extend step costs every decoding request its duration in
+  decode steps (they stall; one step less when the extend step decodes too, `--enable-mixed-chunk`). Releasing when
+  the first reaches the second is the ski-rental rule: within 2x of the best release in hindsight while the extend
+  cost and the arrival rate hold still (they drift here, and the cap still applies). Step durations are running
+  averages of this scheduler's own step wall times (an extend step's includes committing the decode step in flight;
+  the tail of a prompt chunk nobody waits for lands in the next decode step; long chunked prompts raise the extend
+  average): rough, and rough towards holding longer, i.e. towards `fixed`. Before both kinds of step were timed it
+  behaves as `fixed`. DFlash needs this more than target-only decoding: its requests finish in different cycles
+  (acceptance differs per request), so replacements trickle in one or two per cycle.
 """
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ _SMOOTHING = 0.1  # weight of the newest step in the running averages of step du
 
 
 class ArrivalBatching:
-    def __init__(self, max_wait_steps: int, policy: str = "fixed") -> None:
+    def __init__(self, max_wait_steps: int, policy: str = "fixed", extend_decodes: bool = False) -> None:
         if policy not in WAIT_POLICIES:
             raise ValueError(f"prefill wait policy must be one of {WAIT_POLICIES}, got {policy!r}")
         self.max_wait_steps = max_wait_steps
         self.policy = policy
+        self.extend_decodes = extend_decodes  # --enable-mixed-chunk: an extend step advances the decoding requests too
         self.held_steps = 0  # decode steps that ran while arrivals were held back
         self.extend_seconds: Optional[float] = None  # running averages of step durations (wall, host + device)
         self.decode_seconds: Optional[float] = None
@@ -47,27 +52,28 @@ class ArrivalBatching:
         else:
             self.decode_seconds = average
 
-    def extend_cost(self, running: int) -> Optional[float]:
-        """What one extend step costs, in request-steps: `running` requests stall for its duration in decode steps."""
-        if self.extend_seconds is None or not self.decode_seconds:
+    def extend_cost(self, decoding: int) -> Optional[float]:
+        """What one extend step costs, in request-steps: `decoding` requests stall for its duration in decode steps."""
+        if not self.extend_seconds or not self.decode_seconds or self.extend_seconds <= 0 or self.decode_seconds <= 0:
             return None
-        return running * self.extend_seconds / self.decode_seconds
+        stall = self.extend_seconds / self.decode_seconds - (1.0 if self.extend_decodes else 0.0)
+        return decoding * max(stall, 0.0)
 
     def hold(self, step: int, waiting_tokens: int, step_tokens: int, decoding: bool, extending: bool,
-             running: int = 0, admissible: int = 1) -> bool:
+             num_decoding: int = 0, admissible: int = 1) -> bool:
         """Whether the waiting requests stay queued at scheduler step `step` (`waiting_tokens`: their prompt tokens
         still to prefill; `step_tokens`: what one extend step takes; `decoding`: some request decodes this step;
-        `extending`: this step extends some prompt anyway; `running`: requests decoding; `admissible`: waiting
+        `extending`: this step extends some prompt anyway; `num_decoding`: how many decode; `admissible`: waiting
         requests that have a free row)."""
         cheap_to_wait = decoding and not extending and 0 < waiting_tokens < step_tokens
-        if self.max_wait_steps == 0 or not cheap_to_wait or admissible <= 0:
+        if self.max_wait_steps == 0 or not cheap_to_wait:
             return self._release()
         if self._held_since is None:
             self._held_since = step
         if step - self._held_since >= self.max_wait_steps:
             return self._release()
         if self.policy == "cost":
-            cost = self.extend_cost(running)
+            cost = self.extend_cost(num_decoding)
             if cost is not None and self._held_cost >= cost:
                 return self._release()
         self._held_cost += admissible

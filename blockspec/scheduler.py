@@ -64,7 +64,7 @@ class Scheduler:
         self.num_extend_steps = 0  # steps that ran prefill chunks (with or without decode in the same forward)
         self.extend_step_seconds = 0.0  # wall time of those steps (host work and device waits), and of all steps
         self.step_seconds = 0.0
-        self.arrivals = ArrivalBatching(config.max_prefill_wait_steps, config.prefill_wait_policy)
+        self.arrivals = ArrivalBatching(config.max_prefill_wait_steps, config.prefill_wait_policy, config.enable_mixed_chunk)
         self.spec = SpecStatistics(worker.decode_slots_per_req)
 
     # ---- requests in and out -------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_hold_policy() -> None:
 def test_cost_policy_releases_once_holding_cost_an_extend_step() -> None:
     arrivals = ArrivalBatching(10, "cost")
     assert arrivals.extend_cost(4) is None  # NOTE: no step timed yet: held as `fixed` holds
-    assert [arrivals.hold(step, 10, 100, True, False, running=4, admissible=2) for step in range(1, 13)] == \
+    assert [arrivals.hold(step, 10, 100, True, False, num_decoding=4, admissible=2) for step in range(1, 13)] == \
         [True] * 10 + [False, True]
     arrivals = ArrivalBatching(10, "cost")
     arrivals.observe(0.003, extended=True)
@@ -46,15 +46,28 @@ def test_cost_policy_releases_once_holding_cost_an_extend_step() -> None:
     arrivals.observe(0.001, extended=False)
     assert arrivals.extend_cost(4) == pytest.approx(12.0)  # 4 running requests stall for 3 decode steps
     # NOTE: 2 held requests a step: held cost 0, 2, .., 10 before each hold; at 12 they go, then a new window
-    assert [arrivals.hold(step, 10, 100, True, False, running=4, admissible=2) for step in range(1, 9)] == \
+    assert [arrivals.hold(step, 10, 100, True, False, num_decoding=4, admissible=2) for step in range(1, 9)] == \
         [True] * 6 + [False, True]
     assert arrivals.held_steps == 7
     capped = ArrivalBatching(3, "cost")
     capped.observe(1.0, extended=True)
     capped.observe(0.001, extended=False)
-    assert [capped.hold(step, 10, 100, True, False, running=64, admissible=1) for step in range(1, 5)] == \
+    assert [capped.hold(step, 10, 100, True, False, num_decoding=64, admissible=1) for step in range(1, 5)] == \
         [True, True, True, False]  # NOTE: never past --max-prefill-wait-steps, however dear an extend step is
-    assert not capped.hold(5, 10, 100, True, False, running=4, admissible=0)  # no free row: nothing to batch
+    full = ArrivalBatching(3, "cost")
+    full.observe(0.003, extended=True)
+    full.observe(0.001, extended=False)
+    # NOTE: no free row: holding costs nothing, and the window runs on as under `fixed`
+    assert [full.hold(step, 10, 100, True, False, num_decoding=4, admissible=0) for step in range(1, 5)] == \
+        [True, True, True, False]
+    mixed = ArrivalBatching(8, "cost", extend_decodes=True)
+    mixed.observe(0.003, extended=True)
+    mixed.observe(0.001, extended=False)
+    assert mixed.extend_cost(4) == pytest.approx(8.0)  # the extend step decodes too: 2 steps of stall, not 3
+    free = ArrivalBatching(8, "cost")
+    free.observe(0.0, extended=True)
+    free.observe(0.001, extended=False)
+    assert free.extend_cost(4) is None  # NOTE: an untimed (zero) extend step is no reason never to hold
     capped.observe(2.0, extended=True)
     assert capped.extend_seconds == pytest.approx(1.1)  # a running average, not the last step
     with pytest.raises(ValueError, match="policy"):

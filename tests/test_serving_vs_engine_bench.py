@@ -72,9 +72,15 @@ def test_merge_keeps_sources_and_tells_weights_apart(tmp_path: Path) -> None:
     merged = merge([old, new, again], tmp_path / "out.json")
     rows = {(r["weights"], r["concurrency"]): (r["server_tok_s"], r["commit"]) for r in merged["rows"]}
     assert rows == {("dummy", 8): (1, "aaa"), ("dummy", 64): (4, "ccc"), ("real", 8): (3, "bbb")}
-    assert [s["file"] for s in merged["sources"]] == ["a.json", "b.json", "c.json"] and merged["commit"] == "ccc"
+    assert [s["file"] for s in merged["sources"]] == ["a.json", "b.json", "c.json"] and merged["commit"] == "aaa+bbb+ccc"
     assert set(merged["engines"]) == {"a.json:smollm2/dflash", "b.json:smollm2/dflash", "c.json:smollm2/dflash"}
     assert json.loads((tmp_path / "out.json").read_text()) == merged
+    poisson = result("d.json", "ddd", "dummy", [{"shape": "smollm2", "mode": "target", "concurrency": "poisson", "rate": r,
+                                                "server_tok_s": r} for r in (10.0, 20.0)])
+    assert len(merge([poisson], tmp_path / "p.json")["rows"]) == 2  # two rates, two rows
+    assert merge([poisson], tmp_path / "p.json")["rows"][0]["weights"] == "unknown"  # no engine entry for target
+    with pytest.raises(ValueError, match="file name"):
+        merge([old, tmp_path / "x" / "a.json"], tmp_path / "out.json")
 
 
 def test_help() -> None:
