@@ -180,6 +180,7 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
     base = {"shape": shape.name, "weights": row_weights(kwargs), "mode": mode, "engine_tok_s": engine["engine_tok_s"],
             "engine_full_batch_tok_s": engine["engine_tok_s"],
             "engine_tok_s_by_concurrency": engine["engine_tok_s_by_concurrency"],
+            "engine_waves_tok_s_by_concurrency": engine.get("engine_waves_tok_s_by_concurrency", {}),
             "engine_accept_length": engine["engine_accept_length"], "engine_core_mhz": engine.get("engine_core_mhz"),
             "num_prompts": len(prompts),
             "prompt_len": round(sum(map(len, prompts)) / len(prompts)), "max_new_tokens": args.max_new_tokens}
@@ -234,6 +235,7 @@ def add_row(report: Report, base: dict[str, Any], level: dict[str, Any]) -> None
     matching = base["engine_tok_s_by_concurrency"].get(str(row["concurrency"]))
     if matching is not None:
         row["engine_tok_s"] = matching
+        row["engine_waves_tok_s"] = base.get("engine_waves_tok_s_by_concurrency", {}).get(str(row["concurrency"]))
     row["server_over_engine"] = row["server_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
     report.data["rows"].append(row)
     report.save()

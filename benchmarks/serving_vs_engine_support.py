@@ -25,6 +25,7 @@ from blockspec.bench.processes import http_server_pids, process_cpu_s, run_in_pr
 from blockspec.bench.provenance import commit_id
 from blockspec.bench.report import RequestResult, percentile
 from blockspec.bench.serving import one_request, open_session, run_level
+from offline_levels import closed_loop_tok_s, waves_tok_s
 from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
 
 SMOLLM2_DRAFT = ROOT / "blockspec" / "assets" / "smollm2-135m-dflash-b16"
@@ -137,22 +138,19 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     assert isinstance(outputs, list)
     tokens = sum(len(out["output_ids"]) for out in outputs)
     by_concurrency: dict[str, float] = {}
-    with CoreClock(os.getpid()) as clock:  # NOTE: the closed-loop levels' waves (what the rows compare with)
+    by_waves: dict[str, float] = {}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with CoreClock(os.getpid()) as clock:
         for concurrency, count in spec["levels"]:
-            # NOTE: the closed-loop level's work in waves of `concurrency` prompts (all equally long: ignore_eos).
-            level_prompts, level_tokens = prompts[:count], 0
+            level_prompts = prompts[:count]
             # NOTE: one untimed wave first: batch sizes the full-batch warm-up never ran may compile kernels.
             engine.generate(input_ids=level_prompts[:concurrency], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
-            start = time.perf_counter()
-            for first in range(0, len(level_prompts), concurrency):
-                wave = engine.generate(input_ids=level_prompts[first:first + concurrency], sampling_params=params)
-                assert isinstance(wave, list)
-                level_tokens += sum(len(out["output_ids"]) for out in wave)
-            by_concurrency[str(concurrency)] = level_tokens / (time.perf_counter() - start)
+            by_concurrency[str(concurrency)] = closed_loop_tok_s(engine, level_prompts, concurrency, params, sync)
+            by_waves[str(concurrency)] = waves_tok_s(engine, level_prompts, concurrency, params, sync)
     result = {
         "engine_core_mhz": clock.mean_mhz,
         "engine_tok_s": tokens / wall, "engine_wall_s": wall, "engine_output_tokens": tokens,
-        "engine_tok_s_by_concurrency": by_concurrency,
+        "engine_tok_s_by_concurrency": by_concurrency, "engine_waves_tok_s_by_concurrency": by_waves,
         "engine_accept_length": accept_length_between(before, after),
         "engine_forward_counts": after["internal_states"][0].get("forward_counts"),
         "gpu": torch.cuda.get_device_name(engine.runner.device) if cuda else "cpu",
