@@ -4,11 +4,14 @@ itself (blockspec.train.magpie) with their held-out split. Every held-out record
 `blockspec train-draft` refuses to train on it."""
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import torch
 
 from blockspec.evals.gsm8k import default_data_path, format_example, load_lines
 from blockspec.smollm2 import build_messages, ensure_smollm2_dir
@@ -81,22 +84,28 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], num_heldout: int) -> dict[str, Any]:
-    """GSM8K train questions (wordings in rotation) and the first `num_heldout` test questions (held-out wording)."""
+def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], num_heldout: int,
+                wordings_per_question: int = 1) -> dict[str, Any]:
+    """GSM8K train questions, each in `wordings_per_question` training wordings (the rotation starting at the
+    question's index), and the first `num_heldout` test questions in the held-out wording."""
     if not train_file.is_file():
         raise FileNotFoundError(f"GSM8K train split not found at {train_file} (lines with question, answer)")
     train = load_lines(train_file)[:num_train]
     test = load_lines(default_data_path())[:num_heldout]
     names = list(TRAIN_WORDINGS)
+    if not 1 <= wordings_per_question <= len(names):
+        raise ValueError(f"wordings_per_question must be 1..{len(names)}, got {wordings_per_question}")
+    picked = [(row, names[(i + k) % len(names)]) for i, row in enumerate(train) for k in range(wordings_per_question)]
     _write_jsonl(paths.gsm8k_train, [
-        {"messages": TRAIN_WORDINGS[names[i % len(names)]](row["question"]), "source": "gsm8k_train",
-         "wording": names[i % len(names)]} for i, row in enumerate(train)
+        {"messages": TRAIN_WORDINGS[name](row["question"]), "source": "gsm8k_train", "wording": name}
+        for row, name in picked
     ])
     _write_jsonl(paths.gsm8k_heldout, [
         {"messages": heldout_messages(row["question"]), "source": "gsm8k_test", "wording": HELDOUT_WORDING,
          "split": HELDOUT_SPLIT} for row in test
     ])
-    return {"gsm8k_train": len(train), "gsm8k_heldout": len(test), "train_wordings": names,
+    return {"gsm8k_train": len(train), "gsm8k_train_records": len(picked), "wordings_per_question": wordings_per_question,
+            "gsm8k_heldout": len(test), "train_wordings": names,
             "heldout_wording": HELDOUT_WORDING}
 
 
@@ -111,6 +120,12 @@ def write_general(paths: DataPaths, model_dir: Path, settings: MagpieSettings, d
         generated = generate_prompts(engine_generate(engine), tokenizer, settings)
     finally:
         engine.shutdown()
+        del engine
+        # NOTE: the engine's KV pool and graphs sit in reference cycles; until they are collected the response stage
+        # in this same process finds the GPU full ("mem_fraction_static leaves no memory for the KV cache").
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     written = write_prompts(paths.prompts, generated, settings.system_prompt)
     paths.data.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(written[HELDOUT_SPLIT], paths.general_heldout)

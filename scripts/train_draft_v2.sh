@@ -38,15 +38,15 @@ case $stage in
         exit 0 ;;
     data)
         assemble_gguf "$state" || exit 1
-        timeout "${DATA_S:-450}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
+        timeout "${DATA_S:-570}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
             --gsm8k-train .carry/gsm8k/train.jsonl ${V2_FLAGS:-} > "$out/draft_v2_data.log" 2>&1
         code=$?
-        [ $code -eq 124 ] && echo "data stage cut at ${DATA_S:-450} s: the train stage generates the responses left"
+        [ $code -eq 124 ] && echo "data stage cut at ${DATA_S:-570} s: the train stage generates the responses left"
         ;;
     train)
-        timeout "${TRAIN_S:-500}" python3 benchmarks/draft_v2.py train --state "$state" --out "$out" --gguf "$state/$name" \
-            --run "${RUN:-v2}" --num-layers "${LAYERS:-5}" --train-minutes "${TRAIN_MIN:-5}" --deadline-s "${DEADLINE_S:-450}" \
-            --mix-ratio "${MIX_RATIO:-0.35}" --extra-train-flags "${EXTRA:-}" ${V2_FLAGS:-} > "$out/draft_v2_train_${RUN:-v2}.log" 2>&1
+        timeout "${TRAIN_S:-590}" python3 benchmarks/draft_v2.py train --state "$state" --out "$out" --gguf "$state/$name" \
+            --run "${RUN:-v2}" --num-layers "${LAYERS:-5}" --train-minutes "${TRAIN_MIN:-6.5}" --deadline-s "${DEADLINE_S:-540}" \
+            --mix-ratio "${MIX_RATIO:-0.3}" --extra-train-flags "${EXTRA:-}" ${V2_FLAGS:-} > "$out/draft_v2_train_${RUN:-v2}.log" 2>&1
         code=$? ;;
     bench)
         timeout "${BENCH_S:-400}" python3 benchmarks/draft_v2.py bench --state "$state" --out "$out" --gguf "$state/$name" \

@@ -45,6 +45,14 @@ def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path
         reject_heldout(heldout, paths.gsm8k_heldout)
     with pytest.raises(FileNotFoundError, match="GSM8K train split not found"):
         write_gsm8k(paths, tmp_path / "nowhere.jsonl", None, 1)
+    every = write_gsm8k(paths, train_file, None, 1, wordings_per_question=len(TRAIN_WORDINGS))
+    assert every["gsm8k_train"] == 7 and every["gsm8k_train_records"] == 7 * len(TRAIN_WORDINGS)
+    records = read_prompt_records(paths.gsm8k_train)
+    for i in range(7):  # each question once in every training wording, the rotation starting at its index
+        mine = [r for r in records if r["messages"][-1]["content"].startswith(f"Q{i}?")]
+        assert sorted(r["wording"] for r in mine) == sorted(TRAIN_WORDINGS) and mine[0]["wording"] == list(TRAIN_WORDINGS)[i % 3]
+    with pytest.raises(ValueError, match="wordings_per_question"):
+        write_gsm8k(paths, train_file, None, 1, wordings_per_question=len(TRAIN_WORDINGS) + 1)
 
 
 def run_record(gsm8k: float | None, general: float | None) -> dict[str, object]:

@@ -21,22 +21,22 @@ Recipe (z-lab has not published theirs; this follows the DFlash paper):
    (+ index), z-lab weight names; it loads in blockspec and in `dflash.model.DFlashDraftModel.from_pretrained`.
    training_info.json beside it records the command, options, commit and results.
 
-The embedded SmolLM2 demo draft (blockspec/assets/smollm2-135m-dflash-b16) was made by scripts/train_demo_draft.sh
-(2 layers, block 16, taps [1, 8, 15, 22, 28], the demo's prompt format from `blockspec.smollm2`, all 7473 GSM8K
-train questions, 6000 steps of 32 sequences x 32 blocks; its README and training_info.json record the details):
+The first SmolLM2 demo draft (2 layers, the demo's prompt format, all 7473 GSM8K train questions, 6000 steps of 32
+sequences x 32 blocks) was made by `scripts/train_demo_draft.sh OUT ../shared/data/gsm8k --num-prompts 7473 --steps
+6000`. The embedded one (blockspec/assets/smollm2-135m-dflash-b16; its README and training_info.json record the
+details) is recipe v2's first run on the H200 (2026-12-03).
 
-    scripts/train_demo_draft.sh OUT ../shared/data/gsm8k --num-prompts 7473 --steps 6000
-
-Recipe v2 (issue #24; benchmarks/draft_v2.py, scripts/train_draft_v2.sh; not run yet): general prompts sampled from
+Recipe v2 (issue #24; benchmarks/draft_v2.py, scripts/train_draft_v2.sh): general prompts sampled from
 the target itself (`blockspec generate-prompts`, magpie.py: the chat template up to a user turn, filtered and
 deduplicated, a held-out split that training refuses) mixed into GSM8K train questions in three wordings
 (`--mix-data ... --mix-ratio 0.35`), 5 draft layers, the learning-rate schedule over the wall-time budget
-(`--lr-schedule time --max-train-minutes 5`), and `--eval-prompts` on held-out GSM8K test chats in a wording no
+(`--lr-schedule time --max-train-minutes 6.5`), and `--eval-prompts` on held-out GSM8K test chats in a wording no
 training prompt uses and on the held-out generated prompts (per-set accept length in training_info.json's eval_runs;
 `--eval-only` measures an existing draft and appends its run).
 
-Sizing on one H200 (SmolLM2-135M): response generation ~41 prompts/s (≤ 384 tokens each), a training step of
-32 sequences x 32 blocks with --cache-features ~0.04 s; `--max-train-minutes` stops at a step boundary (then saves and
+Sizing on one H200 (SmolLM2-135M, 2026-12-03): response generation ~110 prompts/s (≤ 384 tokens each, 512 at a
+time), Magpie sampling ~49 candidates/s, a training step of 32 sequences x 32 blocks with --cache-features ~0.065 s
+at 5 layers (~0.04 s at 2); `--max-train-minutes` stops at a step boundary (then saves and
 evaluates) so a run fits a fixed budget; the response cache makes a rerun skip generation, and `--init-from DIR`
 continues training from a saved draft. On N GPUs: `torchrun --nproc-per-node N -m blockspec.train.cli ...`
 (same flags; `--batch-size` is per GPU).
