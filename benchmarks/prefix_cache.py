@@ -34,6 +34,7 @@ import httpx
 from blockspec.bench.provenance import commit_id
 from blockspec.bench.client import (
     accept_length_between, compiles_between, engine_state, get_server_info, histogram_mean_between, metrics_text,
+    steps_between,
 )
 from prefix_cache_clients import run_workload
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
@@ -140,6 +141,15 @@ def radix_stats(info: dict[str, Any]) -> dict[str, Any]:
     return dict(engine_state(info).get("radix_cache") or {})
 
 
+def step_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Optional[int]]:
+    """The engine's steps during a workload: all, those that ran prefill chunks, those that held arrivals back."""
+    keys = {"engine_steps": "num_steps", "engine_extend_steps": "num_extend_steps",
+            "engine_held_steps": "num_steps_arrivals_held"}
+    states = engine_state(before), engine_state(after)
+    return {name: None if key not in states[0] or key not in states[1] else states[1][key] - states[0][key]
+            for name, key in keys.items()}
+
+
 def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[str], workloads: list[Workload],
                    vocab: int, real: bool, eos_id: int, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     flags = serve_flags(kwargs) + extra + (["--disable-radix-cache"] if cache == "off" else [])
@@ -160,7 +170,8 @@ def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[s
                        "accept_len": accept_length_between(before, after),
                        "cache_hit_rate": hits / looked_up if looked_up else 0.0,
                        "engine_ttft_mean_ms": _ms(histogram_mean_between(metrics_before, metrics_after, TTFT_METRIC)),
-                       **compiles_between(before, after)}
+                       **compiles_between(before, after), **step_counts(before, after),
+                       **steps_between(before, after, result["duration_s"])}
                 rows.append(row)
                 print("   " + describe(row), flush=True)
     except (RuntimeError, OSError) as exc:
@@ -174,7 +185,13 @@ def describe(row: dict[str, Any]) -> str:
             f"{row['ttft_p50_ms']:>8.1f} p99 {row['ttft_p99_ms']:>8.1f} ms  accept {'-' if accept is None else f'{accept:.3f}'}"
             f"  hit {row['cache_hit_rate']:.2f}  {row['requests'] - row['failed']}/{row['requests']} ok"
             f"  engine ttft {row['engine_ttft_mean_ms'] or float('nan'):.1f} ms  compiles {row['kernel_compiles']}"
-            f" {row['kernel_compiles_by_kernel'] or ''}")
+            f" {row['kernel_compiles_by_kernel'] or ''}  steps {row.get('engine_steps')} (extend"
+            f" {row.get('engine_extend_steps')}, held {row.get('engine_held_steps')}) ms extend"
+            f" {_fmt(row.get('engine_extend_step_mean_ms'))} other {_fmt(row.get('engine_other_step_mean_ms'))}")
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

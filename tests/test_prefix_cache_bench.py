@@ -15,11 +15,13 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from prefix_cache import goals  # noqa: E402
+from prefix_cache import describe, goals, step_counts  # noqa: E402
 from prefix_cache_workloads import SMOKE, build_workloads, fit_ids  # noqa: E402
 from server_support import save_text_model  # noqa: E402
 
-ROW_KEYS = {"workload", "shape", "cache", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "accept_len", "cache_hit_rate"}
+ROW_KEYS = {"workload", "shape", "cache", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "accept_len", "cache_hit_rate",
+            "engine_steps", "engine_extend_steps", "engine_held_steps", "engine_extend_step_mean_ms",
+            "engine_other_step_mean_ms"}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,20 @@ def test_goals_compare_on_with_off() -> None:
     assert not by_workload["sysprompt"]["goal_ttft_met"] and not by_workload["sysprompt"]["goal_accept_met"]
 
 
+def test_step_counts_are_differences() -> None:
+    def info(steps: int, extends: int, held: int) -> dict:
+        return {"internal_states": [{"num_steps": steps, "num_extend_steps": extends, "num_steps_arrivals_held": held}]}
+
+    assert step_counts(info(10, 2, 1), info(25, 5, 4)) == {"engine_steps": 15, "engine_extend_steps": 3,
+                                                            "engine_held_steps": 3}
+    assert step_counts({"internal_states": [{}]}, info(1, 1, 1))["engine_steps"] is None
+    row = {"workload": "gsm8k", "shape": "s", "cache": "on", "tok_s": 1.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0,
+           "accept_len": None, "cache_hit_rate": 0.5, "requests": 1, "failed": 0, "engine_ttft_mean_ms": None,
+           "kernel_compiles": 0, "kernel_compiles_by_kernel": {}, "engine_steps": 15, "engine_extend_steps": 3,
+           "engine_held_steps": 3, "engine_extend_step_mean_ms": 2.5, "engine_other_step_mean_ms": None}
+    assert "steps 15 (extend 3, held 3) ms extend 2.50 other -" in describe(row)
+
+
 @pytest.mark.slow
 def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
     root = BENCHMARKS.parent
@@ -83,6 +99,7 @@ def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
     for r in rows:
         assert ROW_KEYS <= set(r) and r["failed"] == 0 and r["tok_s"] > 0 and r["accept_len"] is not None
         assert (r["cache_hit_rate"] > 0) == (r["cache"] == "on")
+        assert r["engine_steps"] > 0 and 0 < r["engine_extend_steps"] <= r["engine_steps"]
     assert len(report["goals"]) == 3
     assert all(g["accept_len_rel_diff"] == 0.0 for g in report["goals"])  # fp32 CPU, greedy: identical verifies
 
