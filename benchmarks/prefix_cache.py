@@ -10,7 +10,8 @@ setting (--disable-radix-cache for "off"); before each workload the server runs 
 produce the same tokens.
 
 Rows: workload, shape, cache ("on"/"off"), tok_s (output tokens / wall time), ttft_p50_ms, ttft_p99_ms, accept_len
-(the server's, over the workload's verifies), cache_hit_rate. Goals: (b) TTFT p50 on ≤ 0.1 × off, (a) tok/s on ≥
+(the server's, over the workload's verifies), cache_hit_rate; each workload runs --repeats times per server (a cold
+cache each time) and its row holds the medians, every sample's tok/s and TTFT kept. Goals: (b) TTFT p50 on ≤ 0.1 × off, (a) tok/s on ≥
 1.5 × off, accept length on = off within 1 %. Writes benchmarks/results/prefix_cache_<date>_<commit>.json (+ PNG).
 The device has no git: pass --commit (or BLOCKSPEC_COMMIT). Prompts need a ChatML tokenizer and GSM8K: build them
 once with --save-workloads FILE where those are (--smoke for the small ones), and pass --workloads FILE on the device.
@@ -32,18 +33,15 @@ from typing import Any, Optional
 import httpx
 
 from blockspec.bench.provenance import commit_id
-from blockspec.bench.client import (
-    accept_length_between, compiles_between, engine_state, get_server_info, histogram_mean_between, metrics_text,
-    steps_between,
-)
+from blockspec.bench.client import get_server_info, metrics_text
 from prefix_cache_clients import run_workload
+from prefix_cache_rows import describe, folded, goals, measured_row
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
 from serving_server import ServerProcess, exit_on_sigterm, log_tail
 from serving_vs_engine import extra_engine_kwargs, serve_flags
 from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
 
 SHAPES = ("llama8b", "demo", "tiny")
-TTFT_METRIC = "blockspec_time_to_first_token_seconds"  # the server's own submit -> first token
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--client-procs", type=int, default=4, help="client processes sharing each turn's clients "
                         "(one Python event loop adds its own queueing to every TTFT)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each workload per server (cold cache each); "
+                        "a row holds the medians (a 64-request run of the demo pair lasts ≈ 1.5 s: one run is noisy)")
     parser.add_argument("--no-plot", action="store_true")
     return parser
 
@@ -133,23 +133,6 @@ def warm_kernels(base_url: str, workload: Workload, vocab: int, seed: int, timeo
         raise RuntimeError(f"/flush_cache answered {response.status_code}: {response.text}")
 
 
-def _ms(seconds: Optional[float]) -> Optional[float]:
-    return None if seconds is None else seconds * 1e3
-
-
-def radix_stats(info: dict[str, Any]) -> dict[str, Any]:
-    return dict(engine_state(info).get("radix_cache") or {})
-
-
-def step_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Optional[int]]:
-    """The engine's steps during a workload: all, those that ran prefill chunks, those that held arrivals back."""
-    keys = {"engine_steps": "num_steps", "engine_extend_steps": "num_extend_steps",
-            "engine_held_steps": "num_steps_arrivals_held"}
-    states = engine_state(before), engine_state(after)
-    return {name: None if key not in states[0] or key not in states[1] else states[1][key] - states[0][key]
-            for name, key in keys.items()}
-
-
 def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[str], workloads: list[Workload],
                    vocab: int, real: bool, eos_id: int, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     flags = serve_flags(kwargs) + extra + (["--disable-radix-cache"] if cache == "off" else [])
@@ -158,66 +141,21 @@ def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[s
     try:
         with ServerProcess(flags, log_path, args.startup_timeout) as server:
             for workload in workloads:
-                warm_kernels(server.base_url, workload, vocab, args.seed, args.request_timeout)
                 params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": not real}
-                before, metrics_before = get_server_info(server.base_url), metrics_text(server.base_url)
-                result = run_workload(server.base_url, workload, params, eos_id, args.request_timeout,
-                                      args.client_procs)
-                after, metrics_after = get_server_info(server.base_url), metrics_text(server.base_url)
-                looked_up = radix_stats(after).get("prompt_tokens_total", 0) - radix_stats(before).get("prompt_tokens_total", 0)
-                hits = radix_stats(after).get("cached_tokens_total", 0) - radix_stats(before).get("cached_tokens_total", 0)
-                row = {"workload": workload.name, "shape": shape, "cache": cache, **result,
-                       "accept_len": accept_length_between(before, after),
-                       "cache_hit_rate": hits / looked_up if looked_up else 0.0,
-                       "engine_ttft_mean_ms": _ms(histogram_mean_between(metrics_before, metrics_after, TTFT_METRIC)),
-                       **compiles_between(before, after), **step_counts(before, after),
-                       **steps_between(before, after, result["duration_s"])}
-                rows.append(row)
-                print("   " + describe(row), flush=True)
+                samples = []
+                for _ in range(args.repeats):
+                    warm_kernels(server.base_url, workload, vocab, args.seed, args.request_timeout)
+                    before, metrics_before = get_server_info(server.base_url), metrics_text(server.base_url)
+                    result = run_workload(server.base_url, workload, params, eos_id, args.request_timeout,
+                                          args.client_procs)
+                    after, metrics_after = get_server_info(server.base_url), metrics_text(server.base_url)
+                    samples.append({"workload": workload.name, "shape": shape, "cache": cache,
+                                    **measured_row(result, before, after, metrics_before, metrics_after)})
+                    print("   " + describe(samples[-1]), flush=True)
+                rows.append(folded(samples))
     except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"{exc}\nserver log tail:\n{log_tail(log_path)}") from exc
     return rows
-
-
-def describe(row: dict[str, Any]) -> str:
-    accept = row["accept_len"]
-    return (f"{row['workload']:>10} {row['shape']:>8} {row['cache']:>4} {row['tok_s']:>9.0f} tok/s  ttft p50 "
-            f"{row['ttft_p50_ms']:>8.1f} p99 {row['ttft_p99_ms']:>8.1f} ms  accept {'-' if accept is None else f'{accept:.3f}'}"
-            f"  hit {row['cache_hit_rate']:.2f}  {row['requests'] - row['failed']}/{row['requests']} ok"
-            f"  engine ttft {row['engine_ttft_mean_ms'] or float('nan'):.1f} ms  compiles {row['kernel_compiles']}"
-            f" {row['kernel_compiles_by_kernel'] or ''}  steps {row.get('engine_steps')} (extend"
-            f" {row.get('engine_extend_steps')}, held {row.get('engine_held_steps')}) ms extend"
-            f" {_fmt(row.get('engine_extend_step_mean_ms'))} other {_fmt(row.get('engine_other_step_mean_ms'))}")
-
-
-def _fmt(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per shape and workload: on ÷ off for throughput and TTFT p50, the accept-length difference."""
-    out = []
-    for shape in sorted({r["shape"] for r in rows}):
-        for workload in sorted({r["workload"] for r in rows}):
-            pair = {r["cache"]: r for r in rows if r["shape"] == shape and r["workload"] == workload}
-            if set(pair) != {"on", "off"}:
-                continue
-            on, off = pair["on"], pair["off"]
-            accept_on, accept_off = on["accept_len"], off["accept_len"]
-            entry: dict[str, Any] = {
-                "shape": shape, "workload": workload,
-                "tok_s_on_over_off": on["tok_s"] / off["tok_s"] if off["tok_s"] else None,
-                "ttft_p50_on_over_off": on["ttft_p50_ms"] / off["ttft_p50_ms"] if off["ttft_p50_ms"] else None,
-                "accept_len_rel_diff": abs(accept_on - accept_off) / accept_off if accept_on and accept_off else None,
-            }
-            if workload == "sysprompt":
-                entry["goal_ttft_met"] = entry["ttft_p50_on_over_off"] is not None and entry["ttft_p50_on_over_off"] <= 0.1
-            if workload == "gsm8k":
-                entry["goal_tok_s_met"] = entry["tok_s_on_over_off"] is not None and entry["tok_s_on_over_off"] >= 1.5
-            if entry["accept_len_rel_diff"] is not None:
-                entry["goal_accept_met"] = entry["accept_len_rel_diff"] <= 0.01
-            out.append(entry)
-    return out
 
 
 def gpu_name() -> str:
@@ -239,6 +177,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     bad = [s for s in shapes if s not in SHAPES]
     if bad or not shapes:
         raise SystemExit(f"--shapes: unknown {bad}; choose from {', '.join(SHAPES)}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     data = prepare_workloads(args)
     base_workloads = [Workload(**w) for w in data["workloads"]]
     source_vocab, eos_id = int(data["vocab_size"]), int(data["eos_id"])

@@ -46,7 +46,7 @@ print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))")
             > "$out/serving${TAG:-}.log" 2>&1 || code=$?
         grep -v -E "INFO (blockspec|httpx)" "$out/serving${TAG:-}.log" | tail -"${TAIL:-25}"
     else
-        timeout "${PREFIX_S:-300}" python3 benchmarks/prefix_cache.py --shapes demo --demo-model-dir "$model" --out "$out" \
+        timeout "${PREFIX_S:-560}" python3 benchmarks/prefix_cache.py --shapes demo --demo-model-dir "$model" --out "$out" \
             ${PREFIX_FLAGS:-} > "$out/prefix_cache.log" 2>&1 || code=$?
         grep -v -E "INFO (blockspec|httpx)" "$out/prefix_cache.log" | tail -"${TAIL:-25}"
     fi

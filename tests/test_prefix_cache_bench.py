@@ -15,7 +15,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from prefix_cache import describe, goals, step_counts  # noqa: E402
+from prefix_cache_rows import describe, folded, goals, step_counts  # noqa: E402
 from prefix_cache_workloads import SMOKE, build_workloads, fit_ids  # noqa: E402
 from server_support import save_text_model  # noqa: E402
 
@@ -79,13 +79,26 @@ def test_step_counts_are_differences() -> None:
     assert "steps 15 (extend 3, held 3) ms extend 2.50 other -" in describe(row)
 
 
+def test_repeats_fold_into_medians() -> None:
+    def sample(tok_s: float, ttft: float, accept: float, steps: int) -> dict:
+        return {"tok_s": tok_s, "ttft_p50_ms": ttft, "accept_len": accept, "cache_hit_rate": 0.5, "failed": 0,
+                "requests": 64, "engine_steps": steps}
+
+    row = folded([sample(300.0, 9.0, 2.0, 30), sample(100.0, 5.0, 1.0, 10), sample(200.0, 7.0, 3.0, 20)])
+    assert (row["tok_s"], row["ttft_p50_ms"], row["accept_len"], row["engine_steps"]) == (200.0, 7.0, 2.0, 20)
+    assert row["repeats"] == 3 and row["requests"] == 192 and row["tok_s_samples"] == [300.0, 100.0, 200.0]
+    assert folded([sample(1.0, 2.0, 3.0, 4)])["tok_s_samples"] == [1.0]
+    with pytest.raises(ValueError, match="no samples"):
+        folded([])
+
+
 @pytest.mark.slow
 def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
     root = BENCHMARKS.parent
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
     command = [sys.executable, str(BENCHMARKS / "prefix_cache.py"), "--smoke", "--workloads", str(workloads_file),
-               "--commit", "test", "--out", str(tmp_path), "--startup-timeout", "120"]
+               "--commit", "test", "--out", str(tmp_path), "--startup-timeout", "120", "--repeats", "2"]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=BENCHMARKS, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob("prefix_cache_*_test.json")
@@ -100,6 +113,7 @@ def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
         assert ROW_KEYS <= set(r) and r["failed"] == 0 and r["tok_s"] > 0 and r["accept_len"] is not None
         assert (r["cache_hit_rate"] > 0) == (r["cache"] == "on")
         assert r["engine_steps"] > 0 and 0 < r["engine_extend_steps"] <= r["engine_steps"]
+        assert r["repeats"] == 2 and len(r["tok_s_samples"]) == 2 and min(r["tok_s_samples"]) <= r["tok_s"]
     assert len(report["goals"]) == 3
     assert all(g["accept_len_rel_diff"] == 0.0 for g in report["goals"])  # fp32 CPU, greedy: identical verifies
 
@@ -127,7 +141,7 @@ def test_sigterm_stops_the_server_it_started(workloads_file: Path, tmp_path: Pat
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
     command = [sys.executable, str(BENCHMARKS / "prefix_cache.py"), "--smoke", "--workloads", str(workloads_file),
-               "--commit", "test", "--out", str(tmp_path), "--startup-timeout", "120", "--no-plot"]
+               "--commit", "test", "--out", str(tmp_path), "--startup-timeout", "120", "--no-plot", "--repeats", "1"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=BENCHMARKS)
     try:
         deadline = time.monotonic() + 120
