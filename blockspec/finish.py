@@ -2,10 +2,26 @@
 max_new_tokens, stop token, context length, checked in that order after each token)."""
 from __future__ import annotations
 
+import time
 from typing import AbstractSet, Optional
 
 from blockspec.request import Finish, FinishReason, Req
 from blockspec.tokenizer import TextStream, find_stop
+
+
+def commit_tokens(req: Req, tokens: list[int], eos_token_ids: AbstractSet[int], context_length: int,
+                  detok: Optional[TextStream]) -> int:
+    """A step's tokens for `req`: appended up to the first finish condition (none once finished); the first one
+    stamps the request's first-token time; logprobs past the kept tokens are dropped. Returns how many were kept."""
+    if req.finished:
+        return 0
+    if req.first_token_time is None and tokens:
+        req.first_token_time = time.monotonic()
+    appended = append_tokens(req, tokens, eos_token_ids, context_length, detok)
+    if req.wants_logprobs:
+        del req.output_token_logprobs[req.num_output_tokens:]
+        del req.output_top_logprobs[req.num_output_tokens:]
+    return appended
 
 
 def append_tokens(req: Req, tokens: list[int], eos_token_ids: AbstractSet[int], context_length: int,

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from blockspec.admission import ArrivalBatching
 from blockspec.config import EngineConfig
-from blockspec.finish import append_tokens
+from blockspec.finish import commit_tokens
 from blockspec.grammar import GrammarCompiler
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.prefix_cache import PrefixCache
@@ -70,9 +70,8 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
     @property
     def limits(self) -> RequestLimits:
-        return RequestLimits(
-            self.vocab_size, self.context_length, self.allocator.total_slots, self.steps.slots_per_decode, self.tokenizer is not None
-        )
+        return RequestLimits(self.vocab_size, self.context_length, self.allocator.total_slots,
+                             self.steps.slots_per_decode, self.tokenizer is not None)
 
     def check_request(self, req: Req) -> None:
         """Raises ValueError for a request that can never be served."""
@@ -198,6 +197,8 @@ class Scheduler:
             if self.arrivals.hold(self.num_steps, sum(r.pending_len for r in self.waiting), budget, decoding > 0,
                                   bool(plan.extend), decoding, min(len(self.waiting), rows)):
                 return plan
+        in_batch = self.prefix_cache.in_batch([(c.req, c.req.kv_len + c.length) for c in plan.extend]) if self.waiting else None
+        waits: list[Req] = []  # NOTE: they go back to the queue's front in order: the next step admits them first
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests and self.table.free_rows:
             req = self.waiting[0]
             if req.pending_len + self.steps.slots_per_decode > self.allocator.total_slots:
@@ -206,6 +207,10 @@ class Scheduler:
                 self.running.append(req)  # collected by collect_finished at the end of this step
                 continue
             self.prefix_cache.attach(req)  # NOTE: kv_len now starts after its cached prefix (whole pages)
+            if in_batch is not None and in_batch.should_wait(req):
+                self.prefix_cache.detach(req)
+                waits.append(self.waiting.popleft())
+                continue
             n = min(req.pending_len, budget)
             need = self.allocator.pages_for(n) * self.allocator.page_size
             full = bool(self.running) and self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1)
@@ -222,6 +227,9 @@ class Scheduler:
             self.running.append(req)
             plan.extend.append(ExtendChunk(req, n))
             budget -= n
+            if in_batch is not None:
+                in_batch.computing(req, req.kv_len + n)
+        self.waiting.extendleft(reversed(waits))
         return plan
 
     def _make_decode_room(self) -> list[Req]:
@@ -281,20 +289,9 @@ class Scheduler:
             req = item.req
             if not item.verified:  # NOTE: an extend's first token: the request decodes from now on
                 req.in_prefill = False
-            appended = self._commit(req, item.tokens)
+            appended = commit_tokens(req, item.tokens, self.eos_token_ids, self.context_length,
+                                     self.detokenizers.get(req.rid))
             if item.verified and speculative:  # NOTE: one verify cycle of this request, `appended` tokens kept
                 req.spec_verify_ct += 1
                 req.spec_accept_lengths.append(appended)
                 spec.record(appended)
-
-    def _commit(self, req: Req, tokens: list[int]) -> int:
-        """Appends tokens up to the first finish condition (finish.py); returns how many were appended."""
-        if req.finished:
-            return 0
-        if req.first_token_time is None and tokens:
-            req.first_token_time = time.monotonic()
-        appended = append_tokens(req, tokens, self.eos_token_ids, self.context_length, self.detokenizers.get(req.rid))
-        if req.wants_logprobs:
-            del req.output_token_logprobs[req.num_output_tokens:]
-            del req.output_top_logprobs[req.num_output_tokens:]
-        return appended
