@@ -4,14 +4,11 @@ itself (blockspec.train.magpie) with their held-out split. Every held-out record
 `blockspec train-draft` refuses to train on it."""
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-import torch
 
 from blockspec.evals.gsm8k import default_data_path, format_example, load_lines
 from blockspec.smollm2 import build_messages, ensure_smollm2_dir
@@ -119,13 +116,7 @@ def write_general(paths: DataPaths, model_dir: Path, settings: MagpieSettings, d
     try:
         generated = generate_prompts(engine_generate(engine), tokenizer, settings)
     finally:
-        engine.shutdown()
-        del engine
-        # NOTE: the engine's KV pool and graphs sit in reference cycles; until they are collected the response stage
-        # in this same process finds the GPU full ("mem_fraction_static leaves no memory for the KV cache").
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        engine.shutdown()  # NOTE: hands the device memory back: the response stage starts an engine in this process
     written = write_prompts(paths.prompts, generated, settings.system_prompt)
     paths.data.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(written[HELDOUT_SPLIT], paths.general_heldout)

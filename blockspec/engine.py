@@ -1,6 +1,7 @@
 """Engine: the offline API, shaped like SGLang's `sgl.Engine`."""
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
@@ -246,13 +247,33 @@ class Engine:
         return self.scheduler.prefix_cache.stats()
 
     def shutdown(self) -> None:
+        """Aborts what is queued or running, stops the other ranks and lets go of the model, the KV pool and the
+        graphs, so another engine can start in this process with the memory back. Safe to call twice."""
+        if self.is_shut_down:
+            return
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             self.scheduler.abort(req.rid)
         self.scheduler.collect_finished()
         if self.ranks is not None:
             self.ranks.shutdown(None if self.mirror is None else self.mirror.stop)
+        self._shut_down = True
+        # NOTE: the runner, worker and scheduler reference each other: collected only by a cycle pass, after which
+        # the caching allocator can hand the pages back
+        del self.scheduler, self.worker, self.runner
+        self.mirror = None
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    @property
+    def is_shut_down(self) -> bool:
+        return bool(self.__dict__.get("_shut_down"))
+
+    def __getattr__(self, name: str) -> Any:
+        """Reached only for missing attributes: after `shutdown`, the parts it let go of."""
+        if name in ("scheduler", "worker", "runner") and self.is_shut_down:
+            raise RuntimeError("this Engine was shut down")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __enter__(self) -> "Engine":
         return self

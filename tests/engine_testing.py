@@ -42,7 +42,10 @@ def hf_greedy(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int
 
 
 def assert_engine_idle(engine: Engine) -> None:
-    """Every slot back in the pool, no request left queued or running, every table row released."""
+    """Every slot back in the pool, no request left queued or running, every table row released (an engine shut
+    down has let go of all of them)."""
+    if engine.is_shut_down:
+        return
     scheduler = engine.scheduler
     assert not scheduler.waiting, [r.rid for r in scheduler.waiting]
     assert not scheduler.running, [r.rid for r in scheduler.running]

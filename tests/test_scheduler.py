@@ -1,6 +1,8 @@
 """Continuous batching: late arrivals, a tight KV pool (retraction), admission limits, aborts and finish reasons."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 from blockspec.request import FinishReason
@@ -229,8 +231,13 @@ def test_shutdown_aborts_everything(tiny, make_engine) -> None:
     for _ in range(4):
         engine.scheduler.step()
     assert engine.scheduler.running and engine.scheduler.waiting
+    pool = weakref.ref(engine.runner.kv_pool)
     engine.shutdown()
     assert all(r.finish is not None and r.finish.reason == FinishReason.ABORT for r in reqs)
+    assert pool() is None  # NOTE: the KV pool (and with it the device memory) is gone while `engine` is still held
+    engine.shutdown()  # a second call does nothing
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(input_ids=[3], sampling_params=GREEDY)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
