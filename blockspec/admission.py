@@ -42,6 +42,7 @@ class ArrivalBatching:
         self.decode_seconds: Optional[float] = None
         self._held_since: Optional[int] = None  # the step at which the oldest held arrival was first held
         self._held_cost = 0  # request-steps the held arrivals have waited so far
+        self._release_next = False
 
     def observe(self, seconds: float, extended: bool) -> None:
         """One engine step's duration: an extend step (prefill chunks, with or without decode) or a decode step."""
@@ -66,7 +67,7 @@ class ArrivalBatching:
         `extending`: this step extends some prompt anyway; `num_decoding`: how many decode; `admissible`: waiting
         requests that have a free row)."""
         cheap_to_wait = decoding and not extending and 0 < waiting_tokens < step_tokens
-        if self.max_wait_steps == 0 or not cheap_to_wait:
+        if self.max_wait_steps == 0 or not cheap_to_wait or self._release_next:
             return self._release()
         if self._held_since is None:
             self._held_since = step
@@ -80,6 +81,11 @@ class ArrivalBatching:
         self.held_steps += 1
         return True
 
+    def release_next(self) -> None:
+        """The queue's head was released and then waited a step for a prefix computed in that step (in-batch prefix
+        caching): the next call admits without holding, so it does not wait twice."""
+        self._release_next = True
+
     def _release(self) -> bool:
-        self._held_since, self._held_cost = None, 0
+        self._held_since, self._held_cost, self._release_next = None, 0, False
         return False

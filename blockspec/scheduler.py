@@ -197,8 +197,7 @@ class Scheduler:
             if self.arrivals.hold(self.num_steps, sum(r.pending_len for r in self.waiting), budget, decoding > 0,
                                   bool(plan.extend), decoding, min(len(self.waiting), rows)):
                 return plan
-        in_batch = self.prefix_cache.in_batch([(c.req, c.req.kv_len + c.length) for c in plan.extend]) if self.waiting else None
-        waits: list[Req] = []  # NOTE: they go back to the queue's front in order: the next step admits them first
+        in_batch = None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests and self.table.free_rows:
             req = self.waiting[0]
             if req.pending_len + self.steps.slots_per_decode > self.allocator.total_slots:
@@ -207,10 +206,12 @@ class Scheduler:
                 self.running.append(req)  # collected by collect_finished at the end of this step
                 continue
             self.prefix_cache.attach(req)  # NOTE: kv_len now starts after its cached prefix (whole pages)
+            if plan.extend and in_batch is None:
+                in_batch = self.prefix_cache.in_batch(plan.extend)
             if in_batch is not None and in_batch.should_wait(req):
-                self.prefix_cache.detach(req)
-                waits.append(self.waiting.popleft())
-                continue
+                self.prefix_cache.detach(req)  # NOTE: it stays first: nothing behind it takes the rows, KV or budget
+                self.arrivals.release_next()  # nor does arrival batching hold it again
+                break
             n = min(req.pending_len, budget)
             need = self.allocator.pages_for(n) * self.allocator.page_size
             full = bool(self.running) and self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1)
@@ -229,7 +230,6 @@ class Scheduler:
             budget -= n
             if in_batch is not None:
                 in_batch.computing(req, req.kv_len + n)
-        self.waiting.extendleft(reversed(waits))
         return plan
 
     def _make_decode_room(self) -> list[Req]:

@@ -33,6 +33,10 @@ def test_hold_policy() -> None:
     for case in cases:
         assert not ArrivalBatching(3).hold(1, **case), case
     assert not ArrivalBatching(0).hold(1, 10, 100, decoding=True, extending=False)
+    owed = ArrivalBatching(3)
+    assert owed.hold(1, 10, 100, decoding=True, extending=False)
+    owed.release_next()  # NOTE: the head waited a step for an in-batch prefix: admitted next, not held again
+    assert [owed.hold(step, 10, 100, decoding=True, extending=False) for step in range(2, 5)] == [False, True, True]
 
 
 def test_cost_policy_releases_once_holding_cost_an_extend_step() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from blockspec.kv.prefix_cache import IN_BATCH_MIN_SHARED
-from radix_testing import (  # noqa: F401 (root, shared: fixtures)
-    QUESTIONS, SYSTEM_LEN, assert_flushes_to_empty, engine_for, greedy, root, run_waves, shared, signature,
+from radix_testing import (  # noqa: F401 (root, shared, distinct: fixtures)
+    QUESTIONS, SYSTEM_LEN, assert_flushes_to_empty, distinct, engine_for, greedy, root, run_waves, shared, signature,
 )
 
 pytest.importorskip("dflash.model")
@@ -60,3 +60,32 @@ def test_short_shared_prefixes_do_not_wait(root: Path, shared: list[list[int]]) 
     want = run_waves(engine_for(root, cache=False, chunked_prefill_size=512), [shared])
     got = [{**on.output_of(req), "accept_lengths": list(req.spec_accept_lengths)} for req in reqs]
     assert signature(got) == signature(want)
+
+
+def test_the_waiting_head_keeps_its_place_and_is_not_held_again(root: Path, long_shared: list[list[int]],
+                                                                 distinct: list[list[int]]) -> None:
+    """Behind a request waiting for a prefix, nothing is admitted (it would take the rows, KV and budget the waiter
+    needs next step), and arrival batching (--max-prefill-wait-steps) does not hold it a second time: it is admitted
+    the step after the request it waited for, with or without other requests decoding."""
+    for flags in ({"max_running_requests": 3}, {"max_prefill_wait_steps": 6}):
+        on = engine_for(root, cache=True, chunked_prefill_size=512, **flags)
+        decoding, _ = on.make_requests(input_ids=[distinct[0]], sampling_params=greedy(40))
+        on.scheduler.add_request(decoding[0])
+        on.scheduler.step()  # NOTE: one request decodes, so arrivals are cheap to hold
+        reqs, _ = on.make_requests(input_ids=[long_shared[0], long_shared[1], distinct[1]], sampling_params=greedy())
+        for req in reqs:
+            on.scheduler.add_request(req)
+        admitted_at: dict[str, int] = {}
+        for step in range(1, 40):
+            on.scheduler.step()
+            for req in on.scheduler.running:
+                admitted_at.setdefault(req.rid, step)
+            if len(admitted_at) == 4 or not on.scheduler.has_work:
+                break
+        leader, waiter, unrelated = (admitted_at.get(r.rid) for r in reqs)
+        assert leader is not None and waiter == leader + 1, (flags, admitted_at)
+        assert unrelated is None or unrelated >= waiter, (flags, admitted_at)
+        assert waiter is not None and reqs[1].cached_tokens > 0
+        while on.scheduler.has_work:
+            on.scheduler.step()
+        assert_flushes_to_empty(on)

@@ -14,23 +14,22 @@ With the cache disabled every method keeps the old behaviour: nothing is matched
 """
 from __future__ import annotations
 
-from typing import Any
-
-from typing import Optional
+from typing import Any, Optional
 
 from blockspec.host_tensors import int64_tensor
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.radix_tree import RadixTree
 from blockspec.request import Req
+from blockspec.step.plan import ExtendChunk
 
 IN_BATCH_MIN_SHARED = 32  # NOTE: uncached prompt tokens a waiting request must share with a step's extend to wait
 
 
 class InBatchPrefixes:
     """The prompt tokens one extend step computes. A waiting request whose uncached prompt starts with at least
-    IN_BATCH_MIN_SHARED of them (and a whole page) waits one step and then reads them from the cache, instead of
-    computing them a second time in the same step: a cold burst sharing a new system prompt or few-shot examples
-    prefills it once. (SGLang calls this in-batch prefix caching.)"""
+    IN_BATCH_MIN_SHARED of them (and a whole page), and with at least half of it, waits one step and then reads them
+    from the cache, instead of computing them a second time in the same step: a cold burst sharing a new system
+    prompt or few-shot examples prefills it once. (SGLang calls this in-batch prefix caching.)"""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
@@ -45,7 +44,8 @@ class InBatchPrefixes:
     def should_wait(self, req: Req) -> bool:
         """`req` (attached: shared_len is its cache hit) shares enough still-uncached tokens with this step."""
         pages, _ = self.tree.match(req.all_ids[:-1])
-        return len(pages) * self.page_size - req.shared_len >= max(IN_BATCH_MIN_SHARED, self.page_size)
+        saved = len(pages) * self.page_size - req.shared_len
+        return saved >= max(IN_BATCH_MIN_SHARED, self.page_size) and 2 * saved >= len(req.all_ids) - req.shared_len
 
 
 class PrefixCache:
@@ -86,13 +86,13 @@ class PrefixCache:
         req.cache_node, req.pages = node, list(pages)
         req.kv_len = req.shared_len = len(pages) * self.page_size
 
-    def in_batch(self, chunks: list[tuple[Req, int]]) -> Optional[InBatchPrefixes]:
-        """With the cache on: the prefixes a step computes, starting with `chunks` ((request, end) pairs)."""
+    def in_batch(self, chunks: list[ExtendChunk]) -> Optional[InBatchPrefixes]:
+        """With the cache on: the prefixes a step computes, starting with the planned `chunks`."""
         if self.tree is None:
             return None
         prefixes = InBatchPrefixes(self.page_size)
-        for req, end in chunks:
-            prefixes.computing(req, end)
+        for chunk in chunks:
+            prefixes.computing(chunk.req, chunk.req.kv_len + chunk.length)
         return prefixes
 
     def detach(self, req: Req) -> None:
