@@ -6,7 +6,7 @@ import statistics
 from typing import Any, Optional
 
 from blockspec.bench.client import (
-    accept_length_between, compiles_between, engine_state, histogram_mean_between, steps_between,
+    accept_length_between, compiles_between, engine_state, histogram_mean_between, state_delta, steps_between,
 )
 
 TTFT_METRIC = "blockspec_time_to_first_token_seconds"  # the server's own submit -> first token
@@ -20,13 +20,11 @@ def radix_stats(info: dict[str, Any]) -> dict[str, Any]:
     return dict(engine_state(info).get("radix_cache") or {})
 
 
-def step_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Optional[int]]:
+def step_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Optional[float]]:
     """The engine's steps during a workload: all, those that ran prefill chunks, those that held arrivals back."""
     keys = {"engine_steps": "num_steps", "engine_extend_steps": "num_extend_steps",
             "engine_held_steps": "num_steps_arrivals_held"}
-    states = engine_state(before), engine_state(after)
-    return {name: None if key not in states[0] or key not in states[1] else states[1][key] - states[0][key]
-            for name, key in keys.items()}
+    return {name: state_delta(before, after, key) for name, key in keys.items()}
 
 
 def measured_row(result: dict[str, Any], before: dict[str, Any], after: dict[str, Any], metrics_before: str,

@@ -100,15 +100,17 @@ def forwards_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
 LOOP_PHASES = ("intake", "publish", "flush")
 
 
+def state_delta(before: dict[str, Any], after: dict[str, Any], key: str) -> Optional[float]:
+    """How much the engine's counter `key` (its internal state in /server_info) grew; None where it is not reported."""
+    values = [engine_state(info).get(key) for info in (before, after)]
+    return None if None in values else values[1] - values[0]
+
+
 def steps_between(before: dict[str, Any], after: dict[str, Any], duration: float) -> dict[str, Any]:
     """Engine steps per second during a workload, the share of them that ran prefill chunks, the mean wall time of
     an extend step and of any other step, and per step the serving loop's time outside it (`serving_loop`: taking
     messages, making deltas, sending them); None where the server does not report them."""
-    def delta(key: str) -> Optional[float]:
-        values = [engine_state(info).get(key) for info in (before, after)]
-        return None if None in values else values[1] - values[0]
-
-    steps, extends = delta("num_steps"), delta("num_extend_steps")
+    steps, extends = state_delta(before, after, "num_steps"), state_delta(before, after, "num_extend_steps")
     out: dict[str, Any] = {"engine_steps_per_s": None, "extend_step_share": None, "engine_extend_step_mean_ms": None,
                            "engine_other_step_mean_ms": None, **{f"engine_{p}_per_step_ms": None for p in LOOP_PHASES}}
     if steps is None or extends is None or steps <= 0:
@@ -119,7 +121,8 @@ def steps_between(before: dict[str, Any], after: dict[str, Any], duration: float
             key = f"{phase}_seconds"
             out[f"engine_{phase}_per_step_ms"] = 1e3 * (loops[1][key] - loops[0][key]) / steps
     out.update(engine_steps_per_s=steps / max(duration, 1e-9), extend_step_share=extends / steps)
-    seconds, extend_seconds = delta("step_seconds"), delta("extend_step_seconds")
+    seconds, extend_seconds = (state_delta(before, after, "step_seconds"),
+                               state_delta(before, after, "extend_step_seconds"))
     if seconds is not None and extend_seconds is not None:
         if extends:
             out["engine_extend_step_mean_ms"] = 1e3 * extend_seconds / extends
