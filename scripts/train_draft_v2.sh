@@ -2,14 +2,15 @@
 # Issue #24 (a better shipped draft) on one H200: benchmarks/draft_v2.py's stages, one device `run` each (each well
 # under the 10-minute limit), sharing .device-state/draft_v2 (git-ignored: it stays on the warm machine between
 # calls). The SmolLM2 GGUF (98 MB) cannot travel in one call (64 MiB per call with the working tree), so it goes in
-# three parts, one per call, and the first two calls only leave their part there.
+# parts sized to the tree (scripts/device_gguf.sh), one per call; every call but the last only leaves its part there.
 #
-# Here, once:  PYTHON=.venv/bin/python scripts/train_draft_v2.sh split   -> .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part0{0,1,2}
-#                                                    and .carry/gsm8k/train.jsonl (from GSM8K_DIR, ../shared/data/gsm8k)
+# Here, once per tree size:  PYTHON=.venv/bin/python scripts/train_draft_v2.sh split   -> .carry/gsm8k/train.jsonl
+#   (from GSM8K_DIR, ../shared/data/gsm8k) and .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.partNN; it prints each
+#   call's carry (47 MB of tree: 6 parts).
 # Device, one `run` each, in this order and back to back (an idle machine is given back after 30 s):
-#   1. carry .whl .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part00      scripts/train_draft_v2.sh stash
-#   2. carry .carry/gsm8k .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part01   scripts/train_draft_v2.sh stash
-#   3. carry .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.part02   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh data
+#   1. carry .whl + part00                 scripts/train_draft_v2.sh stash
+#   2. carry .carry/gsm8k/train.jsonl + part01   scripts/train_draft_v2.sh stash   (and so on: one part a call)
+#   3. carry the last part                 BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh data
 #   4. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh train    (RUN, LAYERS, TRAIN_MIN, MIX_RATIO, EXTRA)
 #   5. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
@@ -24,10 +25,9 @@ parts=$gguf_parts
 state=${STATE:-.device-state/draft_v2}
 if [ "$stage" = split ]; then
     source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
-    mkdir -p "$parts" .carry/gsm8k
-    split -n 3 -d --suffix-length=2 "$source_gguf" "$parts/$name.part"
+    mkdir -p .carry/gsm8k
     cp "${GSM8K_DIR:-../shared/data/gsm8k}/train.jsonl" .carry/gsm8k/train.jsonl
-    ls -l "$parts" .carry/gsm8k
+    split_gguf "$source_gguf" || exit 1
     exit 0
 fi
 source "$(dirname "$0")/device_env.sh"
