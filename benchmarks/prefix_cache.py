@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", default="llama8b,demo", help="comma-separated: llama8b, demo, tiny")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny shape, tiny workloads")
     parser.add_argument("--workloads", type=Path, help="prompts saved by --save-workloads (else built now)")
+    parser.add_argument("--only", default="", help="comma-separated workloads to run (gsm8k, sysprompt, multiturn; "
+                        "default all)")
     parser.add_argument("--save-workloads", type=Path, help="write the prompts to this JSON, then exit")
     parser.add_argument("--tokenizer-path", type=Path, help="ChatML tokenizer (default: the demo model dir)")
     parser.add_argument("--gsm8k-path", type=Path, help="GSM8K test.jsonl (default: the eval's)")
@@ -69,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "a row holds the medians (a 64-request run of the demo pair lasts ≈ 1.5 s: one run is noisy)")
     parser.add_argument("--no-plot", action="store_true")
     return parser
+
+
+def selected(workloads: list[Workload], only: str) -> list[Workload]:
+    names = [name.strip() for name in only.split(",") if name.strip()]
+    unknown = sorted(set(names) - {w.name for w in workloads})
+    if unknown:
+        raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(w.name for w in workloads)}")
+    return [w for w in workloads if not names or w.name in names]
 
 
 def demo_dir(args: argparse.Namespace) -> Path:
@@ -180,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     data = prepare_workloads(args)
-    base_workloads = [Workload(**w) for w in data["workloads"]]
+    base_workloads = selected([Workload(**w) for w in data["workloads"]], args.only)
     source_vocab, eos_id = int(data["vocab_size"]), int(data["eos_id"])
     extra = shlex.split(args.extra_flags)
     extra_engine_kwargs(extra)  # NOTE: validates the flags before any server starts

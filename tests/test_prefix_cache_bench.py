@@ -93,6 +93,17 @@ def test_repeats_fold_into_medians() -> None:
 
 
 @pytest.mark.slow
+def test_only_selects_workloads(workloads_file: Path) -> None:
+    from prefix_cache import selected
+    from prefix_cache_workloads import Workload
+
+    workloads = [Workload(**w) for w in json.loads(workloads_file.read_text())["workloads"]]
+    assert [w.name for w in selected(workloads, "")] == ["gsm8k", "sysprompt", "multiturn"]
+    assert [w.name for w in selected(workloads, " sysprompt,gsm8k")] == ["gsm8k", "sysprompt"]
+    with pytest.raises(SystemExit, match="unknown"):
+        selected(workloads, "sysprompt,fewshot")
+
+
 def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
     root = BENCHMARKS.parent
     env = dict(os.environ, OMP_NUM_THREADS="1",
