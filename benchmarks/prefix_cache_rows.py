@@ -10,6 +10,11 @@ from blockspec.bench.client import (
 )
 
 TTFT_METRIC = "blockspec_time_to_first_token_seconds"  # the server's own submit -> first token
+TTFT_PARTS = {  # NOTE: the three add up to TTFT_METRIC
+    "engine_receive_mean_ms": "blockspec_request_receive_time_seconds",  # submit -> the scheduler has it
+    "engine_queue_mean_ms": "blockspec_request_queue_time_seconds",  # waiting queue -> admitted
+    "engine_prefill_mean_ms": "blockspec_request_prefill_time_seconds",  # admitted -> first token
+}
 
 
 def _ms(seconds: Optional[float]) -> Optional[float]:
@@ -35,6 +40,8 @@ def measured_row(result: dict[str, Any], before: dict[str, Any], after: dict[str
     return {**result, "accept_len": accept_length_between(before, after),
             "cache_hit_rate": hits / looked_up if looked_up else 0.0,
             "engine_ttft_mean_ms": _ms(histogram_mean_between(metrics_before, metrics_after, TTFT_METRIC)),
+            **{name: _ms(histogram_mean_between(metrics_before, metrics_after, metric))
+               for name, metric in TTFT_PARTS.items()},
             **compiles_between(before, after), **step_counts(before, after),
             **steps_between(before, after, result["duration_s"])}
 
@@ -61,7 +68,8 @@ def describe(row: dict[str, Any]) -> str:
     return (f"{row['workload']:>10} {row['shape']:>8} {row['cache']:>4} {row['tok_s']:>9.0f} tok/s  ttft p50 "
             f"{row['ttft_p50_ms']:>8.1f} p99 {row['ttft_p99_ms']:>8.1f} ms  accept {'-' if accept is None else f'{accept:.3f}'}"
             f"  hit {row['cache_hit_rate']:.2f}  {row['requests'] - row['failed']}/{row['requests']} ok"
-            f"  engine ttft {row['engine_ttft_mean_ms'] or float('nan'):.1f} ms  compiles {row['kernel_compiles']}"
+            f"  engine ttft {_fmt(row['engine_ttft_mean_ms'])} (receive {_fmt(row.get('engine_receive_mean_ms'))}"
+            f" queue {_fmt(row.get('engine_queue_mean_ms'))} prefill {_fmt(row.get('engine_prefill_mean_ms'))}) ms  compiles {row['kernel_compiles']}"
             f" {row['kernel_compiles_by_kernel'] or ''}  steps {row.get('engine_steps')} (extend"
             f" {row.get('engine_extend_steps')}, held {row.get('engine_held_steps')}) ms extend"
             f" {_fmt(row.get('engine_extend_step_mean_ms'))} other {_fmt(row.get('engine_other_step_mean_ms'))}")

@@ -21,7 +21,7 @@ from server_support import save_text_model  # noqa: E402
 
 ROW_KEYS = {"workload", "shape", "cache", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "accept_len", "cache_hit_rate",
             "engine_steps", "engine_extend_steps", "engine_held_steps", "engine_extend_step_mean_ms",
-            "engine_other_step_mean_ms"}
+            "engine_other_step_mean_ms", "engine_receive_mean_ms", "engine_queue_mean_ms", "engine_prefill_mean_ms"}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,8 @@ def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
         assert ROW_KEYS <= set(r) and r["failed"] == 0 and r["tok_s"] > 0 and r["accept_len"] is not None
         assert (r["cache_hit_rate"] > 0) == (r["cache"] == "on")
         assert r["engine_steps"] > 0 and 0 < r["engine_extend_steps"] <= r["engine_steps"]
+        parts = r["engine_receive_mean_ms"] + r["engine_queue_mean_ms"] + r["engine_prefill_mean_ms"]
+        assert r["engine_prefill_mean_ms"] > 0 and parts == pytest.approx(r["engine_ttft_mean_ms"], rel=0.02, abs=0.5)
         assert r["repeats"] == 2 and len(r["tok_s_samples"]) == 2 and min(r["tok_s_samples"]) <= r["tok_s"]
     assert len(report["goals"]) == 3
     assert all(g["accept_len_rel_diff"] == 0.0 for g in report["goals"])  # fp32 CPU, greedy: identical verifies
