@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", type=Path, help="prompts saved by --save-workloads (else built now)")
     parser.add_argument("--only", default="", help="comma-separated workloads to run (gsm8k, sysprompt, multiturn; "
                         "default all)")
+    parser.add_argument("--caches", default="off,on", help="comma-separated cache settings to serve (off, on)")
     parser.add_argument("--save-workloads", type=Path, help="write the prompts to this JSON, then exit")
     parser.add_argument("--tokenizer-path", type=Path, help="ChatML tokenizer (default: the demo model dir)")
     parser.add_argument("--gsm8k-path", type=Path, help="GSM8K test.jsonl (default: the eval's)")
@@ -187,6 +188,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     bad = [s for s in shapes if s not in SHAPES]
     if bad or not shapes:
         raise SystemExit(f"--shapes: unknown {bad}; choose from {', '.join(SHAPES)}")
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    if not caches or set(caches) - {"off", "on"}:
+        raise SystemExit(f"--caches: choose from off, on; got {args.caches!r}")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     data = prepare_workloads(args)
@@ -212,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 continue
             workloads = [fitted(w, vocab, source_vocab) for w in base_workloads]
             report.setdefault("engines", {})[shape] = kwargs
-            for cache in ("off", "on"):
+            for cache in caches:
                 start = time.perf_counter()
                 print(f"== {shape} cache {cache}", flush=True)
                 try:
