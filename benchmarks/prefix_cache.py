@@ -37,6 +37,7 @@ from blockspec.bench.client import get_server_info, metrics_text
 from prefix_cache_clients import run_workload
 from prefix_cache_rows import describe, folded, goals, measured_row
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
+from serving_profile import FOCUS, compress, py_spy_wrapper, summarize
 from serving_server import ServerProcess, exit_on_sigterm, log_tail
 from serving_vs_engine import extra_engine_kwargs, serve_flags
 from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(one Python event loop adds its own queueing to every TTFT)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each workload per server (cold cache each); "
                         "a row holds the medians (a 64-request run of the demo pair lasts ≈ 1.5 s: one run is noisy)")
+    parser.add_argument("--py-spy", action="store_true", help="run each server under py-spy: its serving loop's busiest "
+                        "functions (warm-ups included) to <result>_py_spy_<shape>_<cache>_summary.txt, raw stacks .txt.gz")
     parser.add_argument("--no-plot", action="store_true")
     return parser
 
@@ -145,12 +148,15 @@ def warm_kernels(base_url: str, workload: Workload, vocab: int, seed: int, timeo
 
 
 def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[str], workloads: list[Workload],
-                   vocab: int, real: bool, eos_id: int, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+                   vocab: int, real: bool, eos_id: int, args: argparse.Namespace, workdir: Path,
+                   profile_stem: Optional[Path] = None) -> list[dict[str, Any]]:
+    """Every workload through one server; under py-spy when `profile_stem` is given (raw stacks to STEM.txt.gz)."""
     flags = serve_flags(kwargs) + extra + (["--disable-radix-cache"] if cache == "off" else [])
     log_path = workdir / f"server_{shape}_{cache}.log"
     rows: list[dict[str, Any]] = []
+    wrapper = None if profile_stem is None else py_spy_wrapper(profile_stem.with_suffix(".txt"))
     try:
-        with ServerProcess(flags, log_path, args.startup_timeout) as server:
+        with ServerProcess(flags, log_path, args.startup_timeout, wrapper=wrapper) as server:
             for workload in workloads:
                 params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": not real}
                 samples = []
@@ -166,6 +172,11 @@ def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[s
                 rows.append(folded(samples))
     except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"{exc}\nserver log tail:\n{log_tail(log_path)}") from exc
+    if profile_stem is not None:
+        summary = summarize(profile_stem.with_suffix(".txt"), top=40, focus=FOCUS)
+        profile_stem.with_name(profile_stem.name + "_summary.txt").write_text(summary + "\n")
+        compress(profile_stem.with_suffix(".txt"))
+        print(summary, flush=True)
     return rows
 
 
@@ -220,8 +231,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 start = time.perf_counter()
                 print(f"== {shape} cache {cache}", flush=True)
                 try:
+                    stem = path.with_name(f"{path.stem}_py_spy_{shape}_{cache}") if args.py_spy else None
                     report["rows"] += measure_server(shape, cache, kwargs, extra, workloads, vocab, real,
-                                                     fit_ids([eos_id], vocab, source_vocab)[0], args, Path(tmp))
+                                                     fit_ids([eos_id], vocab, source_vocab)[0], args, Path(tmp), stem)
                 except (RuntimeError, OSError) as exc:
                     failed = True
                     report["errors"].append({"shape": shape, "cache": cache, "error": str(exc)})
