@@ -44,7 +44,7 @@ class Scale:
     # NOTE: v2's first run (4,100 general + 7,473 GSM8K sequences, 17 epochs in 6.5 min) read an accept estimate of
     # 6.1 on its training blocks but 3.10 / 2.33 held out: data-bound, hence every wording and ≈ 2× the general prompts.
     general_prompts: int = 9200  # 9000 train: ≈ 0.29 of the training set next to GSM8K's 3 × 7473
-    gsm8k_wordings: int = 3  # each train question in every training wording
+    gsm8k_wordings: int = 3  # each train question in 3 of the 6 training wordings (rotating)
     general_heldout: int = 200
     gsm8k_train: Optional[int] = None  # all 7473
     gsm8k_heldout: int = 200

@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(one Python event loop adds its own queueing to every TTFT)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each workload per server (cold cache each); "
                         "a row holds the medians (a 64-request run of the demo pair lasts ≈ 1.5 s: one run is noisy)")
-    parser.add_argument("--py-spy", action="store_true", help="run each server under py-spy: its serving loop's busiest "
-                        "functions (warm-ups included) to <result>_py_spy_<shape>_<cache>_summary.txt, raw stacks .txt.gz")
+    parser.add_argument("--py-spy", action="store_true",
+                        help="run each server under py-spy: its serving loop's busiest functions (warm-ups included) "
+                        "to <result>_py_spy_<shape>_<cache>_summary.txt, raw stacks .txt.gz")
     parser.add_argument("--no-plot", action="store_true")
     return parser
 

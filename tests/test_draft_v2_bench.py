@@ -34,7 +34,7 @@ def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path
     counts = write_gsm8k(paths, train_file, None, 4)
     assert counts["gsm8k_train"] == 7 and counts["gsm8k_heldout"] == 4
     train, heldout = read_prompt_records(paths.gsm8k_train), read_prompt_records(paths.gsm8k_heldout)
-    assert [r["wording"] for r in train[:4]] == [*TRAIN_WORDINGS, next(iter(TRAIN_WORDINGS))]
+    assert [r["wording"] for r in train[:4]] == list(TRAIN_WORDINGS)[:4]
     assert train[1]["messages"] == [{"role": "user", "content": "Q1?"}]
     held_user = heldout[0]["messages"][-1]["content"]
     assert held_user.startswith("Question: ") and held_user.endswith("\nAnswer:")
@@ -49,8 +49,9 @@ def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path
     assert every["gsm8k_train"] == 7 and every["gsm8k_train_records"] == 7 * len(TRAIN_WORDINGS)
     records = read_prompt_records(paths.gsm8k_train)
     for i in range(7):  # each question once in every training wording, the rotation starting at its index
-        mine = [r for r in records if r["messages"][-1]["content"].startswith(f"Q{i}?")]
-        assert sorted(r["wording"] for r in mine) == sorted(TRAIN_WORDINGS) and mine[0]["wording"] == list(TRAIN_WORDINGS)[i % 3]
+        mine = [r for r in records if f"Q{i}?" in r["messages"][-1]["content"]]
+        assert sorted(r["wording"] for r in mine) == sorted(TRAIN_WORDINGS)
+        assert mine[0]["wording"] == list(TRAIN_WORDINGS)[i % len(TRAIN_WORDINGS)]
     with pytest.raises(ValueError, match="wordings_per_question"):
         write_gsm8k(paths, train_file, None, 1, wordings_per_question=len(TRAIN_WORDINGS) + 1)
 
