@@ -272,10 +272,8 @@ class RequestLimits:
         if req.prompt_len >= self.context_length:
             raise ValueError(f"the prompt has {req.prompt_len} tokens; the context length is {self.context_length}")
         if req.prompt_len + self.slots_per_decode > self.total_slots:
-            raise ValueError(
-                f"the prompt has {req.prompt_len} tokens and can never fit the KV pool "
-                f"({self.total_slots} slots); raise max_total_tokens"
-            )
+            raise ValueError(f"the prompt has {req.prompt_len} tokens and can never fit the KV pool "
+                             f"({self.total_slots} slots); raise max_total_tokens")
         too_large = [t for t in req.params.logit_bias if int(t) >= self.vocab_size]
         if too_large:
             raise ValueError(f"logit_bias token id {too_large[0]} is outside the vocabulary [0, {self.vocab_size})")
