@@ -8,11 +8,12 @@
 #   (from GSM8K_DIR, ../shared/data/gsm8k) and .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.partNN; it prints each
 #   call's carry (47 MB of tree: 6 parts).
 # Device, one `run` each, in this order and back to back (an idle machine is given back after 30 s):
-#   1. carry .whl + part00                 scripts/train_draft_v2.sh stash
-#   2. carry .carry/gsm8k/train.jsonl + part01   scripts/train_draft_v2.sh stash   (and so on: one part a call)
-#   3. carry the last part                 BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh data
-#   4. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh train    (RUN, LAYERS, TRAIN_MIN, MIX_RATIO, EXTRA)
-#   5. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
+#   a. carry .whl + part00                       scripts/train_draft_v2.sh stash
+#   b. carry .carry/gsm8k/train.jsonl + part01   scripts/train_draft_v2.sh stash
+#   c. carry part02 .. the part before the last, one a call, each   scripts/train_draft_v2.sh stash
+#   d. carry the last part                       BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh data
+#   e. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh train    (RUN, LAYERS, TRAIN_MIN, MIX_RATIO, EXTRA)
+#   f. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
 # V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
 # Results go to $OUT: data (generation_info.json, general_heldout.jsonl, log), train (training_info_<run>.json, the
