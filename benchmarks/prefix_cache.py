@@ -37,7 +37,7 @@ from blockspec.bench.client import get_server_info, metrics_text
 from prefix_cache_clients import run_workload
 from prefix_cache_rows import describe, folded, goals, measured_row
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
-from serving_profile import FOCUS, compress, py_spy_wrapper, summarize
+from serving_profile import profile_server
 from serving_server import ServerProcess, exit_on_sigterm, log_tail
 from serving_vs_engine import extra_engine_kwargs, serve_flags
 from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
@@ -78,11 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def selected(workloads: list[Workload], only: str) -> list[Workload]:
-    names = [name.strip() for name in only.split(",") if name.strip()]
-    unknown = sorted(set(names) - {w.name for w in workloads})
+def comma_list(flag: str, text: str, allowed: list[str]) -> list[str]:
+    """The names in a comma-separated flag value, each one of `allowed` (else a clear exit)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(allowed))
     if unknown:
-        raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(w.name for w in workloads)}")
+        raise SystemExit(f"{flag}: unknown {unknown}; choose from {', '.join(allowed)}")
+    return names
+
+
+def selected(workloads: list[Workload], only: str) -> list[Workload]:
+    names = comma_list("--only", only, [w.name for w in workloads])
     return [w for w in workloads if not names or w.name in names]
 
 
@@ -151,33 +157,39 @@ def warm_kernels(base_url: str, workload: Workload, vocab: int, seed: int, timeo
 def measure_server(shape: str, cache: str, kwargs: dict[str, Any], extra: list[str], workloads: list[Workload],
                    vocab: int, real: bool, eos_id: int, args: argparse.Namespace, workdir: Path,
                    profile_stem: Optional[Path] = None) -> list[dict[str, Any]]:
-    """Every workload through one server; under py-spy when `profile_stem` is given (raw stacks to STEM.txt.gz)."""
+    """Every workload through one server; under py-spy when `profile_stem` is given (raw stacks to STEM.txt.gz, the
+    serving loop's summary to STEM_summary.txt)."""
     flags = serve_flags(kwargs) + extra + (["--disable-radix-cache"] if cache == "off" else [])
     log_path = workdir / f"server_{shape}_{cache}.log"
     rows: list[dict[str, Any]] = []
-    wrapper = None if profile_stem is None else py_spy_wrapper(profile_stem.with_suffix(".txt"))
+
+    def start(wrapper: Optional[list[str]]) -> ServerProcess:
+        return ServerProcess(flags, log_path, args.startup_timeout, wrapper=wrapper)
+
+    def run_all(base_url: str) -> None:
+        for workload in workloads:
+            params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": not real}
+            samples = []
+            for _ in range(args.repeats):
+                warm_kernels(base_url, workload, vocab, args.seed, args.request_timeout)
+                before, metrics_before = get_server_info(base_url), metrics_text(base_url)
+                result = run_workload(base_url, workload, params, eos_id, args.request_timeout, args.client_procs)
+                after, metrics_after = get_server_info(base_url), metrics_text(base_url)
+                samples.append({"workload": workload.name, "shape": shape, "cache": cache,
+                                **measured_row(result, before, after, metrics_before, metrics_after)})
+                print("   " + describe(samples[-1]), flush=True)
+            rows.append(folded(samples))
+
     try:
-        with ServerProcess(flags, log_path, args.startup_timeout, wrapper=wrapper) as server:
-            for workload in workloads:
-                params = {"temperature": 0.0, "max_new_tokens": workload.max_new_tokens, "ignore_eos": not real}
-                samples = []
-                for _ in range(args.repeats):
-                    warm_kernels(server.base_url, workload, vocab, args.seed, args.request_timeout)
-                    before, metrics_before = get_server_info(server.base_url), metrics_text(server.base_url)
-                    result = run_workload(server.base_url, workload, params, eos_id, args.request_timeout,
-                                          args.client_procs)
-                    after, metrics_after = get_server_info(server.base_url), metrics_text(server.base_url)
-                    samples.append({"workload": workload.name, "shape": shape, "cache": cache,
-                                    **measured_row(result, before, after, metrics_before, metrics_after)})
-                    print("   " + describe(samples[-1]), flush=True)
-                rows.append(folded(samples))
+        if profile_stem is None:
+            with start(None) as server:
+                run_all(server.base_url)
+        else:
+            summary = profile_server(start, profile_stem.with_suffix(".txt"), run_all)
+            profile_stem.with_name(profile_stem.name + "_summary.txt").write_text(summary + "\n")
+            print(summary, flush=True)
     except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"{exc}\nserver log tail:\n{log_tail(log_path)}") from exc
-    if profile_stem is not None:
-        summary = summarize(profile_stem.with_suffix(".txt"), top=40, focus=FOCUS)
-        profile_stem.with_name(profile_stem.name + "_summary.txt").write_text(summary + "\n")
-        compress(profile_stem.with_suffix(".txt"))
-        print(summary, flush=True)
     return rows
 
 
@@ -196,13 +208,10 @@ def gpu_name() -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     exit_on_sigterm()
     args = build_parser().parse_args(argv)
-    shapes = ["tiny"] if args.smoke else [s.strip() for s in args.shapes.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad or not shapes:
-        raise SystemExit(f"--shapes: unknown {bad}; choose from {', '.join(SHAPES)}")
-    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
-    if not caches or set(caches) - {"off", "on"}:
-        raise SystemExit(f"--caches: choose from off, on; got {args.caches!r}")
+    shapes = ["tiny"] if args.smoke else comma_list("--shapes", args.shapes, list(SHAPES))
+    caches = comma_list("--caches", args.caches, ["off", "on"])
+    if not shapes or not caches:
+        raise SystemExit("--shapes and --caches each need at least one name")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     data = prepare_workloads(args)
