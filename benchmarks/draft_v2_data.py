@@ -124,6 +124,32 @@ def write_general(paths: DataPaths, model_dir: Path, settings: MagpieSettings, d
     written = write_prompts(paths.prompts, generated, settings.system_prompt)
     paths.data.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(written[HELDOUT_SPLIT], paths.general_heldout)
-    info = generated.info
+    return _general_summary(generated.info)
+
+
+GENERAL_FILES = ("prompts.train.jsonl", "general_heldout.jsonl", "generation_info.json")  # what the data stage returns
+
+
+def _general_summary(info: dict[str, Any]) -> dict[str, Any]:
     return {key: info[key] for key in ("candidates", "passed_filters", "rejected", "exact_duplicates",
                                        "near_duplicates", "prompts", "train", "heldout", "seconds")}
+
+
+def general_outputs(paths: DataPaths) -> list[Path]:
+    """The generated prompts as the data stage hands them back, named as GENERAL_FILES (seed_general reads them)."""
+    return [paths.general_train, paths.general_heldout, paths.prompts / "generation_info.json"]
+
+
+def seed_general(paths: DataPaths, source: Path) -> dict[str, Any]:
+    """The general prompts of an earlier data stage (a folder holding its GENERAL_FILES) instead of generating them
+    again; the held-out records must still be marked held out, so a seeded held-out set is never trained on."""
+    missing = [name for name in GENERAL_FILES if not (source / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--general-prompts {source} lacks {', '.join(missing)} (a data stage's output)")
+    heldout = load_lines(source / "general_heldout.jsonl")
+    if not heldout or any(record.get("split") != HELDOUT_SPLIT for record in heldout):
+        raise ValueError(f"{source / 'general_heldout.jsonl'}: every record must carry \"split\": \"{HELDOUT_SPLIT}\"")
+    for target, name in zip(general_outputs(paths), GENERAL_FILES):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / name, target)
+    return {**_general_summary(json.loads((source / "generation_info.json").read_text())), "seeded_from": str(source)}

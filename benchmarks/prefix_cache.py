@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="simulated accept length of the dummy shapes (<= 0: real acceptance)")
     parser.add_argument("--extra-flags", default="", help="more `blockspec serve` flags for every server, written "
                         "with '=', e.g. --extra-flags=\"--page-size 16\"")
+    parser.add_argument("--eager-extend", action="store_true",
+                        help="serve without --enforce-piecewise-cuda-graph (the documented serve command's extends run "
+                             "as piecewise CUDA graphs; this benchmark serves the same unless told)")
     parser.add_argument("--commit", help="commit id for the file name and JSON (default: BLOCKSPEC_COMMIT or git)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -133,6 +136,8 @@ def shape_kwargs(name: str, root: Path, args: argparse.Namespace) -> tuple[dict[
         kwargs["speculative_simulate_accept_len"] = args.accept_len
     if args.smoke:
         kwargs.update(device="cpu", dtype="float32", max_total_tokens=16384, cuda_graph_bs=[1])
+    elif not args.eager_extend:
+        kwargs["enforce_piecewise_cuda_graph"] = True
     vocab = int(json.loads((Path(target) / "config.json").read_text())["vocab_size"])
     return kwargs, vocab, real
 

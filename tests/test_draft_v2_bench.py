@@ -20,7 +20,9 @@ from blockspec.train.trainer import schedule_factor
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from draft_v2_data import TRAIN_WORDINGS, DataPaths, heldout_messages, write_gsm8k  # noqa: E402
+from draft_v2_data import (  # noqa: E402
+    GENERAL_FILES, TRAIN_WORDINGS, DataPaths, general_outputs, heldout_messages, seed_general, write_gsm8k,
+)
 from draft_v2_report import GENERAL_SET, GSM8K_SET, State, best_run, pack_draft, result_document  # noqa: E402
 from draft_v2_server import speedups  # noqa: E402
 
@@ -58,6 +60,32 @@ def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path
 
 def run_record(gsm8k: float | None, general: float | None) -> dict[str, object]:
     return {"accept": {GSM8K_SET: gsm8k, GENERAL_SET: general}, "asset": {"asset_mib": 37.0, "largest_shard_mib": 11.8}}
+
+
+def _data_stage_output(folder: Path, heldout_split: str = "heldout") -> None:
+    folder.mkdir(parents=True)
+    record = lambda text, split: json.dumps({"messages": [{"role": "user", "content": text}], "split": split})  # noqa: E731
+    (folder / "prompts.train.jsonl").write_text(record("How do tides work?", "train") + "\n")
+    (folder / "general_heldout.jsonl").write_text(record("Name three rivers.", heldout_split) + "\n")
+    info = {"candidates": 4, "passed_filters": 3, "rejected": {"unfinished": 1}, "exact_duplicates": 0,
+            "near_duplicates": 1, "prompts": 2, "train": 1, "heldout": 1, "seconds": 1.5}
+    (folder / "generation_info.json").write_text(json.dumps(info))
+
+
+def test_general_prompts_seed_a_new_state_from_an_earlier_data_stage(tmp_path: Path) -> None:
+    _data_stage_output(tmp_path / "earlier")
+    paths = DataPaths(tmp_path / "state")
+    summary = seed_general(paths, tmp_path / "earlier")
+    assert summary["prompts"] == 2 and summary["seeded_from"] == str(tmp_path / "earlier")
+    for copied, name in zip(general_outputs(paths), GENERAL_FILES):
+        assert copied.read_bytes() == (tmp_path / "earlier" / name).read_bytes()
+    assert [r["split"] for r in map(json.loads, paths.general_heldout.read_text().splitlines())] == ["heldout"]
+    with pytest.raises(FileNotFoundError, match="lacks general_heldout.jsonl"):
+        (tmp_path / "earlier" / "general_heldout.jsonl").unlink()
+        seed_general(DataPaths(tmp_path / "other"), tmp_path / "earlier")
+    _data_stage_output(tmp_path / "unmarked", heldout_split="train")
+    with pytest.raises(ValueError, match="must carry"):
+        seed_general(DataPaths(tmp_path / "third"), tmp_path / "unmarked")
 
 
 def test_result_document_goals_and_decision(tmp_path: Path) -> None:
@@ -153,6 +181,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     info = json.loads((out / "training_info_v2.json").read_text())
     assert info["options"]["lr_schedule"] == "time" and info["options"]["mix_data"].endswith("prompts.train.jsonl")
     assert list(info["eval_runs"][-1]["sets"]) == [GSM8K_SET, GENERAL_SET]
+    assert all((out / name).is_file() for name in GENERAL_FILES)  # NOTE: what --general-prompts takes back
     heldout = {r["messages"][-1]["content"] for r in read_prompt_records(out / "general_heldout.jsonl")}
     trained = {r["messages"][-1]["content"] for r in read_prompt_records(info["options"]["mix_data"])}
     assert heldout and not heldout & trained

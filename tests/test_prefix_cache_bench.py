@@ -170,3 +170,12 @@ def test_sigterm_stops_the_server_it_started(workloads_file: Path, tmp_path: Pat
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_servers_run_extends_as_the_documented_serve_command_does(tmp_path: Path) -> None:
+    from prefix_cache import build_parser, serve_flags, shape_kwargs
+
+    documented, _, _ = shape_kwargs("tiny", tmp_path, build_parser().parse_args([]))
+    assert "--enforce-piecewise-cuda-graph" in serve_flags(documented)
+    eager, _, _ = shape_kwargs("tiny", tmp_path, build_parser().parse_args(["--eager-extend"]))
+    assert "--enforce-piecewise-cuda-graph" not in serve_flags(eager)
