@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 from blockspec import Engine
 from blockspec.request import Req
+from prefill_latency import rewind
 
 PARTS = ("build_batch", "plan", "graph_replays", "attention", "draft_kv", "logits", "first_tokens")
 
@@ -54,8 +55,9 @@ def _timing(owner: Any, name: str, add: Callable[[float], None]) -> Iterator[Non
             delattr(owner, name)
 
 
-def host_split(engine: Engine, reqs: list[Req], repeat: int) -> dict[str, float]:
-    """Median host µs per part of `repeat` whole extends of `reqs` (their prompts, from kv_len 0), and `total`."""
+def host_split(engine: Engine, reqs: list[Req], repeat: int, cached: int = 0) -> dict[str, float]:
+    """Median host µs per part of `repeat` whole extends of `reqs` (their prompts after `cached` tokens already in
+    the KV cache; prefill_latency.make_reqs), and `total`."""
     worker, runner = engine.worker, engine.runner
     samples: dict[str, list[float]] = {part: [] for part in (*PARTS, "total", "other")}
     current: dict[str, float] = {}
@@ -79,10 +81,9 @@ def host_split(engine: Engine, reqs: list[Req], repeat: int) -> dict[str, float]
                 _timing(worker, "first_tokens", adder("first_tokens")):
             for _ in range(repeat):
                 current.clear()
-                for req in reqs:
-                    req.kv_len = 0
+                lengths = rewind(reqs, cached)
                 start = time.perf_counter()
-                worker.extend(reqs, [req.prompt_len for req in reqs])
+                worker.extend(reqs, lengths)
                 total = time.perf_counter() - start
                 for part in PARTS:
                     samples[part].append(current.get(part, 0.0))

@@ -23,9 +23,11 @@ from device_timing import cuda_ms
 from step_latency import write_configs
 
 
-def make_reqs(engine: Engine, batch_size: int, tokens: int) -> list[Req]:
+def make_reqs(engine: Engine, batch_size: int, tokens: int, cached: int = 0) -> list[Req]:
+    """`batch_size` requests sharing `tokens` new prompt tokens, each with `cached` more tokens ahead of them that
+    count as already in the KV cache (as after a prefix-cache hit or an earlier chunk; `rewind` puts them back there)."""
     runner = engine.runner
-    per_req = max(1, tokens // batch_size)
+    per_req = max(1, tokens // batch_size) + cached
     reqs = []
     for _ in range(batch_size):
         req = Req(torch.randint(10, engine.runner.target_config.vocab_size, (per_req,)).tolist(),
@@ -36,23 +38,29 @@ def make_reqs(engine: Engine, batch_size: int, tokens: int) -> list[Req]:
     return reqs
 
 
+def rewind(reqs: list[Req], cached: int = 0) -> list[int]:
+    """Every request back to `cached` tokens in the KV cache; the lengths an extend of the rest computes."""
+    for req in reqs:
+        req.kv_len = cached
+    return [req.prompt_len - cached for req in reqs]
+
+
 def release(engine: Engine, reqs: list[Req]) -> None:
     for req in reqs:
         engine.runner.allocator.release(req)
         engine.runner.req_to_token.release(req.pool_row)
 
 
-def run_extend(engine: Engine, reqs: list[Req], piecewise: bool) -> None:
+def run_extend(engine: Engine, reqs: list[Req], piecewise: bool, cached: int = 0) -> None:
     engine.runner.piecewise_enabled = piecewise
-    for req in reqs:
-        req.kv_len = 0
-    engine.worker.extend_logits(reqs, [req.prompt_len for req in reqs])
+    engine.worker.extend_logits(reqs, rewind(reqs, cached))
 
 
-def extend_ms(engine: Engine, batch_size: int, tokens: int, repeat: int) -> float:
-    """Median ms of one extend of `tokens` prompt tokens over `batch_size` requests with the runner as it is."""
-    reqs = make_reqs(engine, batch_size, tokens)
-    ms = cuda_ms(lambda: run_extend(engine, reqs, True), repeat)
+def extend_ms(engine: Engine, batch_size: int, tokens: int, repeat: int, cached: int = 0) -> float:
+    """Median ms of one extend of `tokens` prompt tokens over `batch_size` requests (each after `cached` tokens in
+    the KV cache) with the runner as it is."""
+    reqs = make_reqs(engine, batch_size, tokens, cached)
+    ms = cuda_ms(lambda: run_extend(engine, reqs, True, cached), repeat)
     release(engine, reqs)
     return ms
 
