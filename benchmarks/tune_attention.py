@@ -43,6 +43,9 @@ CASES = [  # name, mode, batch size, cached context, new tokens per request
     ("extend bs1 x256", ForwardMode.EXTEND, 1, 0, 256),
     ("extend bs8 x256", ForwardMode.EXTEND, 8, 0, 256),
     ("extend bs1 x2048", ForwardMode.EXTEND, 1, 0, 2048),
+    # NOTE: after a prefix-cache hit (issue 20's (b): 32 questions of ≈ 24 tokens behind a cached 4k system prompt)
+    ("extend bs32 x24 ctx4096", ForwardMode.EXTEND, 32, 4096, 24),
+    ("extend bs16 x48 ctx4096", ForwardMode.EXTEND, 16, 4096, 48),
 ]
 
 
@@ -93,7 +96,7 @@ def sweep(
         candidate_result = {"us": graph_us(contender, q, batch), "error": error}
     rows = new * HEADS // KV_HEADS
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)]
-    splits = [1] if mode is ForwardMode.EXTEND else [1, 2, 4, 8, 16]
+    splits = [1] if mode is ForwardMode.EXTEND and context == 0 else [1, 2, 4, 8, 16]
     results = [{"config": "default", "tiles": vars(default.tiles), "splits": default.num_splits,
                 "us": graph_us(backend, q, batch)}]
 
