@@ -4,9 +4,10 @@ step, deltas, the flush to the server) under a closed loop of clients, on a tiny
 Each measured step's wall time is split into the model forwards (`CudaGraphs.run`, `ModelRunner.forward_extend`, the
 draft-KV materialise of extends; on CUDA each is followed by a device sync, so the step runs serialised and a forward
 holds its own device time), waits for the device (`torch.cuda.Event.synchronize`) and the rest: the host time this
-measures, as wall time (`host`) and as this thread's CPU time (`host_cpu`: unmoved by other processes on the cores). `--clients` requests run at once; each
-one that finishes is replaced by a fresh prompt before the next step (its output lengths vary, so arrivals spread
-over the steps as they do in serving), over `--frontends` server links. Runs unchanged on CPU and CUDA; writes JSON to --out.
+measures, as wall time (`host`) and as this thread's CPU time (`host_cpu`: unmoved by other processes on the cores).
+`--clients` requests run at once; each one that finishes is replaced by a fresh prompt before the next step (output
+lengths vary, so arrivals spread over the steps as in serving), over `--frontends` server links. Runs unchanged on
+CPU and CUDA; writes JSON to --out.
 
     python benchmarks/host_overhead.py --out /tmp/host.json [--modes dflash,target] [--profile /tmp/host.prof]
 """
@@ -97,9 +98,8 @@ class Regions:
         return timed
 
     def take(self) -> tuple[dict[str, float], dict[str, int]]:
-        seconds, calls = self.seconds, self.calls
-        self.seconds, self.calls = {}, {}
-        return seconds, calls
+        taken, (self.seconds, self.calls) = (self.seconds, self.calls), ({}, {})
+        return taken
 
 
 def write_models(root: Path, block_size: int) -> tuple[Path, Path]:
@@ -260,8 +260,7 @@ def summarize(mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
             values = [r[key] * 1e6 for r in selected]
             out[f"{key}_us_mean"] = round(statistics.fmean(values), 1)
             out[f"{key}_us_median"] = round(statistics.median(values), 1)
-        running = statistics.fmean(r["running"] for r in selected)
-        out["running_mean"] = round(running, 2)
+        out["running_mean"] = round(running := statistics.fmean(r["running"] for r in selected), 2)
         out["host_us_per_request"] = round(out["host_us_mean"] / max(running, 1.0), 2)
         out["tokens_per_step"] = round(statistics.fmean(r["tokens"] for r in selected), 2)
         return out
@@ -282,8 +281,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = write_models(Path(tmp), args.block_size)
         for i, mode in enumerate(modes):
-            workdir = Path(tmp) / f"sockets-{mode}"
-            workdir.mkdir()
+            (workdir := Path(tmp) / f"sockets-{mode}").mkdir()
             result = measure(mode, args, target, draft, workdir, args.profile if i == 0 else None)
             print(json.dumps(result), flush=True)
             for kind in ("decode_steps", "extend_steps"):
