@@ -118,6 +118,8 @@ def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: 
     model_dir = target_dir(paths, args.gguf)
     data: dict[str, Any] = {"target": str(model_dir), **write_gsm8k(paths, args.gsm8k_train, scale.gsm8k_train, scale.gsm8k_heldout,
                                                                        scale.gsm8k_wordings)}
+    if args.general_prompts is not None and paths.general_heldout.is_file():
+        print(f"--general-prompts {args.general_prompts} not used: {paths.state} has its general prompts", flush=True)
     if args.general_prompts is not None and not paths.general_heldout.is_file():
         data["general"] = seed_general(paths, args.general_prompts)
     elif not paths.general_heldout.is_file():

@@ -130,6 +130,10 @@ def write_general(paths: DataPaths, model_dir: Path, settings: MagpieSettings, d
 GENERAL_FILES = ("prompts.train.jsonl", "general_heldout.jsonl", "generation_info.json")  # what the data stage returns
 
 
+def _last_user_turn(record: dict[str, Any]) -> str:
+    return next(m["content"] for m in reversed(record["messages"]) if m["role"] == "user")
+
+
 def _general_summary(info: dict[str, Any]) -> dict[str, Any]:
     return {key: info[key] for key in ("candidates", "passed_filters", "rejected", "exact_duplicates",
                                        "near_duplicates", "prompts", "train", "heldout", "seconds")}
@@ -142,14 +146,22 @@ def general_outputs(paths: DataPaths) -> list[Path]:
 
 def seed_general(paths: DataPaths, source: Path) -> dict[str, Any]:
     """The general prompts of an earlier data stage (a folder holding its GENERAL_FILES) instead of generating them
-    again; the held-out records must still be marked held out, so a seeded held-out set is never trained on."""
+    again. The held-out records must be marked held out and share no prompt with the train file, so a seeded held-out
+    set is never trained on."""
     missing = [name for name in GENERAL_FILES if not (source / name).is_file()]
     if missing:
         raise FileNotFoundError(f"--general-prompts {source} lacks {', '.join(missing)} (a data stage's output)")
     heldout = load_lines(source / "general_heldout.jsonl")
     if not heldout or any(record.get("split") != HELDOUT_SPLIT for record in heldout):
         raise ValueError(f"{source / 'general_heldout.jsonl'}: every record must carry \"split\": \"{HELDOUT_SPLIT}\"")
-    for target, name in zip(general_outputs(paths), GENERAL_FILES):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source / name, target)
+    trained = {_last_user_turn(record) for record in load_lines(source / "prompts.train.jsonl")}
+    shared = [_last_user_turn(record) for record in heldout if _last_user_turn(record) in trained]
+    if shared:
+        raise ValueError(f"--general-prompts {source}: {len(shared)} held-out prompts are also in the train file, "
+                         f"e.g. {shared[0][:80]!r}")
+    targets = dict(zip(GENERAL_FILES, general_outputs(paths)))
+    # NOTE: the held-out file last: its presence is what marks a state's prompts as complete (stage_data resumes)
+    for name in ("prompts.train.jsonl", "generation_info.json", "general_heldout.jsonl"):
+        targets[name].parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / name, targets[name])
     return {**_general_summary(json.loads((source / "generation_info.json").read_text())), "seeded_from": str(source)}

@@ -54,6 +54,7 @@ def main() -> None:
         piecewise = engine.runner.piecewise
         for bs, tokens, cached in cases:
             name = f"{bs} x {tokens} tokens" + (f" after {cached} cached each" if cached else "")
+            case = f"{bs}x{tokens}" + (f"+{cached}" if cached else "")
             for label in ("eager", "piecewise"):
                 engine.runner.piecewise = piecewise if label == "piecewise" else None
                 wall = extend_ms(engine, bs, tokens, 5, cached)
@@ -65,7 +66,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                 if ProfilerActivity.CPU in activities:
                     args.trace_dir.mkdir(parents=True, exist_ok=True)
-                    prof.export_chrome_trace(str(args.trace_dir / f"prefill_{label}_{bs}x{tokens}+{cached}.json"))
+                    prof.export_chrome_trace(str(args.trace_dir / f"prefill_{label}_{case}.json"))
                 events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
                 total = sum(e.device_time_total for e in events) / 3 / 1e3
                 print(f"==== bs {name}, {label}: wall {wall:.2f} ms, kernels {total:.2f} ms ====")

@@ -5,7 +5,7 @@
 # so run this once per session before the first device call that carries .whl. ≈ 7.3 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx "/.whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/.whl/" >> .git/info/exclude; }
+rm -rf .whl  # NOTE: one version of each package: device_env.sh installs .whl/*.whl (.gitignore lists /.whl/)
 platforms=()
 for tag in manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
     platforms+=(--platform "${tag}_x86_64")

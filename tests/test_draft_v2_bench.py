@@ -86,6 +86,12 @@ def test_general_prompts_seed_a_new_state_from_an_earlier_data_stage(tmp_path: P
     _data_stage_output(tmp_path / "unmarked", heldout_split="train")
     with pytest.raises(ValueError, match="must carry"):
         seed_general(DataPaths(tmp_path / "third"), tmp_path / "unmarked")
+    _data_stage_output(tmp_path / "leaky")
+    with open(tmp_path / "leaky" / "prompts.train.jsonl", "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "Name three rivers."}], "split": "train"}) + "\n")
+    with pytest.raises(ValueError, match="1 held-out prompts are also in the train file"):
+        seed_general(DataPaths(tmp_path / "fourth"), tmp_path / "leaky")
+    assert not DataPaths(tmp_path / "fourth").general_heldout.exists()
 
 
 def test_result_document_goals_and_decision(tmp_path: Path) -> None:
