@@ -96,14 +96,14 @@ def main() -> int:
     test = [row["question"] for row in load_lines(default_data_path())]
     # NOTE: the preambles come from the end of the split, the measured questions from its start: never the same
     questions, others = test[: args.num_questions], test[::-1][: len(test) - args.num_questions]
-    longest = max(len(p) for p in prompts_for(tokenizer, questions, others, max(lengths)))
+    prompt_sets = {tokens: prompts_for(tokenizer, questions, others, tokens) for tokens in lengths}
+    longest = max(len(p) for prompts in prompt_sets.values() for p in prompts)
     engine = Engine(model_path=str(model_dir), device=args.device, dtype="float32" if args.device == "cpu" else "auto",
                     speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft), max_running_requests=1,
                     max_total_tokens=longest + 2 * args.max_new_tokens + 256, speculative_adaptive_verify="off")
     report: dict[str, Any] = {**run_identity(), "device": args.device, "draft": str(draft),
                               "num_questions": len(questions), "max_new_tokens": args.max_new_tokens, "rows": []}
-    for tokens in lengths:
-        prompts = prompts_for(tokenizer, questions, others, tokens)
+    for tokens, prompts in prompt_sets.items():
         start = time.perf_counter()
         accepts = measure(engine, prompts, args.max_new_tokens)
         row = {"preamble_tokens": tokens, "prompt_tokens_mean": round(statistics.fmean(map(len, prompts)), 1),

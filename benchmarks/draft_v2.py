@@ -118,17 +118,18 @@ def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: 
     model_dir = target_dir(paths, args.gguf)
     data: dict[str, Any] = {"target": str(model_dir), **write_gsm8k(paths, args.gsm8k_train, scale.gsm8k_train, scale.gsm8k_heldout,
                                                                        scale.gsm8k_wordings)}
-    if args.general_prompts is not None and paths.general_heldout.is_file():
-        print(f"--general-prompts {args.general_prompts} not used: {paths.state} has its general prompts", flush=True)
-    if args.general_prompts is not None and not paths.general_heldout.is_file():
+    if paths.general_heldout.is_file():  # NOTE: an earlier data stage of this state made (or seeded) them
+        if args.general_prompts is not None:
+            print(f"--general-prompts {args.general_prompts} not used: {paths.state} has its general prompts",
+                  flush=True)
+        data["general"] = (state.data.get("data") or {}).get("general")
+    elif args.general_prompts is not None:
         data["general"] = seed_general(paths, args.general_prompts)
-    elif not paths.general_heldout.is_file():
+    else:
         settings = MagpieSettings(scale.general_prompts, seed=args.seed, batch_size=scale.magpie_batch,
                                   max_new_tokens=scale.magpie_max_new_tokens, max_minutes=scale.magpie_minutes,
                                   heldout_fraction=scale.general_heldout / scale.general_prompts)
         data["general"] = write_general(paths, model_dir, settings, args.device, "auto")
-    else:
-        data["general"] = (state.data.get("data") or {}).get("general")
     state.data["data"] = data
     state.save()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -155,7 +155,7 @@ def seed_general(paths: DataPaths, source: Path) -> dict[str, Any]:
     if not heldout or any(record.get("split") != HELDOUT_SPLIT for record in heldout):
         raise ValueError(f"{source / 'general_heldout.jsonl'}: every record must carry \"split\": \"{HELDOUT_SPLIT}\"")
     trained = {_last_user_turn(record) for record in load_lines(source / "prompts.train.jsonl")}
-    shared = [_last_user_turn(record) for record in heldout if _last_user_turn(record) in trained]
+    shared = [turn for turn in map(_last_user_turn, heldout) if turn in trained]
     if shared:
         raise ValueError(f"--general-prompts {source}: {len(shared)} held-out prompts are also in the train file, "
                          f"e.g. {shared[0][:80]!r}")
