@@ -46,7 +46,6 @@ def build_block_batch(
     n_blocks = max(1, max(len(a) for a in anchors))
     context = max(len(s) for s in sequences)
     ids = torch.zeros(n_seq, context + b, dtype=torch.int64)
-    lengths = torch.tensor([len(s) for s in sequences])
     for i, seq in enumerate(sequences):
         ids[i, :len(seq)] = torch.tensor(seq)
     anchor = torch.zeros(n_seq, n_blocks, dtype=torch.int64)
@@ -54,25 +53,29 @@ def build_block_batch(
     for i, picks in enumerate(anchors):
         anchor[i, :len(picks)] = torch.tensor(picks, dtype=torch.int64)
         valid[i, :len(picks)] = True
-    offsets = torch.arange(b)
+    # NOTE: only these small index tensors cross to the device; the mask ([N, n*B, C + n*B], tens of MB at the
+    # recipe's sizes) is built there, where it costs microseconds instead of host milliseconds and a copy.
+    ids, anchor, valid = ids.to(device), anchor.to(device), valid.to(device)
+    lengths = torch.tensor([len(s) for s in sequences], device=device)
+    offsets = torch.arange(b, device=device)
     positions = anchor[:, :, None] + offsets  # [N, n, B]
     tokens = ids.gather(1, positions.view(n_seq, -1)).view(n_seq, n_blocks, b)
     block_ids = torch.full_like(tokens, mask_token_id)
     block_ids[:, :, 0] = tokens[:, :, 0]
     in_sequence = positions[:, :, 1:] < lengths[:, None, None]
     labels = torch.where(in_sequence & valid[:, :, None], tokens[:, :, 1:], torch.full_like(tokens[:, :, 1:], IGNORE))
-    sees_context = torch.arange(context)[None, None, :] < anchor[:, :, None]  # [N, n, C]
+    sees_context = torch.arange(context, device=device)[None, None, :] < anchor[:, :, None]  # [N, n, C]
     sees_context = sees_context[:, :, None, :].expand(-1, -1, b, -1).reshape(n_seq, n_blocks * b, context)
-    same_block = torch.arange(n_blocks).repeat_interleave(b)
+    same_block = torch.arange(n_blocks, device=device).repeat_interleave(b)
     sees_blocks = (same_block[:, None] == same_block[None, :]).expand(n_seq, -1, -1)
-    padded = torch.nn.utils.rnn.pad_sequence(list(features), batch_first=True)
+    padded = torch.nn.utils.rnn.pad_sequence([f.to(device) for f in features], batch_first=True)
     return BlockBatch(
-        features=padded.to(device),
-        block_ids=block_ids.to(device),
-        positions=positions.view(n_seq, -1).to(device),
-        mask=torch.cat([sees_context, sees_blocks], dim=2).to(device),
-        labels=labels.to(device),
-        block_valid=valid.to(device),
+        features=padded,
+        block_ids=block_ids,
+        positions=positions.view(n_seq, -1),
+        mask=torch.cat([sees_context, sees_blocks], dim=2),
+        labels=labels,
+        block_valid=valid,
     )
 
 

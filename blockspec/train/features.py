@@ -21,10 +21,12 @@ class TargetFeatures:
     """Frozen target: embeddings, lm_head, and aux hidden states of whole sequences (no grad)."""
 
     def __init__(
-        self, model_dir: str | Path, layer_ids: list[int], device: torch.device, dtype: torch.dtype, max_positions: int
+        self, model_dir: str | Path, layer_ids: list[int], device: torch.device, dtype: torch.dtype, max_positions: int,
+        dummy: bool = False,
     ) -> None:
+        """`dummy`: random weights from config.json alone (timing the training step needs no checkpoint)."""
         self.model: CausalLM
-        self.model, self.config = load_target_model(model_dir, dtype, device, max_positions + 1)
+        self.model, self.config = load_target_model(model_dir, dtype, device, max_positions + 1, dummy=dummy)
         self.model.requires_grad_(False)
         self.layer_ids = tuple(layer_ids)
         self.device, self.dtype = device, dtype
