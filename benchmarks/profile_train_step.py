@@ -4,7 +4,8 @@ minute; the H200 ran 0.073 s per step at 46a0634, well above what its FLOPs need
 SmolLM2-135M shapes with dummy weights (config.json alone, no GGUF) and the recipe's draft (5 layers, taps [1, 8, 15,
 22, 28], block 16), synthetic sequences of the recipe's lengths, the recipe's batch (32 sequences x 32 anchored
 blocks) and cached target features. Prints and writes (JSON, `--out`): the whole `Trainer.step` time, its phases
-(batch building, forward + loss, backward, optimiser) each synchronised, and the top kernels of a few steps.
+(extracting a batch's target features, as every step of the first epoch does; batch building, forward + loss,
+backward, optimiser) each synchronised, and the top kernels of a few steps.
 
     python benchmarks/profile_train_step.py --out benchmarks/results      (CUDA; --device cpu --smoke on a CPU)"""
 from __future__ import annotations
@@ -57,6 +58,7 @@ def phase_times(trainer: Trainer, indices: list[int]) -> dict[str, float]:
     """Trainer.step's work, phase by phase, each synchronised (their sum exceeds the step by the syncs)."""
     opts, device = trainer.options, trainer.device
     chosen = [trainer.samples[i] for i in indices]
+    extract_ms, _ = synced_ms(device, lambda: trainer.target([s.ids for s in chosen]))  # NOTE: a first epoch's cost
     features = trainer.features(indices)
     anchors = [sample_anchors(len(s.prompt_ids), len(s.ids), opts.blocks_per_seq, trainer.generator) for s in chosen]
     build_ms, batch = synced_ms(device, lambda: build_block_batch(
@@ -72,7 +74,7 @@ def phase_times(trainer: Trainer, indices: list[int]) -> dict[str, float]:
     trainer.optimizer.zero_grad(set_to_none=True)
     backward_ms, _ = synced_ms(device, lambda: result.loss.backward())
     optimizer_ms, _ = synced_ms(device, trainer.optimizer.step)
-    return {"build_batch_ms": build_ms, "forward_and_loss_ms": forward_ms, "backward_ms": backward_ms,
+    return {"extract_features_ms": extract_ms, "build_batch_ms": build_ms, "forward_and_loss_ms": forward_ms, "backward_ms": backward_ms,
             "optimizer_ms": optimizer_ms, "context_tokens": batch.features.shape[1]}
 
 
@@ -103,6 +105,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--blocks-per-seq", type=int, default=32)
     parser.add_argument("--num-layers", type=int, default=5)
+    parser.add_argument("--feature-backend", default="auto", help="the target's attention backend for features "
+                        "(auto: Triton on CUDA, as train-draft; torch: the padded dense one train-draft used before)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
@@ -116,7 +120,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shape = materialise("tiny" if args.smoke else "smollm2", Path(tmp), None, None)
         taps = [1, 2, 3] if args.smoke else RECIPE_TAPS
-        target = TargetFeatures(shape.target, taps, device, dtype, 2048, dummy=True)
+        target = TargetFeatures(shape.target, taps, device, dtype, 2048, dummy=True,
+                                attention_backend=args.feature_backend)
         options = TrainOptions(target_model_path=str(shape.target), data="", out="", num_layers=args.num_layers,
                                batch_size=args.batch_size, blocks_per_seq=args.blocks_per_seq, cache_features=True)
         arch = DraftArch.from_target(target.target_config, args.num_layers, len(taps), None)
@@ -131,6 +136,7 @@ def main() -> None:
     median = sorted(step_times)[len(step_times) // 2]
     phase_median = {k: sorted(p[k] for p in phases)[len(phases) // 2] for k in phases[0]}
     report = {**run_identity(), "shape": "tiny" if args.smoke else "smollm2", "num_layers": args.num_layers,
+              "feature_backend": target.attention_backend,
               "batch_size": args.batch_size, "blocks_per_seq": args.blocks_per_seq, "step_ms_median": median,
               "step_ms_all": step_times, "phases_ms_median": phase_median, "top_kernels": kernels}
     print(f"step {median:.1f} ms (median of {len(step_times)}); phases: "

@@ -81,10 +81,12 @@ def test_training_forward_matches_reference(target: tuple[Path, Any], tmp_path: 
                 torch.testing.assert_close(hidden[i, j], ref[0], atol=1e-5, rtol=1e-5)
 
 
-def test_features_are_layer_outputs(target: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_features_are_layer_outputs(target: tuple[Path, Any], backend: str) -> None:
+    """Against HF's hidden states, with either attention backend (Triton is what CUDA training uses)."""
     path, model = target
-    features_of = TargetFeatures(path, [0, 2], torch.device("cpu"), torch.float32, 64)
-    seqs = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
+    features_of = TargetFeatures(path, [0, 2], torch.device("cpu"), torch.float32, 64, attention_backend=backend)
+    seqs = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 71))]
     for seq, feats in zip(seqs, features_of(seqs)):
         with torch.no_grad():
             hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states

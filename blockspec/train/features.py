@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.attention.factory import make_backend
+from blockspec.attention.factory import make_backend, resolve_backend_name
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig
 from blockspec.models.llama import CausalLM
@@ -22,14 +22,18 @@ class TargetFeatures:
 
     def __init__(
         self, model_dir: str | Path, layer_ids: list[int], device: torch.device, dtype: torch.dtype, max_positions: int,
-        dummy: bool = False,
+        dummy: bool = False, attention_backend: str = "auto",
     ) -> None:
-        """`dummy`: random weights from config.json alone (timing the training step needs no checkpoint)."""
+        """`dummy`: random weights from config.json alone (timing the training step needs no checkpoint).
+        `attention_backend` "auto" is inference's: Triton on CUDA, torch on CPU. (On the H200 the torch backend's
+        padded dense attention made a step that extracts new sequences' features ≈ 3x a step on cached ones:
+        profile_train_step.py, 2026-12-03.)"""
         self.model: CausalLM
         self.model, self.config = load_target_model(model_dir, dtype, device, max_positions + 1, dummy=dummy)
         self.model.requires_grad_(False)
         self.layer_ids = tuple(layer_ids)
         self.device, self.dtype = device, dtype
+        self.attention_backend = resolve_backend_name(attention_backend, device)
         self.max_positions = max_positions
         self._pool_slots = 0
         self._pool: KVPool | None = None
@@ -62,7 +66,7 @@ class TargetFeatures:
             raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the feature extractor's {self.max_positions}")
         pool = self._pool_for(sum(lengths))
         cfg = self.config
-        backend = make_backend("torch", pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        backend = make_backend(self.attention_backend, pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         # NOTE: slot 0 stays unused (the torch backend points padded keys at it); sequences own disjoint slot ranges.
         table = torch.zeros(len(sequences), max(lengths), dtype=torch.int64)
         offset = 1
