@@ -16,6 +16,8 @@
 #   f. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
 # V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
+# GENERAL=benchmarks/data/draft_v2_general gives the data stage the committed generated prompts (no Magpie: ≈ 210 s
+#   less); unset, the data stage generates them.
 # Results go to $OUT: data (generation_info.json, general_heldout.jsonl, log), train (training_info_<run>.json, the
 # draft as draft_v2_<run>.tar.part*, result JSON + PNG, log), bench (draft_v2_<date>_<commit>.json + PNG, log).
 set -uo pipefail
@@ -40,7 +42,8 @@ case $stage in
     data)
         assemble_gguf "$state" || exit 1
         timeout "${DATA_S:-570}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
-            --gsm8k-train .carry/gsm8k/train.jsonl ${V2_FLAGS:-} > "$out/draft_v2_data.log" 2>&1
+            --gsm8k-train .carry/gsm8k/train.jsonl ${GENERAL:+--general-prompts "$GENERAL"} ${V2_FLAGS:-} \
+            > "$out/draft_v2_data.log" 2>&1
         code=$?
         [ $code -eq 124 ] && echo "data stage cut at ${DATA_S:-570} s: the train stage generates the responses left"
         ;;
