@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cpu_smoke_run_writes_the_phases(tmp_path: Path, backend: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CPU run: Triton runs on CPU tensors only under the interpreter (set where CUDA is absent)")
     command = [sys.executable, str(BENCHMARKS / "profile_train_step.py"), "--device", "cpu", "--smoke", "--steps", "2",
                "--profile-steps", "1", "--top", "3", "--feature-backend", backend, "--out", str(tmp_path)]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=BENCHMARKS, timeout=600)

@@ -84,6 +84,8 @@ def test_training_forward_matches_reference(target: tuple[Path, Any], tmp_path: 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_features_are_layer_outputs(target: tuple[Path, Any], backend: str) -> None:
     """Against HF's hidden states, with either attention backend (Triton is what CUDA training uses)."""
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("CPU tensors reach Triton only under the interpreter (set where CUDA is absent)")
     path, model = target
     features_of = TargetFeatures(path, [0, 2], torch.device("cpu"), torch.float32, 64, attention_backend=backend)
     seqs = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 71))]
