@@ -106,12 +106,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--blocks-per-seq", type=int, default=32)
     parser.add_argument("--num-layers", type=int, default=5)
+    parser.add_argument("--compile-draft", action="store_true", help="train-draft --compile-draft (warm-up compiles)")
     parser.add_argument("--feature-backend", default="auto", help="the target's attention backend for features "
                         "(auto: Triton on CUDA, as train-draft; torch: the padded dense one train-draft used before)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--out", type=Path, help="folder for profile_train_step_<date>_<commit>.json")
+    parser.add_argument("--out", type=Path, help="folder for profile_train_step_<date>_<commit>[_<tag>].json")
+    parser.add_argument("--tag", default="", help="file-name suffix, so several runs of one commit keep their files")
     args = parser.parse_args()
     if args.smoke:
         args.sequences, args.batch_size, args.blocks_per_seq = min(args.sequences, 16), 4, 8
@@ -124,14 +126,15 @@ def main() -> None:
         target = TargetFeatures(shape.target, taps, device, dtype, 2048, dummy=True,
                                 attention_backend=args.feature_backend)
         options = TrainOptions(target_model_path=str(shape.target), data="", out="", num_layers=args.num_layers,
-                               batch_size=args.batch_size, blocks_per_seq=args.blocks_per_seq, cache_features=True)
+                               batch_size=args.batch_size, blocks_per_seq=args.blocks_per_seq, cache_features=True,
+                               compile_draft=args.compile_draft)
         arch = DraftArch.from_target(target.target_config, args.num_layers, len(taps), None)
         samples = synthetic_samples(args.sequences, shape.vocab_size, prompt_range, output_range, seed=0)
         trainer = Trainer(options, TrainableDraft(arch), target, samples, 16 % shape.vocab_size, device, Dist())
         for start in range(0, len(trainer.samples), args.batch_size):  # NOTE: timed steps run on cached features
             trainer.features(list(range(start, min(start + args.batch_size, len(trainer.samples)))))
         order = random_batches(len(trainer.samples), args.batch_size)
-        for _ in range(3):
+        for _ in range(8 if args.compile_draft else 3):  # NOTE: a dynamic-shape compile may recompile once
             trainer.step(next(order))
         step_times = [synced_ms(device, lambda: trainer.step(next(order)))[0] for _ in range(args.steps)]
         phases = [phase_times(trainer, next(order)) for _ in range(max(3, args.steps // 3))]
@@ -139,7 +142,7 @@ def main() -> None:
     median = sorted(step_times)[len(step_times) // 2]
     phase_median = {k: sorted(p[k] for p in phases)[len(phases) // 2] for k in phases[0]}
     report = {**run_identity(), "shape": "tiny" if args.smoke else "smollm2", "num_layers": args.num_layers,
-              "feature_backend": target.attention_backend,
+              "feature_backend": target.attention_backend, "compile_draft": args.compile_draft,
               "batch_size": args.batch_size, "blocks_per_seq": args.blocks_per_seq, "step_ms_median": median,
               "step_ms_all": step_times, "phases_ms_median": phase_median, "top_kernels": kernels}
     print(f"step {median:.1f} ms (median of {len(step_times)}); phases: "
@@ -148,7 +151,8 @@ def main() -> None:
         print(f"  {k['ms_per_step']:8.3f} ms/step {k['calls']:6d}x  {k['name']}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"profile_train_step_{report['date']}_{report['commit']}.json"
+        tag = f"_{args.tag}" if args.tag else ""
+        path = args.out / f"profile_train_step_{report['date']}_{report['commit']}{tag}.json"
         path.write_text(json.dumps(report, indent=1))
         print(f"wrote {path}")
 

@@ -60,6 +60,7 @@ class TrainOptions:
     grad_clip: float = 1.0
     loss_decay: Optional[float] = None
     cache_features: bool = False
+    compile_draft: bool = False
     max_train_minutes: Optional[float] = None
     seed: int = 0
     # evaluation with the real engine on held-out prompts
@@ -225,6 +226,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--cache-features", action="store_true",
                        help="keep every sequence's target features in device memory after its first use "
                             "(tokens x taps x hidden values each; skips the target forward in later epochs)")
+    train.add_argument("--compile-draft", action="store_true",
+                       help="torch.compile the draft's training forward (dynamic shapes: the context length varies "
+                       "by batch); the first steps compile, inside --max-train-minutes")
     train.add_argument("--max-train-minutes", type=float, default=None,
                        help="stop training at the first step past this wall time (then save and evaluate as usual); "
                        "the learning-rate schedule spans --steps unless --lr-schedule time")

@@ -107,6 +107,9 @@ class Trainer:
         if dist.world > 1:
             ids = [device.index] if device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(draft, device_ids=ids)
+        if options.compile_draft:
+            # NOTE: only the training forward is compiled; checkpoints and evals use `draft` itself
+            self.model = torch.compile(self.model, dynamic=True)  # type: ignore[assignment]
         self.optimizer = torch.optim.AdamW(
             draft.parameters(), lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95)
         )
