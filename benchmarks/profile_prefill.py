@@ -10,7 +10,12 @@ scheduler's extend step without the scheduler: batch building, forward, draft KV
 
 `--host-loop-s S` then runs each case's whole extend for S s eagerly and S s on the piecewise graphs, in the functions
 `host_loop_eager` / `host_loop_piecewise`: run the script under `py-spy record --format raw` and summarise with
-`serving_profile.py FILE --focus host_loop_piecewise` to see where the host time of an extend goes."""
+`serving_profile.py FILE --focus host_loop_piecewise` to see where the host time of an extend goes.
+
+`--graph-extend-splits N [N ...]` sets the most key splits of the attention inside the piecewise graphs
+(GraphExtendAttention, the engine's `piecewise_attention_max_splits`); with several values the graphs are captured
+once per value and every piecewise measurement runs once per value, so one run compares them: e.g. the cache-hit
+extend unsplit vs split, `--shape smollm2 --cases 31x682+4110 --graph-extend-splits 1 4 8`."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockspec import Engine
+from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 from device_timing import cuda_ms
 from extend_host_split import host_split
 from prefill_latency import extend_ms, make_reqs, release, rewind
@@ -40,7 +46,15 @@ def main() -> None:
     parser.add_argument("--trace-dir", type=Path, help="also write a Chrome trace (CPU + CUDA) per piecewise case")
     parser.add_argument("--piecewise-eager-attention", action="store_true", help="the serve flag: attention eager "
                         "between the piecewise graphs (default: one graph per bucket, attentions included)")
+    parser.add_argument("--graph-extend-splits", type=int, nargs="+", default=[1], metavar="N",
+                        help="most key splits of the attention inside the piecewise graphs (serve's "
+                        "--piecewise-attention-max-splits); several values: graphs captured once per value, every "
+                        "piecewise measurement made once per value (default 1: unsplit)")
     args = parser.parse_args()
+    if min(args.graph_extend_splits) < 1:
+        parser.error("--graph-extend-splits: values must be >= 1")
+    if args.piecewise_eager_attention and len(args.graph_extend_splits) > 1:
+        parser.error("--graph-extend-splits: attention is not in the graphs with --piecewise-eager-attention")
     cases = [parse_case(case) for case in args.cases]
     pool_tokens = max(65536, *(b * (t // b + c) + 4096 for b, t, c in cases))  # NOTE: one case's requests at a time
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,16 +64,17 @@ def main() -> None:
                         max_total_tokens=pool_tokens, chunked_prefill_size=8192, cuda_graph_bs=[1],
                         enforce_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=max(t for _, t, _ in cases),
                         speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
-                        piecewise_eager_attention=args.piecewise_eager_attention)
-        piecewise = engine.runner.piecewise
+                        piecewise_eager_attention=args.piecewise_eager_attention,
+                        piecewise_attention_max_splits=args.graph_extend_splits[0])
+        variants = piecewise_variants(engine, args.graph_extend_splits)
         for bs, tokens, cached in cases:
             name = f"{bs} x {tokens} tokens" + (f" after {cached} cached each" if cached else "")
             case = f"{bs}x{tokens}" + (f"+{cached}" if cached else "")
-            for label in ("eager", "piecewise"):
-                engine.runner.piecewise = piecewise if label == "piecewise" else None
+            for label, runner_piecewise in (("eager", None), *variants.items()):
+                engine.runner.piecewise = runner_piecewise
                 wall = extend_ms(engine, bs, tokens, 5, cached)
                 activities = [ProfilerActivity.CUDA]
-                if args.trace_dir and label == "piecewise":
+                if args.trace_dir and runner_piecewise is not None:
                     activities.append(ProfilerActivity.CPU)
                 with profile(activities=activities) as prof:
                     extend_ms(engine, bs, tokens, 3, cached)
@@ -72,26 +87,50 @@ def main() -> None:
                 print(f"==== bs {name}, {label}: wall {wall:.2f} ms, kernels {total:.2f} ms ====")
                 for e in events[: args.top]:
                     print(f"{e.device_time_total / 3 / 1e3:8.3f} ms  {e.count // 3:5d}x  {e.key[:90]}")
-        engine.runner.piecewise = piecewise
         for bs, tokens, cached in cases:
             reqs = make_reqs(engine, bs, tokens, cached)
-            ms = cuda_ms(lambda: whole_extend(engine, reqs, cached), 10)
-            print(f"==== bs {bs} x {tokens} tokens (+{cached} cached each): the worker's whole extend {ms:.2f} ms ====")
+            for label, piecewise in variants.items():
+                engine.runner.piecewise = piecewise
+                ms = cuda_ms(lambda: whole_extend(engine, reqs, cached), 10)
+                print(f"==== bs {bs} x {tokens} tokens (+{cached} cached each), {label}: the worker's whole extend "
+                      f"{ms:.2f} ms ====")
             if args.host_split > 0:
-                for label, runner_piecewise in (("eager", None), ("piecewise", piecewise)):
+                for label, runner_piecewise in (("eager", None), *variants.items()):
                     engine.runner.piecewise = runner_piecewise
                     split = host_split(engine, reqs, args.host_split, cached)
                     print(f"     host us per part, {label}: " + ", ".join(f"{k} {v:.0f}" for k, v in split.items()))
-                engine.runner.piecewise = piecewise
             if args.host_loop_s > 0:
                 engine.runner.piecewise = None
-                count = host_loop_eager(engine, reqs, args.host_loop_s, cached)
-                engine.runner.piecewise = piecewise
-                count_graphed = host_loop_piecewise(engine, reqs, args.host_loop_s, cached)
-                print(f"     host loops: {1e3 * args.host_loop_s / count:.2f} ms eager, "
-                      f"{1e3 * args.host_loop_s / count_graphed:.2f} ms piecewise per extend")
+                loops = [f"{1e3 * args.host_loop_s / host_loop_eager(engine, reqs, args.host_loop_s, cached):.2f} "
+                         "ms eager"]
+                for label, piecewise in variants.items():
+                    engine.runner.piecewise = piecewise
+                    count = host_loop_piecewise(engine, reqs, args.host_loop_s, cached)
+                    loops.append(f"{1e3 * args.host_loop_s / count:.2f} ms {label}")
+                print("     host loops per extend: " + ", ".join(loops))
             release(engine, reqs)
+        engine.runner.piecewise = variants[next(iter(variants))]
         engine.shutdown()
+
+
+def piecewise_variants(engine: Engine, max_splits: list[int]) -> dict[str, PiecewiseGraphRunner]:
+    """The engine's piecewise graphs (captured with max_splits[0]) and, for each further value, graphs captured
+    again with that many splits at most, by label (also in trace file names): "piecewise", or "piecewise_splitsN"
+    when several are compared."""
+    runner = engine.runner
+    first = runner.piecewise
+    assert first is not None, "the engine captured no piecewise graphs"
+    if len(max_splits) == 1:
+        return {"piecewise": first}
+    variants = {f"piecewise_splits{max_splits[0]}": first}
+    for splits in max_splits[1:]:
+        runner.config.piecewise_attention_max_splits = splits
+        runner.capture_piecewise(first.aux_consumer)  # NOTE: replaces runner.piecewise; the graphs share one pool
+        assert runner.piecewise is not None
+        variants[f"piecewise_splits{splits}"] = runner.piecewise
+    runner.config.piecewise_attention_max_splits = max_splits[0]
+    runner.piecewise = first
+    return variants
 
 
 def parse_case(case: str) -> tuple[int, int, int]:

@@ -56,6 +56,11 @@ class EngineConfig:
     # NOTE: Triton attention: each bucket's whole extend forward, attentions included, is one graph (one replay,
     # not one per piece + an eager attention launch per layer); True keeps the attentions eager between the pieces
     piecewise_eager_attention: bool = False
+    # NOTE: Triton attention inside the piecewise graphs splits each program's keys up to this many ways in buckets too
+    # small to fill two waves of programs (GraphExtendAttention.splits_for: cache-hit extends, few new tokens behind
+    # long prefixes); 1 (default) never splits until benchmarks/profile_prefill.py --graph-extend-splits has measured
+    # it on a GPU
+    piecewise_attention_max_splits: int = 1
     cuda_graph_backend_prefill: Optional[str] = None  # "piecewise" is an alias of enforce_piecewise_cuda_graph
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     speculative_simulate_accept_len: Optional[float] = None  # benchmarking only: forces the accept length
@@ -122,6 +127,7 @@ class EngineConfig:
         positive("context_length", self.context_length)
         positive("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
         positive("piecewise_cuda_graph_max_tokens", self.piecewise_cuda_graph_max_tokens)
+        positive("piecewise_attention_max_splits", self.piecewise_attention_max_splits)
         positive("tp_size", self.tp_size)
         if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) or self.stream_interval < 1:
             raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")

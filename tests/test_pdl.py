@@ -45,6 +45,18 @@ KERNEL_SPECS = {
     "merge_splits": ("blockspec.attention.triton_kernels", "merge_splits_kernel",
                      {"out_ptr": BF16, "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32},
                      {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 4, "BLOCK_H": 8}),
+    "tiled_extend_split": ("blockspec.attention.triton_kernels", "tiled_extend_attention_kernel",
+                           {"q_ptr": BF16, "k_cache_ptr": BF16, "v_cache_ptr": BF16, "out_ptr": BF16,
+                            "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32, "req_to_token_ptr": I64,
+                            "req_rows_ptr": I64, "q_starts_ptr": I64, "q_lens_ptr": I64, "seq_lens_ptr": I64,
+                            "tile_req_ptr": I64, "tile_m_ptr": I64, "tile_count_ptr": I64, "qk_scale_log2": "fp32"},
+                           {"GROUP": 3, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_M": 64, "BLOCK_N": 32, "NUM_SPLITS": 8,
+                            "MIN_SPLIT_KEYS": 256, "CAUSAL": True, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
+                            "MASK_EDGES_ONLY": True}),
+    "merge_real_rows": ("blockspec.attention.triton_kernels", "merge_real_rows_kernel",
+                        {"out_ptr": BF16, "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32,
+                         "token_count_ptr": I64},
+                        {"HEAD_DIM": 64, "BLOCK_D": 64, "NUM_SPLITS": 8, "BLOCK_H": 8}),
 }
 
 

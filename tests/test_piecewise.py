@@ -209,14 +209,18 @@ def triton_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
                   skip_tokenizer_init=True, attention_backend="triton", max_running_requests=8, disable_cuda_graph=True)
 
 
+@pytest.mark.parametrize("max_splits", [1, 4])
 @pytest.mark.parametrize("prefix,new", [([0], [5]), ([20, 0, 3], [13, 40, 1])])
-def test_whole_forward_graph_equals_plain_forward(triton_engine: Engine, prefix: list[int], new: list[int]) -> None:
-    """Triton attention inside the bucket's graph (GraphExtendAttention): the same logits, aux and KV as the plain
-    forward; padding writes only the dummy slot; a batch with more requests than the static buffers is refused."""
+def test_whole_forward_graph_equals_plain_forward(triton_engine: Engine, prefix: list[int], new: list[int],
+                                                  max_splits: int) -> None:
+    """Triton attention inside the bucket's graph (GraphExtendAttention, unsplit and split over keys): the same
+    logits, aux and KV as the plain forward; padding writes only the dummy slot; a batch with more requests than the
+    static buffers is refused."""
     from blockspec.attention.triton_graph_extend import GraphExtendAttention
 
     runner = triton_engine.runner
-    graph_attention = GraphExtendAttention(runner.attention, runner.req_to_token.table, 4, 64)  # type: ignore[arg-type]
+    graph_attention = GraphExtendAttention(runner.attention, runner.req_to_token.table, 4, 64,  # type: ignore[arg-type]
+                                           max_splits=max_splits, min_split_keys=0)
     pcg = PiecewiseGraphRunner(runner.model, runner.attention, [16, 64], CAPTURE, runner.device,
                                graph_attention=graph_attention)
     batch, reqs = extend_batch(triton_engine, prefix, new, CAPTURE)

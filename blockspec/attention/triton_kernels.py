@@ -108,23 +108,25 @@ def paged_attention_kernel(
         req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, kv_head, pid_m, pid_split, q_len,
         stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
         stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, qk_scale_log2, window,
-        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL, USE_WINDOW, DOT_PRECISION, MASK_EDGES_ONLY,
+        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL, USE_WINDOW, DOT_PRECISION, MASK_EDGES_ONLY, 0,
     )
 
 
 @triton.jit(do_not_specialize_on_alignment=INDEX_POINTERS)
 def tiled_extend_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     req_to_token_ptr, req_rows_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr, tile_req_ptr, tile_m_ptr, tile_count_ptr,
     stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row, stride_o_tok, stride_o_head,
-    qk_scale_log2, window,
+    stride_p_tok, stride_p_head, qk_scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MASK_EDGES_ONLY: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """paged_attention_kernel's work for a ragged extend batch without a host-side launch shape (so it can live in
     a CUDA graph): axis 0 walks a tile table made on the device (triton_graph_extend.py), tile t being query-row
-    block tile_m[t] of request tile_req[t], for t < tile_count; axis 1 is the KV head. Unsplit."""
+    block tile_m[t] of request tile_req[t], for t < tile_count; axis 1 is the KV head; axis 2 the key split. With
+    NUM_SPLITS > 1 each split covers its share (at least MIN_SPLIT_KEYS keys) of the program's key span, found at
+    run time, and stores partials for merge_real_rows_kernel; a split past the span stores empty ones."""
     wait_for_previous_grid(PDL)
     tile = tl.program_id(0)
     if tile >= tl.load(tile_count_ptr):
@@ -132,12 +134,16 @@ def tiled_extend_attention_kernel(
     req = tl.load(tile_req_ptr + tile)
     pid_m = tl.load(tile_m_ptr + tile)
     q_len = tl.load(q_lens_ptr + req)
+    pid_split = 0
+    if NUM_SPLITS > 1:
+        pid_split = tl.program_id(2)
     attend_program(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
-        req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, tl.program_id(1), pid_m, 0, q_len,
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, tl.program_id(1), pid_m, pid_split, q_len,
         stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
-        stride_o_tok, stride_o_head, 0, 0, 0, qk_scale_log2, window,
-        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, 1, CAUSAL, USE_WINDOW, DOT_PRECISION, MASK_EDGES_ONLY,
+        stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, 1, qk_scale_log2, window,
+        GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL, USE_WINDOW, DOT_PRECISION, MASK_EDGES_ONLY,
+        MIN_SPLIT_KEYS,
     )
 
 
@@ -149,10 +155,12 @@ def attend_program(
     stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, qk_scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
 ):
     """One program's work: query-row block pid_m of request `req` (it exists: pid_m * BLOCK_M < q_len * GROUP) for
-    KV head `kv_head`, over the keys of split pid_split."""
+    KV head `kv_head`, over the keys of split pid_split: 1/NUM_SPLITS of the program's key span, but at least
+    MIN_SPLIT_KEYS keys (0: no floor), so short spans use fewer splits. A split past the span (lo >= hi) reads no
+    key and stores max = -inf, sum = 0, acc = 0, which the merge weighs 0."""
     seq_len = tl.load(seq_lens_ptr + req)
     q_start = tl.load(q_starts_ptr + req)
     table_row = tl.load(req_rows_ptr + req).to(tl.int64)
@@ -165,7 +173,10 @@ def attend_program(
     if USE_WINDOW:
         kv_begin = tl.maximum(0, first_q_pos - window + 1)
     span = tl.maximum(kv_end - kv_begin, 0)
-    split_len = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(span, NUM_SPLITS)
+    if MIN_SPLIT_KEYS > 0:
+        split_len = tl.maximum(split_len, MIN_SPLIT_KEYS)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
     lo = kv_begin + pid_split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
     # NOTE: keys < seen_by_all are visible to every row here (causal: up to the first row's position).
@@ -220,7 +231,36 @@ def merge_splits_kernel(
 ):
     """out = sum_s w_s acc_s / sum_s w_s sum_s, w_s = 2^(max_s - max), for BLOCK_H heads of one token."""
     wait_for_previous_grid(PDL)
-    token = tl.program_id(0).to(tl.int64)
+    merge_token(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, tl.program_id(0).to(tl.int64),
+                stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, num_heads,
+                HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_H)
+
+
+@triton.jit
+def merge_real_rows_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token_count_ptr,
+    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """merge_splits_kernel on a fixed grid over a CUDA graph bucket's rows: only the first tl.load(token_count_ptr)
+    rows (the batch's query rows) are merged; the rows after them belong to no request and are left untouched."""
+    wait_for_previous_grid(PDL)
+    token = tl.program_id(0)
+    if token >= tl.load(token_count_ptr):
+        return
+    merge_token(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token.to(tl.int64),
+                stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, num_heads,
+                HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_H)
+
+
+@triton.jit
+def merge_token(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token,
+    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The split-K merge of BLOCK_H heads (block tl.program_id(1)) of one token."""
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_valid = heads < num_heads
     splits = tl.arange(0, NUM_SPLITS)

@@ -156,7 +156,7 @@ class ModelRunner:
         if not config.piecewise_eager_attention and type(self.attention) is TritonAttentionBackend \
                 and self.attention.kernels is DEFAULT_ATTENTION_KERNELS:
             graph_attention = GraphExtendAttention(self.attention, self.req_to_token.table, config.max_running_requests,
-                                                   max(buckets))
+                                                   max(buckets), max_splits=config.piecewise_attention_max_splits)
         self.piecewise = PiecewiseGraphRunner(
             self.model, self.attention, buckets, self.hidden_capture_layer_ids, self.device, self.graphs.pool,
             aux_consumer, graph_attention,
