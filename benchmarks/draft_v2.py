@@ -51,6 +51,7 @@ class Scale:
     general_heldout: int = 200
     gsm8k_train: Optional[int] = None  # all 7473
     gsm8k_heldout: int = 200
+    long_context_chars: int = 6000  # NOTE: the long held-out set: ≈ 1.5k tokens of other questions ahead (report only)
     max_new_tokens: int = 384  # training responses
     gen_batch_size: int = 512
     magpie_batch: int = 1024
@@ -64,10 +65,10 @@ class Scale:
     server: ServerSettings = ServerSettings("cuda", startup_timeout=240.0)
 
 
-SMOKE = Scale(general_prompts=10, general_heldout=3, gsm8k_train=12, gsm8k_wordings=2, gsm8k_heldout=3, max_new_tokens=24,
-              gen_batch_size=64, magpie_batch=16, magpie_max_new_tokens=40, eval_prompts_max=3, eval_max_new_tokens=16, steps=4, batch_size=2,
-              blocks_per_seq=4, server=ServerSettings("cpu", num_prompts=2, warmup_prompts=1, max_new_tokens=24,
-                                                      startup_timeout=300.0))
+SMOKE = Scale(general_prompts=10, general_heldout=3, gsm8k_train=12, gsm8k_wordings=2, gsm8k_heldout=3,
+              long_context_chars=300, max_new_tokens=24, gen_batch_size=64, magpie_batch=16, magpie_max_new_tokens=40,
+              eval_prompts_max=3, eval_max_new_tokens=16, steps=4, batch_size=2, blocks_per_seq=4,
+              server=ServerSettings("cpu", num_prompts=2, warmup_prompts=1, max_new_tokens=24, startup_timeout=300.0))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +106,9 @@ def data_flags(args: argparse.Namespace, paths: DataPaths, model_dir: Path, scal
 
 
 def eval_flags(paths: DataPaths, scale: Scale) -> list[str]:
-    return ["--eval-prompts", str(paths.gsm8k_heldout), str(paths.general_heldout), "--eval-prompts-max",
+    sets = [paths.gsm8k_heldout, paths.general_heldout]
+    sets += [paths.gsm8k_long_heldout] if paths.gsm8k_long_heldout.is_file() else []  # NOTE: states made before it
+    return ["--eval-prompts", *map(str, sets), "--eval-prompts-max",
             str(scale.eval_prompts_max), "--eval-max-new-tokens", str(scale.eval_max_new_tokens)]
 
 
@@ -118,7 +121,7 @@ def call_train_draft(argv: list[str]) -> None:
 def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:
     model_dir = target_dir(paths, args.gguf)
     data: dict[str, Any] = {"target": str(model_dir), **write_gsm8k(paths, args.gsm8k_train, scale.gsm8k_train, scale.gsm8k_heldout,
-                                                                       scale.gsm8k_wordings)}
+                                                                       scale.gsm8k_wordings, scale.long_context_chars)}
     if paths.general_heldout.is_file():  # NOTE: an earlier data stage of this state made (or seeded) them
         if args.general_prompts is not None:
             print(f"--general-prompts {args.general_prompts} not used: {paths.state} has its general prompts",

@@ -36,6 +36,19 @@ def heldout_messages(question: str) -> Messages:
     return [{"role": "user", "content": format_example({"question": question}, False)}]
 
 
+def long_heldout_messages(question: str, others: list[str], min_chars: int) -> Messages:
+    """The held-out wording behind a system prompt of other questions, at least `min_chars` long (≈ 4 characters a
+    token): what a user with a long system prompt or history meets (the drafts so far trained on short prompts)."""
+    lead = "Earlier in this session the class asked:\n\n"
+    for other in others:
+        if len(lead) >= min_chars:
+            break
+        lead += f"- {other}\n"
+    if len(lead) < min_chars:
+        raise ValueError(f"{len(others)} other questions make fewer than {min_chars} characters of system prompt")
+    return [{"role": "system", "content": lead}, *heldout_messages(question)]
+
+
 @dataclass(frozen=True)
 class DataPaths:
     state: Path
@@ -55,6 +68,10 @@ class DataPaths:
     @property
     def gsm8k_heldout(self) -> Path:
         return self.data / "gsm8k_heldout.jsonl"
+
+    @property
+    def gsm8k_long_heldout(self) -> Path:
+        return self.data / "gsm8k_long_heldout.jsonl"
 
     @property
     def general_train(self) -> Path:
@@ -86,9 +103,10 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], num_heldout: int,
-                wordings_per_question: int = 1) -> dict[str, Any]:
+                wordings_per_question: int = 1, long_context_chars: int = 6000) -> dict[str, Any]:
     """GSM8K train questions, each in `wordings_per_question` training wordings (the rotation starting at the
-    question's index), and the first `num_heldout` test questions in the held-out wording."""
+    question's index), the first `num_heldout` test questions in the held-out wording, and the same questions behind
+    ≥ `long_context_chars` characters of other test questions (a report-only held-out set; 0: none)."""
     if not train_file.is_file():
         raise FileNotFoundError(f"GSM8K train split not found at {train_file} (lines with question, answer)")
     train = load_lines(train_file)[:num_train]
@@ -105,9 +123,18 @@ def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], nu
         {"messages": heldout_messages(row["question"]), "source": "gsm8k_test", "wording": HELDOUT_WORDING,
          "split": HELDOUT_SPLIT} for row in test
     ])
+    if long_context_chars > 0:
+        others = [row["question"] for row in load_lines(default_data_path())[num_heldout:]]
+        shift = max(1, len(others) // max(1, len(test)))  # NOTE: each record leads with other questions first
+        _write_jsonl(paths.gsm8k_long_heldout, [
+            {"messages": long_heldout_messages(row["question"], others[i * shift:] + others[:i * shift],
+                                               long_context_chars),
+             "source": "gsm8k_test", "wording": HELDOUT_WORDING + "_long", "split": HELDOUT_SPLIT}
+            for i, row in enumerate(test)
+        ])
     return {"gsm8k_train": len(train), "gsm8k_train_records": len(picked), "wordings_per_question": wordings_per_question,
             "gsm8k_heldout": len(test), "train_wordings": names,
-            "heldout_wording": HELDOUT_WORDING}
+            "heldout_wording": HELDOUT_WORDING, "long_context_chars": long_context_chars}
 
 
 def write_general(paths: DataPaths, model_dir: Path, settings: MagpieSettings, device: str, dtype: str) -> dict[str, Any]:

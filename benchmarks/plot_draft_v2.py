@@ -8,14 +8,21 @@ from pathlib import Path
 
 from plot_common import plt, save_beside
 
-SETS = (("gsm8k_heldout", 4.0), ("general_heldout", 3.0))
+SETS = (("gsm8k_heldout", 4.0), ("general_heldout", 3.0), ("gsm8k_long_heldout", None))  # NOTE: the last: no goal
+
+
+def set_values(record: dict) -> dict:
+    """A draft's accept length per held-out set: the goal sets' `accept`, any other set from its `eval` runs."""
+    values = {name: (run or {}).get("accept_length") for name, run in (record.get("eval") or {}).items()}
+    values.update({name: value for name, value in (record.get("accept") or {}).items() if value is not None})
+    return values
 
 
 def plot(json_path: Path) -> Path:
     data = json.loads(json_path.read_text())
     details = data["details"]
-    drafts = {"shipped": details["shipped"].get("accept", {})}
-    drafts.update({name: run["accept"] for name, run in data["runs"].items()})
+    drafts = {"shipped": set_values(details["shipped"])}
+    drafts.update({name: set_values(run) for name, run in data["runs"].items()})
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(1, len(drafts))
     for i, (name, accept) in enumerate(drafts.items()):
@@ -24,7 +31,8 @@ def plot(json_path: Path) -> Path:
         bars = left.bar(xs, values, width, label=name)
         left.bar_label(bars, fmt="%.2f", fontsize=7)
     for j, (_, goal) in enumerate(SETS):
-        left.hlines(goal, j - 0.45, j + 0.45, colors="k", linestyles="dashed", linewidth=1)
+        if goal is not None:
+            left.hlines(goal, j - 0.45, j + 0.45, colors="k", linestyles="dashed", linewidth=1)
     left.set_xticks(range(len(SETS)), [s for s, _ in SETS])
     left.set_ylabel("accept length (tokens per verify, block 16)")
     left.set_title("held-out prompts (dashed: goal)")

@@ -128,6 +128,9 @@ class EngineConfig:
         positive("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
         positive("piecewise_cuda_graph_max_tokens", self.piecewise_cuda_graph_max_tokens)
         positive("piecewise_attention_max_splits", self.piecewise_attention_max_splits)
+        splits = self.piecewise_attention_max_splits
+        if splits & (splits - 1) or splits > 16:
+            raise ValueError(f"piecewise_attention_max_splits must be a power of two up to 16, got {splits}")
         positive("tp_size", self.tp_size)
         if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) or self.stream_interval < 1:
             raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")

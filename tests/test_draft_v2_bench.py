@@ -45,6 +45,16 @@ def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path
     reject_heldout(train, paths.gsm8k_train)
     with pytest.raises(ValueError, match="held-out split"):
         reject_heldout(heldout, paths.gsm8k_heldout)
+    long = read_prompt_records(paths.gsm8k_long_heldout)  # the report-only long-context set: the same questions
+    assert [r["messages"][-1] for r in long] == [r["messages"][-1] for r in heldout]
+    held_questions = {r["messages"][-1]["content"] for r in heldout}
+    for record in long:
+        lead = record["messages"][0]
+        assert record["split"] == "heldout" and lead["role"] == "system" and len(lead["content"]) >= 6000
+        assert not any(q.removeprefix("Question: ").removesuffix("\nAnswer:") in lead["content"] for q in held_questions)
+    assert long[0]["messages"][0] != long[1]["messages"][0]  # each record leads with other questions first
+    with pytest.raises(ValueError, match="fewer than 9000000 characters"):
+        write_gsm8k(paths, train_file, None, 4, long_context_chars=9_000_000)
     with pytest.raises(FileNotFoundError, match="GSM8K train split not found"):
         write_gsm8k(paths, tmp_path / "nowhere.jsonl", None, 1)
     every = write_gsm8k(paths, train_file, None, 1, wordings_per_question=len(TRAIN_WORDINGS))
@@ -186,7 +196,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     assert details["goals"]["largest_shard_mib"]["met"] is True and document["runs"]["v2"]["num_layers"] == 5
     info = json.loads((out / "training_info_v2.json").read_text())
     assert info["options"]["lr_schedule"] == "time" and info["options"]["mix_data"].endswith("prompts.train.jsonl")
-    assert list(info["eval_runs"][-1]["sets"]) == [GSM8K_SET, GENERAL_SET]
+    assert list(info["eval_runs"][-1]["sets"]) == [GSM8K_SET, GENERAL_SET, "gsm8k_long_heldout"]
     assert all((out / name).is_file() for name in GENERAL_FILES)  # NOTE: what --general-prompts takes back
     heldout = {r["messages"][-1]["content"] for r in read_prompt_records(out / "general_heldout.jsonl")}
     trained = {r["messages"][-1]["content"] for r in read_prompt_records(info["options"]["mix_data"])}

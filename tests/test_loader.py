@@ -183,6 +183,8 @@ def test_bad_config(tiny, tmp_path: Path, changes: dict[str, Any], message: str)
         ({"speculative_algorithm": "dflash"}, r"speculative_draft_model_path is required"),
         ({"load_format": "pt"}, r"load_format"),
         ({"host_threads": 0}, r"host_threads must be a positive integer, got 0"),
+        ({"piecewise_attention_max_splits": 3}, r"piecewise_attention_max_splits must be a power of two up to 16"),
+        ({"piecewise_attention_max_splits": 32}, r"piecewise_attention_max_splits must be a power of two"),
     ],
 )
 def test_bad_engine_args(tiny, flags: dict[str, Any], message: str) -> None:

@@ -221,6 +221,7 @@ def test_whole_forward_graph_equals_plain_forward(triton_engine: Engine, prefix:
     runner = triton_engine.runner
     graph_attention = GraphExtendAttention(runner.attention, runner.req_to_token.table, 4, 64,  # type: ignore[arg-type]
                                            max_splits=max_splits, min_split_keys=0)
+    assert graph_attention.plan_for(16).splits == max_splits
     pcg = PiecewiseGraphRunner(runner.model, runner.attention, [16, 64], CAPTURE, runner.device,
                                graph_attention=graph_attention)
     batch, reqs = extend_batch(triton_engine, prefix, new, CAPTURE)

@@ -132,6 +132,9 @@ class GraphExtendAttention:
         if plan.num_tiles > self.tile_ids.numel():
             raise ValueError(f"a {num_tokens}-token bucket needs {plan.num_tiles} tiles; the table holds "
                              f"{self.tile_ids.numel()} (built for fewer tokens)")
+        if plan.splits > 1 and num_tokens * self.backend.num_heads * plan.splits > self.part_max.numel():
+            raise ValueError(f"a {num_tokens}-token bucket split {plan.splits} ways needs more partials than the "
+                             f"{self.part_max.numel()} rows held (built for fewer tokens)")
         block_m = plan.tiles.block_m
         # NOTE: every request slot, not the bucket's count: requests without new tokens (no tiles) may sit anywhere.
         per_request = (self.q_lens * self.group + block_m - 1) // block_m
