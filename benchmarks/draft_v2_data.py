@@ -110,7 +110,8 @@ def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], nu
     if not train_file.is_file():
         raise FileNotFoundError(f"GSM8K train split not found at {train_file} (lines with question, answer)")
     train = load_lines(train_file)[:num_train]
-    test = load_lines(default_data_path())[:num_heldout]
+    test_split = load_lines(default_data_path())
+    test = test_split[:num_heldout]
     names = list(TRAIN_WORDINGS)
     if not 1 <= wordings_per_question <= len(names):
         raise ValueError(f"wordings_per_question must be 1..{len(names)}, got {wordings_per_question}")
@@ -124,7 +125,7 @@ def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], nu
          "split": HELDOUT_SPLIT} for row in test
     ])
     if long_context_chars > 0:
-        others = [row["question"] for row in load_lines(default_data_path())[num_heldout:]]
+        others = [row["question"] for row in test_split[num_heldout:]]
         shift = max(1, len(others) // max(1, len(test)))  # NOTE: each record leads with other questions first
         _write_jsonl(paths.gsm8k_long_heldout, [
             {"messages": long_heldout_messages(row["question"], others[i * shift:] + others[:i * shift],

@@ -12,10 +12,8 @@ SETS = (("gsm8k_heldout", 4.0), ("general_heldout", 3.0), ("gsm8k_long_heldout",
 
 
 def set_values(record: dict) -> dict:
-    """A draft's accept length per held-out set: the goal sets' `accept`, any other set from its `eval` runs."""
-    values = {name: (run or {}).get("accept_length") for name, run in (record.get("eval") or {}).items()}
-    values.update({name: value for name, value in (record.get("accept") or {}).items() if value is not None})
-    return values
+    """A draft's accept length per held-out set, from its newest eval run (`accept` holds the goal sets' copies)."""
+    return {name: run["accept_length"] for name, run in (record.get("eval") or {}).items()}
 
 
 def plot(json_path: Path) -> Path:
