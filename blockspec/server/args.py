@@ -81,9 +81,9 @@ _ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--piecewise-eager-attention", dict(action="store_true", help="run attention eagerly between the piecewise "
      "graphs (default with Triton attention: each token bucket's whole extend forward, attentions included, is one "
      "graph)")),
-    ("--piecewise-attention-max-splits", dict(type=int, default=1, help="Triton attention inside the piecewise "
-     "graphs splits each program's keys up to N ways in token buckets too small to fill the GPU (cache-hit "
-     "extends: few new tokens behind long cached prefixes; default 1: never)")),
+    ("--piecewise-attention-max-splits", dict(type=int, default=4, help="Triton attention inside the piecewise "
+     "graphs splits each program's keys up to N ways (a power of two <= 16) in token buckets too small to fill the "
+     "GPU (cache-hit extends: few new tokens behind long cached prefixes); 1: never")),
     ("--piecewise-cuda-graph-max-tokens", dict(type=int, help="largest piecewise-graph token bucket (default: the "
                                                               "--chunked-prefill-size, at most 8192)")),
     ("--piecewise-cuda-graph-tokens", dict(type=int, nargs="+", help="explicit token buckets for piecewise graphs")),
