@@ -63,7 +63,8 @@ def phase_times(trainer: Trainer, indices: list[int]) -> dict[str, float]:
     features = trainer.features(indices)
     anchors = [sample_anchors(len(s.prompt_ids), len(s.ids), opts.blocks_per_seq, trainer.generator) for s in chosen]
     build_ms, batch = synced_ms(device, lambda: build_block_batch(
-        [s.ids for s in chosen], features, anchors, opts.block_size, trainer.mask_token_id, device))
+        [s.ids for s in chosen], features, anchors, opts.block_size, trainer.mask_token_id, device,
+        trainer.context_multiple))
 
     def forward() -> Any:
         embeds = nn.functional.embedding(batch.block_ids, trainer.target.embed_weight).flatten(1, 2)

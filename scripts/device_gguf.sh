@@ -1,7 +1,8 @@
 # Sourced by device scripts that need the SmolLM2 GGUF (98 MB). A device call carries at most 64 MiB together with
 # the working tree (≈ 47 MB since the 5-layer draft was shipped), so the GGUF travels in parts, one per call, back to
-# back: the parts wait on the warm machine. split_gguf (here, once) sizes the parts to this tree: the first leaves
-# room for .whl, the second for .carry/gsm8k, and it prints the carry of each call. assemble_gguf DIR (device) puts
+# back: the parts wait on the warm machine. split_gguf (here, once per tree size) sizes the parts to this tree: the
+# first leaves room for .whl, the second for $SECOND_CARRY (default .carry/gsm8k) plus SECOND_RESERVE bytes (default
+# 0: room for files that grow between splits), and it prints the carry of each call. assemble_gguf DIR (device) puts
 # the whole file at DIR/$gguf_name (checked against its sha256) and returns non-zero while a part is missing.
 gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
 gguf_parts=${GGUF_PARTS:-.carry/smollm2}
@@ -17,7 +18,9 @@ split_gguf() {
     while [ "$offset" -lt "$total" ]; do
         case $index in
             0) companion=.whl; size=$(( budget - $(du -cb .whl | tail -1 | cut -f1) )) ;;
-            1) companion=.carry/gsm8k; size=$(( budget - $(du -cb .carry/gsm8k | tail -1 | cut -f1) )) ;;
+            1) companion=${SECOND_CARRY:-.carry/gsm8k}
+               # shellcheck disable=SC2086  # NOTE: SECOND_CARRY is a list of paths
+               size=$(( budget - ${SECOND_RESERVE:-0} - $(du -cb $companion | tail -1 | cut -f1) )) ;;
             *) companion=""; size=$budget ;;
         esac
         [ "$size" -gt 0 ] || { echo "no room for a GGUF part next to a ${tree}-byte tree" >&2; return 1; }

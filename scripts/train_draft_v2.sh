@@ -9,13 +9,15 @@
 #   call's carry (47 MB of tree: 6 parts).
 # Device, one `run` each, in this order and back to back (an idle machine is given back after 30 s):
 #   a. carry .whl + part00                       scripts/train_draft_v2.sh stash
-#   b. carry .carry/gsm8k/train.jsonl + part01   scripts/train_draft_v2.sh stash
+#   b. carry .carry/gsm8k + .carry/draft_v2 + part01   scripts/train_draft_v2.sh stash
 #   c. carry part02 .. the part before the last, one a call, each   scripts/train_draft_v2.sh stash
 #   d. carry the last part                       BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh data
 #   e. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh train    (RUN, LAYERS, TRAIN_MIN, MIX_RATIO, EXTRA)
 #   f. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
 # V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
+# Responses survive a lost machine and a session: data and train leave the response cache in $OUT as
+#   responses.tar.xz (≈ 1.2 MB per 10k); copy it to .carry/draft_v2/ here, and the next data stage starts from it.
 # GENERAL=benchmarks/data/draft_v2_general gives the data stage the committed generated prompts (no Magpie: ≈ 210 s
 #   less); unset, the data stage generates them.
 # Results go to $OUT: data (generation_info.json, general_heldout.jsonl, log), train (training_info_<run>.json, the
@@ -28,30 +30,47 @@ parts=$gguf_parts
 state=${STATE:-.device-state/draft_v2}
 if [ "$stage" = split ]; then
     source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
-    mkdir -p .carry/gsm8k
+    mkdir -p .carry/gsm8k .carry/draft_v2
     cp "${GSM8K_DIR:-../shared/data/gsm8k}/train.jsonl" .carry/gsm8k/train.jsonl
-    split_gguf "$source_gguf" || exit 1
+    # NOTE: call 2 keeps 8 MiB for .carry/draft_v2 (a whole run's responses.tar.xz is ≈ 3.5 MB) as it grows
+    SECOND_CARRY=".carry/gsm8k .carry/draft_v2" \
+        SECOND_RESERVE=$(( 8 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) )) split_gguf "$source_gguf" || exit 1
     exit 0
 fi
 source "$(dirname "$0")/device_env.sh"
 mkdir -p "$state"
+responses_cache=${RESPONSES:-.carry/draft_v2/responses.tar.xz}
+restore_responses() {
+    # NOTE: the cache's meta names the converted target by absolute path; this machine's may differ
+    [ -f "$responses_cache" ] && [ ! -f "$state/responses/meta.json" ] || return 0
+    tar -C "$state" -xJf "$responses_cache" || return 1
+    python3 -c 'import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); m = json.loads(p.read_text());
+m["target_model_path"] = str(pathlib.Path(sys.argv[2]).resolve()); p.write_text(json.dumps(m, indent=1))' \
+        "$state/responses/meta.json" "$state/model/smollm2-135m-instruct"
+    echo "restored $(cat "$state"/responses/responses.rank*.jsonl | wc -l) cached responses from $responses_cache"
+}
+save_responses() {
+    [ -d "$state/responses" ] && tar -C "$state" -cf - responses | xz -T0 -6 > "$out/responses.tar.xz"
+}
 case $stage in
     stash)
         ls -l "$parts" .carry/gsm8k 2>/dev/null
         exit 0 ;;
     data)
         assemble_gguf "$state" || exit 1
+        restore_responses || exit 1
         timeout "${DATA_S:-570}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
             --gsm8k-train .carry/gsm8k/train.jsonl ${GENERAL:+--general-prompts "$GENERAL"} ${V2_FLAGS:-} \
             > "$out/draft_v2_data.log" 2>&1
         code=$?
         [ $code -eq 124 ] && echo "data stage cut at ${DATA_S:-570} s: the train stage generates the responses left"
-        ;;
+        save_responses ;;
     train)
         timeout "${TRAIN_S:-590}" python3 benchmarks/draft_v2.py train --state "$state" --out "$out" --gguf "$state/$name" \
             --run "${RUN:-v2}" --num-layers "${LAYERS:-5}" --train-minutes "${TRAIN_MIN:-6.5}" --deadline-s "${DEADLINE_S:-540}" \
             --mix-ratio "${MIX_RATIO:-0.3}" --extra-train-flags "${EXTRA:-}" ${V2_FLAGS:-} > "$out/draft_v2_train_${RUN:-v2}.log" 2>&1
-        code=$? ;;
+        code=$?
+        save_responses ;;
     bench)
         timeout "${BENCH_S:-400}" python3 benchmarks/draft_v2.py bench --state "$state" --out "$out" --gguf "$state/$name" \
             --run "${RUN:-}" ${V2_FLAGS:-} > "$out/draft_v2_bench.log" 2>&1

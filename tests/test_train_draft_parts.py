@@ -16,7 +16,7 @@ from blockspec import Engine
 from blockspec import cli as blockspec_cli
 from blockspec.models.config import load_target_config
 from blockspec.train import cli as train_cli
-from blockspec.train.blocks import IGNORE, build_block_batch, sample_anchors
+from blockspec.train.blocks import IGNORE, block_loss, build_block_batch, loss_weights, sample_anchors
 from blockspec.train.checkpoint import draft_config_dict, save_draft
 from blockspec.train.data import ResponseCache, default_mask_token_id, generate_responses, read_prompt_records
 from blockspec.train.features import TargetFeatures
@@ -79,6 +79,30 @@ def test_training_forward_matches_reference(target: tuple[Path, Any], tmp_path: 
                     target_hidden=feats[i][None, :a],
                 )
                 torch.testing.assert_close(hidden[i, j], ref[0], atol=1e-5, rtol=1e-5)
+
+
+def test_padded_context_changes_nothing(target: tuple[Path, Any]) -> None:
+    """CUDA training pads the context to a multiple (fewer attention shapes): same loss and gradients, fp32."""
+    path, _ = target
+    config = load_target_config(path)
+    torch.manual_seed(5)
+    draft = TrainableDraft(DraftArch.from_target(config, 2, 2, None))
+    features_of = TargetFeatures(path, [0, 2], torch.device("cpu"), torch.float32, 64)
+    seqs = [list(range(3, 33)), list(range(40, 62))]
+    feats, anchors = features_of(seqs), [[4, 11, 25], [7, 19]]
+    results = []
+    for multiple in (1, 16):
+        batch = build_block_batch(seqs, feats, anchors, 4, 95, torch.device("cpu"), context_multiple=multiple)
+        assert batch.features.shape[1] == (30 if multiple == 1 else 32)
+        embeds = torch.nn.functional.embedding(batch.block_ids, features_of.embed_weight).flatten(1, 2)
+        draft.zero_grad()
+        loss = block_loss(draft(embeds, batch.positions, batch.features, batch.mask), batch, features_of.lm_head_weight,
+                          loss_weights(4, 7.0)).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in draft.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-6)
+    for unpadded, padded in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(unpadded, padded, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
+CONTEXT_MULTIPLE = 64  # the training step's context padding on CUDA (build_block_batch's context_multiple)
 
 
 @dataclass
@@ -40,11 +41,14 @@ def loss_weights(block_size: int, decay: float) -> torch.Tensor:
 
 def build_block_batch(
     sequences: list[list[int]], features: list[torch.Tensor], anchors: list[list[int]], block_size: int,
-    mask_token_id: int, device: torch.device,
+    mask_token_id: int, device: torch.device, context_multiple: int = 1,
 ) -> BlockBatch:
+    """`context_multiple`: the context length is padded up to a multiple of it (the padding is masked out, so the
+    loss is the same): fewer distinct attention shapes, each of which cuDNN plans once (≈ 150 ms on the H200)."""
     n_seq, b = len(sequences), block_size
     n_blocks = max(1, max(len(a) for a in anchors))
-    context = max(len(s) for s in sequences)
+    longest = max(len(s) for s in sequences)
+    context = -(-longest // context_multiple) * context_multiple
     ids = torch.zeros(n_seq, context + b, dtype=torch.int64)
     for i, seq in enumerate(sequences):
         ids[i, :len(seq)] = torch.tensor(seq)
@@ -69,6 +73,7 @@ def build_block_batch(
     same_block = torch.arange(n_blocks, device=device).repeat_interleave(b)
     sees_blocks = (same_block[:, None] == same_block[None, :]).expand(n_seq, -1, -1)
     padded = torch.nn.utils.rnn.pad_sequence([f.to(device) for f in features], batch_first=True)
+    padded = F.pad(padded, (0, 0, 0, context - padded.shape[1]))
     return BlockBatch(
         features=padded,
         block_ids=block_ids,
