@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -84,17 +84,8 @@ class Engine:
         eos = list(target.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(int(self.tokenizer.eos_token_id))
-        return Scheduler(
-            self.config,
-            self.worker,
-            self.runner.allocator,
-            self.runner.req_to_token,
-            self.runner.context_length,
-            target.vocab_size,
-            eos,
-            self.tokenizer,
-            self.runner.device,
-        )
+        return Scheduler(self.config, self.worker, self.runner.allocator, self.runner.req_to_token,
+                         self.runner.context_length, target.vocab_size, eos, self.tokenizer, self.runner.device)
 
     @property
     def kernel_compiles_after_startup(self) -> Optional[int]:
@@ -175,15 +166,26 @@ class Engine:
         """SGLang's `Engine.generate`; with `return_logprob`, meta_info carries the target's log-probabilities of the
         output tokens (`output_token_logprobs`) and of its `top_logprobs_num` most likely tokens per position."""
         reqs, single = self.make_requests(prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num)
+        outputs = dict(self._run(reqs))
+        return outputs[0] if single else [outputs[i] for i in range(len(reqs))]
+
+    def generate_iter(self, input_ids: list[list[int]], sampling_params: SamplingArg = None,
+                      ) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Every prompt queued at once; yields (prompt index, `generate`'s output) as each request finishes, so a
+        caller can keep results of a long run while the batch stays full. NOTE: closing the iterator early leaves
+        its unfinished requests running in the engine."""
+        reqs, _ = self.make_requests(input_ids=input_ids, sampling_params=sampling_params)
+        yield from self._run(reqs)
+
+    def _run(self, reqs: list[Req]) -> Iterator[tuple[int, dict[str, Any]]]:
         for req in reqs:
             self.scheduler.add_request(req)
-        pending = {req.rid for req in reqs}
+        pending = {req.rid: i for i, req in enumerate(reqs)}
         with rank_failures(self.ranks):
             while pending:
                 for req in self.scheduler.step():
-                    pending.discard(req.rid)
-        outputs = [self.output_of(req) for req in reqs]
-        return outputs[0] if single else outputs
+                    if (index := pending.pop(req.rid, None)) is not None:
+                        yield index, self.output_of(req)
 
     @staticmethod
     def output_of(req: Req) -> dict[str, Any]:

@@ -138,6 +138,10 @@ def test_response_cache_resumes(target: tuple[Path, Any], tmp_path: Path) -> Non
     assert built[0].is_shut_down  # NOTE: generate_responses hands its engine's memory back
     with Engine(model_path=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, max_total_tokens=512) as oracle:
         reference = oracle.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+        lengths = [{"temperature": 0, "max_new_tokens": 2 + 3 * i, "ignore_eos": True} for i in range(len(prompts))]
+        streamed = list(oracle.generate_iter(prompts, lengths))  # NOTE: finish order: the shortest first
+        assert [i for i, _ in streamed] == list(range(len(prompts)))
+        assert [len(out["output_ids"]) for _, out in streamed] == [2 + 3 * i for i in range(len(prompts))]
     assert isinstance(reference, list)
     assert [s.output_ids for s in first] == [r["output_ids"] for r in reference]
     again, generated = generate()

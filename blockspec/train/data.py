@@ -213,11 +213,17 @@ def generate_responses(
         engine = make_engine()
         try:
             bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
-            for start in range(0, len(todo), batch_size):
-                chunk = todo[start:start + batch_size]
-                outputs = engine.generate(input_ids=[prompts[i] for i in chunk], sampling_params=params)
-                cache.append([Sample(i, prompts[i], out["output_ids"]) for i, out in zip(chunk, outputs)])
-                bar.update(len(chunk))
+            done: list[Sample] = []
+            # NOTE: every prompt is queued at once so the running batch stays full (per-chunk generate calls drained
+            # it at each chunk's end); the cache gets every `batch_size` finished responses, so a cut loses fewer
+            for position, out in engine.generate_iter([prompts[i] for i in todo], params):
+                done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
+                if len(done) >= batch_size:
+                    cache.append(done)
+                    bar.update(len(done))
+                    done = []
+            cache.append(done)
+            bar.update(len(done))
             bar.close()
         finally:
             engine.shutdown()

@@ -200,7 +200,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--user-suffix", default="", help="text appended to `question` prompts")
     gen.add_argument("--cache-dir", default=None, help="response cache (default: under $BLOCKSPEC_CACHE or ~/.cache/blockspec); resumable")
     gen.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size,
-                     help="prompts per generate call (the cache is appended after each)")
+                     help="finished responses per cache append; the engine runs up to min(this, 256) at once")
     gen.add_argument("--mix-data", default=None, help="a second prompt file mixed into the training prompts "
                      "(e.g. `blockspec generate-prompts`' prompts.train.jsonl); `question` records get the same "
                      "--system-prompt / --user-suffix")
