@@ -27,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockspec import Engine
+from blockspec.config import EngineConfig
 from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 from device_timing import cuda_ms
 from extend_host_split import host_split
@@ -46,10 +47,11 @@ def main() -> None:
     parser.add_argument("--trace-dir", type=Path, help="also write a Chrome trace (CPU + CUDA) per piecewise case")
     parser.add_argument("--piecewise-eager-attention", action="store_true", help="the serve flag: attention eager "
                         "between the piecewise graphs (default: one graph per bucket, attentions included)")
-    parser.add_argument("--graph-extend-splits", type=int, nargs="+", default=[1], metavar="N",
+    parser.add_argument("--graph-extend-splits", type=int, nargs="+",
+                        default=[EngineConfig.piecewise_attention_max_splits], metavar="N",
                         help="most key splits of the attention inside the piecewise graphs (serve's "
                         "--piecewise-attention-max-splits); several values: graphs captured once per value, every "
-                        "piecewise measurement made once per value (default 1: unsplit)")
+                        "piecewise measurement made once per value (default: serve's default; 1: unsplit)")
     args = parser.parse_args()
     if min(args.graph_extend_splits) < 1:
         parser.error("--graph-extend-splits: values must be >= 1")

@@ -59,8 +59,9 @@ class EngineConfig:
     # NOTE: Triton attention inside the piecewise graphs splits each program's keys up to this many ways in buckets too
     # small to fill two waves of programs (GraphExtendAttention.splits_for: cache-hit extends, few new tokens behind
     # long prefixes); 1 never splits. 4 measured on the H200 (profile_prefill.py --graph-extend-splits, 2026-12-03):
-    # SmolLM2's cache-hit extend 8.1 -> 5.4 ms, its fresh prefills of 700-1792 tokens 2-14 % faster; 8B's buckets
-    # of >= 528 tokens fill two waves and stay unsplit (attention kernel times unchanged)
+    # SmolLM2's cache-hit extend 8.1 -> 5.4 ms, its fresh prefills of 700-1792 tokens 2-14 % faster; 8B buckets
+    # above 512 tokens fill two waves and stay unsplit (attention kernel times unchanged; those up to 512 split,
+    # unmeasured, as do larger buckets under tensor parallelism, which has fewer heads per rank)
     piecewise_attention_max_splits: int = 4
     cuda_graph_backend_prefill: Optional[str] = None  # "piecewise" is an alias of enforce_piecewise_cuda_graph
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)

@@ -166,26 +166,32 @@ class Engine:
         """SGLang's `Engine.generate`; with `return_logprob`, meta_info carries the target's log-probabilities of the
         output tokens (`output_token_logprobs`) and of its `top_logprobs_num` most likely tokens per position."""
         reqs, single = self.make_requests(prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num)
-        outputs = dict(self._run(reqs))
+        outputs = dict(self._run(reqs, len(reqs)))
         return outputs[0] if single else [outputs[i] for i in range(len(reqs))]
 
     def generate_iter(self, input_ids: list[list[int]], sampling_params: SamplingArg = None,
                       ) -> Iterator[tuple[int, dict[str, Any]]]:
-        """Every prompt queued at once; yields (prompt index, `generate`'s output) as each request finishes, so a
-        caller can keep results of a long run while the batch stays full. NOTE: closing the iterator early leaves
-        its unfinished requests running in the engine."""
+        """Yields (prompt index, `generate`'s output) as each request finishes, keeping the running batch full
+        (4 x max_running_requests queued, topped up as requests finish), so a caller of a long run can keep results
+        as they come. NOTE: closing it early leaves its queued requests in the engine."""
         reqs, _ = self.make_requests(input_ids=input_ids, sampling_params=sampling_params)
-        yield from self._run(reqs)
+        yield from self._run(reqs, 4 * self.config.max_running_requests)
 
-    def _run(self, reqs: list[Req]) -> Iterator[tuple[int, dict[str, Any]]]:
-        for req in reqs:
-            self.scheduler.add_request(req)
-        pending = {req.rid: i for i, req in enumerate(reqs)}
-        with rank_failures(self.ranks):
-            while pending:
-                for req in self.scheduler.step():
-                    if (index := pending.pop(req.rid, None)) is not None:
-                        yield index, self.output_of(req)
+    def _run(self, reqs: list[Req], window: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        """At most `window` unfinished at a time (add_request scans the queue). NOTE: yields outside rank_failures."""
+        pending: dict[str, int] = {}
+        queued = 0
+        while queued < len(reqs) or pending:
+            with rank_failures(self.ranks):
+                while queued < len(reqs) and len(pending) < window:
+                    self.scheduler.add_request(reqs[queued])
+                    pending[reqs[queued].rid] = queued
+                    queued += 1
+                if not self.scheduler.has_work:
+                    raise RuntimeError(f"{len(pending)} request(s) left the scheduler unreported (a nested generate?)")
+                finished = [(pending.pop(req.rid), req) for req in self.scheduler.step() if req.rid in pending]
+            for index, req in finished:
+                yield index, self.output_of(req)
 
     @staticmethod
     def output_of(req: Req) -> dict[str, Any]:

@@ -10,7 +10,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout "${PROFILE_S:-240}" python3 benchmarks/profile_prefill.py --shape smollm2 --top 10 --host-split 5 \
-    --cases ${CASES:-31x682+4110 2x8220 1x4132} --graph-extend-splits ${SPLITS:-1} \
+    --cases ${CASES:-31x682+4110 2x8220 1x4132} --graph-extend-splits ${SPLITS:-4} \
     > "$out/profile_prefill_cached.log" 2>&1
 code=$?
 grep -v -E "INFO (blockspec|httpx)" "$out/profile_prefill_cached.log" | tail -"${TAIL:-70}"

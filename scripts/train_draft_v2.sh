@@ -33,16 +33,20 @@ if [ "$stage" = split ]; then
     mkdir -p .carry/gsm8k .carry/draft_v2
     cp "${GSM8K_DIR:-../shared/data/gsm8k}/train.jsonl" .carry/gsm8k/train.jsonl
     # NOTE: call 2 keeps 8 MiB for .carry/draft_v2 (a whole run's responses.tar.xz is ≈ 3.5 MB) as it grows
-    SECOND_CARRY=".carry/gsm8k .carry/draft_v2" \
-        SECOND_RESERVE=$(( 8 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) )) split_gguf "$source_gguf" || exit 1
+    reserve=$(( 8 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) ))
+    [ "$reserve" -lt 0 ] && reserve=0
+    SECOND_CARRY=".carry/gsm8k .carry/draft_v2" SECOND_RESERVE=$reserve split_gguf "$source_gguf" || exit 1
     exit 0
 fi
 source "$(dirname "$0")/device_env.sh"
 mkdir -p "$state"
 responses_cache=${RESPONSES:-.carry/draft_v2/responses.tar.xz}
 restore_responses() {
-    # NOTE: the cache's meta names the converted target by absolute path; this machine's may differ
+    # NOTE: the cache's meta names the converted target by absolute path; this machine's may differ. Its responses
+    # are keyed by prompt index: only the committed general prompts (GENERAL) give the same prompts again.
     [ -f "$responses_cache" ] && [ ! -f "$state/responses/meta.json" ] || return 0
+    [ -n "${GENERAL:-}" ] || { echo "not restoring $responses_cache: without GENERAL the prompts are new"; return 0; }
+    xz -t "$responses_cache" || { echo "not restoring $responses_cache: the archive is damaged" >&2; return 0; }
     tar -C "$state" -xJf "$responses_cache" || return 1
     python3 -c 'import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); m = json.loads(p.read_text());
 m["target_model_path"] = str(pathlib.Path(sys.argv[2]).resolve()); p.write_text(json.dumps(m, indent=1))' \
@@ -50,7 +54,9 @@ m["target_model_path"] = str(pathlib.Path(sys.argv[2]).resolve()); p.write_text(
     echo "restored $(cat "$state"/responses/responses.rank*.jsonl | wc -l) cached responses from $responses_cache"
 }
 save_responses() {
-    [ -d "$state/responses" ] && tar -C "$state" -cf - responses | xz -T0 -6 > "$out/responses.tar.xz"
+    # NOTE: written whole or not at all: a call cut mid-write must not bring back a damaged archive
+    [ -d "$state/responses" ] || return 0
+    tar -C "$state" -cf - responses | xz -T0 -3 > "$out/responses.partial" && mv "$out/responses.partial" "$out/responses.tar.xz"
 }
 case $stage in
     stash)

@@ -142,6 +142,12 @@ def test_response_cache_resumes(target: tuple[Path, Any], tmp_path: Path) -> Non
         streamed = list(oracle.generate_iter(prompts, lengths))  # NOTE: finish order: the shortest first
         assert [i for i, _ in streamed] == list(range(len(prompts)))
         assert [len(out["output_ids"]) for _, out in streamed] == [2 + 3 * i for i in range(len(prompts))]
+    with Engine(model_path=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, max_total_tokens=512,
+                max_running_requests=1) as narrow:  # NOTE: 4 queued at a time, topped up as each finishes
+        assert [i for i, _ in narrow.generate_iter(prompts, lengths)] == list(range(len(prompts)))
+        with pytest.raises(RuntimeError, match="left the scheduler unreported"):
+            for _ in narrow.generate_iter(prompts, lengths):
+                narrow.generate(input_ids=[7, 8], sampling_params={"max_new_tokens": 40, "ignore_eos": True})
     assert isinstance(reference, list)
     assert [s.output_ids for s in first] == [r["output_ids"] for r in reference]
     again, generated = generate()

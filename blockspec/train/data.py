@@ -214,15 +214,17 @@ def generate_responses(
         try:
             bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
             done: list[Sample] = []
-            # NOTE: every prompt is queued at once so the running batch stays full (per-chunk generate calls drained
-            # it at each chunk's end); the cache gets every `batch_size` finished responses, so a cut loses fewer
-            for position, out in engine.generate_iter([prompts[i] for i in todo], params):
-                done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
-                if len(done) >= batch_size:
-                    cache.append(done)
-                    bar.update(len(done))
-                    done = []
-            cache.append(done)
+            # NOTE: generate_iter keeps the running batch full (per-chunk generate calls drained it at each chunk's
+            # end); the cache gets every `batch_size` finished responses, and what finished before an error
+            try:
+                for position, out in engine.generate_iter([prompts[i] for i in todo], params):
+                    done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
+                    if len(done) >= batch_size:
+                        cache.append(done)
+                        bar.update(len(done))
+                        done = []
+            finally:
+                cache.append(done)
             bar.update(len(done))
             bar.close()
         finally:

@@ -110,9 +110,12 @@ class Trainer:
         if options.compile_draft:
             # NOTE: only the training forward is compiled; checkpoints and evals use `draft` itself
             # NOTE: Inductor's coalesce tiling analysis does not support dynamic shapes; on CUDA (torch 2.11) it failed
-            # an assertion in get_pw_red_splits compiling this model (H200, 2026-12-03), so it is off here
-            self.model = torch.compile(  # type: ignore[assignment]
-                self.model, dynamic=True, options={"triton.coalesce_tiling_analysis": False})
+            # an assertion in get_pw_red_splits compiling this model (H200, 2026-12-03), so it is off where it exists
+            import torch._inductor.config as inductor_config
+
+            has_analysis = hasattr(inductor_config.triton, "coalesce_tiling_analysis")
+            inductor = {"triton.coalesce_tiling_analysis": False} if has_analysis else None
+            self.model = torch.compile(self.model, dynamic=True, options=inductor)  # type: ignore[assignment]
         self.optimizer = torch.optim.AdamW(
             draft.parameters(), lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95)
         )
