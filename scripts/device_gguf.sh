@@ -1,5 +1,5 @@
 # Sourced by device scripts that need the SmolLM2 GGUF (98 MB). A device call carries at most 64 MiB together with
-# the working tree (≈ 47 MB since the 5-layer draft was shipped), so the GGUF travels in parts, one per call, back to
+# the working tree (≈ 50 MB on 2026-12-03), so the GGUF travels in parts, one per call, back to
 # back: the parts wait on the warm machine. split_gguf (here, once per tree size) sizes the parts to this tree: the
 # first leaves room for .whl, the second for $SECOND_CARRY (default .carry/gsm8k) plus SECOND_RESERVE bytes (default
 # 0: room for files that grow between splits), and it prints the carry of each call. assemble_gguf DIR (device) puts

@@ -6,7 +6,7 @@
 #
 # Here, once per tree size:  PYTHON=.venv/bin/python scripts/train_draft_v2.sh split   -> .carry/gsm8k/train.jsonl
 #   (from GSM8K_DIR, ../shared/data/gsm8k) and .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.partNN; it prints each
-#   call's carry (47 MB of tree: 6 parts).
+#   call's carry (50 MB of tree and 8 MiB kept for .carry/draft_v2: 8 parts, 2026-12-03).
 # Device, one `run` each, in this order and back to back (an idle machine is given back after 30 s):
 #   a. carry .whl + part00                       scripts/train_draft_v2.sh stash
 #   b. carry .carry/gsm8k + .carry/draft_v2 + part01   scripts/train_draft_v2.sh stash
