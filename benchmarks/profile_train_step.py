@@ -135,8 +135,10 @@ def main() -> None:
         for start in range(0, len(trainer.samples), args.batch_size):  # NOTE: timed steps run on cached features
             trainer.features(list(range(start, min(start + args.batch_size, len(trainer.samples)))))
         order = random_batches(len(trainer.samples), args.batch_size)
+        warmup_started = time.perf_counter()
         for _ in range(8 if args.compile_draft else 3):  # NOTE: a dynamic-shape compile may recompile once
             trainer.step(next(order))
+        warmup_s = time.perf_counter() - warmup_started
         step_times = [synced_ms(device, lambda: trainer.step(next(order)))[0] for _ in range(args.steps)]
         phases = [phase_times(trainer, next(order)) for _ in range(max(3, args.steps // 3))]
         kernels = top_kernels(trainer, order, args.profile_steps, args.top)
@@ -144,8 +146,9 @@ def main() -> None:
     phase_median = {k: sorted(p[k] for p in phases)[len(phases) // 2] for k in phases[0]}
     report = {**run_identity(), "shape": "tiny" if args.smoke else "smollm2", "num_layers": args.num_layers,
               "feature_backend": target.attention_backend, "compile_draft": args.compile_draft,
-              "batch_size": args.batch_size, "blocks_per_seq": args.blocks_per_seq, "step_ms_median": median,
-              "step_ms_all": step_times, "phases_ms_median": phase_median, "top_kernels": kernels}
+              "batch_size": args.batch_size, "blocks_per_seq": args.blocks_per_seq, "warmup_s": warmup_s,
+              "step_ms_median": median, "step_ms_mean": sum(step_times) / len(step_times), "step_ms_all": step_times,
+              "phases_ms_median": phase_median, "top_kernels": kernels}
     print(f"step {median:.1f} ms (median of {len(step_times)}); phases: "
           + ", ".join(f"{k} {v:.1f}" for k, v in phase_median.items()))
     for k in kernels:
