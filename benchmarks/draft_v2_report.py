@@ -72,7 +72,7 @@ def goal(value: Optional[float], threshold: float, at_most: bool = False) -> dic
     return {"value": value, "goal": ("<= " if at_most else ">= ") + str(threshold), "met": met}
 
 
-def result_document(state: State, gpu: str, commit: str, smoke: bool) -> dict[str, Any]:
+def result_document(state: State, gpu: str, commit: str, smoke: bool, date: Optional[str] = None) -> dict[str, Any]:
     runs: dict[str, Any] = state.data["runs"]
     chosen = state.data.get("chosen_run") or best_run(runs)
     run = runs.get(chosen or "", {})
@@ -98,13 +98,13 @@ def result_document(state: State, gpu: str, commit: str, smoke: bool) -> dict[st
     }
     return {
         "gsm8k_heldout_accept": accept.get(GSM8K_SET), "general_heldout_accept": accept.get(GENERAL_SET),
-        "server_c1_speedup": speedup, "gpu": gpu, "date": datetime.date.today().isoformat(), "commit": commit,
+        "server_c1_speedup": speedup, "gpu": gpu, "date": date or datetime.date.today().isoformat(), "commit": commit,
         "runs": runs, "details": details,
     }
 
 
-def write_result(state: State, out_dir: Path, gpu: str, commit: str, smoke: bool) -> Path:
-    document = result_document(state, gpu, commit, smoke)
+def write_result(state: State, out_dir: Path, gpu: str, commit: str, smoke: bool, date: Optional[str] = None) -> Path:
+    document = result_document(state, gpu, commit, smoke, date)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"draft_v2_{document['date']}_{commit}{'_smoke' if smoke else ''}.json"
     path.write_text(json.dumps(document, indent=1, default=str))

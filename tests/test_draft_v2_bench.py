@@ -24,6 +24,7 @@ from draft_v2_data import (  # noqa: E402
     GENERAL_FILES, TRAIN_WORDINGS, DataPaths, general_outputs, heldout_messages, seed_general, write_gsm8k,
 )
 from draft_v2_report import GENERAL_SET, GSM8K_SET, State, best_run, pack_draft, result_document  # noqa: E402
+from draft_v2_merge import merged_state  # noqa: E402
 from draft_v2_server import speedups  # noqa: E402
 
 TOP_LEVEL = ["gsm8k_heldout_accept", "general_heldout_accept", "server_c1_speedup", "gpu", "date", "commit", "runs", "details"]
@@ -127,6 +128,29 @@ def test_result_document_goals_and_decision(tmp_path: Path) -> None:
     document = result_document(state, "NVIDIA H200", "abc1234", smoke=False)
     assert document["server_c1_speedup"] is None and details["goals"]["server_c1_speedup"]["goal"] == ">= 2.5"
     assert document["details"]["goals"]["general_heldout_accept"]["met"] is False
+
+
+def test_results_of_two_machines_merge_into_one_decision(tmp_path: Path) -> None:
+    bench_state = State(tmp_path / "bench")  # the bench stage's machine: the shipped draft and the server rows
+    bench_state.data.update(data={"prompts": 3}, shipped={"accept": {GSM8K_SET: 3.4, GENERAL_SET: 2.4}})
+    rows = [{"label": "target_only", "server_tok_s": 100.0}, {"label": "shipped", "server_tok_s": 270.0}]
+    bench_state.data["server_rows"], bench_state.data["server_speedups"] = rows, speedups(rows)
+    train_state = State(tmp_path / "train")  # a later machine's train stage: one run, nothing of the shipped draft
+    train_state.data.update(data={"prompts": 3}, runs={"v3": run_record(3.8, 2.7)})
+    documents = [result_document(s, "NVIDIA H200", "abc1234", smoke=False, date="2026-12-03")
+                 for s in (bench_state, train_state)]
+    assert documents[1]["details"]["replaces_shipped"] is None  # alone, the train result cannot decide
+    merged = result_document(merged_state(documents, tmp_path / "merged"), "NVIDIA H200", "abc1234", smoke=False)
+    assert (merged["gsm8k_heldout_accept"], merged["general_heldout_accept"]) == (3.8, 2.7)
+    details = merged["details"]
+    assert details["chosen_run"] == "v3" and details["replaces_shipped"] is True
+    assert details["shipped"]["server_c1_speedup"] == 2.7 and merged["server_c1_speedup"] is None
+    other_commit = {**documents[1], "commit": "def5678"}
+    with pytest.raises(ValueError, match="different GPUs, commits"):
+        merged_state([documents[0], other_commit], tmp_path / "x")
+    other_data = {**documents[1], "details": {**documents[1]["details"], "data": {"prompts": 4}}}
+    with pytest.raises(ValueError, match="different data stages"):
+        merged_state([documents[0], other_data], tmp_path / "y")
 
 
 def test_packed_draft_restores_byte_for_byte(tmp_path: Path) -> None:
