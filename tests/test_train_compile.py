@@ -42,3 +42,15 @@ def test_compiled_training_matches_eager(tmp_path: Path) -> None:
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-4)
     for name, weight in eager_weights.items():
         torch.testing.assert_close(compiled_weights[name], weight, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_inductor_options_turn_off_only_passes_this_torch_has() -> None:
+    import torch._inductor.config as inductor_config
+
+    from blockspec.train.trainer import UNSAFE_DYNAMIC_INDUCTOR_PASSES, draft_inductor_options
+
+    options = draft_inductor_options() or {}
+    assert set(options.values()) <= {False}
+    for name in UNSAFE_DYNAMIC_INDUCTOR_PASSES:
+        group, field_name = name.split(".")
+        assert (name in options) == hasattr(getattr(inductor_config, group), field_name)

@@ -88,6 +88,22 @@ def trainable_samples(samples: list[Sample], max_seq_len: int) -> list[Sample]:
     return kept
 
 
+# NOTE: Inductor passes that fail on this model under dynamic shapes (CUDA, torch 2.11, H200, 2026-12-03): the
+# coalesce tiling analysis asserted in get_pw_red_splits while compiling; the mix-order reduction (RMSNorm backward,
+# dynamic since torch ≈ 2.10) compiled but its workspace view failed at run time on a new context length
+# ("shape '[1632, 64]' is invalid for input of size 864"). Each is off where this torch has it.
+UNSAFE_DYNAMIC_INDUCTOR_PASSES = ("triton.coalesce_tiling_analysis", "triton.mix_order_reduction")
+
+
+def draft_inductor_options() -> Optional[dict[str, bool]]:
+    """torch.compile options for the training draft: the passes above turned off, those this torch lacks skipped."""
+    import torch._inductor.config as inductor_config
+
+    present = [name for name in UNSAFE_DYNAMIC_INDUCTOR_PASSES
+               if hasattr(getattr(inductor_config, name.split(".")[0]), name.split(".")[1])]
+    return {name: False for name in present} or None
+
+
 class Trainer:
     def __init__(
         self, options: TrainOptions, draft: TrainableDraft, target: TargetFeatures, samples: list[Sample],
@@ -109,13 +125,7 @@ class Trainer:
             self.model = nn.parallel.DistributedDataParallel(draft, device_ids=ids)
         if options.compile_draft:
             # NOTE: only the training forward is compiled; checkpoints and evals use `draft` itself
-            # NOTE: Inductor's coalesce tiling analysis does not support dynamic shapes; on CUDA (torch 2.11) it failed
-            # an assertion in get_pw_red_splits compiling this model (H200, 2026-12-03), so it is off where it exists
-            import torch._inductor.config as inductor_config
-
-            has_analysis = hasattr(inductor_config.triton, "coalesce_tiling_analysis")
-            inductor = {"triton.coalesce_tiling_analysis": False} if has_analysis else None
-            self.model = torch.compile(self.model, dynamic=True, options=inductor)  # type: ignore[assignment]
+            self.model = torch.compile(self.model, dynamic=True, options=draft_inductor_options())  # type: ignore[assignment]
         self.optimizer = torch.optim.AdamW(
             draft.parameters(), lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95)
         )
