@@ -16,7 +16,22 @@ from blockspec.train.trainer import Dist, Trainer
 from tiny_models import save_tiny_model
 
 
-def train_three_steps(path: Path, compile_draft: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+class FailsOnSecondCall(torch.nn.Module):
+    """Stands in for a compiled draft that meets a shape Inductor mishandles: its second call raises."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.calls = model, 0
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("shape '[1632, 64]' is invalid for input of size 864")
+        return self.model(*args)
+
+
+def train_three_steps(path: Path, compile_draft: bool,
+                      failing_compile: bool = False) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
     config = load_target_config(path)
     features = TargetFeatures(path, [0, 2], torch.device("cpu"), torch.float32, 64)
     torch.manual_seed(0)
@@ -28,17 +43,19 @@ def train_three_steps(path: Path, compile_draft: bool) -> tuple[list[float], dic
     options = TrainOptions(target_model_path=str(path), data="", out="", num_layers=2, batch_size=2, blocks_per_seq=3,
                            block_size=4, compile_draft=compile_draft)
     trainer = Trainer(options, draft, features, samples, 95, torch.device("cpu"), Dist())
+    if failing_compile:
+        trainer.model = FailsOnSecondCall(trainer.eager_model)
     # NOTE: batches of different context lengths, so the dynamic-shape compile meets more than one shape
     losses = [trainer.step(indices)[0] for indices in ([0, 1], [2, 3], [1, 2])]
-    return losses, {name: p.detach().clone() for name, p in draft.named_parameters()}
+    return losses, {name: p.detach().clone() for name, p in draft.named_parameters()}, trainer
 
 
 @pytest.mark.slow
 def test_compiled_training_matches_eager(tmp_path: Path) -> None:
     path = tmp_path / "target"
     save_tiny_model("llama", path, residual_scale=0.3)
-    eager_losses, eager_weights = train_three_steps(path, compile_draft=False)
-    compiled_losses, compiled_weights = train_three_steps(path, compile_draft=True)
+    eager_losses, eager_weights, _ = train_three_steps(path, compile_draft=False)
+    compiled_losses, compiled_weights, _ = train_three_steps(path, compile_draft=True)
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-4)
     for name, weight in eager_weights.items():
         torch.testing.assert_close(compiled_weights[name], weight, atol=1e-5, rtol=1e-4, msg=name)
@@ -54,3 +71,21 @@ def test_inductor_options_turn_off_only_passes_this_torch_has() -> None:
     for name in UNSAFE_DYNAMIC_INDUCTOR_PASSES:
         group, field_name = name.split(".")
         assert (name in options) == hasattr(getattr(inductor_config, group), field_name)
+
+
+def test_a_failing_compiled_draft_gives_way_to_eager_with_the_same_result(tmp_path: Path) -> None:
+    path = tmp_path / "target"
+    save_tiny_model("llama", path, residual_scale=0.3)
+    eager_losses, eager_weights, eager = train_three_steps(path, compile_draft=False)
+    losses, weights, trainer = train_three_steps(path, compile_draft=False, failing_compile=True)
+    assert eager.compile_fallback is None
+    assert trainer.compile_fallback is not None and trainer.compile_fallback["step"] == 2
+    assert "invalid for input of size 864" in trainer.compile_fallback["error"] and trainer.model is trainer.eager_model
+    assert losses == pytest.approx(eager_losses, rel=1e-6)  # the failed step ran again eagerly on the same batch
+    for name, weight in eager_weights.items():
+        torch.testing.assert_close(weights[name], weight, msg=name)
+    trainer.model = FailsOnSecondCall(trainer.eager_model)
+    trainer.eager_model = trainer.model  # an eager model that fails is an error, not a fallback
+    trainer.step([0, 1])
+    with pytest.raises(RuntimeError, match="invalid for input"):
+        trainer.step([0, 1])

@@ -5,6 +5,7 @@ own shard of every epoch's permutation; rank 0 evaluates and saves."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -14,11 +15,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from blockspec.train.blocks import CONTEXT_MULTIPLE, block_loss, build_block_batch, loss_weights, sample_anchors
+from blockspec.train.blocks import (
+    CONTEXT_MULTIPLE, BlockBatch, BlockLoss, block_loss, build_block_batch, loss_weights, sample_anchors,
+)
 from blockspec.train.data import Sample
 from blockspec.train.features import TargetFeatures
 from blockspec.train.model import TrainableDraft
 from blockspec.train.options import TrainOptions
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,6 +48,7 @@ class TrainResult:
     final_accept_estimate: float
     seconds_per_step: float
     evals: list[dict[str, Any]] = field(default_factory=list)
+    compile_fallback: Optional[dict[str, Any]] = None  # {"step", "error"} where --compile-draft gave way to eager
 
 
 def schedule_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -123,6 +129,9 @@ class Trainer:
         if dist.world > 1:
             ids = [device.index] if device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(draft, device_ids=ids)
+        self.eager_model = self.model
+        self.compile_fallback: Optional[dict[str, Any]] = None
+        self.steps_done = 0
         if options.compile_draft:
             # NOTE: only the training forward is compiled; checkpoints and evals use `draft` itself
             self.model = torch.compile(self.model, dynamic=True, options=draft_inductor_options())  # type: ignore[assignment]
@@ -165,17 +174,33 @@ class Trainer:
                                   self.context_multiple)
         embeds = nn.functional.embedding(batch.block_ids, self.target.embed_weight).flatten(1, 2)
         self.draft.train()
-        with self._autocast():
-            hidden = self.model(embeds, batch.positions, batch.features, batch.mask)
-            result = block_loss(hidden, batch, self.target.lm_head_weight, self.weights)
-        self.optimizer.zero_grad(set_to_none=True)
-        result.loss.backward()
+        try:
+            result = self._loss_and_gradients(embeds, batch)
+        except Exception as error:  # NOTE: Inductor and Triton raise many types; an eager failure is not caught
+            if self.model is self.eager_model:
+                raise
+            # NOTE: nothing has touched the weights yet: the same batch runs again eagerly, as does the rest of the run
+            self.model = self.eager_model
+            self.compile_fallback = {"step": self.steps_done + 1, "error": f"{type(error).__name__}: {error}"[:500]}
+            log.warning("--compile-draft: the compiled draft failed at step %d (%s); training on eagerly",
+                        self.steps_done + 1, self.compile_fallback["error"])
+            result = self._loss_and_gradients(embeds, batch)
         if opts.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.draft.parameters(), opts.grad_clip)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        self.steps_done += 1
         return result.loss.item(), result.accuracy, result.accept_estimate
+
+    def _loss_and_gradients(self, embeds: torch.Tensor, batch: BlockBatch) -> BlockLoss:
+        """Forward, loss and backward through `self.model` (compiled or not); gradients replace the last step's."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            hidden = self.model(embeds, batch.positions, batch.features, batch.mask)
+            result = block_loss(hidden, batch, self.target.lm_head_weight, self.weights)
+        result.loss.backward()
+        return result
 
     def time_used(self, started: float) -> float:
         """The share of --max-train-minutes spent (0 without a limit); every rank takes rank 0's clock."""
@@ -226,4 +251,4 @@ class Trainer:
             if last:
                 break
         bar.close()
-        return TrainResult(step, smooth[0], smooth[1], smooth[2], step_seconds / step, evals)
+        return TrainResult(step, smooth[0], smooth[1], smooth[2], step_seconds / step, evals, self.compile_fallback)
