@@ -57,6 +57,7 @@ class Scheduler:
         self.device = device
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.requests_by_rid: dict[str, Req] = {}  # NOTE: every queued or running request, until collect_finished
         self.detokenizers: dict[str, TextStream] = {}
         self._grammar_compiler: Optional[GrammarCompiler] = None  # built on the first constrained request
         self.num_retractions = 0
@@ -80,7 +81,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         self.check_request(req)
         # NOTE: here, not in check_request: that one must stay safe to call off the engine thread.
-        if any(r.rid == req.rid for r in self.waiting) or any(r.rid == req.rid for r in self.running):
+        if req.rid in self.requests_by_rid:
             raise ValueError(f"request id {req.rid!r} is already in use by a queued or running request")
         if not req.params.is_greedy:
             req.generator = make_generator(req.params, self.device)
@@ -98,6 +99,7 @@ class Scheduler:
         req.admitted_samples_on_host = req.samples_on_host
         req.received_time = time.monotonic()
         self.waiting.append(req)
+        self.requests_by_rid[req.rid] = req
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -107,11 +109,11 @@ class Scheduler:
         return self._grammar_compiler
 
     def abort(self, rid: str) -> bool:
-        for req in list(self.waiting) + self.running:
-            if req.rid == rid and not req.finished:
-                req.finish = Finish(FinishReason.ABORT, message="aborted by the client")
-                return True
-        return False
+        req = self.requests_by_rid.get(rid)
+        if req is None or req.finished:
+            return False
+        req.finish = Finish(FinishReason.ABORT, message="aborted by the client")
+        return True
 
     @property
     def has_work(self) -> bool:
@@ -276,6 +278,7 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
+            del self.requests_by_rid[req.rid]
             detok = self.detokenizers.pop(req.rid, None)
             matched_text = req.finish is not None and isinstance(req.finish.matched, str)
             if detok is not None and not matched_text:  # NOTE: text after a matched stop string stays cut

@@ -212,8 +212,19 @@ def test_rid_in_flight_rejected(tiny, make_engine) -> None:
     second, _ = engine.make_requests(input_ids=[5], sampling_params=GREEDY, rid="same")
     with pytest.raises(ValueError, match="request id 'same' is already in use"):
         engine.scheduler.add_request(second[0])
+    engine.scheduler.step()
+    assert engine.scheduler.running == first  # running now, still taken
+    with pytest.raises(ValueError, match="request id 'same' is already in use"):
+        engine.scheduler.add_request(second[0])
+    assert not engine.scheduler.abort("unknown")
     run_until_done(engine, first)
+    assert not engine.scheduler.requests_by_rid and not engine.scheduler.abort("same")  # finished: free again
     assert engine.generate(input_ids=[5], sampling_params=GREEDY, rid="same")["meta_info"]["id"] == "same"
+    queued, _ = engine.make_requests(input_ids=[6], sampling_params=GREEDY, rid="queued")
+    engine.scheduler.add_request(queued[0])
+    assert engine.scheduler.abort("queued") and not engine.scheduler.abort("queued")  # aborted once, while queued
+    engine.scheduler.step()
+    assert queued[0].finish is not None and not engine.scheduler.requests_by_rid and not engine.scheduler.waiting
 
 
 def test_duplicate_rids_in_one_batch_rejected(tiny, make_engine) -> None:
