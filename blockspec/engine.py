@@ -178,7 +178,7 @@ class Engine:
         yield from self._run(reqs, 4 * self.config.max_running_requests)
 
     def _run(self, reqs: list[Req], window: int) -> Iterator[tuple[int, dict[str, Any]]]:
-        """At most `window` unfinished at a time (collect_finished scans the whole queue every step). NOTE: yields outside rank_failures."""
+        """At most `window` unfinished at a time (collect_finished scans the queue each step). NOTE: yields outside rank_failures."""
         pending: dict[str, int] = {}
         queued = 0
         while queued < len(reqs) or pending:
