@@ -146,6 +146,7 @@ def main() -> None:
     phase_median = {k: sorted(p[k] for p in phases)[len(phases) // 2] for k in phases[0]}
     report = {**run_identity(), "shape": "tiny" if args.smoke else "smollm2", "num_layers": args.num_layers,
               "feature_backend": target.attention_backend, "compile_draft": args.compile_draft,
+              "compile_fallback": trainer.compile_fallback,
               "batch_size": args.batch_size, "blocks_per_seq": args.blocks_per_seq, "warmup_s": warmup_s,
               "step_ms_median": median, "step_ms_mean": sum(step_times) / len(step_times), "step_ms_all": step_times,
               "phases_ms_median": phase_median, "top_kernels": kernels}

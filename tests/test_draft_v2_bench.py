@@ -145,6 +145,21 @@ def test_results_of_two_machines_merge_into_one_decision(tmp_path: Path) -> None
     details = merged["details"]
     assert details["chosen_run"] == "v3" and details["replaces_shipped"] is True
     assert details["shipped"]["server_c1_speedup"] == 2.7 and merged["server_c1_speedup"] is None
+    bench_state.data["chosen_run"] = "v2"  # bench --run v2 on the first machine: its row names the choice
+    bench_state.data["runs"] = {"v2": run_record(3.5, 2.5)}
+    bench_state.data["server_rows"] = rows + [{"label": "v2", "server_tok_s": 300.0}]
+    bench_state.data["server_speedups"] = speedups(bench_state.data["server_rows"])
+    bench_document = result_document(bench_state, "NVIDIA H200", "abc1234", smoke=False, date="2026-12-03")
+    kept = result_document(merged_state([bench_document, documents[1]], tmp_path / "kept"), "NVIDIA H200", "abc1234",
+                           smoke=False)
+    assert kept["details"]["chosen_run"] == "v2" and kept["server_c1_speedup"] == 3.0
+    renamed = {**documents[1], "runs": {"v2": run_record(3.9, 2.9)}}
+    with pytest.raises(ValueError, match="run 'v2' differs"):
+        merged_state([bench_document, renamed], tmp_path / "z")
+    slower = {**documents[0], "details": {**documents[0]["details"], "server_rows": [{"label": "target_only",
+                                                                                     "server_tok_s": 90.0}]}}
+    with pytest.raises(ValueError, match="server row 'target_only' differs"):
+        merged_state([documents[0], slower], tmp_path / "w")
     other_commit = {**documents[1], "commit": "def5678"}
     with pytest.raises(ValueError, match="different GPUs, commits"):
         merged_state([documents[0], other_commit], tmp_path / "x")

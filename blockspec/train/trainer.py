@@ -174,17 +174,19 @@ class Trainer:
                                   self.context_multiple)
         embeds = nn.functional.embedding(batch.block_ids, self.target.embed_weight).flatten(1, 2)
         self.draft.train()
+        failure: Optional[str] = None
         try:
             result = self._loss_and_gradients(embeds, batch)
-        except Exception as error:  # NOTE: Inductor and Triton raise many types; an eager failure is not caught
-            if self.model is self.eager_model:
-                raise
-            # NOTE: nothing has touched the weights yet: the same batch runs again eagerly, as does the rest of the run
+        except Exception as error:  # NOTE: Inductor and Triton raise many types; eager, OOM and multi-rank re-raise
+            if self.model is self.eager_model or isinstance(error, torch.OutOfMemoryError) or self.dist.world > 1:
+                raise  # NOTE: one DDP rank cannot rerun alone: its broadcasts and bucket all-reduces are half done
+            failure = f"{type(error).__name__}: {error}"[:500]
+        if failure is not None:  # NOTE: out of the except block, so the failed attempt's activations are freed
             self.model = self.eager_model
-            self.compile_fallback = {"step": self.steps_done + 1, "error": f"{type(error).__name__}: {error}"[:500]}
+            self.compile_fallback = {"step": self.steps_done + 1, "error": failure}
             log.warning("--compile-draft: the compiled draft failed at step %d (%s); training on eagerly",
-                        self.steps_done + 1, self.compile_fallback["error"])
-            result = self._loss_and_gradients(embeds, batch)
+                        self.steps_done + 1, failure)
+            result = self._loss_and_gradients(embeds, batch)  # NOTE: weights untouched so far; gradients reset
         if opts.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.draft.parameters(), opts.grad_clip)
         self.optimizer.step()
