@@ -14,6 +14,10 @@
 #   d. carry the last part                       BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh data
 #   e. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh train    (RUN, LAYERS, TRAIN_MIN, MIX_RATIO, EXTRA)
 #   f. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
+# A run longer than one call: `train-start` (the train stage in its own process session, which outlives the call, as
+#   the device keeps such processes while the machine stays warm; its files under $STATE/background), then
+#   `train-wait` calls back to back (each waits up to WAIT_S, default 570 s, then hands back what the run wrote once
+#   it has ended), then bench: e.g. TRAIN_MIN=17 DEADLINE_S=1200 TRAIN_S=1260 for one 17-minute schedule.
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
 # V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
 # Responses survive a lost machine and a session: data and train leave the response cache in $OUT as
@@ -23,7 +27,7 @@
 # Results go to $OUT: data (generation_info.json, general_heldout.jsonl, log), train (training_info_<run>.json, the
 # draft as draft_v2_<run>.tar.part*, result JSON + PNG, log), bench (draft_v2_<date>_<commit>.json + PNG, log).
 set -uo pipefail
-stage=${1:?usage: $0 split|stash|data|train|bench}
+stage=${1:?usage: $0 split|stash|data|train|train-start|train-wait|bench}
 source "$(dirname "$0")/device_gguf.sh"
 name=$gguf_name
 parts=$gguf_parts
@@ -77,6 +81,34 @@ case $stage in
             --mix-ratio "${MIX_RATIO:-0.3}" --extra-train-flags "${EXTRA:-}" ${V2_FLAGS:-} > "$out/draft_v2_train_${RUN:-v2}.log" 2>&1
         code=$?
         save_responses ;;
+    train-start)
+        background="$state/background"
+        rm -rf "$background" && mkdir -p "$background"
+        # NOTE: setsid: a new session outlives this call; `train` writes into $OUT, here the background folder
+        OUT="$background" setsid bash -c '"$0" train > "$1/stdout" 2>&1; echo $? > "$1/rc"' "$0" "$background" \
+            < /dev/null > /dev/null 2>&1 &
+        sleep "${START_WAIT_S:-30}"
+        if [ -f "$background/rc" ]; then
+            cat "$background/stdout"
+            echo "the background train stage ended within ${START_WAIT_S:-30} s (exit $(cat "$background/rc"))" >&2
+            exit 1
+        fi
+        echo "training in the background (session $(ps -o sid= $! 2>/dev/null || echo ?)); train-wait collects it"
+        tail -3 "$background"/draft_v2_train_*.log 2>/dev/null
+        exit 0 ;;
+    train-wait)
+        background="$state/background"
+        [ -d "$background" ] || { echo "no background train stage here: train-start first (same machine)" >&2; exit 2; }
+        end=$(( SECONDS + ${WAIT_S:-570} ))
+        while [ ! -f "$background/rc" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+        if [ ! -f "$background/rc" ]; then
+            echo "still training after this call's ${WAIT_S:-570} s: call train-wait again"
+            grep -v -E "INFO (httpx|blockspec)" "$background"/draft_v2_train_*.log | tail -3
+            exit 0
+        fi
+        cp -r "$background"/. "$out"/ && rm -f "$out/stdout" "$out/rc"
+        cat "$background/stdout"
+        exit "$(cat "$background/rc")" ;;
     bench)
         timeout "${BENCH_S:-400}" python3 benchmarks/draft_v2.py bench --state "$state" --out "$out" --gguf "$state/$name" \
             --run "${RUN:-}" ${V2_FLAGS:-} > "$out/draft_v2_bench.log" 2>&1
