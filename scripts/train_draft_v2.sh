@@ -17,7 +17,8 @@
 # A run longer than one call: `train-start` (the train stage in its own process session, which outlives the call, as
 #   the device keeps such processes while the machine stays warm; its files under $STATE/background), then
 #   `train-wait` calls back to back (each waits up to WAIT_S, default 570 s, then hands back what the run wrote once
-#   it has ended), then bench: e.g. TRAIN_MIN=17 DEADLINE_S=1200 TRAIN_S=1260 for one 17-minute schedule.
+#   it has ended), then bench: e.g. TRAIN_MIN=16 DEADLINE_S=1150 TRAIN_S=1200 for one 16-minute schedule. A run gone
+#   without an exit code (killed with its call) makes train-wait train the same recipe in the foreground instead.
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
 # V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
 # Responses survive a lost machine and a session: data and train leave the response cache in $OUT as
@@ -85,28 +86,38 @@ case $stage in
         background="$state/background"
         rm -rf "$background" && mkdir -p "$background"
         # NOTE: setsid: a new session outlives this call; `train` writes into $OUT, here the background folder
-        OUT="$background" setsid bash -c '"$0" train > "$1/stdout" 2>&1; echo $? > "$1/rc"' "$0" "$background" \
-            < /dev/null > /dev/null 2>&1 &
+        OUT="$background" setsid bash -c 'echo $$ > "$1/pid"; "$0" train > "$1/stdout" 2>&1; echo $? > "$1/rc"' \
+            "$0" "$background" < /dev/null > /dev/null 2>&1 &
+        printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q\n' "${RUN:-v2}" "${EXTRA:-}" "${LAYERS:-5}" "${MIX_RATIO:-0.3}" \
+            > "$background/recipe.sh"
         sleep "${START_WAIT_S:-30}"
         if [ -f "$background/rc" ]; then
             cat "$background/stdout"
             echo "the background train stage ended within ${START_WAIT_S:-30} s (exit $(cat "$background/rc"))" >&2
             exit 1
         fi
-        echo "training in the background (session $(ps -o sid= $! 2>/dev/null || echo ?)); train-wait collects it"
+        echo "training in the background (session $(cat "$background/pid")); train-wait collects it"
         tail -3 "$background"/draft_v2_train_*.log 2>/dev/null
         exit 0 ;;
     train-wait)
         background="$state/background"
         [ -d "$background" ] || { echo "no background train stage here: train-start first (same machine)" >&2; exit 2; }
         end=$(( SECONDS + ${WAIT_S:-570} ))
-        while [ ! -f "$background/rc" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+        while [ ! -f "$background/rc" ] && [ "$SECONDS" -lt "$end" ]; do
+            if ! kill -0 "$(cat "$background/pid")" 2> /dev/null && [ ! -f "$background/rc" ]; then
+                # NOTE: gone without an exit code: killed with its call; train in the foreground within this call
+                echo "the background run is gone (killed with its call?): training in the foreground instead" >&2
+                source "$background/recipe.sh" && rm -rf "$background"
+                TRAIN_MIN=${FALLBACK_TRAIN_MIN:-7.5} DEADLINE_S=560 TRAIN_S=590 exec "$0" train
+            fi
+            sleep 5
+        done
         if [ ! -f "$background/rc" ]; then
             echo "still training after this call's ${WAIT_S:-570} s: call train-wait again"
             grep -v -E "INFO (httpx|blockspec)" "$background"/draft_v2_train_*.log | tail -3
             exit 0
         fi
-        cp -r "$background"/. "$out"/ && rm -f "$out/stdout" "$out/rc"
+        cp -r "$background"/. "$out"/ && rm -f "$out/stdout" "$out/rc" "$out/pid" "$out/recipe.sh"
         cat "$background/stdout"
         exit "$(cat "$background/rc")" ;;
     bench)
@@ -114,7 +125,7 @@ case $stage in
             --run "${RUN:-}" ${V2_FLAGS:-} > "$out/draft_v2_bench.log" 2>&1
         code=$? ;;
     *)
-        echo "unknown stage $stage (split, stash, data, train, bench)" >&2
+        echo "unknown stage $stage (split, stash, data, train, train-start, train-wait, bench)" >&2
         exit 2 ;;
 esac
 grep -v -E "INFO (httpx|blockspec\.(runner|startup|engine|speculative))" "$out"/draft_v2_*.log | tail -"${TAIL:-40}"
