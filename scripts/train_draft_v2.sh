@@ -22,7 +22,8 @@
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
 # V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
 # Responses survive a lost machine and a session: data and train leave the response cache in $OUT as
-#   responses.tar.xz (≈ 1.2 MB per 10k); copy it to .carry/draft_v2/ here, and the next data stage starts from it.
+#   responses.tar.xz (5.1 MB for the 30,000 of 2026-12-03); copy it to .carry/draft_v2/ here, and the next data stage
+#   starts from it. The cache is keyed by the prompts' ids: a changed prompt set reuses every prompt it still has.
 # GENERAL=benchmarks/data/draft_v2_general gives the data stage the committed generated prompts (no Magpie: ≈ 210 s
 #   less); unset, the data stage generates them.
 # Results go to $OUT: data (generation_info.json, general_heldout.jsonl, log), train (training_info_<run>.json, the
@@ -37,7 +38,7 @@ if [ "$stage" = split ]; then
     source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
     mkdir -p .carry/gsm8k .carry/draft_v2
     cp "${GSM8K_DIR:-../shared/data/gsm8k}/train.jsonl" .carry/gsm8k/train.jsonl
-    # NOTE: call 2 keeps 8 MiB for .carry/draft_v2 (a whole run's responses.tar.xz is ≈ 3.5 MB) as it grows
+    # NOTE: call 2 keeps 8 MiB for .carry/draft_v2 (30,000 responses: 5.1 MB); more responses need a larger reserve
     reserve=$(( 8 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) ))
     [ "$reserve" -lt 0 ] && reserve=0
     SECOND_CARRY=".carry/gsm8k .carry/draft_v2" SECOND_RESERVE=$reserve split_gguf "$source_gguf" || exit 1
@@ -48,9 +49,8 @@ mkdir -p "$state"
 responses_cache=${RESPONSES:-.carry/draft_v2/responses.tar.xz}
 restore_responses() {
     # NOTE: the cache's meta names the converted target by absolute path; this machine's may differ. Its responses
-    # are keyed by prompt index: only the committed general prompts (GENERAL) give the same prompts again.
+    # are keyed by their prompts' ids: new general prompts (no GENERAL) reuse the GSM8K ones and generate the rest.
     [ -f "$responses_cache" ] && [ ! -f "$state/responses/meta.json" ] || return 0
-    [ -n "${GENERAL:-}" ] || { echo "not restoring $responses_cache: without GENERAL the prompts are new"; return 0; }
     xz -t "$responses_cache" || { echo "not restoring $responses_cache: the archive is damaged" >&2; return 0; }
     tar -C "$state" -xJf "$responses_cache" || return 1
     python3 -c 'import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); m = json.loads(p.read_text());

@@ -159,8 +159,13 @@ def test_response_cache_resumes(target: tuple[Path, Any], tmp_path: Path) -> Non
     assert generated == len(prompts) - 2 and resumed == first
     with pytest.raises(ValueError, match="cache .* was made with"):
         generate({"max_new_tokens": 99})
-    with pytest.raises(ValueError, match="different prompt at index 1"):
-        generate(todo=[prompts[0], [42]])
+    changed, generated = generate(todo=[prompts[3], [42], prompts[0], [42]])  # reordered, one new prompt twice
+    assert generated == 1 and len(built) == 3  # NOTE: keyed by the prompt's ids: only [42] is new, generated once
+    assert [s.index for s in changed] == [0, 1, 2, 3] and [s.prompt_ids for s in changed] == [prompts[3], [42], prompts[0], [42]]
+    assert changed[0].output_ids == first[3].output_ids and changed[2].output_ids == first[0].output_ids
+    assert changed[1].output_ids == changed[3].output_ids and len(changed[1].output_ids) == 12
+    again, generated = generate()
+    assert generated == 0 and again == first  # the old prompts' responses are still there
 
 
 def test_training_run_reuses_cached_responses(target: tuple[Path, Any], tmp_path: Path) -> None:

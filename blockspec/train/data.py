@@ -1,7 +1,8 @@
 """Training data: prompts from JSON lines → the target's own greedy responses (blockspec Engine), cached on disk.
 
-The cache is a folder of append-only JSON lines files (`responses.rank{R}.jsonl`, one per writer) keyed by prompt
-index, plus `meta.json` with the generation settings; a rerun reuses every cached response and generates the rest."""
+The cache is a folder of append-only JSON lines files (`responses.rank{R}.jsonl`, one per writer) of prompt ids and
+their response, plus `meta.json` with the generation settings; a rerun reuses the response of every prompt it has
+seen, whatever its index now (prompts added, dropped or reordered), and generates the rest."""
 from __future__ import annotations
 
 import json
@@ -159,8 +160,9 @@ class ResponseCache:
             json.dump(self.meta, f, indent=1)
         os.replace(tmp, path)
 
-    def load(self) -> dict[int, Sample]:
-        samples: dict[int, Sample] = {}
+    def load(self) -> dict[tuple[int, ...], list[int]]:
+        """Every cached response, keyed by its prompt's token ids (one greedy answer per prompt: the last line wins)."""
+        responses: dict[tuple[int, ...], list[int]] = {}
         for file in sorted(self.root.glob("responses.rank*.jsonl")):
             with open(file) as f:
                 lines = f.readlines()
@@ -172,8 +174,8 @@ class ResponseCache:
                         logger.warning("ignoring a partial last line in %s", file)
                         continue
                     raise ValueError(f"{file}:{number}: corrupt cache line; delete the cache") from None
-                samples[int(raw["index"])] = Sample(int(raw["index"]), raw["prompt_ids"], raw["output_ids"])
-        return samples
+                responses[tuple(raw["prompt_ids"])] = raw["output_ids"]
+        return responses
 
     def append(self, samples: list[Sample]) -> None:
         with open(self.file, "a") as f:
@@ -201,13 +203,10 @@ def generate_responses(
     cache.check_meta()
     cache.drop_partial_tail()
     cached = cache.load()
-    for index, sample in cached.items():
-        if index < len(prompts) and sample.prompt_ids != prompts[index]:
-            raise ValueError(
-                f"the response cache {cache.root} holds a different prompt at index {index}; "
-                "the data file changed: pass another --cache-dir or delete it"
-            )
-    todo = [i for i in range(len(prompts)) if i not in cached and i % world == rank]
+    first_of: dict[tuple[int, ...], int] = {}  # NOTE: a prompt repeated in `prompts` is generated once
+    for index, prompt in enumerate(prompts):
+        first_of.setdefault(tuple(prompt), index)
+    todo = [i for key, i in first_of.items() if key not in cached and i % world == rank]
     if todo:
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
         engine = make_engine()
@@ -231,7 +230,7 @@ def generate_responses(
             engine.shutdown()
     barrier()
     everything = cache.load()
-    missing = [i for i in range(len(prompts)) if i not in everything]
+    missing = [i for i, prompt in enumerate(prompts) if tuple(prompt) not in everything]
     if missing:
         raise RuntimeError(f"{len(missing)} prompt(s) have no cached response after generation (e.g. {missing[:3]})")
-    return [everything[i] for i in range(len(prompts))], len(todo)
+    return [Sample(i, prompt, list(everything[tuple(prompt)])) for i, prompt in enumerate(prompts)], len(todo)
