@@ -16,8 +16,8 @@
 #   f. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
 # A run longer than one call: `train-start` (the train stage in its own process session, which outlives the call, as
 #   the device keeps such processes while the machine stays warm; its files under $STATE/background), then
-#   `train-wait` calls back to back (each waits up to WAIT_S, default 570 s, then hands back what the run wrote once
-#   it has ended), then bench: e.g. TRAIN_MIN=16 DEADLINE_S=1150 TRAIN_S=1200 for one 16-minute schedule. A run gone
+#   `train-wait` calls back to back (each waits up to WAIT_S, default 570 s, exits 75 while the run goes on and hands
+#   back what it wrote once it has ended; bench refuses to start while it runs), then bench: e.g. TRAIN_MIN=16 DEADLINE_S=1150 TRAIN_S=1200 for one 16-minute schedule. A run gone
 #   without an exit code (killed with its call) makes train-wait train the same recipe in the foreground instead.
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
 # V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
@@ -51,12 +51,19 @@ restore_responses() {
     # NOTE: the cache's meta names the converted target by absolute path; this machine's may differ. Its responses
     # are keyed by their prompts' ids: new general prompts (no GENERAL) reuse the GSM8K ones and generate the rest.
     [ -f "$responses_cache" ] && [ ! -f "$state/responses/meta.json" ] || return 0
+    case " ${V2_FLAGS:-} " in
+        *" --smoke "*) echo "not restoring $responses_cache: a smoke run asks other generation settings"; return 0 ;;
+    esac
     xz -t "$responses_cache" || { echo "not restoring $responses_cache: the archive is damaged" >&2; return 0; }
     tar -C "$state" -xJf "$responses_cache" || return 1
     python3 -c 'import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); m = json.loads(p.read_text());
 m["target_model_path"] = str(pathlib.Path(sys.argv[2]).resolve()); p.write_text(json.dumps(m, indent=1))' \
         "$state/responses/meta.json" "$state/model/smollm2-135m-instruct"
     echo "restored $(cat "$state"/responses/responses.rank*.jsonl | wc -l) cached responses from $responses_cache"
+}
+background_alive() {
+    # NOTE: any process of the background session: its timeout and python run in their own process groups
+    [ -f "$state/background/pid" ] && pgrep -s "$(cat "$state/background/pid")" > /dev/null
 }
 save_responses() {
     # NOTE: written whole or not at all: a call cut mid-write must not bring back a damaged archive
@@ -84,12 +91,17 @@ case $stage in
         save_responses ;;
     train-start)
         background="$state/background"
+        if background_alive; then
+            echo "a background train stage is still running (session $(cat "$background/pid")): train-wait first" >&2
+            exit 2
+        fi
         rm -rf "$background" && mkdir -p "$background"
-        # NOTE: setsid: a new session outlives this call; `train` writes into $OUT, here the background folder
-        OUT="$background" setsid bash -c 'echo $$ > "$1/pid"; "$0" train > "$1/stdout" 2>&1; echo $? > "$1/rc"' \
-            "$0" "$background" < /dev/null > /dev/null 2>&1 &
-        printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q\n' "${RUN:-v2}" "${EXTRA:-}" "${LAYERS:-5}" "${MIX_RATIO:-0.3}" \
-            > "$background/recipe.sh"
+        printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q V2_FLAGS=%q\n' "${RUN:-v2}" "${EXTRA:-}" "${LAYERS:-5}" \
+            "${MIX_RATIO:-0.3}" "${V2_FLAGS:-}" > "$background/recipe.sh"
+        # NOTE: setsid: a new session (its id is the pid written) outlives this call; `train` writes into $OUT, here
+        # the background folder; rc appears whole (renamed) once the stage has ended
+        OUT="$background" setsid bash -c 'echo $$ > "$1/pid"; "$0" train > "$1/stdout" 2>&1;
+            echo $? > "$1/rc.partial"; mv "$1/rc.partial" "$1/rc"' "$0" "$background" < /dev/null > /dev/null 2>&1 &
         sleep "${START_WAIT_S:-30}"
         if [ -f "$background/rc" ]; then
             cat "$background/stdout"
@@ -104,23 +116,30 @@ case $stage in
         [ -d "$background" ] || { echo "no background train stage here: train-start first (same machine)" >&2; exit 2; }
         end=$(( SECONDS + ${WAIT_S:-570} ))
         while [ ! -f "$background/rc" ] && [ "$SECONDS" -lt "$end" ]; do
-            if ! kill -0 "$(cat "$background/pid")" 2> /dev/null && [ ! -f "$background/rc" ]; then
-                # NOTE: gone without an exit code: killed with its call; train in the foreground within this call
-                echo "the background run is gone (killed with its call?): training in the foreground instead" >&2
+            if ! background_alive && [ ! -f "$background/rc" ]; then
+                echo "the background run is gone without an exit code (killed with its call?)" >&2
+                # NOTE: only at the start of this call is there time for a foreground run within it
+                [ "$SECONDS" -lt 30 ] || exit 1
                 source "$background/recipe.sh" && rm -rf "$background"
-                TRAIN_MIN=${FALLBACK_TRAIN_MIN:-7.5} DEADLINE_S=560 TRAIN_S=590 exec "$0" train
+                echo "training the same recipe in the foreground instead" >&2
+                TRAIN_MIN=${FALLBACK_TRAIN_MIN:-7.5} DEADLINE_S=$(( 540 - SECONDS )) TRAIN_S=$(( 590 - SECONDS )) \
+                    exec "$0" train
             fi
             sleep 5
         done
         if [ ! -f "$background/rc" ]; then
             echo "still training after this call's ${WAIT_S:-570} s: call train-wait again"
             grep -v -E "INFO (httpx|blockspec)" "$background"/draft_v2_train_*.log | tail -3
-            exit 0
+            exit 75  # NOTE: not 0: nothing is collected yet
         fi
         cp -r "$background"/. "$out"/ && rm -f "$out/stdout" "$out/rc" "$out/pid" "$out/recipe.sh"
         cat "$background/stdout"
         exit "$(cat "$background/rc")" ;;
     bench)
+        if background_alive; then
+            echo "a background train stage is still running (session $(cat "$state/background/pid")): train-wait first" >&2
+            exit 2
+        fi
         timeout "${BENCH_S:-400}" python3 benchmarks/draft_v2.py bench --state "$state" --out "$out" --gguf "$state/$name" \
             --run "${RUN:-}" ${V2_FLAGS:-} > "$out/draft_v2_bench.log" 2>&1
         code=$? ;;

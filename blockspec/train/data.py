@@ -207,6 +207,7 @@ def generate_responses(
     for index, prompt in enumerate(prompts):
         first_of.setdefault(tuple(prompt), index)
     todo = [i for key, i in first_of.items() if key not in cached and i % world == rank]
+    del cached, first_of  # NOTE: the cache is read again below, after this rank's generation and the barrier
     if todo:
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
         engine = make_engine()
