@@ -65,6 +65,11 @@ background_alive() {
     # NOTE: any process of the background session: its timeout and python run in their own process groups
     [ -f "$state/background/pid" ] && pgrep -s "$(cat "$state/background/pid")" > /dev/null
 }
+refuse_while_training() {
+    background_alive || return 0
+    echo "a background train stage is still running (session $(cat "$state/background/pid")): train-wait first" >&2
+    exit 2
+}
 save_responses() {
     # NOTE: written whole or not at all: a call cut mid-write must not bring back a damaged archive
     [ -d "$state/responses" ] || return 0
@@ -91,10 +96,7 @@ case $stage in
         save_responses ;;
     train-start)
         background="$state/background"
-        if background_alive; then
-            echo "a background train stage is still running (session $(cat "$background/pid")): train-wait first" >&2
-            exit 2
-        fi
+        refuse_while_training
         rm -rf "$background" && mkdir -p "$background"
         printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q V2_FLAGS=%q\n' "${RUN:-v2}" "${EXTRA:-}" "${LAYERS:-5}" \
             "${MIX_RATIO:-0.3}" "${V2_FLAGS:-}" > "$background/recipe.sh"
@@ -136,10 +138,7 @@ case $stage in
         cat "$background/stdout"
         exit "$(cat "$background/rc")" ;;
     bench)
-        if background_alive; then
-            echo "a background train stage is still running (session $(cat "$state/background/pid")): train-wait first" >&2
-            exit 2
-        fi
+        refuse_while_training
         timeout "${BENCH_S:-400}" python3 benchmarks/draft_v2.py bench --state "$state" --out "$out" --gguf "$state/$name" \
             --run "${RUN:-}" ${V2_FLAGS:-} > "$out/draft_v2_bench.log" 2>&1
         code=$? ;;
