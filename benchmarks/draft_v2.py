@@ -28,11 +28,13 @@ from typing import Any, Optional
 from blockspec.bench.provenance import commit_id
 from blockspec.smollm2 import DEMO_DRAFT_DIR
 from blockspec.train.cli import main as train_draft
+from blockspec.train.data import ratio_taking_all, read_prompt_records
 from blockspec.train.info import read_info
 from blockspec.train.magpie import MagpieSettings
 from draft_v2_data import (
     GENERAL_FILES, DataPaths, general_outputs, seed_general, target_dir, write_general, write_gsm8k,
 )
+from draft_v2_extend import MATH_SYSTEM_PROMPT, Batch, ExtendSettings, extend_general
 from draft_v2_report import State, asset_stats, best_run, pack_draft, set_accepts, write_result
 from draft_v2_server import ServerSettings, demo_prompts, measure_one_client, speedups
 
@@ -81,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--general-prompts", type=Path,
                         help="data: a folder with an earlier data stage's general prompts (prompts.train.jsonl, "
                              "general_heldout.jsonl, generation_info.json) used instead of generating them again")
+    parser.add_argument("--more-general", type=int, default=0,
+                        help="data: sample this many more general prompts (new Magpie seeds) into the training set")
+    parser.add_argument("--more-math", type=int, default=0,
+                        help="data: and this many behind a math-tutor system prompt (word problems, mostly)")
+    parser.add_argument("--more-seed", type=int, default=1, help="first Magpie seed of the extra prompts (0: the state's)")
+    parser.add_argument("--gen-workers", type=int, default=1,
+                        help="generation processes side by side on the device (extra prompts and responses)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): every stage in a few minutes")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
@@ -88,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("--run", default="v2", help="the run's name (train), or the run to serve (bench)")
     recipe.add_argument("--num-layers", type=int, default=5)
     recipe.add_argument("--target-layer-ids", type=int, nargs="+", default=SHIPPED_TAPS)
-    recipe.add_argument("--mix-ratio", type=float, default=0.3, help="share of generated prompts in the training set")
+    recipe.add_argument("--mix-ratio", default="0.3",
+                        help="share of generated prompts in the training set, or `all`: every GSM8K and general prompt")
     recipe.add_argument("--train-minutes", type=float, default=6.5, help="training wall time at most")
     recipe.add_argument("--deadline-s", type=float, default=540.0,
                         help="the train stage's own budget: training is shortened so generation + training + evals fit")
@@ -97,12 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def mix_ratio(args: argparse.Namespace, paths: DataPaths) -> float:
+    if args.mix_ratio != "all":
+        return float(args.mix_ratio)
+    return ratio_taking_all(*(len(read_prompt_records(path)) for path in (paths.gsm8k_train, paths.general_train)))
+
+
 def data_flags(args: argparse.Namespace, paths: DataPaths, model_dir: Path, scale: Scale) -> list[str]:
     """What every train-draft call of this state shares: the same prompts, hence the same response cache."""
     return ["--target-model-path", str(model_dir), "--data", str(paths.gsm8k_train), "--mix-data", str(paths.general_train),
-            "--mix-ratio", str(args.mix_ratio), "--cache-dir", str(paths.responses), "--max-new-tokens",
+            "--mix-ratio", str(mix_ratio(args, paths)), "--cache-dir", str(paths.responses), "--max-new-tokens",
             str(scale.max_new_tokens), "--gen-batch-size", str(scale.gen_batch_size), "--num-eval-prompts", "0",
-            "--device", args.device, "--seed", str(args.seed), "--no-progress"]
+            "--gen-workers", str(args.gen_workers), "--device", args.device, "--seed", str(args.seed), "--no-progress"]
 
 
 def eval_flags(paths: DataPaths, scale: Scale) -> list[str]:
@@ -136,6 +152,8 @@ def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: 
         data["general"] = write_general(paths, model_dir, settings, args.device, "auto")
     state.data["data"] = data
     state.save()
+    data["extension"] = extend_state(args, paths, state, scale, model_dir)
+    state.save()
     args.out.mkdir(parents=True, exist_ok=True)
     for source, name in zip(general_outputs(paths), GENERAL_FILES):
         shutil.copyfile(source, args.out / name)  # NOTE: `--general-prompts` takes this set back
@@ -143,6 +161,25 @@ def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: 
     started = time.monotonic()
     call_train_draft([*data_flags(args, paths, model_dir, scale), "--responses-only"])
     print(f"responses cached in {time.monotonic() - started:.0f} s", flush=True)
+
+
+def extend_state(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale, model_dir: Path) -> Any:
+    """--more-general / --more-math: once per state (a rerun of the data stage keeps what the first one added)."""
+    done = state.data.get("extension_done")
+    if done is not None or not (args.more_general or args.more_math):
+        return done
+    batches = tuple(b for b in (Batch("general_more", args.more_general), Batch("math", args.more_math, MATH_SYSTEM_PROMPT))
+                    if b.count > 0)
+    settings = ExtendSettings(batches, args.gen_workers, args.more_seed, scale.magpie_minutes, scale.magpie_batch,
+                              scale.magpie_max_new_tokens, args.device)
+    summary = extend_general(paths.general_train, paths.general_heldout, paths.prompts / "more", model_dir, settings)
+    info_path = paths.prompts / "generation_info.json"
+    info = json.loads(info_path.read_text())
+    info.setdefault("extensions", []).append(summary)  # NOTE: the returned set describes every batch it holds
+    info_path.write_text(json.dumps(info, indent=1))
+    state.data["extension_done"] = summary
+    print(json.dumps({name: b["kept"] for name, b in summary["batches"].items()}), flush=True)
+    return summary
 
 
 def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:
@@ -164,7 +201,7 @@ def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale:
     call_train_draft([*common, *recipe, *eval_flags(paths, scale), "--out", str(run_dir)])
     info = read_info(run_dir)
     state.data["runs"][args.run] = {
-        "recipe": recipe, "mix_ratio": args.mix_ratio, "num_layers": args.num_layers, "max_train_minutes": minutes,
+        "recipe": recipe, "mix_ratio": mix_ratio(args, paths), "num_layers": args.num_layers, "max_train_minutes": minutes,
         "accept": set_accepts(info), "eval": info["eval_runs"][-1]["sets"], "result": info["result"],
         "train_sequences": info["train_sequences"], "wall_s": info["wall_s"], "asset": asset_stats(run_dir),
     }

@@ -24,6 +24,9 @@
 # Responses survive a lost machine and a session: data and train leave the response cache in $OUT as
 #   responses.tar.xz (5.1 MB for the 30,000 of 2026-12-03); copy it to .carry/draft_v2/ here, and the next data stage
 #   starts from it. The cache is keyed by the prompts' ids: a changed prompt set reuses every prompt it still has.
+# MORE_GENERAL=N / MORE_MATH=N (data) add N new Magpie prompts (math: behind a tutor system prompt; seeds from MORE_SEED,
+#   default 1) to the state's general training set, once per state; MIX_RATIO (data and train) must then let them in.
+#   GEN_WORKERS=N runs N generation processes side by side on the GPU (the 135M target decodes host-bound).
 # GENERAL=benchmarks/data/draft_v2_general gives the data stage the committed generated prompts (no Magpie: ≈ 210 s
 #   less); unset, the data stage generates them.
 # Results go to $OUT: data (generation_info.json, general_heldout.jsonl, log), train (training_info_<run>.json, the
@@ -83,23 +86,25 @@ case $stage in
         assemble_gguf "$state" || exit 1
         restore_responses || exit 1
         timeout "${DATA_S:-570}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
-            --gsm8k-train .carry/gsm8k/train.jsonl ${GENERAL:+--general-prompts "$GENERAL"} ${V2_FLAGS:-} \
-            > "$out/draft_v2_data.log" 2>&1
+            --gsm8k-train .carry/gsm8k/train.jsonl ${GENERAL:+--general-prompts "$GENERAL"} --mix-ratio "${MIX_RATIO:-0.3}" \
+            --more-general "${MORE_GENERAL:-0}" --more-math "${MORE_MATH:-0}" --more-seed "${MORE_SEED:-1}" \
+            --gen-workers "${GEN_WORKERS:-1}" ${V2_FLAGS:-} > "$out/draft_v2_data.log" 2>&1
         code=$?
         [ $code -eq 124 ] && echo "data stage cut at ${DATA_S:-570} s: the train stage generates the responses left"
         save_responses ;;
     train)
         timeout "${TRAIN_S:-590}" python3 benchmarks/draft_v2.py train --state "$state" --out "$out" --gguf "$state/$name" \
             --run "${RUN:-v2}" --num-layers "${LAYERS:-5}" --train-minutes "${TRAIN_MIN:-6.5}" --deadline-s "${DEADLINE_S:-540}" \
-            --mix-ratio "${MIX_RATIO:-0.3}" --extra-train-flags "${EXTRA:-}" ${V2_FLAGS:-} > "$out/draft_v2_train_${RUN:-v2}.log" 2>&1
+            --mix-ratio "${MIX_RATIO:-0.3}" --gen-workers "${GEN_WORKERS:-1}" --extra-train-flags "${EXTRA:-}" ${V2_FLAGS:-} \
+            > "$out/draft_v2_train_${RUN:-v2}.log" 2>&1
         code=$?
         save_responses ;;
     train-start)
         background="$state/background"
         refuse_while_training
         rm -rf "$background" && mkdir -p "$background"
-        printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q V2_FLAGS=%q\n' "${RUN:-v2}" "${EXTRA:-}" "${LAYERS:-5}" \
-            "${MIX_RATIO:-0.3}" "${V2_FLAGS:-}" > "$background/recipe.sh"
+        printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q GEN_WORKERS=%q V2_FLAGS=%q\n' "${RUN:-v2}" "${EXTRA:-}" \
+            "${LAYERS:-5}" "${MIX_RATIO:-0.3}" "${GEN_WORKERS:-1}" "${V2_FLAGS:-}" > "$background/recipe.sh"
         # NOTE: setsid: a new session (its id is the pid written) outlives this call; `train` writes into $OUT, here
         # the background folder; rc appears whole (renamed) once the stage has ended
         OUT="$background" setsid bash -c 'echo $$ > "$1/pid"; "$0" train > "$1/stdout" 2>&1;

@@ -217,7 +217,8 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     train_file.write_text("".join(json.dumps(line) + "\n" for line in load_lines(default_data_path())[-64:]))
     command = [sys.executable, str(BENCHMARKS / "draft_v2.py"), "all", "--smoke", "--device", "cpu",
                "--state", str(tmp_path / "state"), "--out", str(tmp_path / "out"), "--gguf", str(smollm2_gguf_path()),
-               "--gsm8k-train", str(train_file)]
+               "--gsm8k-train", str(train_file), "--more-general", "4", "--more-math", "2", "--gen-workers", "2",
+               "--mix-ratio", "all"]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "out"
@@ -240,3 +241,6 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     heldout = {r["messages"][-1]["content"] for r in read_prompt_records(out / "general_heldout.jsonl")}
     trained = {r["messages"][-1]["content"] for r in read_prompt_records(info["options"]["mix_data"])}
     assert heldout and not heldout & trained
+    extension = json.loads((out / "generation_info.json").read_text())["extensions"][0]
+    assert {name: batch["kept"] for name, batch in extension["batches"].items()} == {"general_more": 4, "math": 2}
+    assert len(trained) == 7 + 6 and info["train_sequences"] == 24 + 13  # NOTE: `all`: every GSM8K and general prompt

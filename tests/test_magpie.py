@@ -14,7 +14,8 @@ from blockspec import cli as blockspec_cli
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 from blockspec.train.data import read_prompt_records, reject_heldout
 from blockspec.train.magpie import (
-    HELDOUT_FILE, INFO_FILE, TRAIN_FILE, MagpieSettings, generate_prompts, user_turn, write_prompts,
+    HELDOUT_FILE, INFO_FILE, TRAIN_FILE, MagpieSettings, generate_prompts, last_user_turns, prompt_record, user_turn,
+    write_prompts,
 )
 from blockspec.train.prompt_filter import FilterSettings, deduplicate, jaccard, normalise, rejection_reason, shingles
 
@@ -151,6 +152,21 @@ def test_generated_split_is_seeded_disjoint_and_refused_for_training(smollm2_tok
     reject_heldout(train, paths["train"])
     with pytest.raises(ValueError, match="held-out split"):
         reject_heldout(heldout, paths["heldout"])
+
+
+def test_known_prompts_are_never_sampled_again(smollm2_tokenizer: Any, tmp_path: Path) -> None:
+    end_of_turn = user_turn(smollm2_tokenizer, None).end_of_turn_id
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text("".join(json.dumps(prompt_record(text, "Be brief.", "heldout", n)) + "\n" for n, text in
+                               enumerate([FakeSampler.POOL[0], FakeSampler.POOL[8].replace(".", " please.")])))
+    known = last_user_turns([earlier])
+    assert known == [FakeSampler.POOL[0], FakeSampler.POOL[8].replace(".", " please.")]
+    settings = MagpieSettings(5, batch_size=4, heldout_fraction=0.0, max_candidates=30)
+    fresh = generate_prompts(FakeSampler(smollm2_tokenizer, end_of_turn), smollm2_tokenizer, settings, known=known)
+    kept = fresh.train + fresh.heldout
+    assert not fresh.heldout and len(kept) == 5 and fresh.info["known_prompts"] == 2
+    assert FakeSampler.POOL[0] not in kept and FakeSampler.POOL[8] not in kept  # exactly and nearly known
+    assert fresh.info["exact_duplicates"] == 3 and fresh.info["near_duplicates"] == 2  # POOL 0, 4, 0 again; 7, 8
 
 
 def test_bad_settings_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ import pytest
 from blockspec import cli as blockspec_cli
 from blockspec.demo import draft_description
 from blockspec.smollm2 import DEMO_DRAFT_DIR
-from blockspec.train.data import mix_records
+from blockspec.train.data import mix_counts, mix_records, ratio_taking_all
 from blockspec.train.info import describe_draft, latest_measurements, read_info
 from blockspec.train.options import TrainOptions
 from blockspec.train.pipeline import run
@@ -45,6 +45,8 @@ def test_mix_records_takes_the_ratio() -> None:
     assert mix_records(main, extra, 0.75) == main + extra[:30]
     assert mix_records(main, extra[:5], 0.5) == main[:5] + extra[:5]  # too few extra prompts: main is cut
     assert mix_records(main, extra, 0.2) == main + extra[:2]
+    sizes = [(1, 1), (3, 100_000), (22_419, 9_000), (22_419, 27_000), (100_000, 3), (7, 7)]
+    assert all(mix_counts(m, e, ratio_taking_all(m, e)) == (m, e) for m, e in sizes)  # every record of both
 
 
 def test_mixed_training_with_prompt_sets_and_eval_only(target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -75,6 +75,11 @@ def mix_counts(main: int, extra: int, ratio: float) -> tuple[int, int]:
     return min(main, max(1, round(extra * (1.0 - ratio) / ratio))), extra
 
 
+def ratio_taking_all(main: int, extra: int) -> float:
+    """The --mix-ratio whose mix_counts keep every record of both files."""
+    return (extra + 0.4) / (main + extra + 0.4)  # NOTE: round(main * r / (1 - r)) == extra; 0.4 absorbs float error
+
+
 def mix_records(main: list[dict[str, Any]], extra: list[dict[str, Any]], ratio: float) -> list[dict[str, Any]]:
     """`main`'s first records followed by `extra`'s (mix_counts): both files keep their order, so the mix is the same
     on every run and a larger ratio only appends prompts."""
@@ -131,7 +136,8 @@ def default_mask_token_id(tokenizer: Any, vocab_size: int, used: set[int]) -> in
 
 
 class ResponseCache:
-    def __init__(self, root: Path, meta: dict[str, Any], rank: int = 0) -> None:
+    def __init__(self, root: Path, meta: dict[str, Any], rank: int | str = 0) -> None:
+        """`rank` names this writer's file: a torchrun rank, or "R-W" for generation worker W of rank R."""
         self.root = root
         self.meta = meta
         self.file = root / f"responses.rank{rank}.jsonl"
@@ -185,6 +191,61 @@ class ResponseCache:
             os.fsync(f.fileno())
 
 
+def generate_missing(
+    prompts: list[list[int]],
+    cache: ResponseCache,
+    make_engine: Callable[[], Any],
+    max_new_tokens: int,
+    ignore_eos: bool,
+    batch_size: int,
+    rank: int = 0,
+    world: int = 1,
+    progress: bool = True,
+) -> int:
+    """Generates the prompts missing from the cache whose index ≡ rank (mod world) into this writer's file; returns
+    how many. A prompt repeated in `prompts` is generated once (at its first index)."""
+    cache.check_meta()
+    cache.drop_partial_tail()
+    cached = cache.load()
+    first_of: dict[tuple[int, ...], int] = {}
+    for index, prompt in enumerate(prompts):
+        first_of.setdefault(tuple(prompt), index)
+    todo = [i for key, i in first_of.items() if key not in cached and i % world == rank]
+    del cached, first_of
+    if not todo:
+        return 0
+    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+    engine = make_engine()
+    try:
+        bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
+        done: list[Sample] = []
+        # NOTE: generate_iter keeps the running batch full (per-chunk generate calls drained it at each chunk's
+        # end); the cache gets every `batch_size` finished responses, and what finished before an error
+        try:
+            for position, out in engine.generate_iter([prompts[i] for i in todo], params):
+                done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
+                if len(done) >= batch_size:
+                    cache.append(done)
+                    bar.update(len(done))
+                    done = []
+        finally:
+            cache.append(done)
+        bar.update(len(done))
+        bar.close()
+    finally:
+        engine.shutdown()
+    return len(todo)
+
+
+def cached_samples(prompts: list[list[int]], cache: ResponseCache) -> list[Sample]:
+    """Every prompt with its cached response, in index order; a prompt without one is an error."""
+    everything = cache.load()
+    missing = [i for i, prompt in enumerate(prompts) if tuple(prompt) not in everything]
+    if missing:
+        raise RuntimeError(f"{len(missing)} prompt(s) have no cached response after generation (e.g. {missing[:3]})")
+    return [Sample(i, prompt, list(everything[tuple(prompt)])) for i, prompt in enumerate(prompts)]
+
+
 def generate_responses(
     prompts: list[list[int]],
     cache: ResponseCache,
@@ -200,38 +261,7 @@ def generate_responses(
     """(samples for every prompt in index order, how many this rank generated now).
 
     Rank r generates the missing prompts whose index ≡ r (mod world); everyone then reads the whole cache."""
-    cache.check_meta()
-    cache.drop_partial_tail()
-    cached = cache.load()
-    first_of: dict[tuple[int, ...], int] = {}  # NOTE: a prompt repeated in `prompts` is generated once
-    for index, prompt in enumerate(prompts):
-        first_of.setdefault(tuple(prompt), index)
-    todo = [i for key, i in first_of.items() if key not in cached and i % world == rank]
-    del cached, first_of  # NOTE: the cache is read again below, after this rank's generation and the barrier
-    if todo:
-        params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
-        engine = make_engine()
-        try:
-            bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
-            done: list[Sample] = []
-            # NOTE: generate_iter keeps the running batch full (per-chunk generate calls drained it at each chunk's
-            # end); the cache gets every `batch_size` finished responses, and what finished before an error
-            try:
-                for position, out in engine.generate_iter([prompts[i] for i in todo], params):
-                    done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
-                    if len(done) >= batch_size:
-                        cache.append(done)
-                        bar.update(len(done))
-                        done = []
-            finally:
-                cache.append(done)
-            bar.update(len(done))
-            bar.close()
-        finally:
-            engine.shutdown()
+    generated = generate_missing(prompts, cache, make_engine, max_new_tokens, ignore_eos, batch_size, rank, world,
+                                 progress)
     barrier()
-    everything = cache.load()
-    missing = [i for i, prompt in enumerate(prompts) if tuple(prompt) not in everything]
-    if missing:
-        raise RuntimeError(f"{len(missing)} prompt(s) have no cached response after generation (e.g. {missing[:3]})")
-    return [Sample(i, prompt, list(everything[tuple(prompt)])) for i, prompt in enumerate(prompts)], len(todo)
+    return cached_samples(prompts, cache), generated

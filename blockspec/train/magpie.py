@@ -13,11 +13,11 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from tqdm import tqdm
 
-from blockspec.train.data import HELDOUT_SPLIT
+from blockspec.train.data import HELDOUT_SPLIT, read_prompt_records
 from blockspec.train.prompt_filter import Deduplicator, FilterSettings, rejection_reason
 
 logger = logging.getLogger(__name__)
@@ -123,15 +123,19 @@ class GeneratedPrompts:
 
 
 def generate_prompts(
-    generate: Generate, tokenizer: Any, settings: MagpieSettings, progress: bool = False
+    generate: Generate, tokenizer: Any, settings: MagpieSettings, progress: bool = False, known: Sequence[str] = (),
 ) -> GeneratedPrompts:
     """Samples batches of user turns until `num_prompts` survive the filters and deduplication (or the candidate
     limit or the time limit is reached); the first `num_prompts` in candidate order are shuffled with the seed and
-    split. NOTE: a time limit makes the count depend on the device's speed; the prompts kept do not."""
+    split. `known`: prompts of earlier sets (their held-out splits included); a candidate that duplicates one of them,
+    exactly or nearly, is dropped as a duplicate. NOTE: a time limit makes the count depend on the device's speed; the
+    prompts kept do not."""
     settings.validate()
     started = time.perf_counter()
     turn = user_turn(tokenizer, settings.system_prompt)
     unique = Deduplicator(settings.filters.near_duplicate_jaccard)
+    for text in known:
+        unique.remember(text)
     rejected: dict[str, int] = {}
     kept: list[str] = []
     passed = drawn = 0
@@ -168,12 +172,24 @@ def generate_prompts(
     info = {
         "settings": {**asdict(settings), "filters": asdict(settings.filters)}, "candidates": drawn,
         "passed_filters": passed, "rejected": rejected, "exact_duplicates": unique.exact_duplicates,
-        "near_duplicates": unique.near_duplicates,
+        "near_duplicates": unique.near_duplicates, "known_prompts": len(known),
         "prompts": len(texts), "train": len(texts) - held, "heldout": held,
         "stopped_by_time_limit": timed_out, "prefix_ids": turn.prefix_ids, "end_of_turn_id": turn.end_of_turn_id,
         "seconds": round(time.perf_counter() - started, 1),
     }
     return GeneratedPrompts(texts[held:], texts[:held], info)
+
+
+def last_user_turns(paths: Sequence[str | Path]) -> list[str]:
+    """The last user message of every prompt record in these JSONL files: the `known` prompts of generate_prompts."""
+    turns = []
+    for path in paths:
+        for record in read_prompt_records(path):
+            users = [m["content"] for m in record.get("messages", []) if m.get("role") == "user"]
+            if not users:
+                raise ValueError(f"{path}: a record without a user message (keys {sorted(record)})")
+            turns.append(users[-1])
+    return turns
 
 
 def prompt_record(text: str, system_prompt: Optional[str], split: str, number: int) -> dict[str, Any]:

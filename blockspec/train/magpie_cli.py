@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from blockspec.train.magpie import MagpieSettings, engine_generate, generate_prompts, user_turn, write_prompts
+from blockspec.train.magpie import (
+    MagpieSettings, engine_generate, generate_prompts, last_user_turns, user_turn, write_prompts,
+)
 from blockspec.train.prompt_filter import FilterSettings
-
-MAX_RUNNING = 256  # NOTE: as train-draft's response generation: small targets want wide batches
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=defaults.top_p)
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="user turn length cap")
     parser.add_argument("--system-prompt", default=None, help="system message before the user turn (and in the records)")
+    parser.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                        help="prompt JSONL whose user turns new prompts must not duplicate, even nearly (repeatable)")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="user turns sampled per generate call")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no new batch after this many minutes (keeps what it has; default: no limit)")
@@ -52,18 +54,16 @@ def settings_from_args(ns: argparse.Namespace) -> MagpieSettings:
 
 
 def build_engine(model_path: str, device: str, dtype: str, settings: MagpieSettings, prefix_len: int) -> Any:
-    import torch
-
+    """As train-draft's response engine: wide batches (small targets want them) and a KV pool sized to hold them all,
+    not a share of free memory, so that several generators fit one device."""
     from blockspec import Engine
-    from blockspec.config import DEFAULT_CUDA_GRAPH_BS
+    from blockspec.train.response_workers import GEN_MAX_RUNNING, wide_graph_bs
 
-    running = min(settings.batch_size, MAX_RUNNING)
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    graph_bs = sorted({b for b in DEFAULT_CUDA_GRAPH_BS + list(range(80, MAX_RUNNING + 1, 16)) if b <= running} | {1})
+    running = min(settings.batch_size, GEN_MAX_RUNNING)
     return Engine(
         model_path=model_path, device=device, dtype=dtype, skip_tokenizer_init=True, random_seed=settings.seed,
-        max_running_requests=running, cuda_graph_bs=graph_bs,
-        max_total_tokens=running * (prefix_len + settings.max_new_tokens + 1) if on_cpu else None,
+        max_running_requests=running, cuda_graph_bs=wide_graph_bs(running),
+        max_total_tokens=running * (prefix_len + settings.max_new_tokens + 1),
     )
 
 
@@ -74,11 +74,15 @@ def run(ns: argparse.Namespace) -> dict[str, Path]:
     settings.validate()
     if not Path(ns.model_path).is_dir():
         raise FileNotFoundError(f"--model-path {ns.model_path}: no such directory")
+    for path in ns.exclude:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--exclude {path}: no such file")
+    known = last_user_turns(ns.exclude)
     tokenizer = load_tokenizer(ns.model_path)
     prefix_len = len(user_turn(tokenizer, settings.system_prompt).prefix_ids)
     engine = build_engine(ns.model_path, ns.device, ns.dtype, settings, prefix_len)
     try:
-        generated = generate_prompts(engine_generate(engine), tokenizer, settings, ns.progress)
+        generated = generate_prompts(engine_generate(engine), tokenizer, settings, ns.progress, known)
     finally:
         engine.shutdown()
     paths = write_prompts(ns.out, generated, settings.system_prompt)

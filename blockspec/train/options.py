@@ -44,6 +44,7 @@ class TrainOptions:
     user_suffix: str = ""
     cache_dir: Optional[str] = None
     gen_batch_size: int = 512
+    gen_workers: int = 1
     mix_data: Optional[str] = None
     mix_ratio: float = 0.5
     responses_only: bool = False
@@ -127,7 +128,8 @@ class TrainOptions:
             raise FileNotFoundError(f"--target-model-path {self.target_model_path}: no such directory")
         if self.block_size < 2:
             raise ValueError(f"--block-size must be >= 2 (the anchor token plus at least one prediction), got {self.block_size}")
-        for name in ("num_layers", "steps", "batch_size", "blocks_per_seq", "max_new_tokens", "gen_batch_size"):
+        for name in ("num_layers", "steps", "batch_size", "blocks_per_seq", "max_new_tokens", "gen_batch_size",
+                     "gen_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < self.block_size + 2:
@@ -201,6 +203,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--cache-dir", default=None, help="response cache (default: under $BLOCKSPEC_CACHE or ~/.cache/blockspec); resumable")
     gen.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size,
                      help="finished responses per cache append; the engine runs up to min(this, 256) at once")
+    gen.add_argument("--gen-workers", type=int, default=defaults.gen_workers,
+                     help="engine processes generating the missing responses side by side on each device (a small "
+                     "target decodes host-bound: several processes keep its GPU busy); each writes its own cache file")
     gen.add_argument("--mix-data", default=None, help="a second prompt file mixed into the training prompts "
                      "(e.g. `blockspec generate-prompts`' prompts.train.jsonl); `question` records get the same "
                      "--system-prompt / --user-suffix")

@@ -12,7 +12,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from blockspec.config import DEFAULT_CUDA_GRAPH_BS
 from blockspec.models.config import TargetConfig, load_json, load_target_config
 from blockspec.train.checkpoint import draft_config_dict, load_trainable_draft, save_draft, write_json
 from blockspec.train.devices import dtype_name, init_distributed, resolve_device, resolve_target_dtype
@@ -26,12 +25,10 @@ from blockspec.train.info import git_commit
 from blockspec.train.features import TargetFeatures
 from blockspec.train.model import DraftArch, TrainableDraft
 from blockspec.train.options import TrainOptions, resolve_layer_ids
+from blockspec.train.response_workers import generate_in_workers, response_engine_factory
 from blockspec.train.trainer import Dist, Trainer, TrainResult
 
 logger = logging.getLogger(__name__)
-
-GEN_MAX_RUNNING = 256  # NOTE: small targets decode launch-bound; wide batches (graphs up to this size) feed the GPU
-
 
 def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int]], list[list[int]], Any]:
     """(training prompts, held-out eval prompts, tokenizer or None); prompts too long to train on are dropped."""
@@ -64,23 +61,6 @@ def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int
     if not kept:
         raise ValueError(f"every prompt is longer than {limit} tokens (--max-seq-len {options.max_seq_len})")
     return kept, [p for p in map(encode, eval_records) if len(p) <= limit], tokenizer
-
-
-def _engine_factory(options: TrainOptions, device: torch.device, dtype: torch.dtype, longest_prompt: int) -> Any:
-    """The generation engine: wide batches; on CPU a KV pool that holds them all (CUDA sizes it from free memory)."""
-    def make() -> Any:
-        from blockspec import Engine
-
-        running = min(options.gen_batch_size, GEN_MAX_RUNNING)
-        graph_bs = sorted({b for b in DEFAULT_CUDA_GRAPH_BS + list(range(80, GEN_MAX_RUNNING + 1, 16)) if b <= running} | {1})
-        slots = None if device.type == "cuda" else running * (longest_prompt + options.max_new_tokens + 1)
-        return Engine(
-            model_path=options.target_model_path, device=str(device), dtype=dtype_name(dtype), skip_tokenizer_init=True,
-            max_running_requests=running, cuda_graph_bs=graph_bs, max_total_tokens=slots,
-            context_length=min(options.max_seq_len, load_target_config(options.target_model_path).max_position_embeddings),
-        )
-
-    return make
 
 
 def _build_draft(
@@ -137,14 +117,19 @@ def prepare(options: TrainOptions) -> Prepared:
         "max_new_tokens": options.max_new_tokens, "ignore_eos": options.ignore_eos, "dtype": dtype_name(dtype),
     }
     cache = ResponseCache(options.cache_path, meta, dist.rank)
+    by_workers = 0
+    if options.gen_workers > 1:
+        cache.check_meta()  # NOTE: before the workers: they must not race to write it
+        by_workers = generate_in_workers(options, prompts, meta, device, dtype, dist.rank, dist.world)
     samples, generated = generate_responses(
-        prompts, cache, _engine_factory(options, device, dtype, max(map(len, prompts))), options.max_new_tokens, options.ignore_eos,
-        options.gen_batch_size, dist.rank, dist.world, dist.barrier, options.progress and dist.is_main,
+        prompts, cache, response_engine_factory(options, device, dtype, max(map(len, prompts))), options.max_new_tokens,
+        options.ignore_eos, options.gen_batch_size, dist.rank, dist.world, dist.barrier, options.progress and dist.is_main,
     )
     gc.collect()  # NOTE: the generation engine's KV pool and graphs must be gone before training allocates
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Prepared(target, layer_ids, dist, device, dtype, samples, generated, eval_prompts, prompt_sets, tokenizer)
+    return Prepared(target, layer_ids, dist, device, dtype, samples, generated + by_workers, eval_prompts, prompt_sets,
+                    tokenizer)
 
 
 def _finish_distributed(dist: Dist) -> None:

@@ -134,6 +134,13 @@ class Deduplicator:
         self.exact_duplicates = 0
         self.near_duplicates = 0
 
+    def remember(self, text: str) -> None:
+        """Indexes a prompt kept elsewhere (an earlier set) without counting it: later offers of it are duplicates."""
+        key = normalise(text)
+        if key not in self.exact:
+            self.exact.add(key)
+            self.index.add(shingles(key))
+
     def offer(self, text: str) -> bool:
         """True when `text` is new (it is then indexed), False for a duplicate of an earlier one."""
         key = normalise(text)
