@@ -41,8 +41,8 @@ if [ "$stage" = split ]; then
     source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
     mkdir -p .carry/gsm8k .carry/draft_v2
     cp "${GSM8K_DIR:-../shared/data/gsm8k}/train.jsonl" .carry/gsm8k/train.jsonl
-    # NOTE: call 2 keeps 8 MiB for .carry/draft_v2 (30,000 responses: 5.1 MB); more responses need a larger reserve
-    reserve=$(( 8 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) ))
+    # NOTE: call 2 keeps 12 MiB for .carry/draft_v2 (47,986 responses: 9.1 MB, 2026-12-04); more need a larger reserve
+    reserve=$(( 12 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) ))
     [ "$reserve" -lt 0 ] && reserve=0
     SECOND_CARRY=".carry/gsm8k .carry/draft_v2" SECOND_RESERVE=$reserve split_gguf "$source_gguf" || exit 1
     exit 0

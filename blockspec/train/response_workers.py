@@ -53,7 +53,7 @@ def _worker(options: TrainOptions, prompts: list[list[int]], meta: dict[str, Any
             dtype: torch.dtype, rank: int, world: int, worker: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.gen_workers))  # NOTE: the workers share the host
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # NOTE: a bare "cuda" is the current device already
         torch.cuda.set_device(device)
     cache = ResponseCache(options.cache_path, meta, f"{rank}-{worker}")
     shard, shards = rank + world * worker, world * options.gen_workers  # NOTE: the workers of rank r split its share
