@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="data: sample this many more general prompts (new Magpie seeds) into the training set")
     parser.add_argument("--more-math", type=int, default=0,
                         help="data: and this many behind a math-tutor system prompt (word problems, mostly)")
-    parser.add_argument("--more-seed", type=int, default=1, help="first Magpie seed of the extra prompts (0: the state's)")
+    parser.add_argument("--more-seed", type=int, default=1, help="first Magpie seed of the extra prompts (the state's own are seed --seed's)")
     parser.add_argument("--gen-workers", type=int, default=1,
                         help="generation processes side by side on the device (extra prompts and responses)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): every stage in a few minutes")
@@ -172,12 +172,14 @@ def extend_state(args: argparse.Namespace, paths: DataPaths, state: State, scale
                     if b.count > 0)
     settings = ExtendSettings(batches, args.gen_workers, args.more_seed, scale.magpie_minutes, scale.magpie_batch,
                               scale.magpie_max_new_tokens, args.device)
-    summary = extend_general(paths.general_train, paths.general_heldout, paths.prompts / "more", model_dir, settings)
+    heldout = [paths.general_heldout, paths.gsm8k_heldout]  # NOTE: the long set asks the same questions
+    summary = extend_general(paths.general_train, heldout, paths.prompts / "more", model_dir, settings)
+    state.data["extension_done"] = summary  # NOTE: at once: a rerun must not append the batches again
+    state.save()
     info_path = paths.prompts / "generation_info.json"
     info = json.loads(info_path.read_text())
     info.setdefault("extensions", []).append(summary)  # NOTE: the returned set describes every batch it holds
     info_path.write_text(json.dumps(info, indent=1))
-    state.data["extension_done"] = summary
     print(json.dumps({name: b["kept"] for name, b in summary["batches"].items()}), flush=True)
     return summary
 

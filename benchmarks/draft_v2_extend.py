@@ -3,13 +3,14 @@ state's general prompts, so that the draft sees more of what users ask (v4, 2026
 30,000 sequences lowered the training loss from 1.70 to 0.91 but not the held-out accept lengths: data-bound).
 
 Each batch (`Batch`: a name, a count, a system prompt or none) is sampled by `workers` `blockspec generate-prompts`
-processes at once on one device, each with its own seed, excluding the prompts the state has (train and held-out, so
-no new training prompt nears a held-out one); the shards are then deduplicated against each other and appended to the
+processes at once on one device, each with its own seed, excluding the prompts the state has (train, and every
+held-out set, GSM8K's too, so no new training prompt nears a held-out one); the shards are then deduplicated against each other and appended to the
 state's general training file. The general held-out set stays as it is."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -81,17 +82,19 @@ def _run_shards(commands: list[tuple[list[str], Path]], limit_s: float) -> list[
     return codes
 
 
-def extend_general(train_file: Path, heldout_file: Path, work_dir: Path, model_dir: Path,
+def extend_general(train_file: Path, heldout_files: list[Path], work_dir: Path, model_dir: Path,
                    settings: ExtendSettings) -> dict[str, Any]:
     """Samples the batches, appends the new prompts to `train_file` and returns what happened (per batch: shards'
-    exit codes, prompts kept, duplicates dropped across shards). A failed shard only makes its batch smaller."""
-    known = last_user_turns([train_file, heldout_file])
+    exit codes, prompts kept, duplicates dropped across shards). A failed shard only makes its batch smaller.
+    `heldout_files`: every held-out set (general and GSM8K), which no new prompt may nearly repeat. NOTE: the file is
+    replaced whole, so a stage killed midway leaves it as it was."""
+    known = last_user_turns([train_file, *heldout_files])
     plan: list[tuple[int, Batch, int, Path]] = []
     for b, batch in enumerate(settings.batches):
         for k in range(settings.workers):
             plan.append((b, batch, settings.base_seed + 100 * b + k, work_dir / f"{batch.name}-{k}"))
     commands = [(_shard_command(model_dir, out, share_of(batch, settings.workers), seed, batch.system_prompt,
-                                [train_file, heldout_file], settings), out) for _, batch, seed, out in plan]
+                                [train_file, *heldout_files], settings), out) for _, batch, seed, out in plan]
     codes = _run_shards(commands, 60.0 * settings.minutes + SHARD_GRACE_S)
     unique = Deduplicator(FilterSettings().near_duplicate_jaccard)
     for text in known:
@@ -99,13 +102,16 @@ def extend_general(train_file: Path, heldout_file: Path, work_dir: Path, model_d
     number = len(known)
     summary: dict[str, Any] = {"settings": {**asdict(settings), "batches": [asdict(b) for b in settings.batches]},
                                "batches": {}}
-    with open(train_file, "a", encoding="utf-8") as f:
+    partial = train_file.with_suffix(".partial")
+    shutil.copyfile(train_file, partial)
+    with open(partial, "a", encoding="utf-8") as f:
         for b, batch in enumerate(settings.batches):
             shards = [(seed, out, code) for (pb, _, seed, out), code in zip(plan, codes) if pb == b]
             kept = 0
             infos = []
             for seed, out, code in shards:
-                texts = last_user_turns([out / "prompts.train.jsonl"]) if code == 0 else []
+                produced = out / "prompts.train.jsonl"
+                texts = last_user_turns([produced]) if code == 0 and produced.is_file() and produced.stat().st_size else []
                 infos.append({"seed": seed, "exit_code": code, **_shard_info(out)})
                 for text in texts:
                     if unique.offer(text) and kept < batch.count:
@@ -113,6 +119,7 @@ def extend_general(train_file: Path, heldout_file: Path, work_dir: Path, model_d
                         f.write(json.dumps({**record, "batch": batch.name}, ensure_ascii=False) + "\n")
                         number, kept = number + 1, kept + 1
             summary["batches"][batch.name] = {"kept": kept, "asked": batch.count, "shards": infos}
+    os.replace(partial, train_file)
     summary["cross_shard_duplicates"] = unique.exact_duplicates + unique.near_duplicates
     return summary
 

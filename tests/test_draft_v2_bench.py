@@ -244,3 +244,4 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     extension = json.loads((out / "generation_info.json").read_text())["extensions"][0]
     assert {name: batch["kept"] for name, batch in extension["batches"].items()} == {"general_more": 4, "math": 2}
     assert len(trained) == 7 + 6 and info["train_sequences"] == 24 + 13  # NOTE: `all`: every GSM8K and general prompt
+    assert not (tmp_path / "state" / "prompts" / "prompts.train.partial").exists() and len(extension["batches"]["math"]["shards"]) == 2

@@ -159,6 +159,9 @@ def test_known_prompts_are_never_sampled_again(smollm2_tokenizer: Any, tmp_path:
     earlier = tmp_path / "earlier.jsonl"
     earlier.write_text("".join(json.dumps(prompt_record(text, "Be brief.", "heldout", n)) + "\n" for n, text in
                                enumerate([FakeSampler.POOL[0], FakeSampler.POOL[8].replace(".", " please.")])))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question": "How many apples are left?"}) + "\n")
+    assert last_user_turns([questions]) == ["How many apples are left?"]
     known = last_user_turns([earlier])
     assert known == [FakeSampler.POOL[0], FakeSampler.POOL[8].replace(".", " please.")]
     settings = MagpieSettings(5, batch_size=4, heldout_fraction=0.0, max_candidates=30)

@@ -181,11 +181,13 @@ def generate_prompts(
 
 
 def last_user_turns(paths: Sequence[str | Path]) -> list[str]:
-    """The last user message of every prompt record in these JSONL files: the `known` prompts of generate_prompts."""
+    """The last user message (or `question` / `text`) of every prompt record in these JSONL files: the `known` prompts
+    of generate_prompts."""
     turns = []
     for path in paths:
         for record in read_prompt_records(path):
             users = [m["content"] for m in record.get("messages", []) if m.get("role") == "user"]
+            users += [record[key] for key in ("question", "text") if not users and isinstance(record.get(key), str)]
             if not users:
                 raise ValueError(f"{path}: a record without a user message (keys {sorted(record)})")
             turns.append(users[-1])
