@@ -30,6 +30,7 @@ from blockspec.train.trainer import Dist, Trainer, TrainResult
 
 logger = logging.getLogger(__name__)
 
+
 def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int]], list[list[int]], Any]:
     """(training prompts, held-out eval prompts, tokenizer or None); prompts too long to train on are dropped."""
     records = read_prompt_records(options.data, options.num_prompts)
