@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--more-math", type=int, default=0,
                         help="data: and this many behind a math-tutor system prompt (word problems, mostly)")
     parser.add_argument("--more-seed", type=int, default=1, help="first Magpie seed of the extra prompts (the state's own are seed --seed's)")
+    parser.add_argument("--gsm8k-wording-offset", type=int, default=0,
+                        help="data: each GSM8K train question's wordings start this far along the rotation of six "
+                             "(3, with three a question: the three an offset-0 state never asked)")
     parser.add_argument("--gen-workers", type=int, default=1,
                         help="generation processes side by side on the device (extra prompts and responses)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): every stage in a few minutes")
@@ -136,8 +139,9 @@ def call_train_draft(argv: list[str]) -> None:
 
 def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:
     model_dir = target_dir(paths, args.gguf)
-    data: dict[str, Any] = {"target": str(model_dir), **write_gsm8k(paths, args.gsm8k_train, scale.gsm8k_train, scale.gsm8k_heldout,
-                                                                       scale.gsm8k_wordings, scale.long_context_chars)}
+    gsm8k = write_gsm8k(paths, args.gsm8k_train, scale.gsm8k_train, scale.gsm8k_heldout, scale.gsm8k_wordings,
+                        scale.long_context_chars, args.gsm8k_wording_offset)
+    data: dict[str, Any] = {"target": str(model_dir), **gsm8k}
     if paths.general_heldout.is_file():  # NOTE: an earlier data stage of this state made (or seeded) them
         if args.general_prompts is not None:
             print(f"--general-prompts {args.general_prompts} not used: {paths.state} has its general prompts",

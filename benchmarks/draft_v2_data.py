@@ -103,10 +103,11 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], num_heldout: int,
-                wordings_per_question: int = 1, long_context_chars: int = 6000) -> dict[str, Any]:
+                wordings_per_question: int = 1, long_context_chars: int = 6000, wording_offset: int = 0) -> dict[str, Any]:
     """GSM8K train questions, each in `wordings_per_question` training wordings (the rotation starting at the
-    question's index), the first `num_heldout` test questions in the held-out wording, and the same questions behind
-    ≥ `long_context_chars` characters of other test questions (a report-only held-out set; 0: none)."""
+    question's index plus `wording_offset`), the first `num_heldout` test questions in the held-out wording, and the
+    same questions behind ≥ `long_context_chars` characters of other test questions (a report-only held-out set; 0:
+    none)."""
     if not train_file.is_file():
         raise FileNotFoundError(f"GSM8K train split not found at {train_file} (lines with question, answer)")
     train = load_lines(train_file)[:num_train]
@@ -115,7 +116,8 @@ def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], nu
     names = list(TRAIN_WORDINGS)
     if not 1 <= wordings_per_question <= len(names):
         raise ValueError(f"wordings_per_question must be 1..{len(names)}, got {wordings_per_question}")
-    picked = [(row, names[(i + k) % len(names)]) for i, row in enumerate(train) for k in range(wordings_per_question)]
+    picked = [(row, names[(i + wording_offset + k) % len(names)])
+              for i, row in enumerate(train) for k in range(wordings_per_question)]
     _write_jsonl(paths.gsm8k_train, [
         {"messages": TRAIN_WORDINGS[name](row["question"]), "source": "gsm8k_train", "wording": name}
         for row, name in picked
@@ -134,6 +136,7 @@ def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], nu
             for i, row in enumerate(test)
         ])
     return {"gsm8k_train": len(train), "gsm8k_train_records": len(picked), "wordings_per_question": wordings_per_question,
+            "wording_offset": wording_offset,
             "gsm8k_heldout": len(test), "train_wordings": names,
             "heldout_wording": HELDOUT_WORDING, "long_context_chars": long_context_chars}
 

@@ -28,7 +28,7 @@ import torch
 
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
-from blockspec.train.response_workers import wide_graph_bs
+from blockspec.train.response_workers import generation_engine_flags, wide_graph_bs
 from serving_vs_engine_support import SMOLLM2, TINY
 
 SHAPES = {"smollm2": SMOLLM2, "tiny": dict(TINY, max_position_embeddings=2048)}
@@ -52,6 +52,9 @@ VARIANTS = {v.name: v for v in (
     Variant("no_radix_piecewise_512", running=512,
             engine={"disable_radix_cache": True, "enforce_piecewise_cuda_graph": True}),
     Variant("sampled", sampling={"temperature": 1.0, "top_p": 0.95}),  # Magpie's settings
+    Variant("generation_engine", engine=generation_engine_flags(256)),  # train-draft's since 2026-12-04
+    Variant("generation_engine_sampled", engine=generation_engine_flags(256),
+            sampling={"temperature": 1.0, "top_p": 0.95}),
 )}
 
 
@@ -72,10 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_engine(model_dir: Path, variant: Variant, args: argparse.Namespace) -> Engine:
     longest = args.prompt_len[1] + args.new_tokens[1] + 1
+    engine = {"max_running_requests": variant.running, "cuda_graph_bs": wide_graph_bs(variant.running),
+              **variant.engine}
     return Engine(model_path=str(model_dir), load_format="dummy", device=args.device, dtype=args.dtype,
-                  skip_tokenizer_init=True, max_running_requests=variant.running,
-                  cuda_graph_bs=wide_graph_bs(variant.running), max_total_tokens=variant.running * longest,
-                  context_length=longest + 1, **variant.engine)
+                  skip_tokenizer_init=True, max_total_tokens=variant.running * longest, context_length=longest + 1,
+                  **engine)
 
 
 def request_stream(args: argparse.Namespace, vocab: int, count: int) -> tuple[list[list[int]], list[dict[str, Any]]]:

@@ -20,6 +20,9 @@
 #   back what it wrote once it has ended; bench refuses to start while it runs), then bench: e.g. TRAIN_MIN=16 DEADLINE_S=1150 TRAIN_S=1200 for one 16-minute schedule. A run gone
 #   without an exit code (killed with its call) makes train-wait train the same recipe in the foreground instead.
 # A carry names single files, never .carry/smollm2 itself: a carried folder replaces the one on the machine.
+# CHAIN_BUDGET_S (train-start): the device seconds the chain may use from its first call; the run's TRAIN_MIN,
+#   DEADLINE_S and TRAIN_S are then what is left after CHAIN_RESERVE_S (default 240: train-wait, bench, a margin).
+# WORDING_OFFSET (data): GSM8K wordings start this far along the rotation (3: the three an offset-0 state never asked).
 # V2_FLAGS adds draft_v2.py flags to every stage: V2_FLAGS="--smoke --device cpu" runs the whole chain on a CPU.
 # Responses survive a lost machine and a session: data and train leave the response cache in $OUT as
 #   responses.tar.xz (5.1 MB for the 30,000 of 2026-12-03); copy it to .carry/draft_v2/ here, and the next data stage
@@ -41,14 +44,19 @@ if [ "$stage" = split ]; then
     source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
     mkdir -p .carry/gsm8k .carry/draft_v2
     cp "${GSM8K_DIR:-../shared/data/gsm8k}/train.jsonl" .carry/gsm8k/train.jsonl
-    # NOTE: call 2 keeps 12 MiB for .carry/draft_v2 (47,986 responses: 9.1 MB, 2026-12-04); more need a larger reserve
-    reserve=$(( 12 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) ))
-    [ "$reserve" -lt 0 ] && reserve=0
+    # NOTE: call 2 keeps 12 MiB for .carry/draft_v2 (47,986 responses: 9.1 MB, 2026-12-04) when it holds an archive;
+    # more need a larger reserve
+    reserve=0
+    if [ -n "$(ls -A .carry/draft_v2)" ]; then
+        reserve=$(( 12 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) ))
+        [ "$reserve" -lt 0 ] && reserve=0
+    fi
     SECOND_CARRY=".carry/gsm8k .carry/draft_v2" SECOND_RESERVE=$reserve split_gguf "$source_gguf" || exit 1
     exit 0
 fi
 source "$(dirname "$0")/device_env.sh"
 mkdir -p "$state"
+[ -f "$state/chain_started" ] || date +%s > "$state/chain_started"  # NOTE: the chain's first call (CHAIN_BUDGET_S)
 responses_cache=${RESPONSES:-.carry/draft_v2/responses.tar.xz}
 restore_responses() {
     # NOTE: the cache's meta names the converted target by absolute path; this machine's may differ. Its responses
@@ -88,7 +96,8 @@ case $stage in
         timeout "${DATA_S:-570}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
             --gsm8k-train .carry/gsm8k/train.jsonl ${GENERAL:+--general-prompts "$GENERAL"} --mix-ratio "${MIX_RATIO:-0.3}" \
             --more-general "${MORE_GENERAL:-0}" --more-math "${MORE_MATH:-0}" --more-seed "${MORE_SEED:-1}" \
-            --gen-workers "${GEN_WORKERS:-1}" ${V2_FLAGS:-} > "$out/draft_v2_data.log" 2>&1
+            --gsm8k-wording-offset "${WORDING_OFFSET:-0}" --gen-workers "${GEN_WORKERS:-1}" ${V2_FLAGS:-} \
+            > "$out/draft_v2_data.log" 2>&1
         code=$?
         [ $code -eq 124 ] && echo "data stage cut at ${DATA_S:-570} s: the train stage generates the responses left"
         save_responses ;;
@@ -102,6 +111,15 @@ case $stage in
     train-start)
         background="$state/background"
         refuse_while_training
+        if [ -n "${CHAIN_BUDGET_S:-}" ]; then
+            # NOTE: the stage gets what the chain has left after CHAIN_RESERVE_S (collecting, bench, a margin); its
+            # deadline leaves ≈ 100 s for what follows training and is not in it (train-draft's start-up, packing)
+            left=$(( CHAIN_BUDGET_S - ($(date +%s) - $(cat "$state/chain_started")) - ${CHAIN_RESERVE_S:-240} ))
+            [ "$left" -ge 300 ] || { echo "the chain has $left s left for training: too little" >&2; exit 2; }
+            DEADLINE_S=$(( left - 100 )) TRAIN_S=$(( left + 30 )) TRAIN_MIN=$(awk "BEGIN { print ($left - 100) / 60 }")
+            echo "chain budget: $left s for the train stage (TRAIN_MIN=$TRAIN_MIN)"
+        fi
+        export DEADLINE_S=${DEADLINE_S:-540} TRAIN_S=${TRAIN_S:-590} TRAIN_MIN=${TRAIN_MIN:-6.5}
         rm -rf "$background" && mkdir -p "$background"
         printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q GEN_WORKERS=%q V2_FLAGS=%q\n' "${RUN:-v2}" "${EXTRA:-}" \
             "${LAYERS:-5}" "${MIX_RATIO:-0.3}" "${GEN_WORKERS:-1}" "${V2_FLAGS:-}" > "$background/recipe.sh"

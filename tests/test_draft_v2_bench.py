@@ -67,6 +67,17 @@ def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path
         assert mine[0]["wording"] == list(TRAIN_WORDINGS)[i % len(TRAIN_WORDINGS)]
     with pytest.raises(ValueError, match="wordings_per_question"):
         write_gsm8k(paths, train_file, None, 1, wordings_per_question=len(TRAIN_WORDINGS) + 1)
+    names = list(TRAIN_WORDINGS)
+    first = write_gsm8k(paths, train_file, None, 1, wordings_per_question=3)
+    first_pairs = {(r["messages"][-1]["content"], r["wording"]) for r in read_prompt_records(paths.gsm8k_train)}
+    other = write_gsm8k(paths, train_file, None, 1, wordings_per_question=3, wording_offset=3)
+    assert (first["wording_offset"], other["wording_offset"]) == (0, 3)
+    other_records = read_prompt_records(paths.gsm8k_train)
+    assert other_records[0]["wording"] == names[3]  # question 0 starts three places along
+    for i in range(7):  # offset 3: each question in exactly the three wordings offset 0 did not ask it in
+        asked = {w for q, w in first_pairs if f"Q{i}?" in q}
+        again = {r["wording"] for r in other_records if f"Q{i}?" in r["messages"][-1]["content"]}
+        assert len(again) == 3 and not asked & again and asked | again == set(names)
 
 
 def run_record(gsm8k: float | None, general: float | None) -> dict[str, object]:
@@ -218,7 +229,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     command = [sys.executable, str(BENCHMARKS / "draft_v2.py"), "all", "--smoke", "--device", "cpu",
                "--state", str(tmp_path / "state"), "--out", str(tmp_path / "out"), "--gguf", str(smollm2_gguf_path()),
                "--gsm8k-train", str(train_file), "--more-general", "4", "--more-math", "2", "--gen-workers", "2",
-               "--mix-ratio", "all"]
+               "--mix-ratio", "all", "--gsm8k-wording-offset", "3"]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "out"
@@ -228,6 +239,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     assert list(document) == TOP_LEVEL and document["gpu"] == "cpu" and document["commit"] == "test"
     assert document["gsm8k_heldout_accept"] >= 1.0 and document["general_heldout_accept"] >= 1.0
     assert document["details"]["data"]["target"] == str(tmp_path / "state" / "model" / "smollm2-135m-instruct")
+    assert document["details"]["data"]["wording_offset"] == 3
     assert document["server_c1_speedup"] > 0
     details = document["details"]
     assert [r["label"] for r in details["server_rows"]] == ["target_only", "shipped", "v2"]

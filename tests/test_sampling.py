@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.request import Req, SamplingParams
-from blockspec.sampling import make_generator, sample_next_tokens, sampling_probs
+from blockspec.sampling import make_generator, sample_next_tokens, sampling_probs, sampling_probs_rows
 from engine_testing import VOCAB, hf_greedy, random_prompts, run_until_done
 
 PROMPTS = random_prompts([4, 11, 1, 23, 7, 16], seed=3)
@@ -146,6 +146,39 @@ def test_sampling_probs_batched_rows() -> None:
     for i in range(5):
         expected = torch.tensor(expected_distribution(rows[i].tolist(), 0.9, 4, 0.9, 0.05))
         assert torch.allclose(batched[i].double(), expected.double(), atol=1e-6)
+
+
+def test_sampling_probs_rows_mixed_params() -> None:
+    """One batched pass with each row's own parameters equals each row alone, and the exact filtered distribution."""
+    cases = [c for c in CASES if c["temperature"] > 0]
+    rows = torch.randn(len(cases), 32, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams.from_dict(c) for c in cases]
+    batched = sampling_probs_rows(rows, params)
+    for i, case in enumerate(cases):
+        assert torch.equal(batched[i], sampling_probs(rows[i], params[i])), case
+        expected = torch.tensor(expected_distribution(rows[i].tolist(), **case), dtype=torch.float64)
+        assert torch.allclose(batched[i].double(), expected, atol=1e-6), case
+
+
+def test_sample_next_tokens_rows_use_their_own_generators() -> None:
+    """A seeded row draws the same token whatever else is in the batch (greedy rows, other seeds and filters)."""
+    rows = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+
+    def request(**params: Any) -> Req:
+        req = Req([0], SamplingParams.from_dict(params))
+        req.generator = make_generator(req.params, torch.device("cpu")) if not req.params.is_greedy else None
+        return req
+
+    alone = [sample_next_tokens(rows[2:3], [request(temperature=0.9, top_p=0.8, seed=s)])[0] for s in range(20)]
+    batched = []
+    for s in range(20):
+        reqs = [request(temperature=0), request(temperature=1.2, top_k=5, seed=100 + s),
+                request(temperature=0.9, top_p=0.8, seed=s), request(temperature=0.7, min_p=0.2, seed=7)]
+        tokens = sample_next_tokens(rows, reqs)
+        assert tokens[0] == int(rows[0].argmax())
+        batched.append(tokens[2])
+    assert batched == alone
+    assert len(set(alone)) > 1  # NOTE: the seeds matter, so the equality above means something
 
 
 @pytest.mark.parametrize("extra", [{}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20}], ids=["plain", "filtered"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -216,6 +217,7 @@ def generate_missing(
         return 0
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
     engine = make_engine()
+    started, tokens = time.perf_counter(), 0
     try:
         bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
         done: list[Sample] = []
@@ -224,6 +226,7 @@ def generate_missing(
         try:
             for position, out in engine.generate_iter([prompts[i] for i in todo], params):
                 done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
+                tokens += len(out["output_ids"])
                 if len(done) >= batch_size:
                     cache.append(done)
                     bar.update(len(done))
@@ -232,6 +235,9 @@ def generate_missing(
             cache.append(done)
         bar.update(len(done))
         bar.close()
+        seconds = time.perf_counter() - started
+        logger.info("generated %d responses (%d tokens) in %.0f s: %.1f responses/s, %.0f tokens/s over %d engine steps",
+                    len(todo), tokens, seconds, len(todo) / seconds, tokens / seconds, engine.scheduler.num_steps)
     finally:
         engine.shutdown()
     return len(todo)

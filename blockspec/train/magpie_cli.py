@@ -57,13 +57,12 @@ def build_engine(model_path: str, device: str, dtype: str, settings: MagpieSetti
     """As train-draft's response engine: wide batches (small targets want them) and a KV pool sized to hold them all,
     not a share of free memory, so that several generators fit one device."""
     from blockspec import Engine
-    from blockspec.train.response_workers import GEN_MAX_RUNNING, wide_graph_bs
+    from blockspec.train.response_workers import GEN_MAX_RUNNING, generation_engine_flags
 
     running = min(settings.batch_size, GEN_MAX_RUNNING)
     return Engine(
         model_path=model_path, device=device, dtype=dtype, skip_tokenizer_init=True, random_seed=settings.seed,
-        max_running_requests=running, cuda_graph_bs=wide_graph_bs(running),
-        max_total_tokens=running * (prefix_len + settings.max_new_tokens + 1),
+        **generation_engine_flags(running), max_total_tokens=running * (prefix_len + settings.max_new_tokens + 1),
     )
 
 
