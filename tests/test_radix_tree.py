@@ -86,3 +86,72 @@ def test_allocator_counts_evictable_pages_as_free_and_evicts_on_demand() -> None
     assert not allocator.can_grow(late, 2)
     with pytest.raises(MemoryError):
         allocator.grow(late, 2, table)
+
+
+class ScanningTree(RadixTree):
+    """The eviction the lazy heap replaced: every unlocked leaf of the tree, least recently used first."""
+
+    def evict(self, num_pages: int) -> list[int]:
+        freed: list[int] = []
+        while len(freed) < num_pages:
+            leaves = [n for n in self._all_nodes() if not n.children and n.lock_ref == 0]
+            if not leaves:
+                break
+            leaf = min(leaves, key=lambda n: n.last_access)
+            del leaf.parent.children[tuple(leaf.key[:self.page_size])]
+            freed.extend(leaf.pages)
+            self.num_pages -= len(leaf.pages)
+        self.evicted_pages += len(freed)
+        return freed
+
+    def _all_nodes(self) -> list:
+        stack, nodes = list(self.root.children.values()), []
+        while stack:
+            nodes.append(stack.pop())
+            stack.extend(nodes[-1].children.values())
+        return nodes
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_lazy_eviction_heap_evicts_what_a_full_scan_would(page_size: int) -> None:
+    """Random inserts, matches, locks, unlocks and evictions on two trees in lockstep: the same pages leave."""
+    import random
+
+    rng = random.Random(page_size)
+    fast, slow = RadixTree(page_size), ScanningTree(page_size)
+    locked: list[tuple] = []
+    next_page = 0
+    for _ in range(3000):
+        op = rng.random()
+        tokens = [rng.randrange(3) for _ in range(page_size * rng.randint(1, 6))]
+        if op < 0.35:
+            pages = list(range(next_page, next_page + len(tokens) // page_size))
+            next_page += len(pages)
+            assert fast.insert(tokens, pages) == slow.insert(tokens, pages)
+        elif op < 0.6:
+            (fast_pages, fast_node), (slow_pages, slow_node) = fast.match(tokens), slow.match(tokens)
+            assert fast_pages == slow_pages
+            if fast_node is not fast.root and rng.random() < 0.5:
+                fast.lock(fast_node)
+                slow.lock(slow_node)
+                locked.append((fast_node, slow_node))
+        elif op < 0.8 and locked:
+            fast_node, slow_node = locked.pop(rng.randrange(len(locked)))
+            fast.unlock(fast_node)
+            slow.unlock(slow_node)
+        else:
+            want = rng.randint(1, 8)
+            assert fast.evict(want) == slow.evict(want)
+        assert (fast.num_pages, fast.evictable_pages) == (slow.num_pages, slow.evictable_pages)
+        assert fast.num_candidates <= 4 * fast.num_nodes + 1025
+    assert fast.evicted_pages == slow.evicted_pages > 100
+
+
+def test_eviction_heap_stays_bounded_without_evictions() -> None:
+    tree = RadixTree(page_size=1)
+    for i in range(50):
+        tree.insert([i, 1, 2], [3 * i, 3 * i + 1, 3 * i + 2])
+    for _ in range(20_000):
+        tree.match([7, 1, 2])
+    assert tree.num_nodes == 50 and tree.num_candidates <= 4 * 50 + 1025
+    assert tree.evict(3) == [0, 1, 2]  # still least recently used first: [0, 1, 2] was inserted first

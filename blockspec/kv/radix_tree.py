@@ -5,12 +5,20 @@ target KV (and, under DFlash, the draft KV: the draft pool is indexed by the sam
 positions, given every token on the path above it. Children are keyed by their first page of token ids. A node is
 locked while a request reads it (`lock` counts up to the root); unlocked leaves are evicted least recently used
 first, when the allocator runs short of free pages (`evict`).
+
+Eviction candidates live in a lazy heap: a node is pushed with its access time whenever it may have become an
+unlocked leaf (created, used, unlocked, or its last child evicted), and an entry is checked when it is popped (still in
+the tree, still a leaf, unlocked, not used since). A full batch of long requests evicts every step; scanning the whole
+tree each time cost ≈ 5 ms a decode step at 256 rows on an H200 (benchmarks/generation_rate.py, 2026-12-04).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from typing import Iterator, Optional, Sequence
+
+
+Candidate = tuple[int, int, "RadixNode"]  # (last access, push order, node)
 
 
 class RadixNode:
@@ -35,11 +43,19 @@ class RadixTree:
         self.num_pages = 0  # pages held by the tree
         self.locked_pages = 0  # pages of locked nodes (read by some request): never evicted
         self.evicted_pages = 0  # since the engine started (flush_cache does not count)
+        self.num_nodes = 0
+        self._candidates: list[Candidate] = []  # NOTE: a heap; entries may be stale (checked when popped)
+        self._order = itertools.count()
 
     # ---- sizes ------------------------------------------------------------------------------
     @property
     def evictable_pages(self) -> int:
         return self.num_pages - self.locked_pages
+
+    @property
+    def num_candidates(self) -> int:
+        """Entries of the eviction heap, stale ones included (at most 4 per node + 1024)."""
+        return len(self._candidates)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +79,7 @@ class RadixTree:
             pages.extend(child.pages)
             position += common
             node = child
+        self._offer(node)
         return pages, node
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
@@ -85,7 +102,9 @@ class RadixTree:
                 leaf = RadixNode(list(tokens[position:]), list(pages[position // self.page_size:]), node, now)
                 node.children[first] = leaf
                 self.num_pages += len(leaf.pages)
+                self.num_nodes += 1
                 path_pages.extend(leaf.pages)
+                self._offer(leaf)
                 return position, path_pages, leaf
             common = self._common_length(child.key, tokens, position, len(tokens))
             if common < len(child.key):
@@ -94,6 +113,7 @@ class RadixTree:
             path_pages.extend(child.pages)
             position += common
             node = child
+        self._offer(node)
         return position, path_pages, node
 
     # ---- locks -------------------------------------------------------------------------------
@@ -113,6 +133,8 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.locked_pages -= len(node.pages)
+                if not node.children:
+                    self._offer(node)
             assert node.parent is not None
             node = node.parent
 
@@ -120,19 +142,19 @@ class RadixTree:
     def evict(self, num_pages: int) -> list[int]:
         """Removes unlocked leaves, least recently used first, until at least `num_pages` pages are freed (or
         nothing unlocked is left); returns the freed pages."""
-        order = itertools.count()
-        heap = [(leaf.last_access, next(order), leaf) for leaf in self._nodes() if self._evictable_leaf(leaf)]
-        heapq.heapify(heap)
         freed: list[int] = []
+        heap = self._candidates
         while len(freed) < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            last_access, _, leaf = heapq.heappop(heap)
+            if leaf.last_access != last_access or not self._evictable_leaf(leaf) or leaf.parent is None:
+                continue  # NOTE: stale: used since, locked, no longer a leaf, or gone (it is pushed again when due)
             parent = leaf.parent
-            assert parent is not None
             del parent.children[self._first_page(leaf.key, 0)]
+            leaf.parent = None
             freed.extend(leaf.pages)
             self.num_pages -= len(leaf.pages)
-            if self._evictable_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+            self.num_nodes -= 1
+            self._offer(parent)
         self.evicted_pages += len(freed)
         return freed
 
@@ -142,10 +164,21 @@ class RadixTree:
             raise RuntimeError("radix cache: cannot flush while requests hold cached pages")
         pages = [page for node in self._nodes() for page in node.pages]
         self.root = RadixNode([], [], None, 0)
-        self.num_pages = 0
+        self.num_pages = self.num_nodes = 0
+        self._candidates = []
         return pages
 
     # ---- internals ---------------------------------------------------------------------------
+    def _offer(self, node: RadixNode) -> None:
+        """Pushes `node` as an eviction candidate if it is an unlocked leaf now; rebuilds the heap from the tree
+        when stale entries outnumber the nodes (a tree that rarely evicts would otherwise grow it without bound)."""
+        if not self._evictable_leaf(node):
+            return
+        heapq.heappush(self._candidates, (node.last_access, next(self._order), node))
+        if len(self._candidates) > 4 * self.num_nodes + 1024:
+            self._candidates = [(n.last_access, next(self._order), n) for n in self._nodes() if self._evictable_leaf(n)]
+            heapq.heapify(self._candidates)
+
     def _first_page(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start:start + self.page_size])
 
@@ -166,6 +199,7 @@ class RadixTree:
         assert parent is not None
         cut = length // self.page_size
         upper = RadixNode(node.key[:length], node.pages[:cut], parent, node.last_access)
+        self.num_nodes += 1
         # NOTE: every lock through `node` passes through `upper`, so it inherits node's count (locked_pages unchanged).
         upper.lock_ref = node.lock_ref
         parent.children[self._first_page(upper.key, 0)] = upper
