@@ -33,6 +33,8 @@ def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     """`sampling_probs(logits[i], params[i])` for every row of `logits` [n, V] at once (no greedy params): one pass
     over the batch, with each row's temperature, top-k, top-p and min-p as columns."""
     n, vocab = logits.shape
+    if n == 0:
+        return logits.float()
     device = logits.device
     column = lambda values: torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # noqa: E731
     probs = torch.softmax(logits.float() / column([p.temperature for p in params]), dim=-1)
@@ -84,7 +86,9 @@ def sample_next_tokens(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     draws = []
     for row, i in enumerate(sampled):
         assert reqs[i].generator is not None
-        # NOTE: each request's own generator, row by row: its tokens do not depend on the batch it ran in
+        # NOTE: each request's own generator, row by row, so its draws do not depend on the other rows' requests
+        # (the batched reductions above may round a row's last bit differently from the row alone at a large
+        # vocabulary; a flipped draw needs a probability boundary within that bit)
         draws.append(torch.multinomial(probs[row], 1, generator=reqs[i].generator))
     for i, token in zip(sampled, torch.cat(draws).tolist()):
         tokens[i] = int(token)

@@ -179,6 +179,7 @@ def test_sample_next_tokens_rows_use_their_own_generators() -> None:
         batched.append(tokens[2])
     assert batched == alone
     assert len(set(alone)) > 1  # NOTE: the seeds matter, so the equality above means something
+    assert sampling_probs_rows(rows[:0], []).shape == (0, 32)
 
 
 @pytest.mark.parametrize("extra", [{}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20}], ids=["plain", "filtered"])

@@ -34,6 +34,8 @@ class RadixNode:
 
 
 class RadixTree:
+    candidate_slack = 1024  # the eviction heap is rebuilt past 4 entries a node + this many
+
     def __init__(self, page_size: int) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -54,7 +56,7 @@ class RadixTree:
 
     @property
     def num_candidates(self) -> int:
-        """Entries of the eviction heap, stale ones included (at most 4 per node + 1024)."""
+        """Entries of the eviction heap, stale ones included (at most 4 per node + `candidate_slack`)."""
         return len(self._candidates)
 
     @property
@@ -175,8 +177,9 @@ class RadixTree:
         if not self._evictable_leaf(node):
             return
         heapq.heappush(self._candidates, (node.last_access, next(self._order), node))
-        if len(self._candidates) > 4 * self.num_nodes + 1024:
-            self._candidates = [(n.last_access, next(self._order), n) for n in self._nodes() if self._evictable_leaf(n)]
+        if len(self._candidates) > 4 * self.num_nodes + self.candidate_slack:
+            # NOTE: in place: an `evict` in progress pops from this same list
+            self._candidates[:] = [(n.last_access, next(self._order), n) for n in self._nodes() if self._evictable_leaf(n)]
             heapq.heapify(self._candidates)
 
     def _first_page(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
