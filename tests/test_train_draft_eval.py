@@ -14,7 +14,7 @@ from blockspec import cli as blockspec_cli
 from blockspec.demo import draft_description
 from blockspec.smollm2 import DEMO_DRAFT_DIR
 from blockspec.train.data import mix_counts, mix_records, ratio_taking_all
-from blockspec.train.info import describe_draft, latest_measurements, read_info
+from blockspec.train.info import git_commit, describe_draft, latest_measurements, read_info
 from blockspec.train.options import TrainOptions
 from blockspec.train.pipeline import run
 from tiny_models import save_tiny_model
@@ -138,3 +138,11 @@ def test_demo_describes_its_draft(tmp_path: Path) -> None:
     assert all(f"{a['accept_length']:.2f}" in description for a in accepts)
     with pytest.raises(SystemExit, match="no draft checkpoint"):
         draft_description(tmp_path)
+
+
+def test_git_commit_prefers_the_named_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device's copy of the tree may hold a stale .git: $BLOCKSPEC_COMMIT names the code that ran."""
+    monkeypatch.setenv("BLOCKSPEC_COMMIT", "1ce39de")
+    assert git_commit() == "1ce39de"
+    monkeypatch.delenv("BLOCKSPEC_COMMIT")
+    assert git_commit() != "1ce39de"

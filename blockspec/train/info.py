@@ -15,12 +15,16 @@ INFO_NAME = "training_info.json"
 
 
 def git_commit() -> Optional[str]:
+    """$BLOCKSPEC_COMMIT, else the checkout's HEAD. NOTE: the variable first: a copy of the working tree (the device's)
+    may carry a stale .git whose HEAD is not the code that ran (7bb28a6 in v6's info, which ran 1ce39de)."""
+    explicit = os.environ.get("BLOCKSPEC_COMMIT")
+    if explicit:
+        return explicit
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        out = None
-    # NOTE: copies without git (e.g. a device that gets only the working tree) pass BLOCKSPEC_COMMIT.
-    return (out.stdout.strip() if out is not None else "") or os.environ.get("BLOCKSPEC_COMMIT") or None
+        return None
+    return out.stdout.strip() or None
 
 
 def read_info(draft_dir: str | Path) -> dict[str, Any]:
