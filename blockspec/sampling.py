@@ -31,35 +31,49 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """`sampling_probs(logits[i], params[i])` for every row of `logits` [n, V] at once (no greedy params): one pass
-    over the batch, with each row's temperature, top-k, top-p and min-p as columns."""
+    over the batch, with each row's temperature, top-k, top-p and min-p as columns where the rows differ."""
     n, vocab = logits.shape
     if n == 0:
         return logits.float()
     device = logits.device
-    column = lambda values: torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # noqa: E731
-    probs = torch.softmax(logits.float() / column([p.temperature for p in params]), dim=-1)
+    probs = torch.softmax(logits.float() / _per_row([p.temperature for p in params], device), dim=-1)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
-        # NOTE: the k-th largest value of each row; a row without top-k keeps every token (threshold 0)
         largest = torch.topk(probs, max(top_k), dim=-1).values
-        picked = torch.tensor([max(k, 1) - 1 for k in top_k], device=device)[:, None]
-        kth = torch.where(column(top_k) > 0, largest.gather(-1, picked), torch.zeros((n, 1), device=device))
+        if min(top_k) == max(top_k):
+            kth = largest[..., -1:]
+        else:  # NOTE: each row's k-th largest value; a row without top-k keeps every token (threshold 0)
+            picked = torch.tensor([max(k, 1) - 1 for k in top_k], device=device)[:, None]
+            kth = torch.where(_column(top_k, device) > 0, largest.gather(-1, picked), torch.zeros((n, 1), device=device))
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
     top_p = [p.top_p for p in params]
     if min(top_p) < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         cumulative = sorted_probs.cumsum(-1)
         total = cumulative[..., -1:]
-        # NOTE: a token is kept when the mass strictly before it is below top_p (the top token always stays); a row
-        # with top_p 1 keeps every token.
-        keep_sorted = ((cumulative - sorted_probs) < column(top_p) * total) | (column(top_p) >= 1.0)
+        row_top_p = _per_row(top_p, device)
+        # NOTE: a token is kept when the mass strictly before it is below top_p (the top token always stays)
+        keep_sorted = (cumulative - sorted_probs) < row_top_p * total
+        if isinstance(row_top_p, torch.Tensor):
+            keep_sorted |= row_top_p >= 1.0  # a row with top_p 1 keeps every token
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
     min_p = [p.min_p for p in params]
     if max(min_p) > 0.0:
-        threshold = column(min_p) * probs.max(dim=-1, keepdim=True).values
+        threshold = _per_row(min_p, device) * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
     return probs / probs.sum(-1, keepdim=True)
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _per_row(values: Sequence[float], device: torch.device) -> float | torch.Tensor:
+    """One value for every row: a Python number when the rows agree (no host→device copy: `sampling_probs` runs per
+    row in DFlash's sampled cycle), else a column."""
+    first = values[0]
+    return float(first) if all(v == first for v in values) else _column(values, device)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

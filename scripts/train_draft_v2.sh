@@ -116,10 +116,10 @@ case $stage in
             # deadline leaves ≈ 100 s for what follows training and is not in it (train-draft's start-up, packing)
             left=$(( CHAIN_BUDGET_S - ($(date +%s) - $(cat "$state/chain_started")) - ${CHAIN_RESERVE_S:-240} ))
             [ "$left" -ge 300 ] || { echo "the chain has $left s left for training: too little" >&2; exit 2; }
-            DEADLINE_S=$(( left - 100 )) TRAIN_S=$(( left + 30 )) TRAIN_MIN=$(awk "BEGIN { print ($left - 100) / 60 }")
+            export DEADLINE_S=$(( left - 100 )) TRAIN_S=$(( left + 30 )) \
+                TRAIN_MIN=$(awk "BEGIN { print ($left - 100) / 60 }")
             echo "chain budget: $left s for the train stage (TRAIN_MIN=$TRAIN_MIN)"
         fi
-        export DEADLINE_S=${DEADLINE_S:-540} TRAIN_S=${TRAIN_S:-590} TRAIN_MIN=${TRAIN_MIN:-6.5}
         rm -rf "$background" && mkdir -p "$background"
         printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q GEN_WORKERS=%q V2_FLAGS=%q\n' "${RUN:-v2}" "${EXTRA:-}" \
             "${LAYERS:-5}" "${MIX_RATIO:-0.3}" "${GEN_WORKERS:-1}" "${V2_FLAGS:-}" > "$background/recipe.sh"
