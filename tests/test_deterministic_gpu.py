@@ -86,8 +86,10 @@ def check_engines(target_only: Engine, dflash: Engine, prompts: list[list[int]],
 
 
 def test_trained_pair_bf16(trained_pair: dict) -> None:
+    # NOTE: two engines live at once: each sizes its KV pool by max_total_tokens, not by mem_fraction_static (the
+    # first would take that fraction of the whole device and leave the second none)
     target_only, dflash = engines(trained_pair["root"] / "target", trained_pair["root"] / "draft",
-                                  triton_attention_split_tile_size=32, page_size=4)
+                                  triton_attention_split_tile_size=32, page_size=4, max_total_tokens=16384)
     prompts = [[5 + i for i in range(n)] for n in (3, 14, 37)]
     check_engines(target_only, dflash, prompts, 8, 96, 32)
     assert dflash.get_server_info()["internal_states"][0]["avg_spec_accept_length"] > 1.5

@@ -203,3 +203,84 @@ def test_graphed_forward_replans_before_every_replay(
         (got,) = graph.replay(batch)
         batch.attn_meta = reference.plan(batch)
         torch.testing.assert_close(got, reference.forward(q, k, v, 0, batch), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_worker_graphs_plan_flashinfer_outside_the_capture(
+    fake_backend_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch, speculative: bool,
+) -> None:
+    """Every graph a worker captures plans a host-planned backend outside the capture (the target-only decode graph
+    once planned inside it: on the GPU a host→device copy there aborts the capture)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from blockspec.kv.allocator import ReqToTokenTable
+    from blockspec.runner.graphs import CudaGraphs, GraphKind
+    from blockspec.speculative.dflash_base import DFlashBase
+    from blockspec.step.target_worker import TargetWorker
+    from test_triton_attention import make_case
+
+    capturing = {"now": False}
+
+    @contextlib.contextmanager
+    def fake_capture(*args: Any, **kwargs: Any) -> Iterator[None]:
+        capturing["now"] = True
+        try:
+            yield
+        finally:
+            capturing["now"] = False
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    _, _, pool, *_ = make_case(ForwardMode.DECODE, [4], [1], 1, 4, 2, 16, torch.float32)
+    target = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16)
+    draft = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16, [None], [False])
+    planned_inside: list[str] = []
+    for name, backend in (("target", target), ("draft", draft)):
+        real_plan_wrappers = backend.plan_wrappers
+
+        def spy(wrappers: Any, batch: Any, name: str = name, real: Any = real_plan_wrappers) -> None:
+            if capturing["now"]:
+                planned_inside.append(f"{name} {batch.mode.value}")
+            real(wrappers, batch)
+
+        monkeypatch.setattr(backend, "plan_wrappers", spy)
+
+    def run_attention(backend: Any, batch: Any) -> tuple[torch.Tensor, ...]:
+        batch.attn_meta = backend.plan(batch)
+        return (torch.zeros(batch.num_tokens, 1),)
+
+    table = ReqToTokenTable(4, 64, torch.device("cpu"))
+    graphs = CudaGraphs(True, [1, 2], table, 64, torch.device("cpu"))
+    runner = SimpleNamespace(graphs=graphs, attention=target, capture_piecewise=lambda **kw: None,
+                             eager_forward=functools.partial(run_attention, target))
+    if speculative:
+        worker = DFlashBase.__new__(DFlashBase)  # NOTE: only what init_cuda_graphs reads, without a draft model
+        worker.runner, worker.draft_attention, worker.block_size, worker.capture = runner, draft, 4, (0,)
+        monkeypatch.setattr(DFlashBase, "verify_lengths", property(lambda self: (4,)))
+        monkeypatch.setattr(DFlashBase, "calibrate_verify_lengths", lambda self: None)
+        monkeypatch.setattr(DFlashBase, "_verify_forward", lambda self, batch: run_attention(target, batch))
+        monkeypatch.setattr(DFlashBase, "_draft_logits", lambda self, batch: run_attention(draft, batch))
+        worker.init_cuda_graphs()
+        assert {kind for kind, _ in graphs.by_kind} == {GraphKind.VERIFY, GraphKind.DRAFT}
+    else:
+        TargetWorker(runner).init_cuda_graphs()  # type: ignore[arg-type]
+        assert {kind for kind, _ in graphs.by_kind} == {GraphKind.DECODE}
+    assert planned_inside == []
+    assert all(graph.host_planner is not None for graph in graphs.by_kind.values())
+
+
+def test_one_graph_cannot_replan_two_host_planned_backends(fake_backend_module: types.ModuleType) -> None:
+    from blockspec.runner.graphs import GraphKind, single_host_planner
+    from test_triton_attention import make_case
+
+    _, _, pool, *_ = make_case(ForwardMode.DECODE, [4], [1], 1, 4, 2, 16, torch.float32)
+    backend = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16)
+    reference = TorchAttentionBackend(pool, 0.25)
+    assert single_host_planner(GraphKind.DECODE, [reference]) is None
+    assert single_host_planner(GraphKind.DECODE, [reference, backend]) is not None
+    with pytest.raises(ValueError, match="greedy-cycle graph runs 2 attention backends that plan on the host"):
+        single_host_planner(GraphKind.GREEDY_CYCLE, [backend, backend])

@@ -237,3 +237,14 @@ def test_engine_config_rejects_wrong_types(flags: dict, field: str) -> None:
 
     with pytest.raises(ValueError, match=field):
         EngineConfig(model_path="/nonexistent", **flags)
+
+
+def test_kv_budget_counts_memory_in_use_and_says_what_to_do() -> None:
+    from blockspec.runner.model_runner import kv_slots_in_budget
+
+    gib = 2**30
+    assert kv_slots_in_budget(free=100 * gib, total=100 * gib, mem_fraction_static=0.5, bytes_per_slot=gib) == 50
+    assert kv_slots_in_budget(free=80 * gib, total=100 * gib, mem_fraction_static=0.5, bytes_per_slot=gib) == 30
+    # NOTE: a second engine in one process sees the first one's pool as used memory
+    with pytest.raises(ValueError, match=r"85\.0 of 100\.0 GiB are in use already.*--max-total-tokens"):
+        kv_slots_in_budget(free=15 * gib, total=100 * gib, mem_fraction_static=0.85, bytes_per_slot=2**20)

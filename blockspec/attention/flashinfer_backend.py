@@ -188,6 +188,9 @@ class FlashInferAttentionBackend(PagedBackendBase):
     def plan(self, batch: ForwardBatch) -> FlashInferMeta:
         if isinstance(batch.attn_meta, FlashInferMeta) and batch.attn_meta.for_graph:
             return batch.attn_meta  # NOTE: planned outside the graph (plan_for_graph); no host work in here
+        if batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("FlashInfer plans on the host, so a CUDA graph that runs it must be planned outside the "
+                               "capture: pass this backend to CudaGraphs.capture(attention=...)")
         wrappers = self.wrappers_for(batch, for_graph=False)
         self.plan_wrappers(wrappers, batch)
         return FlashInferMeta(wrappers, for_graph=False)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
-from blockspec.attention.base import GraphPlanner
+from blockspec.attention.base import AttentionBackend, GraphPlanner, graph_planner
 from blockspec.batch import ForwardBatch, ForwardMode, GraphInputs
 from blockspec.kv.allocator import ReqToTokenTable
 from blockspec.runner.cuda_graph import GraphedForward, GraphOutputs
@@ -56,12 +56,17 @@ class CudaGraphs:
         fn: EagerForward,
         mode: ForwardMode,
         tokens_per_req: int,
+        attention: Sequence[AttentionBackend],
         capture_layer_ids: tuple[int, ...] = (),
-        host_planner: Optional[GraphPlanner] = None,
     ) -> None:
-        """Captures `fn` for uniform batches of `mode` with `tokens_per_req` rows each, at every configured batch size."""
+        """Captures `fn` for uniform batches of `mode` with `tokens_per_req` rows each, at every configured batch size.
+
+        `attention`: every attention backend `fn` runs. NOTE: required, because a backend that plans on the host
+        (FlashInfer) must plan outside the graph, before capture and before every replay; a capture that did not
+        know of it would plan inside the graph (a host→device copy there invalidates the capture)."""
         if not self.available:
             return
+        host_planner = single_host_planner(kind, attention)
         graph = GraphedForward(
             kind.value, fn, mode, tokens_per_req, self.batch_sizes, self.table.table, self.table.dummy_row,
             self.max_positions, capture_layer_ids, self.pool, host_planner=host_planner,
@@ -112,3 +117,15 @@ def tokens_per_request(inputs: GraphInputs) -> int:
     if isinstance(inputs, ForwardBatch):
         return -1 if inputs.uniform_q_len is None else inputs.uniform_q_len
     return inputs.q
+
+
+def single_host_planner(kind: GraphKind, attention: Sequence[AttentionBackend]) -> Optional[GraphPlanner]:
+    """The one host planner among the backends a graph runs (None when every backend plans on the device).
+
+    NOTE: a replay plans one static batch outside the graph, so a graph can hold at most one host-planned backend
+    (the greedy-cycle graph, which runs the draft and the target, is captured only when neither plans on the host)."""
+    planners = [planner for planner in map(graph_planner, attention) if planner is not None]
+    if len(planners) > 1:
+        raise ValueError(f"the {kind.value} graph runs {len(planners)} attention backends that plan on the host; "
+                         "one graph can replan only one of them")
+    return planners[0] if planners else None

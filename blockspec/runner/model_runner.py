@@ -38,6 +38,21 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def kv_slots_in_budget(free: int, total: int, mem_fraction_static: float, bytes_per_slot: int) -> int:
+    """KV slots that fit in `mem_fraction_static` of the device's memory beside what is in use already (this
+    process's weights, and anything else on the device: another engine of this process counts too)."""
+    used = total - free
+    budget = total * mem_fraction_static - used
+    if budget < bytes_per_slot:
+        gib = 2**30
+        raise ValueError(
+            f"mem_fraction_static {mem_fraction_static} leaves no memory for the KV cache: {used / gib:.1f} of "
+            f"{total / gib:.1f} GiB are in use already (weights, other engines or processes on this device); raise "
+            "mem_fraction_static, or give --max-total-tokens to size the pool directly"
+        )
+    return int(math.floor(budget / bytes_per_slot))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -120,11 +135,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return CPU_DEFAULT_MAX_TOTAL_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        budget = total * self.config.mem_fraction_static - used
-        if budget <= 0:
-            raise ValueError("mem_fraction_static leaves no memory for the KV cache; raise it")
-        return int(math.floor(budget / bytes_per_slot))
+        return kv_slots_in_budget(free, total, self.config.mem_fraction_static, bytes_per_slot)
 
     @property
     def forward_counts(self) -> dict[str, int]:

@@ -141,15 +141,15 @@ class DFlashBase(TargetWorker):
     def init_cuda_graphs(self) -> None:
         self.runner.capture_piecewise(aux_consumer=self._materialise_draft_kv)
         graphs, b = self.runner.graphs, self.block_size
-        target_planner, draft_planner = graph_planner(self.runner.attention), graph_planner(self.draft_attention)
+        target, draft = self.runner.attention, self.draft_attention
         for n in self.verify_lengths:
-            graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, self.capture, target_planner)
-        graphs.capture(GraphKind.DRAFT, self._draft_logits, ForwardMode.DRAFT, b, (), draft_planner)
+            graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, [target], self.capture)
+        graphs.capture(GraphKind.DRAFT, self._draft_logits, ForwardMode.DRAFT, b, [draft])
         # NOTE: all-greedy batches replay one graph per cycle: propose → verify → both argmaxes. A backend that
         # plans on the host (FlashInfer) cannot plan the verify half from inside it, so it keeps the two graphs.
-        if draft_planner is None and target_planner is None:
+        if graph_planner(draft) is None and graph_planner(target) is None:
             for n in self.verify_lengths:
-                graphs.capture(GraphKind.GREEDY_CYCLE, self.cycle_fn(n), ForwardMode.DRAFT, n)
+                graphs.capture(GraphKind.GREEDY_CYCLE, self.cycle_fn(n), ForwardMode.DRAFT, n, [target, draft])
         self.calibrate_verify_lengths()
 
     def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:

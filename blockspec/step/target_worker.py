@@ -31,7 +31,8 @@ class TargetWorker:
         return False
 
     def init_cuda_graphs(self) -> None:
-        self.runner.graphs.capture(GraphKind.DECODE, self.runner.eager_forward, ForwardMode.DECODE, 1)
+        self.runner.graphs.capture(GraphKind.DECODE, self.runner.eager_forward, ForwardMode.DECODE, 1,
+                                   [self.runner.attention])
         self.runner.capture_piecewise()
 
     def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:
