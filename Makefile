@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo install clean
+.PHONY: test demo install clean gpu-test
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -19,6 +19,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15 tests
+
+# NOTE: runs on the GPU machine, whose image has torch and lacks PyPI: no venv there; the device tool runs it with .whl
+# carried (scripts/device.sh says how; `scripts/device.sh plan` prints a whole session's calls).
+gpu-test:
+	bash scripts/device.sh gpu-test
 
 demo: $(STAMP)
 	$(PY) -m blockspec.demo

@@ -2,11 +2,10 @@
 # Issue #24 (a better shipped draft) on one H200: benchmarks/draft_v2.py's stages, one device `run` each (each well
 # under the 10-minute limit), sharing .device-state/draft_v2 (git-ignored: it stays on the warm machine between
 # calls). The SmolLM2 GGUF (98 MB) cannot travel in one call (64 MiB per call with the working tree), so it goes in
-# parts sized to the tree (scripts/device_gguf.sh), one per call; every call but the last only leaves its part there.
+# parts sized to the tree (scripts/device_lib.sh), one per call; every call but the last only leaves its part there.
 #
 # Here, once per tree size:  PYTHON=.venv/bin/python scripts/train_draft_v2.sh split   -> .carry/gsm8k/train.jsonl
-#   (from GSM8K_DIR, ../shared/data/gsm8k) and .carry/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf.partNN; it prints each
-#   call's carry (50 MB of tree and 8 MiB kept for .carry/draft_v2: 8 parts, 2026-12-03).
+#   (from GSM8K_DIR, ../shared/data/gsm8k) and .carry/smollm2/partNN; it prints how many parts (one a call) (50 MB of tree and 8 MiB kept for .carry/draft_v2: 8 parts, 2026-12-03).
 # Device, one `run` each, in this order and back to back (an idle machine is given back after 30 s):
 #   a. carry .whl + part00                       scripts/train_draft_v2.sh stash
 #   b. carry .carry/gsm8k + .carry/draft_v2 + part01   scripts/train_draft_v2.sh stash
@@ -36,9 +35,8 @@
 # draft as draft_v2_<run>.tar.part*, result JSON + PNG, log), bench (draft_v2_<date>_<commit>.json + PNG, log).
 set -uo pipefail
 stage=${1:?usage: $0 split|stash|data|train|train-start|train-wait|bench}
-source "$(dirname "$0")/device_gguf.sh"
+source "$(dirname "$0")/device_lib.sh"
 name=$gguf_name
-parts=$gguf_parts
 state=${STATE:-.device-state/draft_v2}
 if [ "$stage" = split ]; then
     source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
@@ -51,10 +49,11 @@ if [ "$stage" = split ]; then
         reserve=$(( 12 * 1024 * 1024 - $(du -cb .carry/draft_v2 | tail -1 | cut -f1) ))
         [ "$reserve" -lt 0 ] && reserve=0
     fi
-    SECOND_CARRY=".carry/gsm8k .carry/draft_v2" SECOND_RESERVE=$reserve split_gguf "$source_gguf" || exit 1
+    second=$(( reserve + $(du -cb .carry/gsm8k .carry/draft_v2 | tail -1 | cut -f1) ))
+    split_gguf "$source_gguf" "$(du -cb .whl | tail -1 | cut -f1)" "$second" || exit 1
     exit 0
 fi
-source "$(dirname "$0")/device_env.sh"
+device_env || exit 1
 mkdir -p "$state"
 [ -f "$state/chain_started" ] || date +%s > "$state/chain_started"  # NOTE: the chain's first call (CHAIN_BUDGET_S)
 responses_cache=${RESPONSES:-.carry/draft_v2/responses.tar.xz}
@@ -88,9 +87,11 @@ save_responses() {
 }
 case $stage in
     stash)
-        ls -l "$parts" .carry/gsm8k 2>/dev/null
+        stash_parts "$state"
+        ls -l .carry/gsm8k 2>/dev/null
         exit 0 ;;
     data)
+        stash_parts "$state"
         assemble_gguf "$state" || exit 1
         restore_responses || exit 1
         timeout "${DATA_S:-570}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \

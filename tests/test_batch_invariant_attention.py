@@ -11,6 +11,8 @@ from typing import Optional
 import pytest
 import torch
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 pytest.importorskip("triton")
 
 from blockspec.attention.batch_invariant_backend import BatchInvariantAttention, BatchInvariantAttentionBackend  # noqa: E402

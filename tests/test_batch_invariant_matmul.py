@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 pytest.importorskip("triton")
 
 from blockspec.layers.batch_invariant_matmul import batch_invariant_linear  # noqa: E402

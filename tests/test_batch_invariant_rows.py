@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 pytest.importorskip("triton")
 
 from blockspec.layers import triton_ops  # noqa: E402

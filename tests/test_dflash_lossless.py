@@ -14,6 +14,8 @@ from draft_training import train_tiny_draft
 from engine_testing import prefilled
 from tiny_models import save_tiny_draft, save_tiny_model
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 pytest.importorskip("dflash.model")
 
 PROMPTS = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33, 5, 9, 26)]

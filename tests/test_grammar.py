@@ -1,7 +1,7 @@
-"""Structured output (CPU, fp32, the real Qwen3 tokenizer): regex, JSON schema and EBNF constrained greedy decoding
-equals a plain HF + xgrammar constrained greedy loop, target-only and under DFlash (verify rows masked along the
-proposals, matcher rolled back); sampled output always matches; accept length under a grammar is reported; bad
-grammars are errors naming the field."""
+"""Structured output (fp32, the real Qwen3 tokenizer; on the CPU, and on CUDA with its graphs when there is one):
+regex, JSON schema and EBNF constrained greedy decoding equals a plain HF + xgrammar constrained greedy loop,
+target-only and under DFlash (verify rows masked along the proposals, matcher rolled back); sampled output always
+matches; accept length under a grammar is reported; bad grammars are errors naming the field."""
 from __future__ import annotations
 
 import json
@@ -10,12 +10,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from blockspec import Engine
 from draft_training import cpu_engine
 from engine_testing import assert_engine_idle
 from grammar_models import constrained_greedy, constrained_string_distribution
+
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
 
 ENUM_SCHEMA = json.dumps({
     "type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
@@ -37,9 +40,16 @@ def pair(qwen_vocab_pair: dict[str, Any]) -> dict[str, Any]:
     return qwen_vocab_pair
 
 
-@pytest.fixture(scope="module")
-def engines(pair: dict[str, Any]) -> Iterator[dict[bool, Engine]]:
-    built = {spec: cpu_engine(Path(pair["root"]), spec, skip_tokenizer_init=False) for spec in (False, True)}
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="needs CUDA")])
+
+
+@pytest.fixture(scope="module", params=["cpu", CUDA])
+def engines(pair: dict[str, Any], request: pytest.FixtureRequest) -> Iterator[dict[bool, Engine]]:
+    # NOTE: on CUDA the grammar masks run on the device, inside the engine's CUDA and piecewise graphs' schedule
+    device = dict(device="cuda", cuda_graph_bs=[1, 2, 4], enforce_piecewise_cuda_graph=True) \
+        if request.param == "cuda" else {}
+    built = {spec: cpu_engine(Path(pair["root"]), spec, skip_tokenizer_init=False, **device) for spec in (False, True)}
     yield built
     for engine in built.values():
         engine.shutdown()

@@ -11,6 +11,8 @@ from typing import Optional
 import pytest
 import torch
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 pytest.importorskip("triton")
 
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402

@@ -20,6 +20,8 @@ from blockspec.request import Req, SamplingParams
 from draft_training import train_tiny_draft
 from tiny_models import save_tiny_draft, save_tiny_model
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 pytest.importorskip("dflash.model")
 from test_dflash_oracle import assert_matches_reference  # noqa: E402
 

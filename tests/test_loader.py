@@ -16,6 +16,8 @@ from blockspec.config import EngineConfig
 from blockspec.models.loader import iter_safetensors, safetensors_files
 from engine_testing import hf_greedy
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 def _copy(tiny, tmp_path: Path, kind: str = "llama", variant: str = "plain") -> Path:
     return Path(shutil.copytree(tiny(kind, variant).path, tmp_path / "ckpt"))
 

@@ -12,6 +12,8 @@ from blockspec import Engine
 from blockspec.request import Req
 from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 40, "ignore_eos": True}
 EARLY = random_prompts([5, 9, 3], seed=1)

@@ -18,6 +18,8 @@ from blockspec.step.target_worker import next_decode_rows
 from draft_training import save_trained_pair
 from engine_testing import assert_engine_idle
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 pytest.importorskip("dflash.model")
 
 PROMPTS = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33, 5, 9, 26)]

@@ -12,6 +12,8 @@ from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, bucket_for, d
 from blockspec.request import Req, SamplingParams
 from tiny_models import save_tiny_model
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 CAPTURE = (0, 2)
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

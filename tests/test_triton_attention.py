@@ -9,6 +9,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 triton = pytest.importorskip("triton")
 
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402

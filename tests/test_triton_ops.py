@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 pytest.importorskip("triton")
 
 from blockspec.layers import triton_ops  # noqa: E402

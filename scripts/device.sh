@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The one entry point for GPU work (the device tool's `run` executes it there; the carrying details live in
+# scripts/device_lib.sh). Several commands may follow each other in one call: `scripts/device.sh stash gpu-test`.
+#
+# Here (this machine):
+#   wheels            the pinned wheel set the GPU machine lacks, into .whl (git-ignored; ≈ 33 MB)
+#   slim on|off|status  keep the shipped draft and the draft-training prompts out of what travels (never commit slim)
+#   plan              wheels + slim + the SmolLM2 GGUF in parts, then prints the calls of a full GPU session: the
+#                     whole GPU suite in the first, the seed check in the last (device time: ≈ 8 + 4 × 1 + 4 min)
+# There (the GPU machine; BLOCKSPEC_COMMIT=<short hash> names the results, the copy there has no git history):
+#   gpu-test          every test marked gpu or cuda (`pytest -m "gpu or cuda" tests`, TEST_S seconds, default 540);
+#                     the log is $OUT/gpu_suite_<date>_<commit>.log (commit it to benchmarks/results/)
+#   stash             keeps the GGUF parts this call carried on the warm machine (.device-state/demo)
+#   seed              the seed's serve command on the demo pair, FlashInfer and Triton (benchmarks/seed_gpu.py;
+#                     needs every GGUF part stashed and blockspec/assets/smollm2-135m-dflash-b16 carried)
+#   bench MODULE ARGS python3 -m benchmarks.MODULE ARGS --out $OUT (the rest of the line is its arguments)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/device_lib.sh
+state=.device-state/demo
+commit=${BLOCKSPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+status=0
+
+plan() {
+    local source parts index carry
+    download_wheels > /dev/null || return 1
+    slim on > /dev/null
+    source=$(python3 -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || return 1
+    parts=$(split_gguf "$source" "$(du -cb .whl | tail -1 | cut -f1)") || return 1
+    echo "tree $(( $(tree_bytes) / 1048576 )) MiB (slim), .whl $(du -sh .whl | cut -f1), GGUF in $parts parts; calls:"
+    for (( index = 0; index < parts; index++ )); do
+        carry=$(printf '%s/part%02d' "$gguf_parts" "$index")
+        if [ "$index" -eq 0 ]; then
+            echo "  carry [.whl, $carry]: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) scripts/device.sh stash gpu-test"
+        else
+            echo "  carry [$carry]: scripts/device.sh stash"
+        fi
+    done
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) scripts/device.sh seed"
+    echo "then here: scripts/device.sh slim off"
+}
+
+gpu_test() {
+    local log
+    log="$out/gpu_suite_$(date +%F)_${commit}.log"
+    timeout "${TEST_S:-540}" python3 -m pytest -q -p no:cacheprovider -m "gpu or cuda" -rs --durations=15 tests 2>&1 \
+        | tee "$log" | tail -"${TAIL:-40}"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+seed() {
+    local model
+    assemble_gguf "$state" || return 1
+    [ -f blockspec/assets/smollm2-135m-dflash-b16/config.json ] \
+        || { echo "carry blockspec/assets/smollm2-135m-dflash-b16 (the shipped draft) with this call" >&2; return 1; }
+    model=$(python3 -c "from pathlib import Path; from blockspec.smollm2 import ensure_smollm2_dir
+print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))") || return 1
+    timeout "${SEED_S:-540}" python3 -m benchmarks.seed_gpu --model-dir "$model" --out "$out" || status=1
+}
+
+[ $# -ge 1 ] || { sed -n '2,21p' "$0"; exit 2; }
+case $1 in
+    wheels) download_wheels; exit ;;
+    slim) slim "${2:-status}"; exit ;;
+    plan) plan; exit ;;
+esac
+device_env || exit 1
+while [ $# -gt 0 ]; do
+    case $1 in
+        gpu-test) gpu_test ;;
+        stash) stash_parts "$state" ;;
+        seed) seed || status=1 ;;
+        bench)
+            [ $# -ge 2 ] || { echo "bench MODULE [ARGS...]" >&2; exit 2; }
+            python3 -m "benchmarks.$2" "${@:3}" --out "$out" || status=1
+            break ;;
+        *) echo "unknown command $1 (gpu-test, stash, seed, bench; here: wheels, slim, plan)" >&2; exit 2 ;;
+    esac
+    shift
+done
+exit $status
