@@ -25,6 +25,7 @@ import torch
 
 from blockspec.attention.base import GraphPlanner
 from blockspec.batch import ForwardBatch, ForwardMode, GraphInputs, UniformRows, uniform_batch
+from blockspec.runner.gc_pause import garbage_collection_paused
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,10 @@ class GraphedForward:
         return sliced
 
     def capture(self) -> None:
+        with garbage_collection_paused():
+            self._capture()
+
+    def _capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated()
         shared: Optional[GraphOutputs] = None

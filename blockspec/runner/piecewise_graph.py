@@ -30,6 +30,7 @@ from blockspec.attention.triton_graph_extend import GraphExtendAttention
 from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.pieces import PieceState
 from blockspec.batch import ForwardBatch, ForwardMode
+from blockspec.runner.gc_pause import garbage_collection_paused
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ class PiecewiseGraphRunner:
     # ---- capture and replay -------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
+        with garbage_collection_paused():
+            self._capture()
+
+    def _capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)
         # NOTE: the eager warm-up below really stores K/V (and draft KV): point every row at the dummy slot first.
