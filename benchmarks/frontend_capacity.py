@@ -2,8 +2,9 @@
 front of a stand-in engine process that emits tokens at a fixed pace (benchmarks/paced_engine.py), driven by the
 same closed-loop streaming clients as serving_vs_engine.py (/generate with input_ids).
 
-The stand-in's paces are the engines' measured steps at 64 requests (H200, README tables): `smollm2-dflash` a 2.2 ms
-cycle of 3 tokens, `smollm2-target` a 1.2 ms step of 1, `llama8b-dflash` 22.5 ms / 4, `llama8b-target` 6.7 ms / 1.
+The stand-in's paces are the engines' measured steps at 64 requests (H200, docs/performance.md): `smollm2-dflash` a
+2.2 ms cycle of 3 tokens, `smollm2-target` a 1.2 ms step of 1, `llama8b-dflash` 22.5 ms / 4,
+`llama8b-target` 6.7 ms / 1.
 The ceiling of a level is what the stand-in would emit with every running slot busy (`paced_tok_s`); the server's
 share of it (`server_over_paced`) and its CPU per streamed chunk say whether the server process is what limits
 serving at that pace. The stand-in has no prefill: a request gets its first tokens at the step that admits it.
