@@ -27,7 +27,7 @@ from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.engine_process import EngineProcess, RemoteEngine
 from blockspec.server.frontends import EngineAddresses, FrontendGroup, reuse_port_socket
 from blockspec.server.wire import EngineInfo
-from blockspec.server.http_protocol import h11_protocol_with_header_timeout
+from blockspec.server.http_protocol import limited_h11_protocol
 from blockspec.process_exit import exit_now
 from blockspec.startup.report import summary_line
 
@@ -68,7 +68,7 @@ def _make_server(app: FastAPI, settings: ServerSettings, frontends: Optional[Fro
         app,
         host=settings.host,
         port=settings.port,
-        http=h11_protocol_with_header_timeout(settings.header_timeout_s),
+        http=limited_h11_protocol(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections),
         log_level=settings.log_level,
         access_log=settings.log_level in ("debug", "info"),  # NOTE: one line per request from --log-level info
         timeout_keep_alive=settings.timeout_keep_alive,
