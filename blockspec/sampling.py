@@ -11,6 +11,8 @@ from blockspec.penalties import penalize_rows
 from blockspec.request import Req, SamplingParams
 from blockspec.sampling_faults import choice_faults, distribution_faults, fail_request
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
     seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -37,7 +39,10 @@ def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     if n == 0:
         return logits.float()
     device = logits.device
-    probs = torch.softmax(logits.float() / _per_row([p.temperature for p in params], device), dim=-1)
+    # NOTE: a temperature beyond float32's range would become inf, and a masked logit (-inf) / inf is NaN; at the
+    # largest finite float32 every allowed token is as likely, the limit the huge temperature means
+    temperatures = [min(p.temperature, _FLOAT32_MAX) for p in params]
+    probs = torch.softmax(logits.float() / _per_row(temperatures, device), dim=-1)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         largest = torch.topk(probs, max(top_k), dim=-1).values

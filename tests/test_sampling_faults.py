@@ -27,6 +27,7 @@ DEGENERATE: dict[str, tuple[dict[str, Any], str]] = {
     "temperature_1e-300": ({**SAMPLED, "temperature": 1e-300}, "greedy"),
     "temperature_1e-45": ({**SAMPLED, "temperature": 1e-45}, "greedy"),
     "temperature_1e-38": ({**SAMPLED, "temperature": 1e-38}, "greedy"),
+    "temperature_1e300_grammar": ({**SAMPLED, "temperature": 1e300, "regex": "[ab]+"}, "alone"),
     "top_p_1e-300": ({**SAMPLED, "top_p": 1e-300}, "greedy"),
     "min_p_1": ({**SAMPLED, "min_p": 1.0}, "greedy"),
     "logit_bias_huge_tiny_temperature": ({**SAMPLED, "temperature": 1e-5, "logit_bias": {"9": 100, "10": 100,
@@ -90,5 +91,6 @@ def test_degenerate_request_never_fails_the_batch(engine_for: Callable[[bool, bo
             assert (req.finish.message or "").startswith("sampling failed for this request: "), req.finish
             assert 0 not in req.spec_accept_lengths  # NOTE: its failed verify cycle is not counted as one
         else:
+            assert req.finish.reason is not FinishReason.ABORT and len(req.output_ids) > 0, (case, req.finish)
             expected = solo(engine, PROMPTS[3], GREEDY if outcome == "greedy" else params)
             assert req.output_ids == expected, (case, req.finish)
