@@ -51,6 +51,12 @@ async def generate(client: httpx.AsyncClient, prompt: str, params: dict[str, Any
     return response.status_code, events[-1]  # NOTE: chunks carry the cumulative output_ids
 
 
+async def chat(client: httpx.AsyncClient, fields: dict[str, Any]) -> tuple[int, Any]:
+    response = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Say something."}], "max_tokens": MAX_NEW, **fields})
+    return response.status_code, response.json()
+
+
 def test_degenerate_requests_under_load_fail_alone(server: BackgroundServer) -> None:
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
@@ -61,7 +67,13 @@ def test_degenerate_requests_under_load_fail_alone(server: BackgroundServer) -> 
             jobs += [generate(client, PROMPTS[i % len(PROMPTS)], params, stream=i % 2 == 0)
                      for i, params in enumerate(FAILING * 3)]
             jobs += [generate(client, PROMPTS[0], TINY_TEMPERATURE, stream) for stream in (False, True)]
-            results = await asyncio.gather(*jobs)
+            chat_greedy = await chat(client, {"temperature": 0})
+            chats = [chat(client, {"temperature": 1e-300}), chat(client, {"temperature": 1.0, "seed": 4,
+                                                                           "repetition_penalty": 1e-300})]
+            *results, (tiny_status, tiny), (failed_status, failed) = await asyncio.gather(*jobs, *chats)
+        assert tiny_status == 200 and tiny["choices"][0]["message"] == chat_greedy[1]["choices"][0]["message"], tiny
+        assert failed_status == 400, failed
+        assert failed["error"]["message"].startswith("sampling failed for this request: "), failed
         n_good = len(good) * 3
         for (status, output), (_, expected) in zip(results[:n_good], alone * 3):
             assert status == 200, output
