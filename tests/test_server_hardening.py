@@ -192,7 +192,8 @@ def test_malformed_framing_is_a_400_in_the_openai_shape(server: BackgroundServer
 @pytest.mark.parametrize("framing", ["content_length", "chunked"])
 def test_stalled_body_gets_a_408_and_the_connection_closes(server: BackgroundServer, framing: str) -> None:
     head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    head += b"Content-Length: 100\r\n\r\n" if framing == "content_length" else b"Transfer-Encoding: chunked\r\n\r\n5\r\n"
+    chunked = b"Transfer-Encoding: chunked\r\n\r\n5\r\n"
+    head += b"Content-Length: 100\r\n\r\n" if framing == "content_length" else chunked
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head + b'{"tex')  # NOTE: the rest never comes
         data, waited = _read_until_closed(sock, 10)

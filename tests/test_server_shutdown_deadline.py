@@ -32,12 +32,13 @@ def _stream_forever(url: str, outcome: list[Any], started: threading.Event) -> N
         outcome.append(exc)
 
 
-@pytest.mark.parametrize("count", [1, 4])
-def test_sigterm_exits_within_grace_plus_margin(tmp_path: Path, count: int) -> None:
+@pytest.mark.parametrize("count, entry", [(1, ("-m", "blockspec.serve")), (4, ("-m", "blockspec.serve")),
+                                          (1, ("-m", "blockspec.cli", "serve"))], ids=["1", "4", "1-cli"])
+def test_sigterm_exits_within_grace_plus_margin(tmp_path: Path, count: int, entry: tuple[str, ...]) -> None:
     model = save_text_model(tmp_path / "model")
     args = ["--model-path", str(model), "--max-total-tokens", "65536", "--shutdown-grace-s", str(GRACE_S),
             "--api-server-count", str(count)]
-    with server_process(args) as (proc, url):
+    with server_process(args, entry) as (proc, url):
         clients = 2 * count  # NOTE: the kernel spreads connections over the processes; most get some
         outcomes: list[list[Any]] = [[] for _ in range(clients)]
         started = [threading.Event() for _ in range(clients)]
