@@ -61,6 +61,13 @@ def _choice_fault(nan: bool, overflow: bool, none_allowed: bool) -> Optional[str
     return None
 
 
+def raise_first(faults: list[Optional[str]]) -> None:
+    """SamplingFault for the first row of `faults` that has one (rows of one request: any fails it)."""
+    fault = next((fault for fault in faults if fault is not None), None)
+    if fault is not None:
+        raise SamplingFault(fault)
+
+
 def draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
     """One token drawn from the distribution `probs` [V]; SamplingFault (not torch's error) when it has none."""
     (fault,) = distribution_faults(probs[None])

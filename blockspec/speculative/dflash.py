@@ -14,7 +14,9 @@ from blockspec.request import Req
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, build_batch, uniform_batch
 from blockspec.runner.graphs import GraphKind
 from blockspec.sampling import append_logprobs, greedy_tokens, sampling_probs
-from blockspec.sampling_faults import SamplingFault, distribution_faults, draw, fail_request, pick
+from blockspec.sampling_faults import (
+    SamplingFault, choice_faults, distribution_faults, draw, fail_request, pick, raise_first,
+)
 from blockspec.speculative.acceptance import greedy_accept_counts, rejection_accept
 from blockspec.speculative.dflash_base import DFlashBase
 from blockspec.step.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
@@ -99,9 +101,7 @@ class DFlashWorker(DFlashBase):
                         draft_probs[i] = probs
                 elif not req.params.is_greedy:
                     probs = sampling_probs(logits, req.params)
-                    fault = next((fault for fault in distribution_faults(probs) if fault is not None), None)
-                    if fault is not None:
-                        raise SamplingFault(fault)
+                    raise_first(distribution_faults(probs))
                     proposals[i] = torch.multinomial(probs, 1, generator=req.generator).squeeze(-1)
                     draft_probs[i] = probs
             except SamplingFault as fault:
@@ -187,9 +187,9 @@ class DFlashWorker(DFlashBase):
             return rejection_accept(proposals, draft_probs, logits, req.params, req.generator)
         target = logits.argmax(-1)
         accepted = int(greedy_accept_counts(torch.tensor([proposals], device=target.device), target[None]))
-        for row in logits[:accepted]:  # NOTE: a NaN row's argmax may match its proposal; only rows read are checked
-            pick(row)
-        return accepted, pick(logits[accepted])
+        # NOTE: a NaN row's argmax may match its proposal: every row read is checked (one read for all)
+        raise_first(choice_faults(logits[:accepted + 1]))
+        return accepted, int(target[accepted])
 
     @torch.inference_mode()
     def mixed(
