@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
+
+from blockspec.process_exit import exit_now
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -57,5 +59,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_bench(ns, subparsers["serving"])
 
 
+def entry() -> NoReturn:
+    """The `blockspec` console script: main(); `serve` then exits without the interpreter's teardown (process_exit.py:
+    it counted against --shutdown-grace-s), the other commands as usual."""
+    code = main()
+    if sys.argv[1:2] == ["serve"]:
+        exit_now(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

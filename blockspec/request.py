@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from blockspec.kv.radix_tree import RadixNode
 
 _request_counter = itertools.count()
+# NOTE: SGLang's _SAMPLING_EPS: a temperature this small is greedy decoding (SGLang samples it with top_k = 1). Below it
+# the float32 division of the logits by the temperature loses the distribution: at 1e-38 and under it overflows to
+# inf (NaN probabilities), and no such temperature differs from greedy in any token a float32 softmax could draw.
+GREEDY_TEMPERATURE = 1e-6
 
 
 @dataclass
@@ -125,7 +129,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -141,12 +145,16 @@ class FinishReason(enum.Enum):
 
 @dataclass
 class Finish:
-    """SGLang's shape: {"type": "stop", "matched": id or str} / {"type": "length", "length": n} / abort."""
+    """SGLang's shape: {"type": "stop", "matched": id or str} / {"type": "length", "length": n} / abort.
+
+    `error_status`: set on an abort that is the request's own error (its sampling parameters made its row of the batch
+    unusable, sampling_faults.py): the server answers it as an error with this HTTP status, not as a finish."""
 
     reason: FinishReason
     matched: Optional[int | str] = None
     message: Optional[str] = None
     length: Optional[int] = None
+    error_status: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.reason.value}

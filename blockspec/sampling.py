@@ -9,6 +9,9 @@ import torch
 from blockspec.grammar import constrain_rows
 from blockspec.penalties import penalize_rows
 from blockspec.request import Req, SamplingParams
+from blockspec.sampling_faults import choice_faults, distribution_faults, fail_request
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
@@ -36,7 +39,10 @@ def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     if n == 0:
         return logits.float()
     device = logits.device
-    probs = torch.softmax(logits.float() / _per_row([p.temperature for p in params], device), dim=-1)
+    # NOTE: a temperature beyond float32's range would become inf, and a masked logit (-inf) / inf is NaN; at the
+    # largest finite float32 every allowed token is as likely, the limit the huge temperature means
+    temperatures = [min(p.temperature, _FLOAT32_MAX) for p in params]
+    probs = torch.softmax(logits.float() / _per_row(temperatures, device), dim=-1)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         largest = torch.topk(probs, max(top_k), dim=-1).values
@@ -54,6 +60,8 @@ def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
         row_top_p = _per_row(top_p, device)
         # NOTE: a token is kept when the mass strictly before it is below top_p (the top token always stays)
         keep_sorted = (cumulative - sorted_probs) < row_top_p * total
+        # NOTE: also when top_p * total rounds to 0 in float32 (top_p 1e-300): else the row keeps no token at all
+        keep_sorted[..., 0] = True
         if isinstance(row_top_p, torch.Tensor):
             keep_sorted |= row_top_p >= 1.0  # a row with top_p 1 keeps every token
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
@@ -89,23 +97,37 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def sample_next_tokens(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     """One token per row of `logits` [n, V], row i sampled for reqs[i] (penalised, then masked by its grammar).
+    A request whose row has nothing to sample from is failed on its own (sampling_faults.py); its entry is then a
+    placeholder (the row's argmax, a valid id) that the commit drops, as it drops a finished request's tokens.
     NOTE: the sampled rows' distributions come from one batched pass and their draws are read back together: a
     row at a time with a host sync per draw took ≈ 115 ms a step at 256 rows on an H200 (generation_rate.py)."""
     logits = constrain_rows(penalize_rows(logits, reqs), [req.grammar for req in reqs])
     tokens = [int(t) for t in greedy_tokens(logits).tolist()]
+    # NOTE: only greedy rows a request's penalties or grammar changed can lose their argmax; the model's own rows
+    # (every row of a plain greedy batch, the hot path) are not checked
+    altered = [i for i, req in enumerate(reqs)
+               if req.params.is_greedy and (req.params.has_penalties or req.grammar is not None)]
+    if altered:
+        for i, fault in zip(altered, choice_faults(logits[altered])):
+            if fault is not None:
+                fail_request(reqs[i], fault)
     sampled = [i for i, req in enumerate(reqs) if not req.params.is_greedy]
     if not sampled:
         return tokens
     probs = sampling_probs_rows(logits[sampled], [reqs[i].params for i in sampled])
-    draws = []
-    for row, i in enumerate(sampled):
+    draws = {}
+    for row, (i, fault) in enumerate(zip(sampled, distribution_faults(probs))):
+        if fault is not None:
+            fail_request(reqs[i], fault)
+            continue
         assert reqs[i].generator is not None
         # NOTE: each request's own generator, row by row, so its draws do not depend on the other rows' requests
         # (the batched reductions above may round a row's last bit differently from the row alone at a large
         # vocabulary; a flipped draw needs a probability boundary within that bit)
-        draws.append(torch.multinomial(probs[row], 1, generator=reqs[i].generator))
-    for i, token in zip(sampled, torch.cat(draws).tolist()):
-        tokens[i] = int(token)
+        draws[i] = torch.multinomial(probs[row], 1, generator=reqs[i].generator)
+    if draws:
+        for i, token in zip(draws, torch.cat(list(draws.values())).tolist()):
+            tokens[i] = int(token)
     return tokens
 
 

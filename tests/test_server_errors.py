@@ -63,6 +63,8 @@ BAD_INPUTS = [
     (CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice"),
     (CMPL, {"prompt": "x", "logprobs": 6}, "logprobs"),
     (GEN, {"text": "hi", "top_logprobs_num": 2}, "top_logprobs_num"),
+    (GEN, {"text": "hi", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    (GEN, {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**9}, "top_logprobs_num"),
     (CHAT, {"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
     (CHAT, {"messages": USER, "frequency_penalty": "lots"}, "frequency_penalty"),
     (CHAT, {"messages": USER, "min_tokens": -1}, "min_tokens"),

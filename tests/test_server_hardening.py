@@ -35,7 +35,7 @@ def _engine(text_model: Path, **flags: Any) -> Engine:
 
 @pytest.fixture(scope="module")
 def server(text_model: Path) -> Iterator[BackgroundServer]:
-    settings = ServerSettings(port=0, max_request_bytes=64 * 1024, header_timeout_s=0.5)
+    settings = ServerSettings(port=0, max_request_bytes=64 * 1024, header_timeout_s=0.5, body_timeout_s=0.5)
     with BackgroundServer(_engine(text_model), settings) as running:
         yield running
 
@@ -169,6 +169,68 @@ def test_half_sent_headers_get_a_408_and_the_connection_closes(server: Backgroun
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408") and waited < 5
     _assert_error(json.loads(body), 408)
+
+
+MALFORMED_FRAMINGS = {
+    "bad_chunk_size": b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    "negative_content_length": b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n{}",
+    "non_numeric_content_length": b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n{}",
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_FRAMINGS))
+def test_malformed_framing_is_a_400_in_the_openai_shape(server: BackgroundServer, name: str) -> None:
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(MALFORMED_FRAMINGS[name])
+        data, _ = _read_until_closed(sock, 10)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, data
+    assert "malformed" in _assert_error(json.loads(body), 400)["message"]
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("framing", ["content_length", "chunked"])
+def test_stalled_body_gets_a_408_and_the_connection_closes(server: BackgroundServer, framing: str) -> None:
+    head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    chunked = b"Transfer-Encoding: chunked\r\n\r\n5\r\n"
+    head += b"Content-Length: 100\r\n\r\n" if framing == "content_length" else chunked
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + b'{"tex')  # NOTE: the rest never comes
+        data, waited = _read_until_closed(sock, 10)
+    head_in, _, body = data.partition(b"\r\n\r\n")
+    assert head_in.startswith(b"HTTP/1.1 408") and waited < 5, data
+    _assert_error(json.loads(body), 408, "body")
+
+
+def test_body_written_whole_before_reading_gets_its_413_not_a_reset(server: BackgroundServer) -> None:
+    body = json.dumps({"prompt": "apples " * 600_000, "max_tokens": 2}).encode()  # 4.2 MB > the 64 KiB limit
+    # NOTE: Connection: close: on a keep-alive connection uvicorn already read and dropped the rest after the 413
+    head = (f"POST {CMPL} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + body)  # NOTE: like a client that reads only once its request is written
+        sock.settimeout(10)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 413
+        _assert_error(json.loads(response.read()), 413, "body")
+
+
+def test_connections_over_the_cap_get_a_503_and_close(text_model: Path) -> None:
+    with BackgroundServer(_engine(text_model), ServerSettings(port=0, max_connections=3)) as capped:
+        held = [socket.create_connection(("127.0.0.1", capped.port)) for _ in range(3)]
+        try:
+            time.sleep(0.2)  # NOTE: the server has accepted them
+            with socket.create_connection(("127.0.0.1", capped.port)) as extra:
+                data, _ = _read_until_closed(extra, 10)
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503"), data
+            assert "--max-connections" in _assert_error(json.loads(body), 503)["message"]
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.2)  # NOTE: the server has seen them close
+        assert httpx.get(capped.base_url + "/health", timeout=10).status_code == 200
 
 
 def test_silent_and_trickling_connections_are_closed(server: BackgroundServer) -> None:

@@ -131,17 +131,20 @@ def test_hardening_flags() -> None:
     defaults = parse_serve_args(["--model-path", "/m", "--device", "cpu"]).server
     assert defaults.max_request_bytes == 16 * 1024 * 1024 and defaults.shutdown_grace_s == 20.0
     assert defaults.header_timeout_s == 10.0 and defaults.timeout_keep_alive == 5
+    assert defaults.body_timeout_s == 60.0 and defaults.max_connections == 1000
     assert defaults == ServerSettings(port=30000)
     args = parse_serve_args([
         "--model-path", "/m", "--max-request-bytes", "1000", "--shutdown-grace-s", "0", "--header-timeout-s", "2.5",
-        "--timeout-keep-alive", "9",
+        "--timeout-keep-alive", "9", "--body-timeout-s", "7.5", "--max-connections", "12",
     ]).server
     assert (args.max_request_bytes, args.shutdown_grace_s, args.header_timeout_s, args.timeout_keep_alive) == (1000, 0.0, 2.5, 9)
+    assert (args.body_timeout_s, args.max_connections) == (7.5, 12)
 
 
 @pytest.mark.parametrize("flag,value", [
     ("--max-request-bytes", "0"), ("--shutdown-grace-s", "-1"), ("--shutdown-grace-s", "inf"),
     ("--header-timeout-s", "0"), ("--header-timeout-s", "nan"), ("--timeout-keep-alive", "0"),
+    ("--body-timeout-s", "0"), ("--body-timeout-s", "inf"), ("--max-connections", "0"),
 ])
 def test_bad_hardening_flags_exit_2_naming_the_flag(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

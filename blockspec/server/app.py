@@ -21,6 +21,8 @@ from blockspec.server.metrics import ServerMetrics
 from blockspec.server.state import APIError, ClientGone, ServerState
 
 logger = logging.getLogger(__name__)
+# NOTE: a refused body up to this size (or 4x --max-request-bytes) is read before its 413 (BodyLimitMiddleware)
+MIN_DRAIN_BYTES = 64 * 1024 * 1024
 OPEN_PATHS = ("/health", "/metrics")
 
 
@@ -49,12 +51,18 @@ class BodyLimitMiddleware:
     """413 for a body over `limit` bytes: up front from Content-Length, else as the bytes arrive.
 
     Not FastAPI's `max_body_size`: when Content-Length is over its limit it swaps whatever response the app sends
-    for a plain-text "Content Too Large", so no exception handler can give it the OpenAI error shape."""
+    for a plain-text "Content Too Large", so no exception handler can give it the OpenAI error shape.
 
-    def __init__(self, app: ASGIApp, limit: int, metrics: ServerMetrics) -> None:
+    NOTE: the rest of a refused body, up to `drain_bytes` in all, is read and dropped before the 413 is sent. The
+    connection closes after a 413 (h11: the body was not read), and closing a socket with unread bytes sends a reset
+    that a client still writing its body sees instead of the 413. A body declared or sent beyond `drain_bytes` gets its
+    413 at once, and such a client may still see the reset (the bytes are not worth reading)."""
+
+    def __init__(self, app: ASGIApp, limit: int, metrics: ServerMetrics, drain_bytes: int) -> None:
         self.app = app
         self.limit = limit
         self.metrics = metrics
+        self.drain_bytes = drain_bytes
 
     def error(self) -> APIError:
         return APIError(413, f"body: larger than the server's limit of {self.limit} bytes (--max-request-bytes)", "body")
@@ -66,6 +74,8 @@ class BodyLimitMiddleware:
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.limit:
             self.metrics.http_errors.labels(status="413").inc()
+            if int(declared) <= self.drain_bytes:
+                await self._drain(receive, 0)
             await JSONResponse(self.error().body(), status_code=413)(scope, receive, send)
             return
         received = 0
@@ -76,11 +86,23 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
+                    if message.get("more_body", False):
+                        await self._drain(receive, received)
                     # NOTE: FastAPI re-raises an HTTPException met while reading the body; http_error answers it.
                     raise HTTPException(413, self.error().message)
             return message
 
         await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive: Receive, received: int) -> None:
+        """Reads and drops the rest of the body while it stays within `drain_bytes` (`received` bytes read so far)."""
+        while received <= self.drain_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            received += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
@@ -156,7 +178,8 @@ def create_app(engine: Union[Engine, EngineLoop], settings: Optional[ServerSetti
 
     app.include_router(openai_router)
     app.include_router(native_router)
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_bytes, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_bytes, metrics=metrics,
+                       drain_bytes=max(4 * settings.max_request_bytes, MIN_DRAIN_BYTES))
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
     return app

@@ -19,6 +19,8 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 20.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0  # NOTE: the 16 MiB body limit at 1 MB/s takes 17 s
+DEFAULT_MAX_CONNECTIONS = 1000  # NOTE: below the usual 1024 open-file limit, which also covers sockets and files
 DEFAULT_TIMEOUT_KEEP_ALIVE = 5
 
 
@@ -33,6 +35,8 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
     api_server_count: int = 1
     tool_call_parser: Optional[str] = None  # tool_calls.PARSERS; None: requests with tools get 400
@@ -131,6 +135,15 @@ _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
         help="a connection must deliver a complete request head this long after it opens or its last response ends; "
              "else it is closed, with a 408 if it sent part of one (default 10)",
     )),
+    ("--body-timeout-s", dict(
+        type=float, default=DEFAULT_BODY_TIMEOUT_S,
+        help="once a request head is in, its whole body must arrive within this long; else the connection is closed "
+             "with a 408 (default 60)",
+    )),
+    ("--max-connections", dict(
+        type=int, default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections per HTTP server process; one over it is answered 503 and closed (default 1000)",
+    )),
     ("--timeout-keep-alive", dict(type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE, help="seconds an idle keep-alive connection stays open (uvicorn's, default 5)")),
     ("--api-server-count", dict(
         type=int,
@@ -202,6 +215,10 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
         parser.error(f"--shutdown-grace-s must be a finite number >= 0, got {server.shutdown_grace_s}")
     if not (math.isfinite(server.header_timeout_s) and server.header_timeout_s > 0):
         parser.error(f"--header-timeout-s must be a finite number > 0, got {server.header_timeout_s}")
+    if not (math.isfinite(server.body_timeout_s) and server.body_timeout_s > 0):
+        parser.error(f"--body-timeout-s must be a finite number > 0, got {server.body_timeout_s}")
+    if server.max_connections < 1:
+        parser.error(f"--max-connections must be >= 1, got {server.max_connections}")
     if not 1 <= server.api_server_count <= 64:
         parser.error(f"--api-server-count must be in [1, 64], got {server.api_server_count}")
     if server.timeout_keep_alive < 1:

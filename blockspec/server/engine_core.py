@@ -263,9 +263,13 @@ class EngineCore:
         for pending in self._finished:
             pending.append(stat)
         # NOTE: an abort the engine decided (the KV pool ran out) is an answer: finish_reason {"type": "abort",
-        # "message": ...}; only the client's own abort becomes an error.
-        if req.finish is not None and req.finish.reason == FinishReason.ABORT and tracked.client_aborted:
-            self._push_delta(tracked, final=True, output=output, error=req.finish.message or "aborted", status=400)
+        # "message": ...}; only the client's own abort becomes an error. A request's own error (its sampling failed,
+        # sampling_faults.py) is an error with the status it carries and no output, like a failed step's.
+        finish = req.finish
+        if finish is not None and finish.error_status is not None:
+            self._push_delta(tracked, final=True, error=finish.message or "failed", status=finish.error_status)
+        elif finish is not None and finish.reason == FinishReason.ABORT and tracked.client_aborted:
+            self._push_delta(tracked, final=True, output=output, error=finish.message or "aborted", status=400)
         else:
             self._push_delta(tracked, final=True, output=output)
 

@@ -16,6 +16,7 @@ from blockspec.engine import Engine
 from blockspec.server import wire
 from blockspec.server.engine_core import EngineCore
 from blockspec.server.engine_reports import engine_info
+from blockspec.process_exit import exit_now
 
 
 class EngineHandle(ABC):
@@ -76,6 +77,7 @@ def run_engine_process(engine_kwargs: dict[str, Any], to_engine: list[str], from
         sys.exit(1)
     EngineCore(engine, to_engine, from_engine, parent_pid).run()
     engine.shutdown()
+    exit_now(0)
 
 
 class EngineProcess(EngineHandle):

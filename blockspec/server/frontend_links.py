@@ -6,6 +6,11 @@ import zmq
 
 from blockspec.server import wire
 
+# NOTE: how long closing waits to hand queued frames (Stopped, the last deltas) to a server process. Over ipc to a live
+# peer that takes microseconds; to a server process that has already exited (--api-server-count: the extra ones stop
+# first) ZeroMQ would wait the whole linger in Context.term, which held the engine process 5 s past shutdown.
+CLOSE_LINGER_MS = 500
+
 
 class FrontendLinks:
     def __init__(self, context: zmq.Context, to_engine: list[str], from_engine: list[str]) -> None:
@@ -17,6 +22,7 @@ class FrontendLinks:
         self._pushes = [context.socket(zmq.PUSH) for _ in from_engine]
         for push in self._pushes:
             push.setsockopt(zmq.SNDHWM, 0)
+            push.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)  # NOTE: also for a close that does not pass linger
         self.deltas: list[list[wire.DeltaOut]] = [[] for _ in from_engine]
         self.handled = [0] * len(from_engine)  # NOTE: requests taken from each server since its last StepStats
 
@@ -51,4 +57,4 @@ class FrontendLinks:
     def close(self) -> None:
         self.pull.close(linger=0)
         for push in self._pushes:
-            push.close(linger=5000)
+            push.close(linger=CLOSE_LINGER_MS)

@@ -27,11 +27,16 @@ from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.engine_process import EngineProcess, RemoteEngine
 from blockspec.server.frontends import EngineAddresses, FrontendGroup, reuse_port_socket
 from blockspec.server.wire import EngineInfo
-from blockspec.server.http_protocol import h11_protocol_with_header_timeout
+from blockspec.server.http_protocol import limited_h11_protocol
+from blockspec.process_exit import exit_now
 from blockspec.startup.report import summary_line
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_MARGIN_S = 5
+# NOTE: how long after --shutdown-grace-s a SIGTERMed server may take to exit (documented in the README): the engine
+# ends what still runs, the 503s / SSE error events are delivered, the engine and HTTP processes close their sockets
+# and exit. tests/test_server_shutdown_deadline.py holds it with 1 and 4 HTTP processes.
+SHUTDOWN_EXIT_MARGIN_S = 3
 DRAIN_MESSAGE = "the server is shutting down and the request did not finish within the shutdown grace period"
 
 
@@ -63,7 +68,7 @@ def _make_server(app: FastAPI, settings: ServerSettings, frontends: Optional[Fro
         app,
         host=settings.host,
         port=settings.port,
-        http=h11_protocol_with_header_timeout(settings.header_timeout_s),
+        http=limited_h11_protocol(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections),
         log_level=settings.log_level,
         access_log=settings.log_level in ("debug", "info"),  # NOTE: one line per request from --log-level info
         timeout_keep_alive=settings.timeout_keep_alive,
@@ -160,7 +165,7 @@ def run_extra_frontend(index: int, ready: Any, args: ServeArgs, addresses: Engin
 
     threading.Thread(target=watch_parent, name="blockspec-parent-watch", daemon=True).start()
     _serve(server, [reuse_port_socket(args.server.host, args.server.port)])
-    sys.exit(1 if engine_loop.died else 0)
+    exit_now(1 if engine_loop.died else 0)
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "blockspec serve") -> int:

@@ -8,6 +8,7 @@ import torch
 
 from blockspec.request import SamplingParams
 from blockspec.sampling import sampling_probs
+from blockspec.sampling_faults import SamplingFault, distribution_faults, draw
 
 
 def greedy_accept_counts(proposals: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
@@ -27,11 +28,15 @@ def rejection_accept(
     sample from norm(max(p_j - q_j, 0)); if all are accepted sample the bonus from p_B.
 
     draft_probs: [B-1, V] (q_j, the distribution d_j was drawn from); target_logits: [B, V].
-    The committed tokens are distributed exactly as sampling the target alone."""
+    The committed tokens are distributed exactly as sampling the target alone. SamplingFault when a target row it
+    reads has nothing to sample from (the draft rows were checked as they were drawn from)."""
     target_probs = sampling_probs(target_logits, params)
     device = target_probs.device
+    faults = distribution_faults(target_probs)
     uniforms = torch.rand(len(proposals), generator=generator, device=device).tolist()
     for j, token in enumerate(proposals):
+        if faults[j] is not None:  # NOTE: checked as each row is reached: rows past the first rejection go unread
+            raise SamplingFault(faults[j])
         p = float(target_probs[j, token])
         q = float(draft_probs[j, token])
         if q > 0 and uniforms[j] * q < p:
@@ -39,7 +44,7 @@ def rejection_accept(
         residual = (target_probs[j] - draft_probs[j]).clamp(min=0)
         if float(residual.sum()) <= 0:
             residual = target_probs[j]
-        bonus = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-        return j, int(bonus.item())
-    bonus = torch.multinomial(target_probs[len(proposals)], 1, generator=generator)
-    return len(proposals), int(bonus.item())
+        return j, draw(residual / residual.sum(), generator)
+    if faults[len(proposals)] is not None:
+        raise SamplingFault(faults[len(proposals)])
+    return len(proposals), draw(target_probs[len(proposals)], generator)

@@ -14,6 +14,9 @@ from blockspec.request import Req
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, build_batch, uniform_batch
 from blockspec.runner.graphs import GraphKind
 from blockspec.sampling import append_logprobs, greedy_tokens, sampling_probs
+from blockspec.sampling_faults import (
+    SamplingFault, choice_faults, distribution_faults, draw, fail_request, pick, raise_first,
+)
 from blockspec.speculative.acceptance import greedy_accept_counts, rejection_accept
 from blockspec.speculative.dflash_base import DFlashBase
 from blockspec.step.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
@@ -80,7 +83,8 @@ class DFlashWorker(DFlashBase):
         """Runs the draft over the full block [bonus, mask x (B-1)] per request.
 
         Returns the draft batch, proposals d_1..d_{B-1} on the device [bs, B-1], and for sampled requests the
-        draft distributions the proposals were drawn from ({request index: [B-1, V]})."""
+        draft distributions the proposals were drawn from ({request index: [B-1, V]}). A request whose draft rows
+        have nothing to sample from is failed on its own (sampling_faults.py; its proposals stay the argmax)."""
         b = self.block_size
         batch = self.block_rows(reqs, b).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
         all_logits, all_argmax = self.runner.graphs.run(GraphKind.DRAFT, batch, self._draft_logits)
@@ -89,15 +93,19 @@ class DFlashWorker(DFlashBase):
         draft_probs: dict[int, torch.Tensor] = {}
         for i, req in enumerate(reqs):
             logits = all_logits.view(len(reqs), b, -1)[i, 1:]
-            if req.grammar is not None:
-                tokens, probs = constrained_proposals(req, logits)
-                proposals[i] = torch.tensor(tokens, device=proposals.device)
-                if probs is not None:
+            try:
+                if req.grammar is not None:
+                    tokens, probs = constrained_proposals(req, logits)
+                    proposals[i] = torch.tensor(tokens, device=proposals.device)
+                    if probs is not None:
+                        draft_probs[i] = probs
+                elif not req.params.is_greedy:
+                    probs = sampling_probs(logits, req.params)
+                    raise_first(distribution_faults(probs))
+                    proposals[i] = torch.multinomial(probs, 1, generator=req.generator).squeeze(-1)
                     draft_probs[i] = probs
-            elif not req.params.is_greedy:
-                probs = sampling_probs(logits, req.params)
-                proposals[i] = torch.multinomial(probs, 1, generator=req.generator).squeeze(-1)
-                draft_probs[i] = probs
+            except SamplingFault as fault:
+                fail_request(req, str(fault))
         return batch, proposals, draft_probs
 
     @torch.inference_mode()
@@ -146,8 +154,16 @@ class DFlashWorker(DFlashBase):
         for i, req in enumerate(reqs):
             accepted, proposals, target = host[i][0], host[i][1:n], host[i][n:]
             bonus = target[accepted]
+            if req.finished:  # NOTE: its sampling failed in `propose` (sampling_faults.py): nothing to commit
+                committed.append([])
+                continue
             if self.simulated is None and (i in draft_probs or req.params.has_penalties or req.grammar is not None):
-                accepted, bonus = self._accept_one(req, proposals, draft_probs.get(i), logits[i])
+                try:
+                    accepted, bonus = self._accept_one(req, proposals, draft_probs.get(i), logits[i])
+                except SamplingFault as fault:
+                    fail_request(req, str(fault))
+                    committed.append([])
+                    continue
                 host[i][0] = accepted
             # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
             req.kv_len += accepted + 1
@@ -162,7 +178,7 @@ class DFlashWorker(DFlashBase):
     ) -> tuple[int, int]:
         """(accepted, bonus) for a sampled, penalised or constrained request, from its block's target logits [n, V]
         (penalised per row with the proposals before it counted, see penalties.py; masked per row with the grammar
-        advanced along them, see grammar.py)."""
+        advanced along them, see grammar.py). SamplingFault when a row it reads has nothing to sample from."""
         if req.params.has_penalties:
             logits = penalized(logits, req, proposals)
         if req.grammar is not None:
@@ -171,6 +187,8 @@ class DFlashWorker(DFlashBase):
             return rejection_accept(proposals, draft_probs, logits, req.params, req.generator)
         target = logits.argmax(-1)
         accepted = int(greedy_accept_counts(torch.tensor([proposals], device=target.device), target[None]))
+        # NOTE: a NaN row's argmax may match its proposal: every row read is checked (one read for all)
+        raise_first(choice_faults(logits[:accepted + 1]))
         return accepted, int(target[accepted])
 
     @torch.inference_mode()
@@ -206,15 +224,14 @@ class DFlashWorker(DFlashBase):
 
 def constrained_proposals(req: Req, draft_logits: torch.Tensor) -> tuple[list[int], Optional[torch.Tensor]]:
     """A constrained request's proposals from its draft rows [B-1, V] (each masked after the proposals before it) and,
-    when it samples, the masked distributions they were drawn from."""
+    when it samples, the masked distributions they were drawn from. SamplingFault when a row has nothing to draw
+    from."""
     assert req.grammar is not None
     if req.params.is_greedy:
-        tokens, _ = req.grammar.propose(draft_logits, lambda row: int(row.argmax()))
+        tokens, _ = req.grammar.propose(draft_logits, pick)
         return tokens, None
     params, generator = req.params, req.generator
-    tokens, masked = req.grammar.propose(
-        draft_logits, lambda row: int(torch.multinomial(sampling_probs(row, params), 1, generator=generator))
-    )
+    tokens, masked = req.grammar.propose(draft_logits, lambda row: draw(sampling_probs(row, params), generator))
     return tokens, sampling_probs(masked, params)
 
 

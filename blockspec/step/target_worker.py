@@ -85,7 +85,7 @@ class TargetWorker:
         if ready:
             for i, token in zip(ready, sample_next_tokens(logits[ready], [reqs[i] for i in ready])):
                 first[i] = token
-                if reqs[i].wants_logprobs:
+                if reqs[i].wants_logprobs and not reqs[i].finished:  # NOTE: finished: its sampling failed
                     append_logprobs(reqs[i], logits[i:i + 1], [token])
         return first
 
@@ -140,7 +140,7 @@ class TargetWorker:
         tokens = sample_next_tokens(logits, reqs)
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             req.kv_len += 1
-            if req.wants_logprobs:
+            if req.wants_logprobs and not req.finished:  # NOTE: finished: its sampling failed (sampling_faults.py)
                 append_logprobs(req, logits[i:i + 1], [token])
         return [[token] for token in tokens]
 
