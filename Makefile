@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15 tests
 
 demo: $(STAMP)
-	$(PY) -m blockspec.demo
+	$(PY) -m blockspec.demo.gsm8k_demo
 
 clean:
 	rm -rf $(VENV)

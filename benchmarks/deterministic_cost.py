@@ -26,8 +26,8 @@ import torch
 
 from adaptive_verify import model_dirs, prefill, release, sync
 from blockspec import Engine
-from blockspec.bench.provenance import commit_id
 from blockspec.batch import ForwardMode, build_batch
+from blockspec.bench.provenance import commit_id
 from plot_deterministic_cost import plot
 
 TIMED_KEYS = ("cycle_ms", "greedy_cycle_ms", "verify_ms", "propose_ms", "prefill_ms")

@@ -31,7 +31,7 @@ for stage in "$@"; do
     esac
     if [ -z "$model" ]; then
         assemble_gguf "$state" || exit 1
-        model=$(python3 -c "from pathlib import Path; from blockspec.smollm2 import ensure_smollm2_dir
+        model=$(python3 -c "from pathlib import Path; from blockspec.models.smollm2 import ensure_smollm2_dir
 print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))") || exit 1
     fi
     if [ "$stage" = drift ]; then

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from blockspec import Engine
-from blockspec.admission import ArrivalBatching
 from blockspec.request import Req
+from blockspec.scheduler.admission import ArrivalBatching
 from blockspec.server.args import parse_serve_args
 from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 from tiny_models import save_tiny_model

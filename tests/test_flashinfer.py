@@ -27,7 +27,7 @@ from blockspec.attention.base import graph_planner  # noqa: E402
 from blockspec.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from blockspec.runner.cuda_graph import GraphedForward  # noqa: E402
-from blockspec.runner.graphs import GraphKind  # noqa: E402
+from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from blockspec.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
 from engine_runs import run_prompts  # noqa: E402
 

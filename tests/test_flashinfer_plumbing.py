@@ -215,9 +215,10 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
     from types import SimpleNamespace
 
     from blockspec.kv.allocator import ReqToTokenTable
-    from blockspec.runner.graphs import CudaGraphs, GraphKind
+    from blockspec.runner.graph_kind import GraphKind
+    from blockspec.runner.graphs import CudaGraphs
     from blockspec.speculative.dflash_base import DFlashBase
-    from blockspec.step.target_worker import TargetWorker
+    from blockspec.worker.target_worker import TargetWorker
     from test_triton_attention import make_case
 
     capturing = {"now": False}
@@ -274,7 +275,8 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
 
 
 def test_one_graph_cannot_replan_two_host_planned_backends(fake_backend_module: types.ModuleType) -> None:
-    from blockspec.runner.graphs import GraphKind, single_host_planner
+    from blockspec.runner.graph_kind import GraphKind
+    from blockspec.runner.graphs import single_host_planner
     from test_triton_attention import make_case
 
     _, _, pool, *_ = make_case(ForwardMode.DECODE, [4], [1], 1, 4, 2, 16, torch.float32)

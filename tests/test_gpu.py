@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from blockspec import Engine  # noqa: E402
 from blockspec.batch import ForwardMode  # noqa: E402
-from blockspec.runner.graphs import GraphKind  # noqa: E402
+from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
 
 

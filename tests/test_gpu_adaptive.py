@@ -11,7 +11,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from blockspec import Engine  # noqa: E402
-from blockspec.runner.graphs import GraphKind  # noqa: E402
+from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
 from engine_testing import prefilled  # noqa: E402
 from verify_cycling import CyclingVerifyLength  # noqa: E402

@@ -13,8 +13,8 @@ import torch
 from blockspec import Engine
 from blockspec.request import Req
 from blockspec.speculative.dflash import next_cycle_rows
-from blockspec.step.inflight import InFlightStep
-from blockspec.step.target_worker import next_decode_rows
+from blockspec.worker.inflight import InFlightStep
+from blockspec.worker.target_worker import next_decode_rows
 from draft_training import save_trained_pair
 from engine_testing import assert_engine_idle
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from blockspec import Engine
+from blockspec.outputs import ExtendChunk, StepPlan
 from blockspec.request import Req, SamplingParams
-from blockspec.step.inflight import InFlightStep, launch_rows
-from blockspec.step.plan import ExtendChunk, StepPlan
+from blockspec.worker.inflight import InFlightStep, launch_rows
 from engine_testing import assert_engine_idle, hf_greedy, prefilled
 from tiny_models import save_tiny_draft, save_tiny_model
 

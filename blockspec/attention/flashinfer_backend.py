@@ -18,8 +18,8 @@ import flashinfer
 import torch
 
 from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
-from blockspec.kv.pool import KVPool
 from blockspec.batch import ForwardBatch, ForwardMode
+from blockspec.kv.pool import KVPool
 
 Wrapper = Union[flashinfer.BatchPrefillWithPagedKVCacheWrapper, flashinfer.BatchDecodeWithPagedKVCacheWrapper]
 LayerKey = tuple[bool, int]  # (causal, FlashInfer window_left; -1 = no window)

@@ -16,8 +16,8 @@ import msgspec
 from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
-from blockspec.bench.client import accept_length_between, auth_headers, first_model_id, get_server_info
 from blockspec.bench.report import LevelResult, RequestResult, summarise, write_outputs
+from blockspec.evals.client import accept_length_between, auth_headers, first_model_id, get_server_info
 
 Prompt = Union[str, list[int]]
 MAX_CHUNK_BYTES = 1 << 24  # one SSE line (a /generate chunk carries the cumulative text and ids)

@@ -19,7 +19,9 @@ from typing import Any, Optional
 import httpx
 from tqdm import tqdm
 
-from blockspec.bench.client import accept_length_between, auth_headers, avg_accept_length, first_model_id, get_server_info
+from blockspec.evals.client import (
+    accept_length_between, auth_headers, avg_accept_length, first_model_id, get_server_info,
+)
 
 STOP = ["Question", "Assistant:", "<|separator|>"]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

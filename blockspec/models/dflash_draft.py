@@ -8,10 +8,12 @@ import torch
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
+from blockspec.batch import ForwardBatch
 from blockspec.distributed.group import TensorParallel
 from blockspec.distributed.shards import ShardLayout, iter_sharded_safetensors
 from blockspec.kv.pool import KVPool, LayerKVStore
 from blockspec.layers.activation import GatedMLP
+from blockspec.layers.argmax import greedy_tokens
 from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
 from blockspec.layers.linear import Linear, StackedLinear
 from blockspec.layers.norm import RMSNorm
@@ -19,8 +21,6 @@ from blockspec.layers.parallel import greedy_head_tokens
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into, safetensors_files
-from blockspec.batch import ForwardBatch
-from blockspec.sampling import greedy_tokens
 
 
 class DraftAttention(nn.Module):

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from blockspec.models.config import RopeConfig, TargetConfig, load_json, parse_rope
+from blockspec.layers.rotary import RopeConfig
+from blockspec.models.config import TargetConfig, load_json, parse_rope
 
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 

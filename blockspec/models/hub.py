@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from blockspec.config import EngineConfig
+    from blockspec.config.engine_config import EngineConfig
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # NOTE: what loading a checkpoint reads; no optimizer states, other weight formats or media

@@ -12,17 +12,17 @@ import torch
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
+from blockspec.batch import ForwardBatch
 from blockspec.distributed.group import TensorParallel
+from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
 from blockspec.layers.linear import Linear, StackedLinear, linear_into
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.parallel import VocabParallelEmbedding, VocabParallelLMHead, greedy_head_tokens
-from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.config import TargetConfig
 from blockspec.models.pieces import PieceState
-from blockspec.batch import ForwardBatch
 
 
 @dataclass

@@ -27,9 +27,9 @@ import torch
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.attention.triton_graph_extend import GraphExtendAttention
+from blockspec.batch import ForwardBatch, ForwardMode
 from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.pieces import PieceState
-from blockspec.batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from blockspec.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.server.args import ServerSettings
 from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics
@@ -160,4 +160,3 @@ def create_app(engine: Union[Engine, EngineLoop], settings: Optional[ServerSetti
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
     return app
-

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from blockspec.admission import WAIT_POLICIES
-from blockspec.config import ATTENTION_BACKENDS, EngineConfig
+from blockspec.config.engine_config import ATTENTION_BACKENDS, EngineConfig
+from blockspec.scheduler.admission import WAIT_POLICIES
 from blockspec.server.compat_flags import add_compat_arguments, apply_compat_flags
 from blockspec.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 

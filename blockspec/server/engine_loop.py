@@ -9,12 +9,12 @@ from typing import Any, Callable, Optional, Union
 
 import zmq
 
-from blockspec.engine import Engine
+from blockspec.engine import wire
+from blockspec.engine.engine import Engine
+from blockspec.engine.process import EngineHandle, EngineThread, RemoteEngine
 from blockspec.request import Req
-from blockspec.server import wire
 from blockspec.server.detokenize import OutputTexts
 from blockspec.server.engine_errors import DIED_MESSAGE, EngineLoadError, EngineStoppedError, QueueFullError
-from blockspec.server.engine_process import EngineHandle, EngineThread, RemoteEngine
 from blockspec.server.frontends import EngineAddresses
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission

@@ -18,17 +18,17 @@ from typing import Any, Optional, Sequence, Union
 import uvicorn
 from fastapi import FastAPI
 
-from blockspec.engine import Engine
+from blockspec.engine.engine import Engine
+from blockspec.engine.process import EngineProcess, RemoteEngine
+from blockspec.engine.startup_report import summary_line
+from blockspec.engine.wire import EngineInfo
 from blockspec.server.app import create_app
-from blockspec.server.state import get_state_of
 from blockspec.server.args import ServeArgs, ServerSettings, parse_serve_args
 from blockspec.server.engine_errors import EngineLoadError
 from blockspec.server.engine_loop import EngineLoop
-from blockspec.server.engine_process import EngineProcess, RemoteEngine
 from blockspec.server.frontends import EngineAddresses, FrontendGroup, reuse_port_socket
-from blockspec.server.wire import EngineInfo
 from blockspec.server.http_protocol import h11_protocol_with_header_timeout
-from blockspec.startup.report import summary_line
+from blockspec.server.state import get_state_of
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_MARGIN_S = 5

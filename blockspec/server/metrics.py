@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from blockspec.server.wire import FinishStat, StepStats, VerifyLengthStat
+from blockspec.engine.wire import FinishStat, StepStats, VerifyLengthStat
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, float("inf"))

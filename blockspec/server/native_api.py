@@ -12,8 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 import blockspec
-from blockspec.request_args import logprob_request
-from blockspec.request import SamplingParams
+from blockspec.request import SamplingParams, logprob_request
 from blockspec.server.engine_errors import EngineStoppedError
 from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.metrics import CONTENT_TYPE

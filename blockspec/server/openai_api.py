@@ -11,7 +11,9 @@ from blockspec.server.chat_tools import ChatTools, call_json, chat_tools
 from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.logprob_format import chat_content, completion_logprobs, from_meta_info
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from blockspec.server.state import APIError, ClientGone, EventStream, ServerState, finish_fields, get_state, new_id, sse, usage
+from blockspec.server.state import (
+    APIError, ClientGone, EventStream, ServerState, finish_fields, get_state, new_id, sse, usage,
+)
 from blockspec.server.submission import Submission
 from blockspec.server.tool_calls import ToolCallStream
 

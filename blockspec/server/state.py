@@ -15,15 +15,15 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
+from blockspec.engine.wire import EngineInfo
 from blockspec.request import Req, RequestLimits, SamplingParams, build_requests
 from blockspec.server.args import ServerSettings
 from blockspec.server.batch_encoder import BatchEncoder
+from blockspec.server.detokenize import OutputTexts
 from blockspec.server.engine_errors import EngineStoppedError, QueueFullError
 from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
-from blockspec.server.wire import EngineInfo
-from blockspec.server.detokenize import OutputTexts
 from blockspec.tokenizer import ToolsIgnoredError, backend_of, load_tokenizer, render_chat
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)

@@ -5,7 +5,7 @@ import logging
 import time
 from typing import Optional
 
-from blockspec.config import EngineConfig
+from blockspec.config.engine_config import EngineConfig
 from blockspec.distributed.group import TensorParallel
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import load_target_config

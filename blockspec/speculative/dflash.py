@@ -8,15 +8,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from blockspec.host_tensors import int64_tensor, to_device
-from blockspec.penalties import penalized
-from blockspec.request import Req
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, build_batch, uniform_batch
-from blockspec.runner.graphs import GraphKind
-from blockspec.sampling import append_logprobs, greedy_tokens, sampling_probs
-from blockspec.speculative.acceptance import greedy_accept_counts, rejection_accept
+from blockspec.host_tensors import int64_tensor, to_device
+from blockspec.layers.argmax import greedy_tokens
+from blockspec.request import Req
+from blockspec.runner.graph_kind import GraphKind
+from blockspec.sample.acceptance import greedy_accept_counts, rejection_accept
+from blockspec.sample.penalties import penalized
+from blockspec.sample.sampling import append_logprobs, sampling_probs
 from blockspec.speculative.dflash_base import DFlashBase
-from blockspec.step.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
+from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
 
 
 class DFlashWorker(DFlashBase):

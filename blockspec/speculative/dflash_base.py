@@ -11,22 +11,24 @@ import torch
 from blockspec.attention.base import graph_planner
 from blockspec.attention.factory import make_backend
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, uniform_batch
+from blockspec.config.speculative_flags import parse_verify_schedule
 from blockspec.kv.pool import KVPool
+from blockspec.layers.argmax import greedy_tokens
 from blockspec.models.dflash_draft import DFlashDraftModel
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
-from blockspec.runner.graphs import EagerForward, GraphKind
+from blockspec.runner.graph_kind import GraphKind
+from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
-from blockspec.sampling import greedy_tokens
-from blockspec.speculative.acceptance import greedy_accept_counts
+from blockspec.sample.acceptance import greedy_accept_counts
 from blockspec.speculative.cycle_timing import measure_cycle_times
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
 from blockspec.speculative.verify_length import (
     AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, VerifyLengthPolicy, default_verify_lengths,
-    full_block, parse_verify_schedule,
+    full_block,
 )
-from blockspec.step.target_worker import TargetWorker
+from blockspec.worker.target_worker import TargetWorker
 
 CycleFn = Callable[[ForwardBatch], tuple[torch.Tensor]]
 
@@ -277,4 +279,3 @@ class DFlashBase(TargetWorker):
 
 def _pinned(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     return rows.pin_memory() if device.type == "cuda" else rows
-

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from blockspec.attention.factory import make_backend, resolve_backend_name
+from blockspec.batch import ForwardMode, build_batch
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target_model
-from blockspec.batch import ForwardMode, build_batch
 
 
 class TargetFeatures:

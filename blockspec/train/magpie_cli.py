@@ -56,7 +56,7 @@ def settings_from_args(ns: argparse.Namespace) -> MagpieSettings:
 def build_engine(model_path: str, device: str, dtype: str, settings: MagpieSettings, prefix_len: int) -> Any:
     """As train-draft's response engine: wide batches (small targets want them) and a KV pool sized to hold them all,
     not a share of free memory, so that several generators fit one device."""
-    from blockspec import Engine
+    from blockspec.engine.engine import Engine
     from blockspec.train.response_workers import GEN_MAX_RUNNING, generation_engine_flags
 
     running = min(settings.batch_size, GEN_MAX_RUNNING)

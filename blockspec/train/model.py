@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.layers.rotary import inverse_frequencies
-from blockspec.models.config import RopeConfig, TargetConfig
+from blockspec.layers.rotary import RopeConfig, inverse_frequencies
+from blockspec.models.config import TargetConfig
 
 
 @dataclass

@@ -91,7 +91,7 @@ class TrainOptions:
         which is the checkpoint that gets shipped)."""
         if self.cache_dir:
             return Path(self.cache_dir)
-        from blockspec.smollm2 import default_cache_root
+        from blockspec.models.smollm2 import default_cache_root
 
         key = f"{Path(self.target_model_path).resolve()}\n{Path(self.data).resolve()}"
         if self.mix_data is not None:  # NOTE: mixing changes which prompt sits at which cache index

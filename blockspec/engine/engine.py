@@ -8,20 +8,17 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 import torch
 
-from blockspec.config import EngineConfig
-from blockspec.deterministic import deterministic_info
-from blockspec.distributed.group import TensorParallel
-from blockspec.distributed.launch import RankProcesses, rank_failures
-from blockspec.distributed.mirror import ForwardMirror, install_mirror
-from blockspec.request import Req, build_requests
-from blockspec.request_args import logprob_request, per_prompt
-from blockspec.runner.model_runner import ModelRunner
-from blockspec.scheduler import Scheduler
-from blockspec.startup.compiles import by_kernel, kernel_compile_log
-from blockspec.startup.report import StartupReport, WarmupReport
-from blockspec.step.executor import Worker
-from blockspec.step.target_worker import TargetWorker
+from blockspec.config.engine_config import EngineConfig
+from blockspec.engine.compiles import by_kernel, kernel_compile_log
+from blockspec.engine.rank_processes import RankProcesses, rank_failures
+from blockspec.engine.startup_report import StartupReport, WarmupReport
+from blockspec.engine.workers import build_workers
 from blockspec.models.hub import with_local_checkpoints
+from blockspec.request import Req, build_requests, logprob_request, per_prompt
+from blockspec.runner.deterministic import deterministic_info
+from blockspec.runner.mirror import ForwardMirror
+from blockspec.scheduler.scheduler import Scheduler
+from blockspec.scheduler.step_executor import Worker
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 if TYPE_CHECKING:
@@ -56,8 +53,9 @@ class Engine:
                 )
             self.runner, self.worker = build_workers(self.config, None if self.ranks is None else self.ranks.tp)
             self.worker.init_cuda_graphs()
-            if self.ranks is not None:
-                self.mirror = install_mirror(self.ranks.tp, self.worker)
+            if self.runner.forward_mirror is not None:
+                self.mirror = self.runner.forward_mirror
+                self.mirror.start()
             self.scheduler = self.new_scheduler()
             warmup = self._warm_kernels()
         self.compile_mark = compile_log.count  # NOTE: compiles from here on are stalls while serving
@@ -74,9 +72,9 @@ class Engine:
         """On CUDA, compiles every kernel variant serving can launch; None elsewhere (nothing compiles)."""
         if self.runner.device.type != "cuda":
             return None
-        from blockspec.startup.warmup import warm_kernels  # NOTE: Triton is there whenever CUDA kernels run
+        from blockspec.engine.warmup import warm_kernels  # NOTE: Triton is there whenever CUDA kernels run
 
-        return warm_kernels(self)
+        return warm_kernels(self.runner, self.worker, self.new_scheduler)
 
     def new_scheduler(self) -> Scheduler:
         """A scheduler over this engine's worker, pool and table (the engine's own, or the kernel warm-up's)."""
@@ -288,13 +286,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def build_workers(config: EngineConfig, tp: Optional[TensorParallel] = None) -> tuple[ModelRunner, Worker]:
-    """The runner and worker of one rank (`tp`: its shard; None: the whole model on one device)."""
-    if config.speculative_algorithm == "DFLASH":
-        from blockspec.speculative.build import build_dflash_worker
-
-        return build_dflash_worker(config, tp)
-    runner = ModelRunner(config, tp=tp)
-    return runner, TargetWorker(runner)

@@ -16,10 +16,10 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+from blockspec.layers.argmax import greedy_tokens
+from blockspec.outputs import Committed, StepPlan
 from blockspec.request import Req
-from blockspec.sampling import greedy_tokens
-from blockspec.step.inflight import FirstTokens, InFlightStep, device_index, host_copy
-from blockspec.step.plan import Committed, StepPlan
+from blockspec.worker.inflight import FirstTokens, InFlightStep, device_index, host_copy
 
 
 class Worker(Protocol):

@@ -14,26 +14,26 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from blockspec.admission import ArrivalBatching
 from blockspec.attention.batch_invariant_backend import BatchInvariantAttentionBackend
 from blockspec.attention.triton_backend import TritonAttentionBackend
 from blockspec.batch import ForwardMode
-from blockspec.request import Req
+from blockspec.engine.attention_variants import AttentionWorkload, launch_variant, layer_classes, workload_variants
+from blockspec.engine.startup_report import WarmupReport
+from blockspec.request import Req, build_requests
 from blockspec.runner.model_runner import ModelRunner
+from blockspec.scheduler.admission import ArrivalBatching
+from blockspec.scheduler.scheduler import Scheduler
+from blockspec.scheduler.step_executor import Worker
 from blockspec.speculative.dflash_base import DFlashBase
 from blockspec.speculative.verify_length import FixedVerifyLength
-from blockspec.startup.attention_variants import AttentionWorkload, launch_variant, layer_classes, workload_variants
-from blockspec.startup.report import WarmupReport
-from blockspec.step.executor import Worker
-
-if TYPE_CHECKING:
-    from blockspec.engine import Engine
 
 logger = logging.getLogger(__name__)
+
+SchedulerFactory = Callable[[], Scheduler]  # NOTE: a fresh scheduler over the engine's worker, pool and table
 
 WARMUP_PROMPT_LENS = (3, 29, 11)  # NOTE: the last one arrives while the others decode (a mixed step, if enabled)
 WARMUP_ARRIVAL_STEP = 2
@@ -91,42 +91,38 @@ def warm_batch_invariant_attention(runner: ModelRunner, worker: Worker) -> int:
     return launched
 
 
-def _warmup_requests(engine: "Engine", tag: str) -> list[Req]:
-    vocab = engine.runner.target_config.vocab_size
-    room = min(engine.runner.context_length, engine.runner.allocator.total_slots)
-    budget = room - 4 * engine.worker.decode_slots_per_req - 2  # NOTE: prompt + 2 blocks ahead fit any pool
+def _warmup_requests(runner: ModelRunner, worker: Worker, scheduler: Scheduler, tag: str) -> list[Req]:
+    vocab = runner.target_config.vocab_size
+    room = min(runner.context_length, runner.allocator.total_slots)
+    budget = room - 4 * worker.decode_slots_per_req - 2  # NOTE: prompt + 2 blocks ahead fit any pool
     lens = [max(1, min(n, budget)) for n in WARMUP_PROMPT_LENS]
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
-    max_new = 2 * engine.worker.decode_slots_per_req + 2  # NOTE: >= 2 decode steps, so the overlap path runs
+    max_new = 2 * worker.decode_slots_per_req + 2  # NOTE: >= 2 decode steps, so the overlap path runs
     greedy = {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}
     sampled = {"temperature": 0.8, "seed": 1, "max_new_tokens": max_new, "ignore_eos": True}
-    reqs, _ = engine.make_requests(
-        input_ids=prompts, sampling_params=[greedy, sampled, greedy],
-        rid=[f"warmup-{tag}-{i}" for i in range(len(prompts))],
-    )
-    return reqs
+    return build_requests(prompts, [greedy, sampled, greedy], [f"warmup-{tag}-{i}" for i in range(len(prompts))],
+                          scheduler.limits)
 
 
-def _run_requests(engine: "Engine", tag: str) -> None:
-    worker = engine.worker
+def _run_requests(runner: ModelRunner, worker: Worker, new_scheduler: SchedulerFactory, tag: str) -> None:
     if tag == "eager-uniform" and isinstance(worker, DFlashBase):
         # NOTE: eager cycles of every verify length the policy may pick (graphed ones compiled at capture).
         policy = worker.verify_policy
         try:
             for n in worker.verify_lengths:
                 worker.verify_policy = FixedVerifyLength([(1, 1 << 30, n)], worker.block_size, "warm-up")
-                _run_scheduler(engine, f"{tag}-n{n}")
+                _run_scheduler(runner, worker, new_scheduler, f"{tag}-n{n}")
         finally:
             worker.verify_policy = policy
         return
-    _run_scheduler(engine, tag)
+    _run_scheduler(runner, worker, new_scheduler, tag)
 
 
-def _run_scheduler(engine: "Engine", tag: str) -> None:
-    scheduler = engine.new_scheduler()
+def _run_scheduler(runner: ModelRunner, worker: Worker, new_scheduler: SchedulerFactory, tag: str) -> None:
+    scheduler = new_scheduler()
     scheduler.arrivals = ArrivalBatching(0)  # NOTE: the late arrival must meet the others decoding (a mixed step)
-    reqs = _warmup_requests(engine, tag)
+    reqs = _warmup_requests(runner, worker, scheduler, tag)
     for req in reqs[:-1]:
         scheduler.add_request(req)
     steps, arrived = 0, False
@@ -141,10 +137,10 @@ def _run_scheduler(engine: "Engine", tag: str) -> None:
     scheduler.flush_cache()  # NOTE: the synthetic prompts leave nothing in the radix cache (shared with the engine's)
 
 
-def warm_engine_paths(engine: "Engine") -> int:
-    """Synthetic requests as configured, then with piecewise graphs off, then with full graphs off; returns the
-    number of passes. NOTE: the public switches are restored and the forward counts zeroed afterwards."""
-    runner = engine.runner
+def warm_engine_paths(runner: ModelRunner, worker: Worker, new_scheduler: SchedulerFactory) -> int:
+    """Synthetic requests as configured, then with piecewise graphs off, then with full graphs off, each pass through
+    a scheduler of its own from `new_scheduler` (over the engine's worker, pool and table); returns the number of
+    passes. NOTE: the public switches are restored and the forward counts zeroed afterwards."""
     passes = [("configured", runner.piecewise_enabled, runner.graphs.enabled)]
     if runner.piecewise is not None:
         passes.append(("eager-extend", False, runner.graphs.enabled))
@@ -154,11 +150,11 @@ def warm_engine_paths(engine: "Engine") -> int:
     try:
         for tag, piecewise, graphs in passes:
             runner.piecewise_enabled, runner.graphs.enabled = piecewise, graphs
-            _run_requests(engine, tag)
+            _run_requests(runner, worker, new_scheduler, tag)
     finally:
         runner.piecewise_enabled, runner.graphs.enabled = saved
-    if isinstance(engine.worker, DFlashBase):
-        engine.worker.reset_live_verify_state()  # NOTE: random prompts teach nothing about served acceptance
+    if isinstance(worker, DFlashBase):
+        worker.reset_live_verify_state()  # NOTE: random prompts teach nothing about served acceptance
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     for counts in (runner.graphs.counts, runner.piecewise_counts):
@@ -167,11 +163,11 @@ def warm_engine_paths(engine: "Engine") -> int:
     return len(passes)
 
 
-def warm_kernels(engine: "Engine") -> WarmupReport:
+def warm_kernels(runner: ModelRunner, worker: Worker, new_scheduler: SchedulerFactory) -> WarmupReport:
+    """The whole warm-up of an engine's runner and worker (`new_scheduler`: see warm_engine_paths)."""
     start = time.perf_counter()
-    runner = engine.runner
-    variants = warm_attention(attention_workloads(runner, engine.worker), runner.req_to_token.table,
+    variants = warm_attention(attention_workloads(runner, worker), runner.req_to_token.table,
                               runner.req_to_token.dummy_row)
-    variants += warm_batch_invariant_attention(runner, engine.worker)
-    passes = warm_engine_paths(engine)
+    variants += warm_batch_invariant_attention(runner, worker)
+    passes = warm_engine_paths(runner, worker, new_scheduler)
     return WarmupReport(variants, passes, time.perf_counter() - start)

@@ -7,9 +7,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from blockspec.engine import Engine
+from blockspec.engine import wire
+from blockspec.engine.engine import Engine
 from blockspec.request import Req
-from blockspec.server import wire
 
 
 def engine_info(engine: Engine) -> wire.EngineInfo:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zmq
 
-from blockspec.server import wire
+from blockspec.engine import wire
 
 
 class FrontendLinks:

@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from blockspec.startup.compiles import KernelCompile, by_kernel
+from blockspec.engine.compiles import KernelCompile, by_kernel
 
 logger = logging.getLogger(__name__)
 

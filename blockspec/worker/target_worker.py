@@ -7,12 +7,14 @@ from typing import Optional, Sequence
 import torch
 
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
+from blockspec.layers.argmax import greedy_tokens
 from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
-from blockspec.runner.graphs import EagerForward, GraphKind
+from blockspec.runner.graph_kind import GraphKind
+from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
-from blockspec.sampling import append_logprobs, greedy_tokens, sample_next_tokens
-from blockspec.step.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
+from blockspec.sample.sampling import append_logprobs, sample_next_tokens
+from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
 
 
 class TargetWorker:

@@ -7,10 +7,12 @@ from typing import Any, Optional
 
 import torch
 
-from blockspec.admission import WAIT_POLICIES
+from blockspec.config.deterministic import resolve_deterministic_backend
+from blockspec.config.speculative_flags import accept_distribution, check_schedule_covers, parse_verify_schedule
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SPECULATIVE_ALGORITHMS = (None, "DFLASH")
+WAIT_POLICIES = ("fixed", "cost")  # --prefill-wait-policy (scheduler/admission.py)
 DEFAULT_CUDA_GRAPH_BS = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
 
 
@@ -167,16 +169,13 @@ class EngineConfig:
         if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:
             raise ValueError("speculative_simulate_accept_len must be >= 1 (tokens committed per verify)")
         self._validate_verify_flags()
-        from blockspec.deterministic import check_deterministic_flags
-
-        check_deterministic_flags(self)
+        self.attention_backend = resolve_deterministic_backend(
+            self.enable_deterministic_inference, self.attention_backend, self.tp_size,
+            self.triton_attention_split_tile_size)
         if not self.cuda_graph_bs or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in self.cuda_graph_bs):
             raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
 
     def _validate_verify_flags(self) -> None:
-        from blockspec.speculative.simulated_accept import accept_distribution
-        from blockspec.speculative.verify_length import check_schedule_covers, parse_verify_schedule
-
         spec_only = {"speculative_adaptive_verify": self.speculative_adaptive_verify,
                      "speculative_num_draft_tokens_per_bs": self.speculative_num_draft_tokens_per_bs,
                      "speculative_simulate_accept_profile": self.speculative_simulate_accept_profile}

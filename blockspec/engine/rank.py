@@ -1,4 +1,4 @@
-"""A worker rank of a tensor-parallel engine: `python -m blockspec.distributed.rank --rank R --port P`, the
+"""A worker rank of a tensor-parallel engine: `python -m blockspec.engine.rank --rank R --port P`, the
 EngineConfig as JSON on stdin (rank 0's RankProcesses starts these; see launch.py).
 
 Joins rank 0's store and process group, builds its shard of the runner and worker, captures its graphs (the same
@@ -15,13 +15,13 @@ import traceback
 
 import torch.distributed as dist
 
-from blockspec.config import EngineConfig
-from blockspec.distributed.launch import COLLECTIVE_TIMEOUT, die_with_parent, join_group, rank_config
+from blockspec.config.engine_config import EngineConfig
+from blockspec.engine.rank_processes import COLLECTIVE_TIMEOUT, die_with_parent, join_group, rank_config
+from blockspec.engine.workers import build_workers
 
 
 def serve_rank(rank: int, config: EngineConfig, store: dist.Store) -> None:
-    from blockspec.distributed.mirror import ForwardReceiver
-    from blockspec.engine import build_workers
+    from blockspec.worker.forward_receiver import ForwardReceiver
 
     store.set(f"joined/{rank}", "1")
     tp = join_group(config, rank, store)
@@ -30,7 +30,7 @@ def serve_rank(rank: int, config: EngineConfig, store: dist.Store) -> None:
     if runner.device.type == "cuda":
         # NOTE: this rank's attention variants compile here (no collectives); rank 0's warm-up requests, eager
         # passes included, reach this rank mirrored
-        from blockspec.startup.warmup import attention_workloads, warm_attention
+        from blockspec.engine.warmup import attention_workloads, warm_attention
 
         warm_attention(attention_workloads(runner, worker), runner.req_to_token.table, runner.req_to_token.dummy_row)
     ForwardReceiver(tp, worker).serve()

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-WAIT_POLICIES = ("fixed", "cost")
+from blockspec.config.engine_config import WAIT_POLICIES
+
 _SMOOTHING = 0.1  # weight of the newest step in the running averages of step durations
 
 

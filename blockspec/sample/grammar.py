@@ -19,36 +19,11 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
+from blockspec.request import GrammarSpec
+
 if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
-
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request is constrained by: `kind` one of GRAMMAR_FIELDS, `source` its text (the compile cache key)."""
-
-    kind: str
-    source: str
-
-
-def check_grammar(spec: GrammarSpec) -> None:
-    """Raises ValueError naming the field when `spec` does not parse (no tokenizer needed: cheap, any process)."""
-    import xgrammar as xgr
-
-    parse: dict[str, Callable[[str], object]] = {
-        "json_schema": xgr.Grammar.from_json_schema, "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf,
-    }
-    if not isinstance(spec.source, str) or not spec.source.strip():
-        raise ValueError(f"{spec.kind} must be a non-empty string")
-    try:
-        parse[spec.kind](spec.source)
-    except Exception as exc:  # NOTE: xgrammar raises RuntimeError (or its own types) with the parser's message
-        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{spec.kind} is not valid: {message}") from exc
 
 
 class GrammarCompiler:

@@ -12,17 +12,17 @@ from typing import Optional
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from blockspec.admission import ArrivalBatching
-from blockspec.config import EngineConfig
-from blockspec.finish import commit_tokens
-from blockspec.grammar import GrammarCompiler
+from blockspec.config.engine_config import EngineConfig
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.prefix_cache import PrefixCache
+from blockspec.outputs import Committed, ExtendChunk, StepPlan
 from blockspec.request import Finish, FinishReason, Req, RequestLimits
-from blockspec.sampling import make_generator
-from blockspec.spec_stats import SpecStatistics
-from blockspec.step.executor import StepExecutor, Worker
-from blockspec.step.plan import Committed, ExtendChunk, StepPlan
+from blockspec.sample.grammar import GrammarCompiler
+from blockspec.sample.sampling import make_generator
+from blockspec.scheduler.admission import ArrivalBatching
+from blockspec.scheduler.finish import commit_tokens
+from blockspec.scheduler.spec_stats import SpecStatistics
+from blockspec.scheduler.step_executor import StepExecutor, Worker
 from blockspec.tokenizer import TextStream, backend_of
 
 logger = logging.getLogger(__name__)

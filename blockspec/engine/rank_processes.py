@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from blockspec.config import EngineConfig
+from blockspec.config.engine_config import EngineConfig
 from blockspec.distributed.group import TensorParallel
 
 # NOTE: an idle engine leaves its worker ranks waiting in a broadcast for as long as it is idle; a dead peer is
@@ -88,7 +88,7 @@ def check_shardable(config: EngineConfig) -> None:
 
 
 class RankProcesses:
-    """Ranks 1..N-1 of rank 0's engine (`python -m blockspec.distributed.rank`, config as JSON on stdin): started
+    """Ranks 1..N-1 of rank 0's engine (`python -m blockspec.engine.rank`, config as JSON on stdin): started
     and joined into the group here, stopped by `shutdown`. NOTE: plain subprocesses, not multiprocessing children:
     the server's engine process is daemonic, and daemonic processes may not have children."""
 
@@ -102,7 +102,7 @@ class RankProcesses:
         config_json = json.dumps(dataclasses.asdict(config))
         self.processes: list[subprocess.Popen[bytes]] = []
         for rank in range(1, config.tp_size):
-            command = [sys.executable, "-m", "blockspec.distributed.rank", "--rank", str(rank), "--port", str(port)]
+            command = [sys.executable, "-m", "blockspec.engine.rank", "--rank", str(rank), "--port", str(port)]
             process = subprocess.Popen(command, stdin=subprocess.PIPE)
             assert process.stdin is not None
             process.stdin.write(config_json.encode())

@@ -12,12 +12,12 @@ from typing import Optional
 import msgspec
 import zmq
 
-from blockspec.engine import Engine
+from blockspec.engine import wire
+from blockspec.engine.engine import Engine
+from blockspec.engine.frontend_links import FrontendLinks
+from blockspec.engine.reports import LoopTimes, engine_info, finish_stat
+from blockspec.engine.tracked import TrackedRequest
 from blockspec.request import FinishReason, Req, SamplingParams
-from blockspec.server import wire
-from blockspec.server.engine_reports import LoopTimes, engine_info, finish_stat
-from blockspec.server.frontend_links import FrontendLinks
-from blockspec.server.tracked import TrackedRequest
 from blockspec.tokenizer import held_back
 
 logger = logging.getLogger(__name__)
