@@ -49,7 +49,7 @@ def run_engine(target: Path, prompts: list[list[int]], draft: Path | None) -> tu
         for req in reqs:
             engine.scheduler.add_request(req)
         while engine.scheduler.has_work:
-            engine.scheduler.step()
+            engine.step()
     finally:
         engine.shutdown()
     return [r.output_ids for r in reqs], [r.spec_accept_lengths for r in reqs]

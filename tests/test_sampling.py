@@ -44,7 +44,7 @@ def test_same_seed_same_tokens_across_batches(tiny, make_engine) -> None:
     for req in reqs:
         tight.scheduler.add_request(req)
     for _ in range(5):
-        tight.scheduler.step()
+        tight.step()
     tight.scheduler.add_request(mine[0])
     run_until_done(tight, reqs + mine)
     assert tight.scheduler.num_retractions > 0

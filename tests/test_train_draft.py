@@ -120,7 +120,7 @@ def blockspec_cycles(engine: Engine, prompts: list[list[int]]) -> tuple[list[lis
     for req in reqs:
         engine.scheduler.add_request(req)
     while engine.scheduler.has_work:
-        engine.scheduler.step()
+        engine.step()
     return [r.output_ids for r in reqs], [r.spec_accept_lengths for r in reqs]
 
 

@@ -171,7 +171,7 @@ def test_engine_warmup_leaves_the_engine_as_it_found_it(make_engine: Callable[..
     report = warm_kernels(engine.runner, engine.worker, engine.new_scheduler)  # NOTE: the attention launches run in Triton's interpreter here
     assert report.request_passes == 1  # CPU: no graphs, so one pass as configured
     assert report.attention_variants == sum(len(workload_variants(w)) for w in workloads) > 0
-    assert all(n == 0 for n in engine.runner.forward_counts.values())
+    assert all(n == 0 for n in engine.forward_counts.values())
     allocator = engine.runner.allocator
     assert allocator.free_slots == allocator.total_slots
     assert engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)["output_ids"] == reference

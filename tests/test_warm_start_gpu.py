@@ -60,7 +60,7 @@ def drive(engine: Engine, seed: int) -> int:
                 for req in later:
                     engine.scheduler.add_request(req)
                 later = []
-            engine.scheduler.step()
+            engine.step()
             steps += 1
         total += size
     engine.scheduler.collect_finished()

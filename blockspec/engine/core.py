@@ -16,6 +16,7 @@ from blockspec.engine import wire
 from blockspec.engine.engine import Engine
 from blockspec.engine.frontend_links import FrontendLinks
 from blockspec.engine.reports import LoopTimes, engine_info, finish_stat
+from blockspec.engine.server_info import EngineLoad
 from blockspec.engine.tracked import TrackedRequest
 from blockspec.request import FinishReason, Req, SamplingParams
 from blockspec.tokenizer import held_back
@@ -26,7 +27,10 @@ DETAIL_INTERVAL_S = 0.05  # the StepStats fields that cost a read of the engine'
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, to_engine: list[str], from_engine: list[str], parent_pid: Optional[int] = None) -> None:
+
+    def __init__(
+        self, engine: Engine, to_engine: list[str], from_engine: list[str], parent_pid: Optional[int] = None
+    ) -> None:
         """`to_engine[i]` / `from_engine[i]`: the addresses HTTP server process i bound."""
         self.engine = engine
         self.parent_pid = parent_pid
@@ -190,18 +194,21 @@ class EngineCore:
         if not stats and not any(links.deltas):
             return
         base: Optional[wire.StepStats] = None
-        counts = (len(self.engine.scheduler.running), len(self.engine.scheduler.waiting))
+        load = self.engine.load()
+        counts = (load.num_running, load.num_waiting)
         if stats:
             detail = detail or time.monotonic() - self._detail_sent >= DETAIL_INTERVAL_S
         for frontend in range(links.count):
             deltas, handled = links.deltas[frontend], links.handled[frontend]
-            owed = stats and (handled or detail or bool(self._finished[frontend]) or counts != self._counts_sent[frontend])
+            owed = stats and (
+                handled or detail or bool(self._finished[frontend]) or counts != self._counts_sent[frontend]
+            )
             with_stats = owed and bool(deltas or handled or detail)
             if not deltas and not with_stats:
                 continue
             step_stats = None
             if with_stats:
-                base = base or self._step_stats(counts, detail)
+                base = base or self._step_stats(load, detail)
                 step_stats = msgspec.structs.replace(base, handled=handled, finished=self._finished[frontend])
                 self._finished[frontend] = []
                 links.handled[frontend] = 0
@@ -209,26 +216,30 @@ class EngineCore:
             links.send(frontend, wire.Outputs(deltas, step_stats))
             links.deltas[frontend] = []
 
-    def _step_stats(self, counts: tuple[int, int], detail: bool) -> wire.StepStats:
-        allocator, scheduler = self.engine.runner.allocator, self.engine.scheduler
-        base = wire.StepStats(counts[0], counts[1], 0, allocator.total_slots, allocator.free_slots, None, [], detailed=detail)
+    def _step_stats(self, load: EngineLoad, detail: bool) -> wire.StepStats:
+        base = wire.StepStats(load.num_running, load.num_waiting, 0, load.kv_total_slots, load.kv_free_slots, None, [],
+                              detailed=detail)
         if detail:
             self._detail_sent = time.monotonic()
-            base.spec_histogram = list(scheduler.spec.accept_histogram) if self.engine.worker.is_speculative else None
-            base.kernel_compiles_after_startup = self.engine.kernel_compiles_after_startup
-            base.verify_lengths, base.position_rates = self._verify_stats()
+            snapshot = self.engine.snapshot()
+            speculative = snapshot.speculative
+            base.spec_histogram = snapshot.scheduler.accept_histogram if speculative is not None else None
+            base.kernel_compiles_after_startup = snapshot.kernel_compiles_after_startup
+            if speculative is not None:
+                # NOTE: DFlash's verify length per batch size (and what it was chosen on), per-position acceptance
+                base.verify_lengths = [wire.VerifyLengthStat(c.batch_size, c.num_draft_tokens, c.expected_tokens,
+                                                             c.cycle_ms) for c in speculative.choices]
+                base.position_rates = speculative.position_rates
         return base
 
-    def _verify_stats(self) -> tuple[Optional[list[wire.VerifyLengthStat]], Optional[list[float]]]:
-        """DFlash's verify length per batch size (and what it was chosen on), and the per-position acceptance rates."""
-        worker = self.engine.dflash_worker
-        if worker is None:
-            return None, None
-        lengths = [wire.VerifyLengthStat(bs, c.num_draft_tokens, c.expected_tokens, c.cycle_ms)
-                   for bs, c in sorted(worker.verify_policy.last.items())]
-        return lengths, worker.acceptance.rates()
-
-    def _push_delta(self, tracked: TrackedRequest, final: bool, output: Optional[dict] = None, error: Optional[str] = None, status: int = 500) -> None:
+    def _push_delta(
+        self,
+        tracked: TrackedRequest,
+        final: bool,
+        output: Optional[dict] = None,
+        error: Optional[str] = None,
+        status: int = 500,
+    ) -> None:
         req = tracked.req
         if not final and len(tracked.ids) - tracked.sent_end < self.stream_interval:
             return
@@ -238,10 +249,18 @@ class EngineCore:
         text_end = len(req.text) if final else len(req.text) - held_back(req.text, tracked.stops)
         # NOTE: req.text only grows, except the stop-string cut on finish; the held-back suffix keeps the
         # streamed text a prefix of the final text.
-        self._append_delta(tracked, req.text[tracked.sent_text:text_end] if text_end > tracked.sent_text else "", output, error, status)
+        self._append_delta(
+            tracked,
+            req.text[tracked.sent_text : text_end] if text_end > tracked.sent_text else "",
+            output,
+            error,
+            status,
+        )
         tracked.sent_text = max(tracked.sent_text, text_end)
 
-    def _append_delta(self, tracked: TrackedRequest, text: Optional[str], output: Optional[dict], error: Optional[str], status: int) -> None:
+    def _append_delta(
+        self, tracked: TrackedRequest, text: Optional[str], output: Optional[dict], error: Optional[str], status: int
+    ) -> None:
         req, end = tracked.req, len(tracked.ids)
         delta = wire.DeltaOut(req.rid, text, tracked.ids[tracked.sent_end:], output, error, status)
         if req.wants_logprobs:
@@ -251,7 +270,9 @@ class EngineCore:
         self.links.deltas[tracked.frontend].append(delta)
         tracked.sent_end = end
 
-    def _finish(self, tracked: TrackedRequest, now: Optional[float] = None, error: Optional[str] = None, status: int = 500) -> None:
+    def _finish(
+        self, tracked: TrackedRequest, now: Optional[float] = None, error: Optional[str] = None, status: int = 500
+    ) -> None:
         req = tracked.req
         if error is not None:
             self._push_delta(tracked, final=True, error=error, status=status)
@@ -297,4 +318,6 @@ class EngineCore:
             for request in wire.decode_to_engine(frame):
                 if isinstance(request, wire.AddRequest) and 0 <= request.frontend < self.links.count:
                     self.links.handled[request.frontend] += 1
-                    self.links.deltas[request.frontend].append(wire.DeltaOut(request.rid, "", [], error=message, status=503))
+                    self.links.deltas[request.frontend].append(
+                        wire.DeltaOut(request.rid, "", [], error=message, status=503)
+                    )

@@ -4,13 +4,14 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union, cast
 
 import torch
 
 from blockspec.config.engine_config import EngineConfig
 from blockspec.engine.compiles import by_kernel, kernel_compile_log
 from blockspec.engine.rank_processes import RankProcesses, rank_failures
+from blockspec.engine.server_info import EngineLoad, EngineSnapshot
 from blockspec.engine.startup_report import StartupReport, WarmupReport
 from blockspec.engine.workers import build_workers
 from blockspec.models.hub import with_local_checkpoints
@@ -18,11 +19,9 @@ from blockspec.request import Req, build_requests, logprob_request, per_prompt
 from blockspec.runner.deterministic import deterministic_info
 from blockspec.runner.mirror import ForwardMirror
 from blockspec.scheduler.scheduler import Scheduler
-from blockspec.scheduler.step_executor import Worker
+from blockspec.speculative.dflash import DFlashWorker
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
-
-if TYPE_CHECKING:
-    from blockspec.speculative.dflash_base import DFlashBase
+from blockspec.worker.protocol import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +79,11 @@ class Engine:
         """A scheduler over this engine's worker, pool and table (the engine's own, or the kernel warm-up's)."""
         target = self.runner.target_config
         eos = list(target.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+        if (
+            self.tokenizer is not None
+            and self.tokenizer.eos_token_id is not None
+            and self.tokenizer.eos_token_id not in eos
+        ):
             eos.append(int(self.tokenizer.eos_token_id))
         return Scheduler(self.config, self.worker, self.runner.allocator, self.runner.req_to_token,
                          self.runner.context_length, target.vocab_size, eos, self.tokenizer, self.runner.device)
@@ -93,11 +96,10 @@ class Engine:
         return len(compile_log.stalls_since(self.compile_mark)) if compile_log.counting else None
 
     @property
-    def dflash_worker(self) -> Optional["DFlashBase"]:
-        """The DFlash worker (its verify-length policy and acceptance statistics); None without DFlash."""
-        from blockspec.speculative.dflash_base import DFlashBase
-
-        return self.worker if isinstance(self.worker, DFlashBase) else None
+    def dflash_worker(self) -> Optional[DFlashWorker]:
+        """The DFlash worker (benchmarks instrument its forwards); None without DFlash. NOTE: DFlash is the only
+        speculative worker; the engine itself reads workers through the Worker protocol."""
+        return cast(DFlashWorker, self.worker) if self.worker.is_speculative else None
 
     @property
     def kernel_compiles_after_startup_by_kernel(self) -> dict[str, int]:
@@ -176,7 +178,8 @@ class Engine:
         yield from self._run(reqs, 4 * self.config.max_running_requests)
 
     def _run(self, reqs: list[Req], window: int) -> Iterator[tuple[int, dict[str, Any]]]:
-        """At most `window` unfinished at a time (collect_finished scans the queue each step). NOTE: yields outside rank_failures."""
+        """At most `window` unfinished at a time (collect_finished scans the queue each step). NOTE: yields outside
+        rank_failures."""
         pending: dict[str, int] = {}
         queued = 0
         while queued < len(reqs) or pending:
@@ -195,29 +198,56 @@ class Engine:
     def output_of(req: Req) -> dict[str, Any]:
         return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
 
-    def get_server_info(self) -> dict[str, Any]:
+    def load(self) -> EngineLoad:
+        """Requests and KV slots now (the engine process reads it every step)."""
         allocator = self.runner.allocator
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), allocator.total_slots,
+                          allocator.free_slots, allocator.unused_slots)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state as get_server_info and the engine process report it."""
+        return EngineSnapshot(
+            load=self.load(), scheduler=self.scheduler.stats(), forward_counts=dict(self.runner.forward_counts),
+            cuda_graph=bool(self.runner.graphs), radix_cache=self.radix_cache_stats(),
+            kernel_compiles_after_startup=self.kernel_compiles_after_startup,
+            kernel_compiles_after_startup_by_kernel=self.kernel_compiles_after_startup_by_kernel,
+            speculative=self.worker.speculative_state(),
+        )
+
+    @property
+    def forward_counts(self) -> dict[str, int]:
+        """Forwards by how they ran since start-up: full graph replays and eager uniform forwards, piecewise extend
+        replays and extend batches the piecewise graphs could not take (tests and benchmarks check the path)."""
+        return dict(self.runner.forward_counts)
+
+    def step(self) -> list[Req]:
+        """One scheduler step of the requests queued with `add_request`; returns those that finished in it (tests
+        and benchmarks drive the engine step by step with it)."""
+        return self.scheduler.step()
+
+    def get_server_info(self) -> dict[str, Any]:
+        snapshot = self.snapshot()
+        load, steps = snapshot.load, snapshot.scheduler
         internal: dict[str, Any] = {
             "attention_backend": self.runner.attention_backend,
-            "cuda_graph": bool(self.runner.graphs),
-            "forward_counts": dict(self.runner.forward_counts),
-            "num_running_reqs": len(self.scheduler.running),
-            "num_waiting_reqs": len(self.scheduler.waiting),
-            "num_retractions": self.scheduler.num_retractions,
-            "num_steps": self.scheduler.num_steps,
-            "num_extend_steps": self.scheduler.num_extend_steps,
-            "step_seconds": self.scheduler.step_seconds,
-            "extend_step_seconds": self.scheduler.extend_step_seconds,
-            "num_mixed_steps": self.scheduler.steps.mixed_steps,
-            "num_steps_arrivals_held": self.scheduler.arrivals.held_steps,  # --max-prefill-wait-steps
-            "radix_cache": self.radix_cache_stats(),
-            "kernel_compiles_after_startup": self.kernel_compiles_after_startup,
-            "kernel_compiles_after_startup_by_kernel": self.kernel_compiles_after_startup_by_kernel,
+            "cuda_graph": snapshot.cuda_graph,
+            "forward_counts": snapshot.forward_counts,
+            "num_running_reqs": load.num_running,
+            "num_waiting_reqs": load.num_waiting,
+            "num_retractions": steps.num_retractions,
+            "num_steps": steps.num_steps,
+            "num_extend_steps": steps.num_extend_steps,
+            "step_seconds": steps.step_seconds,
+            "extend_step_seconds": steps.extend_step_seconds,
+            "num_mixed_steps": steps.num_mixed_steps,
+            "num_steps_arrivals_held": steps.num_steps_arrivals_held,
+            "radix_cache": snapshot.radix_cache,
+            "kernel_compiles_after_startup": snapshot.kernel_compiles_after_startup,
+            "kernel_compiles_after_startup_by_kernel": snapshot.kernel_compiles_after_startup_by_kernel,
         }
-        if self.worker.is_speculative:
-            internal.update(self.scheduler.spec.as_dict())
-            if self.dflash_worker is not None:
-                internal["verify_length"] = self.dflash_worker.verify_length_info()
+        if snapshot.speculative is not None:
+            internal.update(steps.spec)
+            internal["verify_length"] = snapshot.speculative.verify_length
         return {
             "model_path": self.config.model_path,
             "speculative_algorithm": self.config.speculative_algorithm,
@@ -229,12 +259,12 @@ class Engine:
             "prefill_wait_policy": self.config.prefill_wait_policy,
             "disable_radix_cache": self.config.disable_radix_cache,
             "tp_size": self.config.tp_size,
-            "host_threads": torch.get_num_threads(),  # torch's intra-op threads in this engine's process (--host-threads)
+            # torch's intra-op threads in this engine's process (--host-threads)
+            "host_threads": torch.get_num_threads(),
             "enable_deterministic_inference": self.config.enable_deterministic_inference,
             "deterministic_inference": deterministic_info(self.runner.batch_invariant_attention),
-            # NOTE: free_slots counts the slots of cached pages no request reads (they are evicted on demand)
-            "kv_cache": {"total_slots": allocator.total_slots, "free_slots": allocator.free_slots,
-                         "unused_slots": allocator.unused_slots},
+            "kv_cache": {"total_slots": load.kv_total_slots, "free_slots": load.kv_free_slots,
+                         "unused_slots": load.kv_unused_slots},
             "startup": self.startup.as_dict(),
             "internal_states": [internal],
         }

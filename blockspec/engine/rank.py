@@ -18,11 +18,10 @@ import torch.distributed as dist
 from blockspec.config.engine_config import EngineConfig
 from blockspec.engine.rank_processes import COLLECTIVE_TIMEOUT, die_with_parent, join_group, rank_config
 from blockspec.engine.workers import build_workers
+from blockspec.worker.forward_receiver import ForwardReceiver
 
 
 def serve_rank(rank: int, config: EngineConfig, store: dist.Store) -> None:
-    from blockspec.worker.forward_receiver import ForwardReceiver
-
     store.set(f"joined/{rank}", "1")
     tp = join_group(config, rank, store)
     runner, worker = build_workers(config, tp)

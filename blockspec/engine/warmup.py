@@ -27,9 +27,7 @@ from blockspec.request import Req, build_requests
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler.admission import ArrivalBatching
 from blockspec.scheduler.scheduler import Scheduler
-from blockspec.scheduler.step_executor import Worker
-from blockspec.speculative.dflash_base import DFlashBase
-from blockspec.speculative.verify_length import FixedVerifyLength
+from blockspec.worker.protocol import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +45,22 @@ def attention_workloads(runner: ModelRunner, worker: Worker) -> list[AttentionWo
     max_extend = min(config.chunk_budget or runner.context_length, runner.context_length)
     uniform_q = worker.decode_slots_per_req
     # NOTE: adaptive verify runs verifies of every captured length n (eagerly above the largest graph batch).
-    shortest_q = min(worker.verify_lengths) if isinstance(worker, DFlashBase) else uniform_q
+    shortest_q = min(worker.uniform_lengths)
     workloads: list[AttentionWorkload] = []
     if isinstance(runner.attention, TritonAttentionBackend):
         uniform_mode = ForwardMode.VERIFY if worker.is_speculative else ForwardMode.DECODE
-        workloads.append(AttentionWorkload(runner.attention, ForwardMode.EXTEND, 1, max_extend, max_batch_size, max_seq_len))
-        workloads.append(AttentionWorkload(runner.attention, uniform_mode, shortest_q, uniform_q, max_batch_size, max_seq_len))
-    draft_attention = getattr(worker, "draft_attention", None)
-    if isinstance(draft_attention, TritonAttentionBackend):
-        workloads.append(AttentionWorkload(draft_attention, ForwardMode.DRAFT, uniform_q, uniform_q, max_batch_size, max_seq_len))
+        workloads.append(
+            AttentionWorkload(runner.attention, ForwardMode.EXTEND, 1, max_extend, max_batch_size, max_seq_len)
+        )
+        workloads.append(
+            AttentionWorkload(runner.attention, uniform_mode, shortest_q, uniform_q, max_batch_size, max_seq_len)
+        )
+    if isinstance(worker.draft_attention, TritonAttentionBackend):
+        workloads.append(
+            AttentionWorkload(
+                worker.draft_attention, ForwardMode.DRAFT, uniform_q, uniform_q, max_batch_size, max_seq_len
+            )
+        )
     return workloads
 
 
@@ -80,7 +85,7 @@ def warm_batch_invariant_attention(runner: ModelRunner, worker: Worker) -> int:
     layer class); returns how many."""
     uniform_mode = ForwardMode.VERIFY if worker.is_speculative else ForwardMode.DECODE
     backends = [(runner.attention, (ForwardMode.EXTEND, uniform_mode)),
-                (getattr(worker, "draft_attention", None), (ForwardMode.DRAFT,))]
+                (worker.draft_attention, (ForwardMode.DRAFT,))]
     launched = 0
     for backend, modes in backends:
         if not isinstance(backend, BatchInvariantAttentionBackend):
@@ -106,15 +111,11 @@ def _warmup_requests(runner: ModelRunner, worker: Worker, scheduler: Scheduler, 
 
 
 def _run_requests(runner: ModelRunner, worker: Worker, new_scheduler: SchedulerFactory, tag: str) -> None:
-    if tag == "eager-uniform" and isinstance(worker, DFlashBase):
+    if tag == "eager-uniform" and worker.is_speculative:
         # NOTE: eager cycles of every verify length the policy may pick (graphed ones compiled at capture).
-        policy = worker.verify_policy
-        try:
-            for n in worker.verify_lengths:
-                worker.verify_policy = FixedVerifyLength([(1, 1 << 30, n)], worker.block_size, "warm-up")
+        for n in worker.uniform_lengths:
+            with worker.pinned_verify_length(n):
                 _run_scheduler(runner, worker, new_scheduler, f"{tag}-n{n}")
-        finally:
-            worker.verify_policy = policy
         return
     _run_scheduler(runner, worker, new_scheduler, tag)
 
@@ -153,8 +154,7 @@ def warm_engine_paths(runner: ModelRunner, worker: Worker, new_scheduler: Schedu
             _run_requests(runner, worker, new_scheduler, tag)
     finally:
         runner.piecewise_enabled, runner.graphs.enabled = saved
-    if isinstance(worker, DFlashBase):
-        worker.reset_live_verify_state()  # NOTE: random prompts teach nothing about served acceptance
+    worker.forget_live_state()  # NOTE: random prompts teach nothing about served acceptance
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     for counts in (runner.graphs.counts, runner.piecewise_counts):

@@ -1,7 +1,7 @@
 """Continuous batching: admission by KV budget, chunked prefill, retraction, finish checks.
 
 Each step the scheduler plans what runs (StepPlan) and commits what comes back; how a step runs, what is in flight
-and the overlap schedule belong to the StepExecutor (step/executor.py)."""
+and the overlap schedule belong to the StepExecutor (scheduler/step_executor.py)."""
 from __future__ import annotations
 
 import logging
@@ -21,9 +21,10 @@ from blockspec.sample.grammar import GrammarCompiler
 from blockspec.sample.sampling import make_generator
 from blockspec.scheduler.admission import ArrivalBatching
 from blockspec.scheduler.finish import commit_tokens
-from blockspec.scheduler.spec_stats import SpecStatistics
-from blockspec.scheduler.step_executor import StepExecutor, Worker
+from blockspec.scheduler.stats import SchedulerStats, SpecStatistics
+from blockspec.scheduler.step_executor import StepExecutor
 from blockspec.tokenizer import TextStream, backend_of
+from blockspec.worker.protocol import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ class Scheduler:
         self.num_extend_steps = 0  # steps that ran prefill chunks (with or without decode in the same forward)
         self.extend_step_seconds = 0.0  # wall time of those steps (host work and device waits), and of all steps
         self.step_seconds = 0.0
-        self.arrivals = ArrivalBatching(config.max_prefill_wait_steps, config.prefill_wait_policy, config.enable_mixed_chunk)
+        self.arrivals = ArrivalBatching(
+            config.max_prefill_wait_steps, config.prefill_wait_policy, config.enable_mixed_chunk
+        )
         self.spec = SpecStatistics(worker.decode_slots_per_req)
 
     # ---- requests in and out -------------------------------------------------------------
@@ -73,6 +76,13 @@ class Scheduler:
     def limits(self) -> RequestLimits:
         return RequestLimits(self.vocab_size, self.context_length, self.allocator.total_slots,
                              self.steps.slots_per_decode, self.tokenizer is not None)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            len(self.running), len(self.waiting), self.num_retractions, self.num_steps, self.num_extend_steps,
+            self.step_seconds, self.extend_step_seconds, self.steps.mixed_steps, self.arrivals.held_steps,
+            self.spec.as_dict(), list(self.spec.accept_histogram),
+        )
 
     def check_request(self, req: Req) -> None:
         """Raises ValueError for a request that can never be served."""
@@ -194,13 +204,21 @@ class Scheduler:
             self.allocator.grow(req, req.kv_len + n, self.table)
             plan.extend.append(ExtendChunk(req, n))
             budget -= n
-        if self.arrivals.max_wait_steps:  # NOTE: only then: the waiting prompts' sum and the decoding list cost O(requests)
-            decoding, rows = len(self._decoding()), min(self.config.max_running_requests - len(self.running), self.table.free_rows)
+        # NOTE: only then: the waiting prompts' sum and the decoding list cost O(requests)
+        if self.arrivals.max_wait_steps:
+            decoding, rows = len(self._decoding()), min(
+                self.config.max_running_requests - len(self.running), self.table.free_rows
+            )
             if self.arrivals.hold(self.num_steps, sum(r.pending_len for r in self.waiting), budget, decoding > 0,
                                   bool(plan.extend), decoding, min(len(self.waiting), rows)):
                 return plan
         in_batch = None
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests and self.table.free_rows:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_running_requests
+            and self.table.free_rows
+        ):
             req = self.waiting[0]
             if req.pending_len + self.steps.slots_per_decode > self.allocator.total_slots:
                 self.waiting.popleft()
@@ -216,7 +234,9 @@ class Scheduler:
                 break
             n = min(req.pending_len, budget)
             need = self.allocator.pages_for(n) * self.allocator.page_size
-            full = bool(self.running) and self.allocator.free_slots - need < self._decode_headroom(len(self.running) + 1)
+            full = bool(self.running) and self.allocator.free_slots - need < self._decode_headroom(
+                len(self.running) + 1
+            )
             if full or not self.allocator.can_grow(req, req.kv_len + n):
                 self.prefix_cache.detach(req)
                 break

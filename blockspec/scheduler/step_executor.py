@@ -2,7 +2,7 @@
 
 Overlap schedule (greedy decode, target-only or DFlash): `run_ahead` launches step N+1 on the device before it
 commits step N, whose host bookkeeping (commit, finish checks, slot release, statistics) then runs while the device
-works. Step N+1's inputs are derived on the device from N's outputs (step/inflight.py), so a request in flight has
+works. Step N+1's inputs are derived on the device from N's outputs (worker/inflight.py), so a request in flight has
 a kv_len that lags one uncommitted step (<= B tokens), and N+1 writes up to B slots past that: requests in flight
 hold slots to kv_len + 2B. `drain` commits the step in flight when the next step cannot overlap. An extend step
 (`launch_extend`) queues its forward behind the step in flight and, through `extend_run_ahead`, the next decode
@@ -11,7 +11,7 @@ the extend's argmax, goes into that step's rows on the device).
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -20,37 +20,8 @@ from blockspec.layers.argmax import greedy_tokens
 from blockspec.outputs import Committed, StepPlan
 from blockspec.request import Req
 from blockspec.worker.inflight import FirstTokens, InFlightStep, device_index, host_copy
+from blockspec.worker.protocol import Worker
 
-
-class Worker(Protocol):
-    """Runs forwards for a step and samples their tokens (step/target_worker.py, speculative/dflash.py)."""
-
-    @property
-    def decode_slots_per_req(self) -> int: ...
-
-    @property
-    def is_speculative(self) -> bool: ...
-
-    def init_cuda_graphs(self) -> None: ...
-
-    def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> list[Optional[int]]: ...
-
-    def extend_logits(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor: ...
-
-    def first_tokens(self, reqs: Sequence[Req], logits: torch.Tensor) -> list[Optional[int]]: ...
-
-    def decode(self, reqs: Sequence[Req]) -> list[list[int]]: ...
-
-    def mixed(
-        self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req]
-    ) -> tuple[list[Optional[int]], list[list[int]]]: ...
-
-    def can_run_ahead(self, reqs: Sequence[Req]) -> bool: ...
-
-    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,
-               first: Optional[FirstTokens] = None) -> InFlightStep: ...
-
-    def finish(self, step: InFlightStep) -> list[Optional[list[int]]]: ...
 
 
 class StepExecutor:

@@ -49,7 +49,9 @@ class SimulatedAcceptance:
     def accepted(self, batch_size: int, num_draft_tokens: int, device: torch.device) -> torch.Tensor:
         """[bs, 1] int64 accepted proposals for a verify of `num_draft_tokens` block tokens."""
         if self.constant is not None:
-            return torch.full((batch_size, 1), min(self.constant, num_draft_tokens - 1), dtype=torch.int64, device=device)
+            return torch.full(
+                (batch_size, 1), min(self.constant, num_draft_tokens - 1), dtype=torch.int64, device=device
+            )
         uniform = torch.rand((batch_size, 1), generator=self.generator, device=self.cdf.device).to(device)
         drawn = (uniform > self.cdf[None, :]).sum(1, keepdim=True)
         return drawn.clamp(max=num_draft_tokens - 1)

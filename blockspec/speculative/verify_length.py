@@ -43,7 +43,8 @@ class AcceptanceStats:
         self.prior_weight = prior_weight
         self.tried = [0.0] * max_proposals  # NOTE: index j - 1 holds position j (proposal d_j)
         self.passed = [0.0] * max_proposals
-        self._survival: Optional[list[float]] = None  # NOTE: kept until the next observe (each cycle's choice asks ≥ 4x)
+        # NOTE: kept until the next observe (each cycle's choice asks ≥ 4x)
+        self._survival: Optional[list[float]] = None
 
     def observe(self, num_draft_tokens: int, accepted: Sequence[int]) -> None:
         """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted."""
@@ -182,7 +183,9 @@ class FixedVerifyLength:
     def __init__(self, schedule: Schedule, block_size: int, reason: str) -> None:
         bad = [n for _, _, n in schedule if n > block_size]
         if bad:
-            raise ValueError(f"speculative_num_draft_tokens_per_bs: verify length {bad[0]} exceeds the block size {block_size}")
+            raise ValueError(
+                f"speculative_num_draft_tokens_per_bs: verify length {bad[0]} exceeds the block size {block_size}"
+            )
         self.schedule = schedule
         self.block_size = block_size
         self.reason = reason
@@ -220,7 +223,9 @@ class AdaptiveVerifyLength:
 
     def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64) -> None:
         self.lengths = tuple(sorted(set(lengths)))
-        missing = [key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms]
+        missing = [
+            key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms
+        ]
         if missing:
             raise ValueError(f"adaptive verify: no measured cycle time for (batch size, verify length) {missing[0]}")
         self.times = times

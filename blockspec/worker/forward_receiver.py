@@ -10,13 +10,13 @@ from blockspec.batch import DeviceRows, ForwardBatch, GraphInputs, UniformRows
 from blockspec.distributed.group import TensorParallel
 from blockspec.runner.graph_kind import GraphKind, tokens_per_request
 from blockspec.runner.mirror import Form, HEADER_LEN, KINDS, MODES, Op
-from blockspec.worker.target_worker import TargetWorker
+from blockspec.worker.protocol import Worker
 
 
 class ForwardReceiver:
     """A worker rank's side: receives each forward and runs it on its own shard, until rank 0 stops it."""
 
-    def __init__(self, tp: TensorParallel, worker: TargetWorker) -> None:
+    def __init__(self, tp: TensorParallel, worker: Worker) -> None:
         self.tp = tp
         self.worker = worker
         self.table = worker.runner.req_to_token.table

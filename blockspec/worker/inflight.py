@@ -1,9 +1,9 @@
 """A greedy decode step in flight: launched on the device now, committed on the host one engine step later.
 
-The overlap schedule (step/executor.py) launches step N+1 before it commits step N: N+1's input rows are computed on the device from
-N's outputs (target-only decode: the argmax token, sequence length + 1; DFlash: the bonus token target[accepted],
-sequence length + accepted + 1), so the host's bookkeeping for N (commit, finish checks, slot release, stats) runs
-while the device works on N+1.
+The overlap schedule (scheduler/step_executor.py) launches step N+1 before it commits step N: N+1's input rows are
+computed on the device from N's outputs (target-only decode: the argmax token, sequence length + 1; DFlash: the bonus
+token target[accepted], sequence length + accepted + 1), so the host's bookkeeping for N (commit, finish checks, slot
+release, stats) runs while the device works on N+1.
 """
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
 """TargetWorker: runs a step's forwards for the target alone (no speculation) and samples their tokens."""
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Optional, Sequence
+from typing import ContextManager, Optional, Sequence
 
 import torch
 
+from blockspec.attention.base import AttentionBackend
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
 from blockspec.layers.argmax import greedy_tokens
 from blockspec.models.llama import ModelOutput
@@ -15,6 +17,7 @@ from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sample.sampling import append_logprobs, sample_next_tokens
 from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
+from blockspec.worker.protocol import SpeculativeState
 
 
 class TargetWorker:
@@ -23,6 +26,7 @@ class TargetWorker:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.capture: tuple[int, ...] = ()  # target layers whose outputs extend forwards return (DFlash: its taps)
+        self.draft_attention: Optional[AttentionBackend] = None  # NOTE: no draft (DFlashWorker sets its own)
 
     @property
     def decode_slots_per_req(self) -> int:
@@ -31,6 +35,19 @@ class TargetWorker:
     @property
     def is_speculative(self) -> bool:
         return False
+
+    @property
+    def uniform_lengths(self) -> tuple[int, ...]:
+        return (self.decode_slots_per_req,)
+
+    def pinned_verify_length(self, num_draft_tokens: int) -> ContextManager[None]:
+        return contextlib.nullcontext()  # NOTE: nothing to verify
+
+    def forget_live_state(self) -> None:
+        pass  # NOTE: target-only decoding learns nothing from traffic
+
+    def speculative_state(self) -> Optional[SpeculativeState]:
+        return None
 
     def init_cuda_graphs(self) -> None:
         self.runner.graphs.capture(GraphKind.DECODE, self.runner.eager_forward, ForwardMode.DECODE, 1,
@@ -148,7 +165,8 @@ class TargetWorker:
 
 
 def next_decode_rows(step: InFlightStep, index: Optional[torch.Tensor]) -> torch.Tensor:
-    """Rows [token | req→token row | seq_len] with outputs [argmax] → the next step's [argmax | row | seq_len + 1]."""
+    """Rows [token | req→token row | seq_len] with outputs [argmax] → the next step's
+    [argmax | row | seq_len + 1]."""
     rows, tokens = step.rows, step.tokens
     if index is not None:
         rows, tokens = rows[index], tokens[index]
