@@ -30,9 +30,11 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     max_running_requests: int = 64
     chunked_prefill_size: int = 8192
-    # NOTE: arrivals may wait up to this many decode steps to be prefilled together in one extend step (admission.py)
+    # NOTE: arrivals may wait up to this many decode steps to be prefilled together in one extend step
+    # (scheduler/admission.py)
     max_prefill_wait_steps: int = 0
-    prefill_wait_policy: str = "fixed"  # fixed: held arrivals go after N steps; cost: sooner, once holding cost an extend
+    # fixed: held arrivals go after N steps; cost: sooner, once holding cost an extend
+    prefill_wait_policy: str = "fixed"
     # NOTE: a streaming request gets a chunk once at least this many new tokens are ready (and always its last one)
     stream_interval: int = 1
     context_length: Optional[int] = None
@@ -48,11 +50,12 @@ class EngineConfig:
     cuda_graph_bs: list[int] = field(default_factory=lambda: list(DEFAULT_CUDA_GRAPH_BS))
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # greedy decode: launch step N+1 before committing step N on the host
-    enable_mixed_chunk: bool = False  # one forward: prefill chunks + the running requests' decode tokens / verify blocks
+    # one forward: prefill chunks + the running requests' decode tokens / verify blocks
+    enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False  # the radix prefix cache (target + draft KV of shared prefixes) is on by default
     enforce_piecewise_cuda_graph: bool = False
     # NOTE: None: the chunked-prefill budget up to 8192 (`piecewise_max_tokens`), so the default's extend steps fit a
-    # bucket: an extend the graphs cannot take runs eagerly, ≈ 17 ms of host launches on SmolLM2 shapes (H200)
+    # bucket: an extend the graphs cannot take runs eagerly, paying every kernel's host launch
     piecewise_cuda_graph_max_tokens: Optional[int] = None
     piecewise_cuda_graph_tokens: Optional[list[int]] = None  # explicit token buckets for piecewise graphs
     # NOTE: Triton attention: each bucket's whole extend forward, attentions included, is one graph (one replay,
@@ -60,10 +63,8 @@ class EngineConfig:
     piecewise_eager_attention: bool = False
     # NOTE: Triton attention inside the piecewise graphs splits each program's keys up to this many ways in buckets too
     # small to fill two waves of programs (GraphExtendAttention.splits_for: cache-hit extends, few new tokens behind
-    # long prefixes); 1 never splits. 4 measured on the H200 (profile_prefill.py --graph-extend-splits, 2026-12-03):
-    # SmolLM2's cache-hit extend 8.1 -> 5.4 ms, its fresh prefills of 700-1792 tokens 2-14 % faster; 8B buckets
-    # above 512 tokens fill two waves and stay unsplit (attention kernel times unchanged; those up to 512 split,
-    # unmeasured, as do larger buckets under tensor parallelism, which has fewer heads per rank)
+    # long prefixes); 1 never splits. The default is measured (docs/performance.md); buckets that fill two waves
+    # stay unsplit, so it costs large prefills nothing
     piecewise_attention_max_splits: int = 4
     cuda_graph_backend_prefill: Optional[str] = None  # "piecewise" is an alias of enforce_piecewise_cuda_graph
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
@@ -93,9 +94,17 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("skip_tokenizer_init", "trust_remote_code", "disable_cuda_graph", "disable_overlap_schedule",
-                     "enforce_piecewise_cuda_graph", "piecewise_eager_attention", "enable_mixed_chunk", "disable_radix_cache",
-                     "enable_deterministic_inference"):
+        for name in (
+            "skip_tokenizer_init",
+            "trust_remote_code",
+            "disable_cuda_graph",
+            "disable_overlap_schedule",
+            "enforce_piecewise_cuda_graph",
+            "piecewise_eager_attention",
+            "enable_mixed_chunk",
+            "disable_radix_cache",
+            "enable_deterministic_inference",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("device", "dtype", "attention_backend", "log_level", "load_format"):
@@ -124,7 +133,9 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
         positive("page_size", self.page_size)
         positive("max_total_tokens", self.max_total_tokens)
         positive("max_running_requests", self.max_running_requests)
@@ -136,14 +147,24 @@ class EngineConfig:
         if splits & (splits - 1) or splits > 16:
             raise ValueError(f"piecewise_attention_max_splits must be a power of two up to 16, got {splits}")
         positive("tp_size", self.tp_size)
-        if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) or self.stream_interval < 1:
+        if (
+            not isinstance(self.stream_interval, int)
+            or isinstance(self.stream_interval, bool)
+            or self.stream_interval < 1
+        ):
             raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")
         positive("triton_attention_split_tile_size", self.triton_attention_split_tile_size)
-        if not isinstance(self.chunked_prefill_size, int) or (self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1):
-            raise ValueError(f"chunked_prefill_size must be -1 (off) or a positive integer, got {self.chunked_prefill_size!r}")
+        if not isinstance(self.chunked_prefill_size, int) or (
+            self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1
+        ):
+            raise ValueError(
+                f"chunked_prefill_size must be -1 (off) or a positive integer, got {self.chunked_prefill_size!r}"
+            )
         if not isinstance(self.max_prefill_wait_steps, int) or isinstance(self.max_prefill_wait_steps, bool) \
                 or self.max_prefill_wait_steps < 0:
-            raise ValueError(f"max_prefill_wait_steps must be a non-negative integer, got {self.max_prefill_wait_steps!r}")
+            raise ValueError(
+                f"max_prefill_wait_steps must be a non-negative integer, got {self.max_prefill_wait_steps!r}"
+            )
         if self.prefill_wait_policy not in WAIT_POLICIES:
             raise ValueError(f"prefill_wait_policy must be one of {WAIT_POLICIES}, got {self.prefill_wait_policy!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -157,13 +178,18 @@ class EngineConfig:
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("speculative_num_draft_tokens must be >= 2")
         if self.cuda_graph_backend_prefill not in (None, "piecewise", "none"):
-            raise ValueError(f"cuda_graph_backend_prefill must be piecewise or none, got {self.cuda_graph_backend_prefill!r}")
+            raise ValueError(
+                f"cuda_graph_backend_prefill must be piecewise or none, got {self.cuda_graph_backend_prefill!r}"
+            )
         if self.cuda_graph_backend_prefill == "piecewise":
             self.enforce_piecewise_cuda_graph = True
         if self.piecewise_cuda_graph_tokens is not None and (
-            not self.piecewise_cuda_graph_tokens or any(not isinstance(n, int) or n < 1 for n in self.piecewise_cuda_graph_tokens)
+            not self.piecewise_cuda_graph_tokens
+            or any(not isinstance(n, int) or n < 1 for n in self.piecewise_cuda_graph_tokens)
         ):
-            raise ValueError(f"piecewise_cuda_graph_tokens must be positive integers, got {self.piecewise_cuda_graph_tokens!r}")
+            raise ValueError(
+                f"piecewise_cuda_graph_tokens must be positive integers, got {self.piecewise_cuda_graph_tokens!r}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:
@@ -172,7 +198,9 @@ class EngineConfig:
         self.attention_backend = resolve_deterministic_backend(
             self.enable_deterministic_inference, self.attention_backend, self.tp_size,
             self.triton_attention_split_tile_size)
-        if not self.cuda_graph_bs or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in self.cuda_graph_bs):
+        if not self.cuda_graph_bs or any(
+            not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in self.cuda_graph_bs
+        ):
             raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
 
     def _validate_verify_flags(self) -> None:
@@ -185,11 +213,15 @@ class EngineConfig:
         if self.speculative_adaptive_verify is not None:
             self.speculative_adaptive_verify = self.speculative_adaptive_verify.lower()
             if self.speculative_adaptive_verify not in ("on", "off"):
-                raise ValueError(f"speculative_adaptive_verify must be on or off, got {self.speculative_adaptive_verify!r}")
+                raise ValueError(
+                    f"speculative_adaptive_verify must be on or off, got {self.speculative_adaptive_verify!r}"
+                )
         if self.speculative_num_draft_tokens_per_bs is not None:
             if self.speculative_adaptive_verify == "on":
-                raise ValueError("speculative_num_draft_tokens_per_bs is a fixed schedule: it replaces adaptive verify, "
-                                 "so it cannot go with speculative_adaptive_verify on")
+                raise ValueError(
+                    "speculative_num_draft_tokens_per_bs is a fixed schedule: it replaces adaptive verify, "
+                    "so it cannot go with speculative_adaptive_verify on"
+                )
             schedule = parse_verify_schedule(self.speculative_num_draft_tokens_per_bs)
             check_schedule_covers(schedule, self.max_running_requests)
         if self.speculative_simulate_accept_profile is not None:
@@ -220,7 +252,8 @@ class EngineConfig:
     @property
     def piecewise_max_tokens(self) -> int:
         """The largest piecewise-graph token bucket: the flag's value, else the chunk budget capped at 8192 (the
-        static buffers and the graph pool grow with it; above 8k tokens an extend's compute outweighs eager launches)."""
+        static buffers and the graph pool grow with it; above 8k tokens an extend's compute outweighs eager
+        launches)."""
         if self.piecewise_cuda_graph_max_tokens is not None:
             return self.piecewise_cuda_graph_max_tokens
         return min(self.chunk_budget or 8192, 8192)
