@@ -12,7 +12,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from blockspec.server.args import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding LLM server.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,eval,bench,train-draft,generate-prompts}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{serve,eval,bench,train-draft,generate-prompts}"
+    )
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI- and SGLang-compatible)")
     add_serve_arguments(serve)
 

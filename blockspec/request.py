@@ -77,7 +77,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: dict[str, float] = field(default_factory=dict)  # token id (as a string, like OpenAI's) -> bias
-    json_schema: Optional[str] = None  # structured output (grammar.py): at most one of json_schema, regex, ebnf
+    json_schema: Optional[str] = None  # structured output (sample/grammar.py): at most one of json_schema, regex, ebnf
     regex: Optional[str] = None
     ebnf: Optional[str] = None
 
@@ -101,7 +101,11 @@ class SamplingParams:
         """Every field by name (lists and dicts copied): what `from_dict` reads back. dataclasses.asdict's generic
         deep copy cost more than the rest of a request's submission."""
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out["stop"], out["stop_token_ids"], out["logit_bias"] = list(self.stop), list(self.stop_token_ids), dict(self.logit_bias)
+        out["stop"], out["stop_token_ids"], out["logit_bias"] = (
+            list(self.stop),
+            list(self.stop_token_ids),
+            dict(self.logit_bias),
+        )
         return out
 
     def validate(self) -> None:
@@ -142,14 +146,18 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must map token ids to numbers")
         for token, bias in self.logit_bias.items():
-            if not (isinstance(token, str) and token.isdigit()) and not (isinstance(token, int) and not isinstance(token, bool) and token >= 0):
+            if not (isinstance(token, str) and token.isdigit()) and not (
+                isinstance(token, int) and not isinstance(token, bool) and token >= 0
+            ):
                 raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
             if not number(bias) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token!r}")
         self.logit_bias = {str(int(token)): float(bias) for token, bias in self.logit_bias.items()}
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(grammars) > 1:
-            raise ValueError(f"{grammars[0]} and {grammars[1]} cannot be combined: give one of {', '.join(GRAMMAR_FIELDS)}")
+            raise ValueError(
+                f"{grammars[0]} and {grammars[1]} cannot be combined: give one of {', '.join(GRAMMAR_FIELDS)}"
+            )
         spec = self.grammar_spec
         if spec is not None:
             check_grammar(spec)
@@ -222,7 +230,8 @@ class Req:
         self.text = ""  # detokenised output, stop strings removed
         self.detokenized = False  # NOTE: True when the scheduler makes `text` (else it stays "")
         self.generator: Optional[torch.Generator] = None
-        self.grammar: Optional[GrammarMatcher] = None  # set by the scheduler for a constrained request (grammar.py)
+        # NOTE: set by the scheduler for a constrained request (sample/grammar.py)
+        self.grammar: Optional[GrammarMatcher] = None
         self.arrival_time = time.monotonic()
         # NOTE: the phases of its time to first token: arrival -> received by the scheduler (add_request) -> scheduled
         # (admitted to its first prefill step) -> first token.
@@ -323,7 +332,10 @@ class RequestLimits:
 
 
 def build_requests(
-    batch: list[list[int]], sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]], rids: Optional[list[str]], limits: RequestLimits
+    batch: list[list[int]],
+    sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]],
+    rids: Optional[list[str]],
+    limits: RequestLimits,
 ) -> list[Req]:
     """Validates everything first (raising ValueError), so a bad request leaves nothing queued."""
     params = [SamplingParams.from_dict(p) for p in per_prompt(sampling_params, len(batch), "sampling_params")]

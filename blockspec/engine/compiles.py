@@ -41,7 +41,7 @@ class KernelCompileLog:
 
     def install(self) -> None:
         """Chains onto Triton's post-compile hook (a hook already there keeps being called). Once per process."""
-        if self._tried:  # NOTE: cheap after the first call: engine_core reads the count at the steps it reports
+        if self._tried:  # NOTE: cheap after the first call: engine/core.py reads the count at the steps it reports
             return
         self._tried = True
         if importlib.util.find_spec("triton") is None:

@@ -1,4 +1,4 @@
-"""What the engine loop (server/engine_core.py) keeps per request it answers."""
+"""What the engine loop (engine/core.py) keeps per request it answers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

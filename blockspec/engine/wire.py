@@ -118,7 +118,7 @@ class StepStats(msgspec.Struct):
     verify_lengths: Optional[list[VerifyLengthStat]] = None
     position_rates: Optional[list[float]] = None  # DFlash: P(d_j accepted | tried, d_1..d_{j-1} accepted), j = 1..B-1
     # NOTE: False: spec_histogram .. position_rates were not read this step (the engine sends them every
-    # engine_core.DETAIL_INTERVAL_S and when it goes idle); the receiver keeps the last detailed ones
+    # engine/core.py's DETAIL_INTERVAL_S and when it goes idle); the receiver keeps the last detailed ones
     detailed: bool = True
 
 

@@ -1,8 +1,9 @@
 """PrefixCache: what the scheduler asks of the radix tree: a prefix to reuse at admission, the KV to keep at release.
 
 Invariants, for every admitted request:
-- `req.pages[:req.shared_len // page_size]` are tree pages, locked through the tree node the cache holds for the request: read, never written
-  (a request writes KV only at positions >= kv_len >= shared_len, and shared_len is a whole number of pages).
+- `req.pages[:req.shared_len // page_size]` are tree pages, locked through the tree node the cache holds for the
+  request (`locked`): read, never written (a request writes KV only at positions >= kv_len >= shared_len, and
+  shared_len is a whole number of pages).
 - The rest of `req.pages` belong to the request; `release` hands the full pages of its valid KV to the tree and frees
   the others.
 - A request's KV is valid for positions < min(kv_len, len(all_ids)): `kv_len` can run past the committed tokens when
@@ -142,7 +143,8 @@ class PrefixCache:
 
     def release(self, req: Req) -> None:
         """A finished, aborted or retracted request gives its pages back: the full pages of its valid KV to the
-        tree (tokens already cached keep the tree's pages; the request's copies are freed), the rest to the free list."""
+        tree (tokens already cached keep the tree's pages; the request's copies are freed), the rest to the free
+        list."""
         ps = self.page_size
         shared = req.shared_len // ps
         keep = shared

@@ -47,8 +47,9 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias,
-                                      kernels)
+        self.qkv_proj = StackedLinear(
+            h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias, kernels
+        )
         self.o_proj = Linear(self.num_heads * d, h, bias, kernels)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)

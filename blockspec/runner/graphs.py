@@ -3,8 +3,10 @@
 Graphs are registered by (kind, tokens per request): one GraphedForward each, holding one graph per captured batch
 size (DFlash captures its cycle and verify kinds once per verify length in use, speculative/verify_length.py). Every
 uniform forward of the engine goes through `run(kind, inputs, eager)`: a replay when graphs are on and the graph of
-the kind at the inputs' tokens per request accepts them, else `eager` on the batch built from them; both are counted. `enabled` is the public
-switch (benchmarks time eager steps with `graphs.enabled = False`); turning it off keeps the captured graphs.
+the kind at the inputs' tokens per request accepts them, else `eager` on the batch built from them; both are
+counted. `enabled` is the public switch (benchmarks time eager steps with `graphs.enabled = False`); turning it off
+keeps the captured graphs. Rank 0 of a tensor-parallel group sends each run to the other ranks first
+(runner/mirror.py).
 """
 from __future__ import annotations
 

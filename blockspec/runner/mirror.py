@@ -5,8 +5,8 @@ On rank 0 both first call the mirror, which broadcasts what the forward needs: a
 graph switches, `graphs.enabled` and `piecewise_enabled`), then one int64 payload (host lists, the batch tensors or
 rows, and the req→token table rows of the batch's requests, since the table is written only on rank 0). A receiving
 rank rebuilds the same inputs against its own table and runs the same entry point of its own worker
-(`Worker.extend_forward`, `graphs.run` with `Worker.uniform_forward_fn`: worker/forward_receiver.py), so every rank issues the model's
-collectives in the same order, graph or eager. No pickling: ints and tensors only.
+(`Worker.extend_forward`, `graphs.run` with `Worker.uniform_forward_fn`: worker/forward_receiver.py), so every rank
+issues the model's collectives in the same order, graph or eager. No pickling: ints and tensors only.
 """
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ class ForwardMirror:
     start-up by itself, so the engine starts the mirror after graph capture; from then on every forward is mirrored
     (the kernel warm-up's included)."""
 
-    def __init__(self, tp: TensorParallel, table: torch.Tensor, graph_switches: Callable[[], tuple[bool, bool]]) -> None:
+    def __init__(
+        self, tp: TensorParallel, table: torch.Tensor, graph_switches: Callable[[], tuple[bool, bool]]
+    ) -> None:
         self.tp = tp
         self.table = table
         self.graph_switches = graph_switches

@@ -119,8 +119,14 @@ class ModelRunner:
             self.device.type == "cuda" and not config.disable_cuda_graph
             and self.attention_backend in ("triton", "flashinfer")
         )
-        self.graphs = CudaGraphs(graphs_available, config.cuda_graph_bs, self.req_to_token, self.max_positions, self.device,
-                                 self.forward_mirror)
+        self.graphs = CudaGraphs(
+            graphs_available,
+            config.cuda_graph_bs,
+            self.req_to_token,
+            self.max_positions,
+            self.device,
+            self.forward_mirror,
+        )
         self.piecewise: Optional[PiecewiseGraphRunner] = None
         self.piecewise_enabled = True  # NOTE: public switch (benchmarks time eager extends); keeps the captured graphs
         self.piecewise_counts = {"piecewise": 0, "piecewise_fallback": 0}

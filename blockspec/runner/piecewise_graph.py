@@ -156,7 +156,9 @@ class PiecewiseGraphRunner:
                 self.graphs[(index, n)] = graph
         logger.info(
             "captured piecewise graphs: %d buckets x %d graphs in %.1f s, %.0f MiB",
-            len(self.buckets), 1 if self.graph_attention is not None else self.model.num_pieces, time.perf_counter() - start,
+            len(self.buckets),
+            1 if self.graph_attention is not None else self.model.num_pieces,
+            time.perf_counter() - start,
             (torch.cuda.memory_allocated(self.device) - before) / 2**20,
         )
 
@@ -188,7 +190,9 @@ class PiecewiseGraphRunner:
                 self.whole_forward(n)
             return self.output(batch, t)
         batch.attn_meta = self.backend.plan(batch)
-        run: Callable[[int], None] = (lambda i: self.graphs[(i, n)].replay()) if use_graphs else (lambda i: self.segment(i, n))
+        run: Callable[[int], None] = (
+            (lambda i: self.graphs[(i, n)].replay()) if use_graphs else (lambda i: self.segment(i, n))
+        )
         q, k, v = self.model.split_qkv(self.qkv[:t])  # NOTE: attention runs on the real rows only
         for index in range(self.model.num_pieces):
             run(index)

@@ -34,7 +34,9 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         # NOTE: here, on the caller's thread (once, ~0.4 s at 150k tokens): the tokenizer is not shared across threads
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="blockspec-grammar")
         self._cache: OrderedDict[GrammarSpec, Future["xgrammar.CompiledGrammar"]] = OrderedDict()
@@ -43,7 +45,8 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> "xgrammar.CompiledGrammar":
         if spec.kind == "json_schema":
-            # NOTE: no free whitespace between JSON tokens: a model can't fill the output with it (valid JSON either way)
+            # NOTE: no free whitespace between JSON tokens: a model can't fill the output with it (valid JSON either
+            # way)
             return self._compiler.compile_json_schema(spec.source, any_whitespace=False)
         if spec.kind == "regex":
             return self._compiler.compile_regex(spec.source)
@@ -113,7 +116,9 @@ class RequestGrammar:
         xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=min(self.vocab_size, out.shape[-1]))
         return out
 
-    def propose(self, draft_logits: torch.Tensor, choose: Callable[[torch.Tensor], int]) -> tuple[list[int], torch.Tensor]:
+    def propose(
+        self, draft_logits: torch.Tensor, choose: Callable[[torch.Tensor], int]
+    ) -> tuple[list[int], torch.Tensor]:
         """Proposals d_1..d_k from the draft's rows [k, V], row j masked after d_1..d_{j-1} and `choose` picking from
         it; returns them and the masked rows. Past a terminated grammar the rows stay unmasked."""
         import xgrammar as xgr

@@ -45,7 +45,9 @@ def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
             kth = largest[..., -1:]
         else:  # NOTE: each row's k-th largest value; a row without top-k keeps every token (threshold 0)
             picked = torch.tensor([max(k, 1) - 1 for k in top_k], device=device)[:, None]
-            kth = torch.where(_column(top_k, device) > 0, largest.gather(-1, picked), torch.zeros((n, 1), device=device))
+            kth = torch.where(
+                _column(top_k, device) > 0, largest.gather(-1, picked), torch.zeros((n, 1), device=device)
+            )
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
     top_p = [p.top_p for p in params]
     if min(top_p) < 1.0:
@@ -114,4 +116,6 @@ def append_logprobs(req: Req, logits: torch.Tensor, tokens: Sequence[int]) -> No
         req.output_top_logprobs.extend([] for _ in tokens)
         return
     values, ids = logprobs.topk(top_n, dim=-1)
-    req.output_top_logprobs.extend(list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist()))
+    req.output_top_logprobs.extend(
+        list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())
+    )

@@ -38,7 +38,12 @@ class ApiKeyMiddleware:
             return
         supplied = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(supplied, self.expected):
-            error = APIError(401, "authorization: missing or wrong API key (send 'Authorization: Bearer KEY')", "authorization", "authentication_error")
+            error = APIError(
+                401,
+                "authorization: missing or wrong API key (send 'Authorization: Bearer KEY')",
+                "authorization",
+                "authentication_error",
+            )
             self.metrics.http_errors.labels(status="401").inc()
             await JSONResponse(error.body(), status_code=401)(scope, receive, send)
             return
@@ -57,7 +62,9 @@ class BodyLimitMiddleware:
         self.metrics = metrics
 
     def error(self) -> APIError:
-        return APIError(413, f"body: larger than the server's limit of {self.limit} bytes (--max-request-bytes)", "body")
+        return APIError(
+            413, f"body: larger than the server's limit of {self.limit} bytes (--max-request-bytes)", "body"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -57,7 +57,8 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             message = f"request headers not received within {self.header_timeout_s:g} s (--header-timeout-s)"
             body = json.dumps(APIError(408, message, None, "timeout").body()).encode()
             # NOTE: raw bytes: h11 only lets a server respond to a request it has parsed.
-            head = f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                    "connection: close\r\n\r\n")
             self.transport.write(head.encode() + body)
         self.transport.close()
 

@@ -97,7 +97,9 @@ def run_server(args: ServeArgs) -> int:
     if count > 1:
         sockets = [reuse_port_socket(args.server.host, args.server.port)]
         args = dataclasses.replace(args, server=dataclasses.replace(args.server, port=int(sockets[0].getsockname()[1])))
-        frontends = FrontendGroup(run_extra_frontend, count, (args, addresses.portable(), engine_loop.info, os.getpid()))
+        frontends = FrontendGroup(
+            run_extra_frontend, count, (args, addresses.portable(), engine_loop.info, os.getpid())
+        )
         stop_s = args.server.shutdown_grace_s + 2 * SHUTDOWN_MARGIN_S
         engine_loop.before_stop.append(lambda: frontends.stop(stop_s))
     server = _make_server(create_app(engine_loop, args.server), args.server, frontends)

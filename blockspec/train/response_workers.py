@@ -49,9 +49,15 @@ def response_engine_factory(
 
         running = min(options.gen_batch_size, GEN_MAX_RUNNING)
         return Engine(
-            model_path=options.target_model_path, device=str(device), dtype=dtype_name(dtype), skip_tokenizer_init=True,
-            **generation_engine_flags(running), max_total_tokens=running * (longest_prompt + options.max_new_tokens + 1),
-            context_length=min(options.max_seq_len, load_target_config(options.target_model_path).max_position_embeddings),
+            model_path=options.target_model_path,
+            device=str(device),
+            dtype=dtype_name(dtype),
+            skip_tokenizer_init=True,
+            **generation_engine_flags(running),
+            max_total_tokens=running * (longest_prompt + options.max_new_tokens + 1),
+            context_length=min(
+                options.max_seq_len, load_target_config(options.target_model_path).max_position_embeddings
+            ),
         )
 
     return make
