@@ -1,5 +1,5 @@
 """A worker rank of a tensor-parallel engine: `python -m blockspec.engine.rank --rank R --port P`, the
-EngineConfig as JSON on stdin (rank 0's RankProcesses starts these; see launch.py).
+EngineConfig as JSON on stdin (rank 0's RankProcesses starts these; see rank_processes.py).
 
 Joins rank 0's store and process group, builds its shard of the runner and worker, captures its graphs (the same
 collectives, in the same order, as every rank), then runs the forwards rank 0 mirrors until rank 0 stops it.

@@ -139,7 +139,7 @@ def build_messages(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question + USER_SUFFIX}]
 
 
-DEMO_DRAFT_DIR = Path(__file__).resolve().parent / "assets" / "smollm2-135m-dflash-b16"
+DEMO_DRAFT_DIR = Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m-dflash-b16"
 
 
 def embedded_draft_dir() -> Optional[Path]:
