@@ -18,7 +18,7 @@ import torch
 
 from blockspec import Engine
 from blockspec.evals.gsm8k import default_data_path, load_lines
-from blockspec.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
+from blockspec.models.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 

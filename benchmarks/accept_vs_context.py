@@ -1,7 +1,7 @@
 """A DFlash draft's accept length against the prompt's length, the answer's format held (issue #24; #20's long-prompt
 workloads read accept 1.1-1.4 on the demo pair).
 
-Each GSM8K test question goes in the demo's wording (`blockspec.smollm2.build_messages`), its system prompt led by a
+Each GSM8K test question goes in the demo's wording (`blockspec.models.smollm2.build_messages`), its system prompt led by a
 preamble of about N tokens of *other* test questions ("Other students asked: ..."), so the target still answers the
 one question in its usual style while the context grows. Greedy, full blocks (adaptive verify off), one question at a
 time. Default: SmolLM2-135M-Instruct with its embedded draft, CPU fp32; `--draft DIR` measures another draft.
@@ -23,7 +23,7 @@ from typing import Any
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.evals.gsm8k import default_data_path, load_lines
-from blockspec.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
+from blockspec.models.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 

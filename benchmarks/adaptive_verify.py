@@ -67,7 +67,7 @@ def prefill(engine: Engine, bs: int, context: int, vocab: int) -> list[Req]:
     for req in reqs:
         engine.scheduler.add_request(req)
     while any(r.pending_len != 1 for r in reqs):
-        engine.scheduler.step()
+        engine.step()
     return reqs
 
 
@@ -77,7 +77,7 @@ def timed_block(engine: Engine, reqs: list[Req], steps: int) -> tuple[int, float
     sync()
     start = time.perf_counter()
     for _ in range(steps):
-        engine.scheduler.step()
+        engine.step()
     engine.scheduler.drain()
     sync()
     return sum(r.num_output_tokens for r in reqs) - before, time.perf_counter() - start

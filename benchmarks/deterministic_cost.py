@@ -26,8 +26,8 @@ import torch
 
 from adaptive_verify import model_dirs, prefill, release, sync
 from blockspec import Engine
-from blockspec.bench.provenance import commit_id
 from blockspec.batch import ForwardMode, build_batch
+from blockspec.bench.provenance import commit_id
 from plot_deterministic_cost import plot
 
 TIMED_KEYS = ("cycle_ms", "greedy_cycle_ms", "verify_ms", "propose_ms", "prefill_ms")
@@ -76,7 +76,7 @@ def engine_flags(dirs: tuple[Path, Path], spec: bool, deterministic: bool, args:
 def measure_steps(engine: Engine, bs: int, context: int, repeat: int) -> dict[str, float]:
     worker = engine.worker
     reqs = prefill(engine, bs, context, engine.runner.target_config.vocab_size)
-    engine.scheduler.step()  # NOTE: warm-up, untimed
+    engine.step()  # NOTE: warm-up, untimed
     result = {"cycle_ms": steady_ms(engine.scheduler.step, repeat)}
     engine.scheduler.drain()
     if worker.is_speculative:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from blockspec.bench.provenance import commit_id
-from blockspec.smollm2 import DEMO_DRAFT_DIR
+from blockspec.models.smollm2 import DEMO_DRAFT_DIR
 from blockspec.train.cli import main as train_draft
 from blockspec.train.data import ratio_taking_all, read_prompt_records
 from blockspec.train.info import read_info

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from blockspec.evals.gsm8k import default_data_path, format_example, load_lines
-from blockspec.smollm2 import build_messages, ensure_smollm2_dir
+from blockspec.models.smollm2 import build_messages, ensure_smollm2_dir
 from blockspec.train.data import HELDOUT_SPLIT
 from blockspec.train.magpie import MagpieSettings, engine_generate, generate_prompts, user_turn, write_prompts
 from blockspec.train.magpie_cli import build_engine

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from blockspec.evals.gsm8k import default_data_path, load_lines
-from blockspec.smollm2 import build_messages
+from blockspec.models.smollm2 import build_messages
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 from serving_server import ServerProcess, log_tail
 from serving_vs_engine_support import client_namespace, measure_level

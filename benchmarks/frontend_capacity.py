@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from blockspec.bench.client import get_server_info
 from blockspec.bench.provenance import run_identity
+from blockspec.evals.client import get_server_info
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings
 from blockspec.server.engine_loop import EngineLoop

@@ -113,7 +113,7 @@ def run_mode(
     """(prompts, bs-1 outputs, bs-B outputs of the first copy of each prompt, attention backend) of one engine;
     with `extra`, also target_bsS outputs per --baseline-batch-sizes S into it."""
     from blockspec import Engine
-    from blockspec.smollm2 import build_messages
+    from blockspec.models.smollm2 import build_messages
 
     rows = max(args.batch_size, len(questions))
     kwargs = engine_kwargs(args, device, rows)
@@ -210,7 +210,7 @@ def verdict(rows: list[dict[str, Any]], limit: Optional[float], baselines: list[
 def main(argv: Optional[Sequence[str]] = None) -> Path:
     args = parse_args(argv)
     torch.set_num_threads(args.cpu_threads)
-    from blockspec.smollm2 import embedded_draft_dir, ensure_smollm2_dir
+    from blockspec.models.smollm2 import embedded_draft_dir, ensure_smollm2_dir
 
     device = resolve_device(args.device)
     questions = load_questions(args.data_path, args.prompts)

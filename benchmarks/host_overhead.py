@@ -28,8 +28,8 @@ import zmq
 
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
-from blockspec.server import wire
-from blockspec.server.engine_core import EngineCore
+from blockspec.engine import wire
+from blockspec.engine.core import EngineCore
 from serving_vs_engine_support import TINY, TINY_DRAFT
 
 TARGET = dict(TINY, num_hidden_layers=2, max_position_embeddings=2048)

@@ -1,5 +1,5 @@
 """A stand-in engine for benchmarks/frontend_capacity.py: a process that speaks the engine's side of the wire protocol
-(blockspec/server/wire.py) and emits tokens at a fixed pace, with no model behind it, so what the server delivers
+(blockspec/engine/wire.py) and emits tokens at a fixed pace, with no model behind it, so what the server delivers
 measures the HTTP server process alone (intake, routing, streaming) against a known ceiling.
 
 Each step (every `cycle_ms`) it admits waiting requests up to `max_running` and gives every running request
@@ -17,9 +17,9 @@ from typing import Any, Optional
 
 import zmq
 
-from blockspec.server import wire
-from blockspec.server.engine_process import EngineProcess
-from blockspec.server.frontend_links import FrontendLinks
+from blockspec.engine import wire
+from blockspec.engine.frontend_links import FrontendLinks
+from blockspec.engine.process import EngineProcess
 
 
 NO_CACHE = {"enabled": False, "cache_hit_rate": 0.0, "cached_tokens_total": 0, "prompt_tokens_total": 0,
@@ -220,7 +220,7 @@ def _paced_main(pace: Pace, to_engine: list[str], from_engine: list[str], parent
 
 
 class PacedEngine(EngineProcess):
-    """An engine handle (blockspec.server.engine_process) whose engine is a PacedLoop in a process of its own."""
+    """An engine handle (blockspec.engine.process) whose engine is a PacedLoop in a process of its own."""
 
     def __init__(self, pace: Pace) -> None:
         super().__init__({})

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import httpx
 
 from blockspec.bench.provenance import commit_id
-from blockspec.bench.client import get_server_info, metrics_text
+from blockspec.evals.client import get_server_info, metrics_text
 from prefix_cache_clients import run_workload
 from prefix_cache_rows import describe, folded, goals, measured_row
 from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
@@ -98,7 +98,7 @@ def selected(workloads: list[Workload], only: str) -> list[Workload]:
 def demo_dir(args: argparse.Namespace) -> Path:
     if args.demo_model_dir is not None:
         return Path(args.demo_model_dir)
-    from blockspec.smollm2 import ensure_smollm2_dir
+    from blockspec.models.smollm2 import ensure_smollm2_dir
 
     return ensure_smollm2_dir()
 

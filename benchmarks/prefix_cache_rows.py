@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-from blockspec.bench.client import (
+from blockspec.evals.client import (
     accept_length_between, compiles_between, engine_state, histogram_mean_between, state_delta, steps_between,
 )
 

@@ -21,7 +21,7 @@ import msgspec
 
 from blockspec.bench.serving import CLIENT_ERRORS, NATIVE_CHUNK, open_session
 from blockspec.evals.gsm8k import few_shot_prefix, format_example, load_lines
-from blockspec.smollm2 import SYSTEM_PROMPT
+from blockspec.models.smollm2 import SYSTEM_PROMPT
 
 CHATML_EOS = "<|im_end|>"
 

@@ -27,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockspec import Engine
-from blockspec.config import EngineConfig
+from blockspec.config.engine_config import EngineConfig
 from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 from device_timing import cuda_ms
 from extend_host_split import host_split

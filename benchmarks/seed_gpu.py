@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serving_server import ServerProcess, exit_on_sigterm, log_tail
-from blockspec.bench.client import accept_length_between, compiles_between, forwards_between, get_server_info
+from blockspec.evals.client import accept_length_between, compiles_between, forwards_between, get_server_info
 from blockspec.bench.provenance import run_identity
 from blockspec.evals.gsm8k import default_data_path, run_gsm8k
-from blockspec.smollm2 import DEMO_DRAFT_DIR
+from blockspec.models.smollm2 import DEMO_DRAFT_DIR
 
 MIN_ACCEPT_LENGTH = 2.8
 SEED_BATCH_SIZES = [str(bs) for bs in range(1, 65)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from blockspec.bench.client import (
+from blockspec.evals.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
     forwards_between, steps_between,
 )

@@ -64,7 +64,7 @@ def prefill(engine: Engine, bs: int, context: int) -> list:
     for req in reqs:
         engine.scheduler.add_request(req)
     while any(r.pending_len != 1 for r in reqs):
-        engine.scheduler.step()
+        engine.step()
     return reqs
 
 

@@ -19,8 +19,8 @@ import torch
 from blockspec.attention.triton_backend import (
     DEFAULT_ATTENTION_KERNELS, AttentionKernels, KernelTiles, TritonAttentionBackend, TritonAttentionMeta,
 )
-from blockspec.kv.pool import KVPool
 from blockspec.batch import ForwardBatch, ForwardMode, build_batch
+from blockspec.kv.pool import KVPool
 from device_timing import graphed_us, read_bandwidth, save_report
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

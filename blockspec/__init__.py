@@ -1,5 +1,5 @@
 """blockspec: an LLM serving engine built around DFlash speculative decoding."""
-from blockspec.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.request import SamplingParams
 
 __all__ = ["Engine", "SamplingParams"]

@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import NoReturn, Optional, Sequence
 
-from blockspec.process_exit import exit_now
+from blockspec.engine.process_exit import exit_now
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -14,7 +14,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     from blockspec.server.args import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding LLM server.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,eval,bench,train-draft,generate-prompts}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{serve,eval,bench,train-draft,generate-prompts}"
+    )
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI- and SGLang-compatible)")
     add_serve_arguments(serve)
 

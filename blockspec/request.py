@@ -1,4 +1,4 @@
-"""Requests, sampling parameters and finish reasons."""
+"""Requests, sampling parameters, grammar specs and finish reasons; the generate APIs' per-prompt arguments."""
 from __future__ import annotations
 
 import enum
@@ -6,21 +6,60 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
-
-from blockspec.grammar import GRAMMAR_FIELDS, GrammarSpec, RequestGrammar, check_grammar
-from blockspec.request_args import per_prompt
-
-if TYPE_CHECKING:
-    from blockspec.kv.radix_tree import RadixNode
 
 _request_counter = itertools.count()
 # NOTE: SGLang's _SAMPLING_EPS: a temperature this small is greedy decoding (SGLang samples it with top_k = 1). Below it
 # the float32 division of the logits by the temperature loses the distribution: at 1e-38 and under it overflows to
 # inf (NaN probabilities), and no such temperature differs from greedy in any token a float32 softmax could draw.
 GREEDY_TEMPERATURE = 1e-6
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request is constrained by: `kind` one of GRAMMAR_FIELDS, `source` its text (the compile cache key)."""
+
+    kind: str
+    source: str
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """Raises ValueError naming the field when `spec` does not parse (no tokenizer needed: cheap, any process)."""
+    import xgrammar as xgr
+
+    parse: dict[str, Callable[[str], object]] = {
+        "json_schema": xgr.Grammar.from_json_schema, "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf,
+    }
+    if not isinstance(spec.source, str) or not spec.source.strip():
+        raise ValueError(f"{spec.kind} must be a non-empty string")
+    try:
+        parse[spec.kind](spec.source)
+    except Exception as exc:  # NOTE: xgrammar raises RuntimeError (or its own types) with the parser's message
+        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{spec.kind} is not valid: {message}") from exc
+
+
+class GrammarMatcher(Protocol):
+    """A constrained request's grammar matcher as the scheduler and the workers use it (sample/grammar.py's
+    RequestGrammar implements it), named here so the request needs nothing of the sampling layer. NOTE: it always
+    stands at the request's committed output; `masked` and `propose` advance it tentatively and roll back."""
+
+    spec: GrammarSpec
+
+    @property
+    def terminated(self) -> bool: ...
+
+    def accept(self, token: int) -> bool: ...
+
+    def masked(self, logits: torch.Tensor, drafted: Sequence[int] = ()) -> torch.Tensor: ...
+
+    def propose(self, draft_logits: torch.Tensor, choose: Callable[[torch.Tensor], int]
+                ) -> tuple[list[int], torch.Tensor]: ...
 
 
 @dataclass
@@ -42,7 +81,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: dict[str, float] = field(default_factory=dict)  # token id (as a string, like OpenAI's) -> bias
-    json_schema: Optional[str] = None  # structured output (grammar.py): at most one of json_schema, regex, ebnf
+    json_schema: Optional[str] = None  # structured output (sample/grammar.py): at most one of json_schema, regex, ebnf
     regex: Optional[str] = None
     ebnf: Optional[str] = None
 
@@ -66,7 +105,11 @@ class SamplingParams:
         """Every field by name (lists and dicts copied): what `from_dict` reads back. dataclasses.asdict's generic
         deep copy cost more than the rest of a request's submission."""
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out["stop"], out["stop_token_ids"], out["logit_bias"] = list(self.stop), list(self.stop_token_ids), dict(self.logit_bias)
+        out["stop"], out["stop_token_ids"], out["logit_bias"] = (
+            list(self.stop),
+            list(self.stop_token_ids),
+            dict(self.logit_bias),
+        )
         return out
 
     def validate(self) -> None:
@@ -107,14 +150,18 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must map token ids to numbers")
         for token, bias in self.logit_bias.items():
-            if not (isinstance(token, str) and token.isdigit()) and not (isinstance(token, int) and not isinstance(token, bool) and token >= 0):
+            if not (isinstance(token, str) and token.isdigit()) and not (
+                isinstance(token, int) and not isinstance(token, bool) and token >= 0
+            ):
                 raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
             if not number(bias) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token!r}")
         self.logit_bias = {str(int(token)): float(bias) for token, bias in self.logit_bias.items()}
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(grammars) > 1:
-            raise ValueError(f"{grammars[0]} and {grammars[1]} cannot be combined: give one of {', '.join(GRAMMAR_FIELDS)}")
+            raise ValueError(
+                f"{grammars[0]} and {grammars[1]} cannot be combined: give one of {', '.join(GRAMMAR_FIELDS)}"
+            )
         spec = self.grammar_spec
         if spec is not None:
             check_grammar(spec)
@@ -183,16 +230,16 @@ class Req:
         self.in_prefill = False
         self.pages: list[int] = []
         # NOTE: radix prefix cache: pages[:shared_len // page_size] belong to the tree (read-only, never written),
-        # locked through cache_node while the request holds them.
+        # locked (kv/prefix_cache.py holds the tree node) while the request holds them.
         self.shared_len = 0
-        self.cache_node: Optional["RadixNode"] = None
         self.cached_tokens = 0  # tokens whose KV came from the cache, not this request's forwards (SGLang's meaning)
         self.computed_len = 0  # tokens that had KV before the last retraction: not counted as cached again
         self.finish: Optional[Finish] = None
         self.text = ""  # detokenised output, stop strings removed
         self.detokenized = False  # NOTE: True when the scheduler makes `text` (else it stays "")
         self.generator: Optional[torch.Generator] = None
-        self.grammar: Optional[RequestGrammar] = None  # set by the scheduler for a constrained request (grammar.py)
+        # NOTE: set by the scheduler for a constrained request (sample/grammar.py)
+        self.grammar: Optional[GrammarMatcher] = None
         self.arrival_time = time.monotonic()
         # NOTE: the phases of its time to first token: arrival -> received by the scheduler (add_request) -> scheduled
         # (admitted to its first prefill step) -> first token.
@@ -293,7 +340,10 @@ class RequestLimits:
 
 
 def build_requests(
-    batch: list[list[int]], sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]], rids: Optional[list[str]], limits: RequestLimits
+    batch: list[list[int]],
+    sampling_params: Union[None, dict[str, Any], list[dict[str, Any]]],
+    rids: Optional[list[str]],
+    limits: RequestLimits,
 ) -> list[Req]:
     """Validates everything first (raising ValueError), so a bad request leaves nothing queued."""
     params = [SamplingParams.from_dict(p) for p in per_prompt(sampling_params, len(batch), "sampling_params")]
@@ -305,3 +355,31 @@ def build_requests(
     for req in reqs:
         limits.check(req)
     return reqs
+
+
+# NOTE: OpenAI's chat bound (completions: 5) and vLLM's default max_logprobs. Unbounded, one /generate request asked
+# for the whole vocabulary per token: a 51 MB answer for 32 tokens, built on the engine thread every other request
+# waits on.
+MAX_TOP_LOGPROBS_NUM = 20
+
+
+def logprob_request(return_logprob: Any, top_logprobs_num: Any) -> Optional[int]:
+    """Req.top_logprobs_num from the request fields (None: no logprobs)."""
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
+    if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_logprobs_num!r}")
+    if top_logprobs_num > MAX_TOP_LOGPROBS_NUM:
+        raise ValueError(f"top_logprobs_num must be at most {MAX_TOP_LOGPROBS_NUM}, got {top_logprobs_num}")
+    if top_logprobs_num and not return_logprob:
+        raise ValueError("top_logprobs_num needs return_logprob")
+    return top_logprobs_num if return_logprob else None
+
+
+def per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """One value for every prompt, or a list (or tuple) of one per prompt."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"got {len(value)} {name} for {count} prompts")
+        return list(value)
+    return [value] * count

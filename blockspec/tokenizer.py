@@ -56,7 +56,9 @@ def backend_of(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
     """The `tokenizers` Tokenizer behind a fast HF tokenizer (what DecodeStream decodes with)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not isinstance(backend, Tokenizer):
-        raise ValueError(f"{type(tokenizer).__name__} has no `tokenizers` backend; blockspec needs a fast tokenizer (tokenizer.json)")
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no `tokenizers` backend; blockspec needs a fast tokenizer (tokenizer.json)"
+        )
     return backend
 
 

@@ -25,7 +25,7 @@ plan() {
     local source parts index carry
     download_wheels > /dev/null || return 1
     slim on > /dev/null
-    source=$(python3 -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || return 1
+    source=$(python3 -c 'from blockspec.models.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || return 1
     parts=$(split_gguf "$source" "$(du -cb .whl | tail -1 | cut -f1)") || return 1
     echo "tree $(( $(tree_bytes) / 1048576 )) MiB (slim), .whl $(du -sh .whl | cut -f1), GGUF in $parts parts; calls:"
     for (( index = 0; index < parts; index++ )); do
@@ -53,7 +53,7 @@ seed() {
     assemble_gguf "$state" || return 1
     [ -f blockspec/assets/smollm2-135m-dflash-b16/config.json ] \
         || { echo "carry blockspec/assets/smollm2-135m-dflash-b16 (the shipped draft) with this call" >&2; return 1; }
-    model=$(python3 -c "from pathlib import Path; from blockspec.smollm2 import ensure_smollm2_dir
+    model=$(python3 -c "from pathlib import Path; from blockspec.models.smollm2 import ensure_smollm2_dir
 print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))") || return 1
     timeout "${SEED_S:-540}" python3 -m benchmarks.seed_gpu --model-dir "$model" --out "$out" || status=1
 }

@@ -6,9 +6,9 @@ set -euo pipefail
 out_dir=${1:?usage: $0 OUT_DIR GSM8K_DIR [flags]}
 gsm8k=${2:?usage: $0 OUT_DIR GSM8K_DIR [flags]}
 shift 2
-target=$(python3 -c 'from blockspec.smollm2 import ensure_smollm2_dir; print(ensure_smollm2_dir())')
-system_prompt=$(python3 -c 'from blockspec.smollm2 import SYSTEM_PROMPT; print(SYSTEM_PROMPT)')
-user_suffix=$(python3 -c 'from blockspec.smollm2 import USER_SUFFIX; print(USER_SUFFIX)')  # NOTE: leading newline kept
+target=$(python3 -c 'from blockspec.models.smollm2 import ensure_smollm2_dir; print(ensure_smollm2_dir())')
+system_prompt=$(python3 -c 'from blockspec.models.smollm2 import SYSTEM_PROMPT; print(SYSTEM_PROMPT)')
+user_suffix=$(python3 -c 'from blockspec.models.smollm2 import USER_SUFFIX; print(USER_SUFFIX)')  # NOTE: leading newline kept
 python3 -m blockspec.train.cli \
     --target-model-path "$target" --data "$gsm8k/train.jsonl" --out "$out_dir" \
     --system-prompt "$system_prompt" --user-suffix "$user_suffix" \

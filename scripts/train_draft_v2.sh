@@ -39,7 +39,7 @@ source "$(dirname "$0")/device_lib.sh"
 name=$gguf_name
 state=${STATE:-.device-state/draft_v2}
 if [ "$stage" = split ]; then
-    source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
+    source_gguf=$("${PYTHON:-python3}" -c 'from blockspec.models.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || exit 1
     mkdir -p .carry/gsm8k .carry/draft_v2
     cp "${GSM8K_DIR:-../shared/data/gsm8k}/train.jsonl" .carry/gsm8k/train.jsonl
     # NOTE: call 2 keeps 12 MiB for .carry/draft_v2 (47,986 responses: 9.1 MB, 2026-12-04) when it holds an archive;

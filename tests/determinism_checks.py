@@ -10,7 +10,7 @@ import torch
 from blockspec import Engine
 from blockspec.batch import ForwardMode, UniformRows, build_batch
 from blockspec.request import Req
-from blockspec.runner.graphs import GraphKind
+from blockspec.runner.graph_kind import GraphKind
 from engine_testing import prefilled
 
 GREEDY_OPEN = {"temperature": 0, "max_new_tokens": 10_000, "ignore_eos": True}

@@ -63,7 +63,7 @@ def run_until_done(engine: Engine, reqs: Sequence[Req], max_steps: int = 10_000)
     for _ in range(max_steps):
         if not pending:
             return list(reqs)
-        for req in engine.scheduler.step():
+        for req in engine.step():
             pending.discard(req.rid)
     raise AssertionError(f"scheduler made no progress on {sorted(pending)} within {max_steps} steps")
 
@@ -83,7 +83,7 @@ def prefilled(engine: Engine, prompts: list[list[int]], sampling_params: dict) -
     steps.overlap = False
     try:
         while any(r.pending_len != 1 for r in reqs):
-            engine.scheduler.step()
+            engine.step()
     finally:
         steps.overlap = overlap
     return reqs

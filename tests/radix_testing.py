@@ -56,7 +56,7 @@ def run_waves(engine: Engine, waves: list[list[list[int]]], max_new: int = 24) -
         for req in reqs:
             engine.scheduler.add_request(req)
         while engine.scheduler.has_work:
-            engine.scheduler.step()
+            engine.step()
         outputs += [{**engine.output_of(req), "accept_lengths": list(req.spec_accept_lengths)} for req in reqs]
     return outputs
 

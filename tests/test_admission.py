@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from blockspec import Engine
-from blockspec.admission import ArrivalBatching
 from blockspec.request import Req
+from blockspec.scheduler.admission import ArrivalBatching
 from blockspec.server.args import parse_serve_args
 from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 from tiny_models import save_tiny_model
@@ -116,7 +116,7 @@ def trickle_run(root: Path, spec: bool, wait_steps: int, policy: str = "fixed") 
     for step in range(2 + len(late) + WAIT):
         if 2 <= step < 2 + len(late):
             engine.scheduler.add_request(late[step - 2])
-        engine.scheduler.step()
+        engine.step()
         queue_lengths.append(len(engine.scheduler.waiting))
     return engine, run_until_done(engine, early + late), queue_lengths
 

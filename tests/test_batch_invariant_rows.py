@@ -14,9 +14,9 @@ pytest.importorskip("triton")
 from blockspec.layers import triton_ops  # noqa: E402
 from blockspec.layers.norm import RMSNorm  # noqa: E402
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding  # noqa: E402
-from blockspec.models.config import RopeConfig  # noqa: E402
+from blockspec.layers.rotary import RopeConfig  # noqa: E402
 from blockspec.request import Req, SamplingParams  # noqa: E402
-from blockspec.sampling import append_logprobs  # noqa: E402
+from blockspec.sample.sampling import append_logprobs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16]

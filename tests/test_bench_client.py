@@ -5,7 +5,7 @@ import pytest
 
 from typing import Any, Optional
 
-from blockspec.bench.client import accept_length_between, compiles_between, histogram_mean_between
+from blockspec.evals.client import accept_length_between, compiles_between, histogram_mean_between
 
 NAME = "blockspec_time_to_first_token_seconds"
 

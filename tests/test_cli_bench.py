@@ -9,8 +9,7 @@ from typing import Iterator
 import pytest
 
 from blockspec import Engine
-from blockspec.bench.report import percentile, summarise
-from blockspec.bench.report import RequestResult
+from blockspec.bench.report import RequestResult, percentile, summarise
 from blockspec.bench.serving import _concurrency_list
 from blockspec.cli import main
 from blockspec.evals.gsm8k import default_data_path

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from blockspec.cli import main
-from blockspec.config import EngineConfig
+from blockspec.config.engine_config import EngineConfig
 from blockspec.server.args import config_fields_without_flag, parse_serve_args
 from server_support import save_text_model, server_process
 

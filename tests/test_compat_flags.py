@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockspec.config import EngineConfig
+from blockspec.config.engine_config import EngineConfig
 from blockspec.server.args import build_serve_parser, parse_serve_args
 
 BASE = ["--model-path", "/m"]

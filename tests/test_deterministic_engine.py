@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 pytest.importorskip("dflash.model")
 
 from blockspec import Engine  # noqa: E402
-from blockspec.config import EngineConfig  # noqa: E402
+from blockspec.config.engine_config import EngineConfig  # noqa: E402
 from blockspec.server.args import parse_serve_args  # noqa: E402
 from determinism_checks import logits_by_path, mismatched_rows  # noqa: E402
 
@@ -62,7 +62,7 @@ def test_greedy_dflash_equals_target_only_at_every_batch_size(make_engine: Calla
 def test_warm_up_launches_every_batch_invariant_variant(make_engine: Callable[..., Engine], trained_pair: dict) -> None:
     """On CUDA start-up compiles them (startup/warmup.py); here each variant runs once in the interpreter: lanes split
     and not, for the target's extend and verify and the draft's block (one layer class each)."""
-    from blockspec.startup.warmup import warm_batch_invariant_attention
+    from blockspec.engine.warmup import warm_batch_invariant_attention
 
     _, dflash = engines(make_engine, trained_pair["root"], **DETERMINISTIC)
     assert warm_batch_invariant_attention(dflash.runner, dflash.worker) == 6

@@ -96,7 +96,7 @@ def test_stop_inside_accepted_block(models: dict[str, Any], stop_kind: str) -> N
     for req in reqs:
         engine.scheduler.add_request(req)
     while engine.scheduler.has_work:
-        engine.scheduler.step()
+        engine.step()
     hits = 0
     for prompt, req in zip(PROMPTS, reqs):
         k = mid_block_stop(req.output_ids, req.spec_accept_lengths, unique=stop_kind != "max_new_tokens")
@@ -200,7 +200,7 @@ def test_greedy_cycle_equals_propose_then_verify(models: dict[str, Any]) -> None
     assert 0 < sum(expected) < len(reqs) * (b - 1)  # a trained draft: some but not all proposals accepted
     for req in reqs:
         engine.scheduler.abort(req.rid)
-    engine.scheduler.step()
+    engine.step()
     assert_pools_free(engine)
 
 

@@ -33,7 +33,7 @@ def run_blockspec(target_dir: Path, draft_dir: Path, page_size: int) -> tuple[li
     for req in reqs:
         engine.scheduler.add_request(req)
     while engine.scheduler.has_work:
-        engine.scheduler.step()
+        engine.step()
     return [r.output_ids for r in reqs], [r.spec_accept_lengths for r in reqs], engine
 
 

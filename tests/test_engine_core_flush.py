@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from blockspec import Engine
-from blockspec.server import engine_core, wire
-from blockspec.server.engine_core import EngineCore
+from blockspec.engine import core as engine_core, wire
+from blockspec.engine.core import EngineCore
 
 
 class TwoServers:

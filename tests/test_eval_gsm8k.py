@@ -9,7 +9,9 @@ import pytest
 
 from blockspec import Engine
 from blockspec.cli import main
-from blockspec.evals.gsm8k import default_data_path, few_shot_prefix, format_example, last_number, load_lines, reference_number
+from blockspec.evals.gsm8k import (
+    default_data_path, few_shot_prefix, format_example, last_number, load_lines, reference_number,
+)
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings
 from server_support import save_text_model
@@ -46,7 +48,7 @@ def test_default_data_has_answers() -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_server() -> Iterator[BackgroundServer]:
-    from blockspec.smollm2 import ensure_smollm2_dir
+    from blockspec.models.smollm2 import ensure_smollm2_dir
 
     try:
         model_dir = ensure_smollm2_dir()

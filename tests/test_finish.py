@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from blockspec.finish import _check_finish, append_tokens
 from blockspec.request import Req, SamplingParams
+from blockspec.scheduler.finish import _check_finish, append_tokens
 
 
 def token_by_token(req: Req, tokens: list[int], eos: set[int], context_length: int) -> int:

@@ -27,7 +27,7 @@ from blockspec.attention.base import graph_planner  # noqa: E402
 from blockspec.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from blockspec.runner.cuda_graph import GraphedForward  # noqa: E402
-from blockspec.runner.graphs import GraphKind  # noqa: E402
+from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from blockspec.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
 from engine_runs import run_prompts  # noqa: E402
 
@@ -174,9 +174,9 @@ def test_dflash_flashinfer_equals_target_only_and_triton(tiny: Path, page_size: 
     spec, engine = run(tiny, True, attention_backend="flashinfer", page_size=page_size, speculative_adaptive_verify="off")
     triton_spec, _ = run(tiny, True, attention_backend="triton", page_size=page_size, speculative_adaptive_verify="off")
     assert engine.runner.attention_backend == "flashinfer"
-    assert engine.runner.graphs.captured(GraphKind.DRAFT) and engine.runner.forward_counts["graph"] > 0
-    assert target_engine.runner.forward_counts["graph"] > 0  # the decode graph
-    assert engine.runner.forward_counts["eager"] > 0  # 9 prompts > the largest captured batch (8)
+    assert engine.runner.graphs.captured(GraphKind.DRAFT) and engine.forward_counts["graph"] > 0
+    assert target_engine.forward_counts["graph"] > 0  # the decode graph
+    assert engine.forward_counts["eager"] > 0  # 9 prompts > the largest captured batch (8)
     # NOTE: this head_dim-128 tiny pair accepts ~1.47 tokens per cycle (fp32, CPU): multi-token accepts happen.
     assert engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"] > 1.3
     assert_nearly_equal(spec, target_only, "DFlash vs target-only (flashinfer)")
@@ -201,6 +201,6 @@ def test_dflash_flashinfer_graphs_and_piecewise_equal_eager(tiny: Path) -> None:
     eager, eager_engine = run(tiny, True, attention_backend="flashinfer", disable_cuda_graph=True)
     piecewise, engine = run(tiny, True, attention_backend="flashinfer", enforce_piecewise_cuda_graph=True,
                             piecewise_cuda_graph_max_tokens=64)
-    assert eager_engine.runner.forward_counts["graph"] == 0
-    assert engine.runner.forward_counts["piecewise"] > 0 and engine.runner.forward_counts["graph"] > 0
+    assert eager_engine.forward_counts["graph"] == 0
+    assert engine.forward_counts["piecewise"] > 0 and engine.forward_counts["graph"] > 0
     assert_nearly_equal(piecewise, eager, "flashinfer graphs + piecewise vs eager")

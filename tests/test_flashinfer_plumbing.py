@@ -215,9 +215,10 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
     from types import SimpleNamespace
 
     from blockspec.kv.allocator import ReqToTokenTable
-    from blockspec.runner.graphs import CudaGraphs, GraphKind
-    from blockspec.speculative.dflash_base import DFlashBase
-    from blockspec.step.target_worker import TargetWorker
+    from blockspec.runner.graph_kind import GraphKind
+    from blockspec.runner.graphs import CudaGraphs
+    from blockspec.speculative.dflash import DFlashWorker
+    from blockspec.worker.target_worker import TargetWorker
     from test_triton_attention import make_case
 
     capturing = {"now": False}
@@ -258,12 +259,12 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
     runner = SimpleNamespace(graphs=graphs, attention=target, capture_piecewise=lambda **kw: None,
                              eager_forward=functools.partial(run_attention, target))
     if speculative:
-        worker = DFlashBase.__new__(DFlashBase)  # NOTE: only what init_cuda_graphs reads, without a draft model
+        worker = DFlashWorker.__new__(DFlashWorker)  # NOTE: only what init_cuda_graphs reads, without a draft model
         worker.runner, worker.draft_attention, worker.block_size, worker.capture = runner, draft, 4, (0,)
-        monkeypatch.setattr(DFlashBase, "verify_lengths", property(lambda self: (4,)))
-        monkeypatch.setattr(DFlashBase, "calibrate_verify_lengths", lambda self: None)
-        monkeypatch.setattr(DFlashBase, "_verify_forward", lambda self, batch: run_attention(target, batch))
-        monkeypatch.setattr(DFlashBase, "_draft_logits", lambda self, batch: run_attention(draft, batch))
+        monkeypatch.setattr(DFlashWorker, "verify_lengths", property(lambda self: (4,)))
+        monkeypatch.setattr(DFlashWorker, "calibrate_verify_lengths", lambda self: None)
+        monkeypatch.setattr(DFlashWorker, "_verify_forward", lambda self, batch: run_attention(target, batch))
+        monkeypatch.setattr(DFlashWorker, "_draft_logits", lambda self, batch: run_attention(draft, batch))
         worker.init_cuda_graphs()
         assert {kind for kind, _ in graphs.by_kind} == {GraphKind.VERIFY, GraphKind.DRAFT}
     else:
@@ -274,7 +275,8 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
 
 
 def test_one_graph_cannot_replan_two_host_planned_backends(fake_backend_module: types.ModuleType) -> None:
-    from blockspec.runner.graphs import GraphKind, single_host_planner
+    from blockspec.runner.graph_kind import GraphKind
+    from blockspec.runner.graphs import single_host_planner
     from test_triton_attention import make_case
 
     _, _, pool, *_ = make_case(ForwardMode.DECODE, [4], [1], 1, 4, 2, 16, torch.float32)

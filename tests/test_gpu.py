@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from blockspec import Engine  # noqa: E402
 from blockspec.batch import ForwardMode  # noqa: E402
-from blockspec.runner.graphs import GraphKind  # noqa: E402
+from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def test_graph_replay_equals_eager(tiny: Path) -> None:
     # in lockstep at bs 9 for the whole run, which the default sizes (largest 8) would leave to eager.
     graphed, engine = run(tiny, False, device="cuda", cuda_graph_bs=[1, 2, 4, 8, 16])
     assert engine.runner.attention_backend == "triton"
-    assert engine.runner.forward_counts["graph"] > 0 and eager_engine.runner.forward_counts["graph"] == 0
+    assert engine.forward_counts["graph"] > 0 and eager_engine.forward_counts["graph"] == 0
     assert graphed == eager == cpu
 
 
@@ -68,9 +68,9 @@ def test_dflash_lossless_with_graphs(tiny: Path, page_size: int) -> None:
     assert spec == target_only
     stats = engine.get_server_info()["internal_states"][0]
     assert stats["avg_spec_accept_length"] > 1.5
-    assert engine.runner.forward_counts["graph"] > 0
+    assert engine.forward_counts["graph"] > 0
     # 9 prompts > the largest captured batch (8): that step falls back to eager and stays lossless
-    assert engine.runner.forward_counts["eager"] > 0
+    assert engine.forward_counts["eager"] > 0
 
 
 def test_bf16_graphs_match_bf16_eager(tiny: Path) -> None:
@@ -111,7 +111,7 @@ def test_dflash_with_piecewise_is_lossless(tiny: Path, page_size: int) -> None:
     spec, engine = run(tiny, True, device="cuda", page_size=page_size, enforce_piecewise_cuda_graph=True,
                        piecewise_cuda_graph_max_tokens=64)
     assert spec == eager_prefill == target_only
-    counts = engine.runner.forward_counts
+    counts = engine.forward_counts
     assert counts["piecewise"] > 0
     aux = engine.runner.piecewise.aux  # FULL capture at the draft's layers
     assert set(aux) == {0, 2}
@@ -136,7 +136,7 @@ def test_greedy_cycle_graph_equals_eager(tiny: Path) -> None:
     assert graphed == eager
     for req in reqs:
         engine.scheduler.abort(req.rid)
-    engine.scheduler.step()
+    engine.step()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -167,7 +167,7 @@ def test_overlap_schedule_with_graphs(tiny: Path, page_size: int, spec: bool) ->
         checked += steady
     assert checked > 5
     assert [r.output_ids for r in reqs] == sync[:8] == target_only[:8]
-    assert engine.runner.forward_counts["graph"] > 0
+    assert engine.forward_counts["graph"] > 0
     assert (scheduler.spec.verify_ct > 0) == spec
     info = engine.get_server_info()
     assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]

@@ -11,7 +11,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from blockspec import Engine  # noqa: E402
-from blockspec.runner.graphs import GraphKind  # noqa: E402
+from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
 from engine_testing import prefilled  # noqa: E402
 from verify_cycling import CyclingVerifyLength  # noqa: E402
@@ -51,7 +51,7 @@ def test_each_verify_length_graph_equals_eager(tiny: Path) -> None:
     worker.verify_policy = adaptive
     for req in reqs:
         engine.scheduler.abort(req.rid)
-    engine.scheduler.step()
+    engine.step()
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -61,7 +61,7 @@ def test_changing_verify_length_lossless_with_graphs(tiny: Path, overlap: bool) 
     engine.worker.verify_policy = CyclingVerifyLength([1, 4, 8, 1, 1, 6, 8, 4])
     outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outputs] == target_only
-    assert engine.runner.forward_counts["graph"] > 0
+    assert engine.forward_counts["graph"] > 0
 
 
 def test_adaptive_is_the_default_with_graphs(tiny: Path) -> None:
@@ -78,8 +78,8 @@ def test_simulated_profile_draws_per_replay(tiny: Path) -> None:
     engine = engine_for(tiny, speculative_simulate_accept_profile="geometric:3", speculative_adaptive_verify="off")
     reqs = prefilled(engine, PROMPTS, {**GREEDY, "max_new_tokens": 200})
     while engine.scheduler.has_work:
-        engine.scheduler.step()
+        engine.step()
     lengths = [n for req in reqs for n in req.spec_accept_lengths[:-1]]  # NOTE: the last may be cut by the length
-    assert engine.runner.forward_counts["graph"] > 0 and len(set(lengths)) >= 5
+    assert engine.forward_counts["graph"] > 0 and len(set(lengths)) >= 5
     expected = 1 + sum((2 / 3) ** j for j in range(1, 8))
     assert abs(sum(lengths) / len(lengths) - expected) < 0.35

@@ -15,8 +15,8 @@ import torch
 
 from blockspec import Engine
 from blockspec.batch import ForwardMode, build_batch
-from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 from blockspec.request import Req, SamplingParams
+from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 from draft_training import train_tiny_draft
 from tiny_models import save_tiny_draft, save_tiny_model
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockspec import Engine
-from blockspec.config import EngineConfig
+from blockspec.config.engine_config import EngineConfig
 from blockspec.models.loader import iter_safetensors, safetensors_files
 from engine_testing import hf_greedy
 
@@ -235,7 +235,7 @@ def test_pool_smaller_than_a_page(tiny) -> None:
     ({"log_level": "verbose"}, "log_level"), ({"disable_cuda_graph": "yes"}, "disable_cuda_graph"),
 ])
 def test_engine_config_rejects_wrong_types(flags: dict, field: str) -> None:
-    from blockspec.config import EngineConfig
+    from blockspec.config.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match=field):
         EngineConfig(model_path="/nonexistent", **flags)

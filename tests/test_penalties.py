@@ -109,7 +109,7 @@ def test_bad_penalties_are_clear_errors(models: dict[str, Any], params: dict[str
 
 def test_verify_rows_count_the_proposals_before_them() -> None:
     """Row j of a verify block is penalised as if d_1..d_j were already output (what target-only decoding sees)."""
-    from blockspec.penalties import penalized
+    from blockspec.sample.penalties import penalized
     from blockspec.request import Req, SamplingParams
 
     params = SamplingParams.from_dict({"frequency_penalty": 0.7, "presence_penalty": 0.3, "repetition_penalty": 1.3,

@@ -8,8 +8,8 @@ import torch
 
 from blockspec import Engine
 from blockspec.batch import ForwardBatch, ForwardMode, build_batch
-from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, bucket_for, default_buckets
 from blockspec.request import Req, SamplingParams
+from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, bucket_for, default_buckets
 from tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
@@ -144,7 +144,7 @@ def test_can_run_decisions(engine: Engine) -> None:
 
 def test_dflash_refuses_runner_without_aux_capture(tmp_path: Path) -> None:
     pytest.importorskip("dflash.model")
-    from blockspec.config import EngineConfig
+    from blockspec.config.engine_config import EngineConfig
     from blockspec.models.dflash_draft import load_draft_model
     from blockspec.models.draft_config import load_draft_config
     from blockspec.kv.pool import KVPool

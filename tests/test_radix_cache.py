@@ -110,10 +110,10 @@ def test_flush_refused_while_busy_and_disabled_cache(root: Path, shared: list[li
     reqs, _ = engine.make_requests(input_ids=[shared[1]], sampling_params=greedy(4))
     engine.scheduler.add_request(reqs[0])
     assert not engine.flush_cache()
-    engine.scheduler.step()
+    engine.step()
     assert not engine.flush_cache()
     while engine.scheduler.has_work:
-        engine.scheduler.step()
+        engine.step()
     assert_flushes_to_empty(engine)
     info = engine.get_server_info()
     assert info["disable_radix_cache"] is False and info["internal_states"][0]["radix_cache"]["enabled"] is True

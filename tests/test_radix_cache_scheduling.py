@@ -104,11 +104,11 @@ def test_mixed_chunk_extends_last_token_chunks(root: Path, shared: list[list[int
     reqs, _ = engine.make_requests(input_ids=[shared[1], shared[0], [7]], sampling_params=[greedy(30), greedy(), greedy()])
     engine.scheduler.add_request(reqs[0])
     for _ in range(3):
-        engine.scheduler.step()
+        engine.step()
     for req in reqs[1:]:
         engine.scheduler.add_request(req)
     while engine.scheduler.has_work:
-        engine.scheduler.step()
+        engine.step()
     assert reqs[1].cached_tokens == len(shared[0]) - 1 and engine.scheduler.steps.mixed_steps > 0
     target = engine_for(root, cache=False, spec=False)
     for req, max_new in zip(reqs, (30, 24, 24)):

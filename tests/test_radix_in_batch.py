@@ -33,11 +33,11 @@ def test_cold_burst_computes_the_shared_prefix_once(root: Path, long_shared: lis
     reqs, _ = on.make_requests(input_ids=long_shared, sampling_params=greedy())
     for req in reqs:
         on.scheduler.add_request(req)
-    on.scheduler.step()
+    on.step()
     assert [r.rid for r in on.scheduler.running] == [reqs[0].rid]  # the others wait for the first one's prefix
     assert [r.rid for r in on.scheduler.waiting] == [r.rid for r in reqs[1:]]  # in arrival order
     while on.scheduler.has_work:
-        on.scheduler.step()
+        on.step()
     got = [{**on.output_of(req), "accept_lengths": list(req.spec_accept_lengths)} for req in reqs]
     assert signature(got) == signature(want)
     system_pages = (len(long_shared[0]) - len(QUESTIONS[0])) // page_size * page_size
@@ -53,10 +53,10 @@ def test_short_shared_prefixes_do_not_wait(root: Path, shared: list[list[int]]) 
     reqs, _ = on.make_requests(input_ids=shared, sampling_params=greedy())
     for req in reqs:
         on.scheduler.add_request(req)
-    on.scheduler.step()
+    on.step()
     assert len(on.scheduler.running) == len(reqs) and not on.scheduler.waiting
     while on.scheduler.has_work:
-        on.scheduler.step()
+        on.step()
     want = run_waves(engine_for(root, cache=False, chunked_prefill_size=512), [shared])
     got = [{**on.output_of(req), "accept_lengths": list(req.spec_accept_lengths)} for req in reqs]
     assert signature(got) == signature(want)
@@ -71,13 +71,13 @@ def test_the_waiting_head_keeps_its_place_and_is_not_held_again(root: Path, long
         on = engine_for(root, cache=True, chunked_prefill_size=512, **flags)
         decoding, _ = on.make_requests(input_ids=[distinct[0]], sampling_params=greedy(40))
         on.scheduler.add_request(decoding[0])
-        on.scheduler.step()  # NOTE: one request decodes, so arrivals are cheap to hold
+        on.step()  # NOTE: one request decodes, so arrivals are cheap to hold
         reqs, _ = on.make_requests(input_ids=[long_shared[0], long_shared[1], distinct[1]], sampling_params=greedy())
         for req in reqs:
             on.scheduler.add_request(req)
         admitted_at: dict[str, int] = {}
         for step in range(1, 40):
-            on.scheduler.step()
+            on.step()
             for req in on.scheduler.running:
                 admitted_at.setdefault(req.rid, step)
             if len(admitted_at) == 4 or not on.scheduler.has_work:
@@ -87,5 +87,5 @@ def test_the_waiting_head_keeps_its_place_and_is_not_held_again(root: Path, long
         assert unrelated is None or unrelated >= waiter, (flags, admitted_at)
         assert waiter is not None and reqs[1].cached_tokens > 0
         while on.scheduler.has_work:
-            on.scheduler.step()
+            on.step()
         assert_flushes_to_empty(on)

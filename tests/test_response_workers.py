@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from blockspec import Engine
-from blockspec import cli as blockspec_cli
+from blockspec import Engine, cli as blockspec_cli
 from blockspec.train.data import ResponseCache, cached_samples
 from blockspec.train.options import TrainOptions
 from blockspec.train.pipeline import cache_responses

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.request import Req, SamplingParams
-from blockspec.sampling import make_generator, sample_next_tokens, sampling_probs, sampling_probs_rows
+from blockspec.sample.sampling import make_generator, sample_next_tokens, sampling_probs, sampling_probs_rows
 from engine_testing import VOCAB, hf_greedy, random_prompts, run_until_done
 
 PROMPTS = random_prompts([4, 11, 1, 23, 7, 16], seed=3)
@@ -44,7 +44,7 @@ def test_same_seed_same_tokens_across_batches(tiny, make_engine) -> None:
     for req in reqs:
         tight.scheduler.add_request(req)
     for _ in range(5):
-        tight.scheduler.step()
+        tight.step()
     tight.scheduler.add_request(mine[0])
     run_until_done(tight, reqs + mine)
     assert tight.scheduler.num_retractions > 0

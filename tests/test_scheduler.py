@@ -51,7 +51,7 @@ def test_small_kv_pool_retracts_and_matches(tiny, make_engine, page_size: int) -
     for _ in range(5000):
         if not engine.scheduler.has_work:
             break
-        engine.scheduler.step()
+        engine.step()
         peak_running = max(peak_running, len(engine.scheduler.running))
         kv = engine.get_server_info()["kv_cache"]
         assert 0 <= kv["free_slots"] <= kv["total_slots"] == 64
@@ -77,7 +77,7 @@ def test_max_running_requests_one(tiny, make_engine) -> None:
         engine.scheduler.add_request(req)
     while engine.scheduler.has_work:
         assert len(engine.scheduler.running) <= 1
-        engine.scheduler.step()
+        engine.step()
     assert [r.output_ids for r in reqs] == [hf_greedy(ckpt.model, p, MAX_NEW) for p in PROMPTS]
 
 
@@ -137,7 +137,7 @@ def test_abort_waiting_request(tiny, make_engine) -> None:
     reqs, _ = engine.make_requests(input_ids=PROMPTS[:2], sampling_params=GREEDY)
     for req in reqs:
         engine.scheduler.add_request(req)
-    engine.scheduler.step()
+    engine.step()
     assert reqs[1] in engine.scheduler.waiting
     assert engine.scheduler.abort(reqs[1].rid)
     run_until_done(engine, reqs)
@@ -212,7 +212,7 @@ def test_rid_in_flight_rejected(tiny, make_engine) -> None:
     second, _ = engine.make_requests(input_ids=[5], sampling_params=GREEDY, rid="same")
     with pytest.raises(ValueError, match="request id 'same' is already in use"):
         engine.scheduler.add_request(second[0])
-    engine.scheduler.step()
+    engine.step()
     assert engine.scheduler.running == first  # running now, still taken
     with pytest.raises(ValueError, match="request id 'same' is already in use"):
         engine.scheduler.add_request(second[0])
@@ -223,7 +223,7 @@ def test_rid_in_flight_rejected(tiny, make_engine) -> None:
     queued, _ = engine.make_requests(input_ids=[6], sampling_params=GREEDY, rid="queued")
     engine.scheduler.add_request(queued[0])
     assert engine.scheduler.abort("queued") and not engine.scheduler.abort("queued")  # aborted once, while queued
-    engine.scheduler.step()
+    engine.step()
     assert queued[0].finish is not None and not engine.scheduler.requests_by_rid and not engine.scheduler.waiting
 
 
@@ -240,7 +240,7 @@ def test_shutdown_aborts_everything(tiny, make_engine) -> None:
     for req in reqs:
         engine.scheduler.add_request(req)
     for _ in range(4):
-        engine.scheduler.step()
+        engine.step()
     assert engine.scheduler.running and engine.scheduler.waiting
     pool = weakref.ref(engine.runner.kv_pool)
     engine.shutdown()

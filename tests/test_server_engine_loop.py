@@ -7,11 +7,11 @@ import pytest
 
 from blockspec import Engine
 from blockspec.request import Req, SamplingParams
-from blockspec.tokenizer import held_back as _held_back
 from blockspec.server.engine_errors import EngineStoppedError, QueueFullError
 from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta
+from blockspec.tokenizer import held_back as _held_back
 from server_support import save_text_model
 
 
@@ -100,8 +100,8 @@ def test_a_submission_reaches_the_engine_socket_before_the_event_loop_moves_on()
 
     import zmq
 
-    from blockspec.server import wire
-    from blockspec.server.engine_process import RemoteEngine
+    from blockspec.engine import wire
+    from blockspec.engine.process import RemoteEngine
     from blockspec.server.frontends import EngineAddresses
 
     addresses = EngineAddresses.create(1)

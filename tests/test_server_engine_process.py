@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
+from blockspec.engine import wire
+from blockspec.engine.process import EngineProcess
 from blockspec.request import Req, SamplingParams
-from blockspec.server import wire
 from blockspec.server.engine_errors import EngineLoadError, EngineStoppedError
 from blockspec.server.engine_loop import EngineLoop
-from blockspec.server.engine_process import EngineProcess
 from server_support import save_text_model, server_process
 
 LONG = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}

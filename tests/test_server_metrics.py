@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from blockspec.server import wire
+from blockspec.engine import wire
 from blockspec.server.metrics import ServerMetrics
 
 

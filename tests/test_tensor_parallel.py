@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from blockspec import Engine
 from blockspec.distributed.group import TensorParallel
-from blockspec.distributed.launch import TensorParallelError
 from blockspec.distributed.shards import ShardLayout, cut_for
+from blockspec.engine.rank_processes import TensorParallelError
 from tiny_models import save_tiny_draft, save_tiny_model
 from tp_testing import PROMPTS, assert_same_outputs, cpu_flags, deadline, generate, tp_engine
 
@@ -133,7 +133,7 @@ def test_server_engine_process_runs_tp2(tmp_path: Path) -> None:
 
     from blockspec.request import Req, SamplingParams
     from blockspec.server.engine_loop import EngineLoop
-    from blockspec.server.engine_process import EngineProcess
+    from blockspec.engine.process import EngineProcess
 
     save_tiny_model("llama", tmp_path / "target")
     flags = cpu_flags(tmp_path / "target")

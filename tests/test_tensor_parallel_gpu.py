@@ -12,7 +12,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 from blockspec import Engine  # noqa: E402
-from blockspec.distributed.launch import TensorParallelError  # noqa: E402
+from blockspec.engine.rank_processes import TensorParallelError  # noqa: E402
 from tiny_models import save_tiny_draft, save_tiny_model  # noqa: E402
 from tp_testing import assert_same_outputs, generate, tp_engine  # noqa: E402
 

@@ -14,8 +14,7 @@ from draft_training import full_block_cycles
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
-from blockspec import Engine
-from blockspec import cli as blockspec_cli
+from blockspec import Engine, cli as blockspec_cli
 from blockspec.models.config import load_target_config
 from blockspec.train.checkpoint import draft_config_dict, load_trainable_draft, save_draft
 from tiny_models import save_tiny_draft, save_tiny_model
@@ -121,7 +120,7 @@ def blockspec_cycles(engine: Engine, prompts: list[list[int]]) -> tuple[list[lis
     for req in reqs:
         engine.scheduler.add_request(req)
     while engine.scheduler.has_work:
-        engine.scheduler.step()
+        engine.step()
     return [r.output_ids for r in reqs], [r.spec_accept_lengths for r in reqs]
 
 

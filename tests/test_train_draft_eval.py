@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from blockspec import cli as blockspec_cli
-from blockspec.demo import draft_description
-from blockspec.smollm2 import DEMO_DRAFT_DIR
+from blockspec.demo.gsm8k_demo import draft_description
+from blockspec.models.smollm2 import DEMO_DRAFT_DIR
 from blockspec.train.data import mix_counts, mix_records, ratio_taking_all
-from blockspec.train.info import git_commit, describe_draft, latest_measurements, read_info
+from blockspec.train.info import describe_draft, git_commit, latest_measurements, read_info
 from blockspec.train.options import TrainOptions
 from blockspec.train.pipeline import run
 from tiny_models import save_tiny_model

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from blockspec import Engine
-from blockspec import cli as blockspec_cli
+from blockspec import Engine, cli as blockspec_cli
 from blockspec.models.config import load_target_config
 from blockspec.train import cli as train_cli
 from blockspec.train.blocks import IGNORE, block_loss, build_block_batch, loss_weights, sample_anchors

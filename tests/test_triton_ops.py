@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from blockspec.layers import triton_ops  # noqa: E402
 from blockspec.kv.pool import KVPool  # noqa: E402
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding  # noqa: E402
-from blockspec.models.config import RopeConfig  # noqa: E402
+from blockspec.layers.rotary import RopeConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -130,7 +130,7 @@ def test_argmax_rows_matches_torch_with_ties_nan_and_chunks(dtype: torch.dtype, 
 
 
 def test_greedy_tokens_keeps_leading_dims() -> None:
-    from blockspec.sampling import greedy_tokens
+    from blockspec.layers.argmax import greedy_tokens
 
     x = torch.randn(2, 3, 50, device=DEVICE)
     torch.testing.assert_close(greedy_tokens(x), x.argmax(-1))

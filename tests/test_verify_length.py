@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from blockspec.config.speculative_flags import accept_distribution, parse_verify_schedule
+from blockspec.engine.wire import VerifyLengthStat
 from blockspec.server.metrics import ServerMetrics
-from blockspec.server.wire import VerifyLengthStat
-from blockspec.speculative.simulated_accept import SimulatedAcceptance, accept_distribution
+from blockspec.speculative.simulated_accept import SimulatedAcceptance
 from blockspec.speculative.verify_length import (
-    AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, default_verify_lengths, parse_verify_schedule,
+    AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, default_verify_lengths,
 )
 
 

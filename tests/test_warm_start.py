@@ -24,11 +24,11 @@ from blockspec.attention.triton_kernels import paged_attention_kernel
 from blockspec.batch import ForwardMode
 from blockspec.kv.allocator import ReqToTokenTable
 from blockspec.kv.pool import KVPool
-from blockspec.startup.attention_variants import (
+from blockspec.engine.attention_variants import (
     ROW_BLOCK, AttentionWorkload, query_lengths, reachable_launches, workload_variants,
 )
-from blockspec.startup.compiles import KernelCompileLog, kernel_compile_log
-from blockspec.startup.warmup import attention_workloads, warm_attention, warm_engine_paths, warm_kernels
+from blockspec.engine.compiles import KernelCompileLog, kernel_compile_log
+from blockspec.engine.warmup import attention_workloads, warm_attention, warm_engine_paths, warm_kernels
 from server_support import metric_value, save_text_model, serve_text_model, server_process
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
@@ -62,7 +62,7 @@ def test_compile_log_counts_through_tritons_hook_and_keeps_the_previous_one(
     with log.startup():
         fire_compile_hook()
     assert log.count == 1 and log.compiles[0].kernel == "paged_attention_kernel" and len(seen) == 1
-    with caplog.at_level(logging.WARNING, logger="blockspec.startup.compiles"):
+    with caplog.at_level(logging.WARNING, logger="blockspec.engine.compiles"):
         fire_compile_hook("_rmsnorm_kernel")
     assert log.count == 2 and len(seen) == 2
     assert "compiled after start-up" in caplog.text and "_rmsnorm_kernel" in caplog.text
@@ -168,10 +168,10 @@ def test_engine_warmup_leaves_the_engine_as_it_found_it(make_engine: Callable[..
         for key in counts:
             counts[key] = 0
     workloads = attention_workloads(engine.runner, engine.worker)
-    report = warm_kernels(engine)  # NOTE: the attention launches run in Triton's interpreter here
+    report = warm_kernels(engine.runner, engine.worker, engine.new_scheduler)  # NOTE: the attention launches run in Triton's interpreter here
     assert report.request_passes == 1  # CPU: no graphs, so one pass as configured
     assert report.attention_variants == sum(len(workload_variants(w)) for w in workloads) > 0
-    assert all(n == 0 for n in engine.runner.forward_counts.values())
+    assert all(n == 0 for n in engine.forward_counts.values())
     allocator = engine.runner.allocator
     assert allocator.free_slots == allocator.total_slots
     assert engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)["output_ids"] == reference
@@ -190,7 +190,7 @@ def test_warmup_forgets_what_its_cycles_taught_adaptive_verify(make_engine: Call
     assert (verify.min_q, verify.max_q) == (1, triton_engine.worker.block_size)  # NOTE: every verify length's launches
     engine = make_engine(root / "target", speculative_adaptive_verify="on", **flags)  # NOTE: torch attention: fast
     worker = engine.worker
-    warm_engine_paths(engine)
+    warm_engine_paths(engine.runner, engine.worker, engine.new_scheduler)
     policy = worker.verify_policy
     assert not policy.last and not policy.cycles and not any(policy.times.live_cycles.values())
     assert not any(worker.acceptance.tried)

@@ -15,7 +15,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from blockspec import Engine  # noqa: E402
-from blockspec.startup.compiles import kernel_compile_log  # noqa: E402
+from blockspec.engine.compiles import kernel_compile_log  # noqa: E402
 
 PROMPT_LENS = (1, 2, 5, 9, 16, 17, 31, 48, 64, 65, 100, 130, 257, 300)
 BATCH_SIZES = (1, 2, 3, 5, 8, 13)
@@ -60,7 +60,7 @@ def drive(engine: Engine, seed: int) -> int:
                 for req in later:
                     engine.scheduler.add_request(req)
                 later = []
-            engine.scheduler.step()
+            engine.step()
             steps += 1
         total += size
     engine.scheduler.collect_finished()

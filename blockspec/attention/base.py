@@ -5,8 +5,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from blockspec.kv.pool import KVPool
 from blockspec.batch import ForwardBatch, ForwardMode
+from blockspec.kv.pool import KVPool
 
 
 class AttentionBackend(Protocol):

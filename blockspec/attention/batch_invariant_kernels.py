@@ -157,4 +157,6 @@ def merge_lanes_kernel(
         m, s, acc = fold_lane(m, s, acc, lane_m, lane_s, lane_acc)
     out = acc / tl.where(s == 0.0, 1.0, s)[:, None]
     o_offsets = token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & (dims < HEAD_DIM)[None, :])
+    tl.store(
+        out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    )

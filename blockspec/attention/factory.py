@@ -52,9 +52,13 @@ def make_backend(
     if name == "flashinfer":
         from blockspec.attention.flashinfer_backend import FlashInferAttentionBackend  # NOTE: optional, CUDA only
 
-        return FlashInferAttentionBackend(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal)
+        return FlashInferAttentionBackend(
+            pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal
+        )
     if name == "triton":
         from blockspec.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal)
+        return TritonAttentionBackend(
+            pool, scale, num_heads, num_kv_heads, head_dim, sliding_windows, draft_layer_causal
+        )
     return TorchAttentionBackend(pool, scale, sliding_windows, draft_layer_causal)

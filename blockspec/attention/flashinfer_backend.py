@@ -18,8 +18,8 @@ import flashinfer
 import torch
 
 from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
-from blockspec.kv.pool import KVPool
 from blockspec.batch import ForwardBatch, ForwardMode
+from blockspec.kv.pool import KVPool
 
 Wrapper = Union[flashinfer.BatchPrefillWithPagedKVCacheWrapper, flashinfer.BatchDecodeWithPagedKVCacheWrapper]
 LayerKey = tuple[bool, int]  # (causal, FlashInfer window_left; -1 = no window)
@@ -56,7 +56,9 @@ def cumulative(lengths: list[int]) -> torch.Tensor:
 
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"FlashInfer attention needs CUDA and bfloat16/float16 (--dtype bfloat16), got {dtype} on {device}")
+        raise ValueError(
+            f"FlashInfer attention needs CUDA and bfloat16/float16 (--dtype bfloat16), got {dtype} on {device}"
+        )
 
 
 class FlashInferAttentionBackend(PagedBackendBase):
@@ -105,7 +107,9 @@ class FlashInferAttentionBackend(PagedBackendBase):
     def split_rows_bound(self, batch_size: int, total_rows: int) -> int:
         """Upper bound of FlashInfer's padded tiles x CTA_TILE_Q for a CUDA-graph plan (split-KV always on)."""
         group = self.num_heads // self.num_kv_heads
-        return max(total_rows * group + MAX_CTA_TILE_Q * batch_size, MAX_CTA_TILE_Q * (2 * self.num_sms // self.num_kv_heads))
+        return max(
+            total_rows * group + MAX_CTA_TILE_Q * batch_size, MAX_CTA_TILE_Q * (2 * self.num_sms // self.num_kv_heads)
+        )
 
     def graph_buffer(self, name: str, size: int) -> torch.Tensor:
         """An int32 buffer shared by the graph wrappers of every batch size (one graph replays at a time)."""
@@ -182,7 +186,14 @@ class FlashInferAttentionBackend(PagedBackendBase):
                 wrapper.plan(kv_indptr, indices, last_page_len, *heads, window_left=window_left, **common)
             else:
                 wrapper.plan(
-                    qo_indptr, kv_indptr, indices, last_page_len, *heads, causal=causal, window_left=window_left, **common
+                    qo_indptr,
+                    kv_indptr,
+                    indices,
+                    last_page_len,
+                    *heads,
+                    causal=causal,
+                    window_left=window_left,
+                    **common,
                 )
 
     def plan(self, batch: ForwardBatch) -> FlashInferMeta:

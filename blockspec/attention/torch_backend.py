@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.attention.base import layer_is_causal, layer_window
-from blockspec.kv.pool import KVPool
 from blockspec.batch import ForwardBatch
+from blockspec.kv.pool import KVPool
 
 
 @dataclass

@@ -9,9 +9,10 @@ import triton
 
 from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window, split_partials
 from blockspec.attention.triton_kernels import LOG2E, merge_splits_kernel, paged_attention_kernel
+from blockspec.batch import ForwardBatch, ForwardMode
 from blockspec.kv.pool import KVPool
 from blockspec.layers.pdl import pdl_launch
-from blockspec.batch import ForwardBatch, ForwardMode
+
 
 @dataclass(frozen=True)
 class KernelTiles:
@@ -145,7 +146,9 @@ class TritonAttentionBackend(PagedBackendBase):
         policy = launch_policy(rows, bs, self.num_kv_heads)
         return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, rows, policy, max_seq), policy.tiles)
 
-    def tile_options(self, q: torch.Tensor, tiles: KernelTiles, mode: ForwardMode, layer_id: int, kernel: Any) -> dict[str, Any]:
+    def tile_options(
+        self, q: torch.Tensor, tiles: KernelTiles, mode: ForwardMode, layer_id: int, kernel: Any
+    ) -> dict[str, Any]:
         """The launch options every attention kernel of this backend takes alike (the paged kernel here, the tiled
         extend kernel of triton_graph_extend.py): head and tile sizes, masks, dot precision, warps, stages, PDL."""
         window = layer_window(self.sliding_windows, layer_id)
@@ -179,7 +182,9 @@ class TritonAttentionBackend(PagedBackendBase):
             **self.tile_options(q, tiles, batch.mode, layer_id, self.kernels.attention),
         )
         if splits > 1:
-            heads_per_program = min(triton.next_power_of_2(self.num_heads), merge_heads_per_program(splits, self.block_d))
+            heads_per_program = min(
+                triton.next_power_of_2(self.num_heads), merge_heads_per_program(splits, self.block_d)
+            )
             self.kernels.merge[(num_tokens, triton.cdiv(self.num_heads, heads_per_program))](
                 out, part_acc, part_max, part_sum,
                 out.stride(0), out.stride(1), self.num_heads * splits, splits, 1, self.num_heads,

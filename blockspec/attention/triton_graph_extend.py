@@ -69,7 +69,11 @@ class GraphExtendAttention:
         # need more tiles than the largest bucket on wide ones.
         narrowest = min(EXTEND_POLICY.tiles.block_m, SMALL_EXTEND_POLICY.tiles.block_m)
         most_tiles = triton.cdiv(max_tokens * self.group, narrowest) + min(max_tokens, max_requests)
-        self.tile_req, self.tile_m, self.tile_count = index_buffer(most_tiles), index_buffer(most_tiles), index_buffer(1)
+        self.tile_req, self.tile_m, self.tile_count = (
+            index_buffer(most_tiles),
+            index_buffer(most_tiles),
+            index_buffer(1),
+        )
         self.tile_ids = torch.arange(most_tiles, dtype=torch.int64, device=device)
         self.token_count = index_buffer(1)
         partial_rows = self.most_split_rows(max_tokens) * backend.num_heads

@@ -276,4 +276,6 @@ def merge_token(
                   other=0.0)
     out = tl.sum(acc * weights[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
     o_offsets = token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & (dims < HEAD_DIM)[None, :])
+    tl.store(
+        out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    )

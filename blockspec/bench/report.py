@@ -71,7 +71,9 @@ def _ms(values: Sequence[float], how: str) -> float:
     return percentile(values, 99.0) * 1000.0
 
 
-def summarise(concurrency: int, results: Sequence[RequestResult], duration: float, accept_length: Optional[float]) -> LevelResult:
+def summarise(
+    concurrency: int, results: Sequence[RequestResult], duration: float, accept_length: Optional[float]
+) -> LevelResult:
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -126,7 +128,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     server = report.get("server", {})
-    fig.suptitle(f"blockspec serving: {server.get('model_path')} ({server.get('speculative_algorithm') or 'no speculation'})", fontsize=10)
+    fig.suptitle(
+        f"blockspec serving: {server.get('model_path')} ({server.get('speculative_algorithm') or 'no speculation'})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

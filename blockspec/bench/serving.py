@@ -16,8 +16,8 @@ import msgspec
 from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
-from blockspec.bench.client import accept_length_between, auth_headers, first_model_id, get_server_info
 from blockspec.bench.report import LevelResult, RequestResult, summarise, write_outputs
+from blockspec.evals.client import accept_length_between, auth_headers, first_model_id, get_server_info
 
 Prompt = Union[str, list[int]]
 MAX_CHUNK_BYTES = 1 << 24  # one SSE line (a /generate chunk carries the cumulative text and ids)
@@ -68,7 +68,9 @@ class NativeChunk(msgspec.Struct):
 NATIVE_CHUNK = msgspec.json.Decoder(NativeChunk)  # one /generate stream chunk (bytes after "data: ")
 
 
-def open_session(base_url: str, connections: int, timeout: float, api_key: Optional[str] = None) -> aiohttp.ClientSession:
+def open_session(
+    base_url: str, connections: int, timeout: float, api_key: Optional[str] = None
+) -> aiohttp.ClientSession:
     """The benchmarks' HTTP client: aiohttp (C-accelerated parsing) keeps up with fast servers at about a third of the
     CPU per streamed chunk that httpx took, which had made the clients, not the server, the limit of a level. Paths
     are relative to `base_url` ("generate", not "/generate")."""
@@ -80,7 +82,9 @@ def open_session(base_url: str, connections: int, timeout: float, api_key: Optio
     )
 
 
-async def one_request(session: aiohttp.ClientSession, ns: argparse.Namespace, prompt: Prompt, max_new: int) -> RequestResult:
+async def one_request(
+    session: aiohttp.ClientSession, ns: argparse.Namespace, prompt: Prompt, max_new: int
+) -> RequestResult:
     path, body = _payload(ns, prompt, max_new)
     start = time.perf_counter()
     first: Optional[float] = None
@@ -101,7 +105,10 @@ async def one_request(session: aiohttp.ClientSession, ns: argparse.Namespace, pr
                     if "error" in chunk:
                         return RequestResult(False, error=str(chunk["error"]))
                     if chunk.get("usage"):
-                        prompt_tokens, output_tokens = chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]
+                        prompt_tokens, output_tokens = (
+                            chunk["usage"]["prompt_tokens"],
+                            chunk["usage"]["completion_tokens"],
+                        )
                     if not any(c.get("text") for c in chunk.get("choices", [])):
                         continue
                 else:
@@ -123,7 +130,9 @@ async def one_request(session: aiohttp.ClientSession, ns: argparse.Namespace, pr
     return RequestResult(True, (first or end) - start, end - start, prompt_tokens, output_tokens, tuple(gaps))
 
 
-async def run_level(ns: argparse.Namespace, prompts: list[Prompt], concurrency: int) -> tuple[list[RequestResult], float]:
+async def run_level(
+    ns: argparse.Namespace, prompts: list[Prompt], concurrency: int
+) -> tuple[list[RequestResult], float]:
     semaphore = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", disable=ns.disable_tqdm)
     async with open_session(ns.base_url, concurrency, ns.timeout, ns.api_key) as session:
@@ -159,7 +168,12 @@ def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
         print(level.describe(), flush=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items() if k not in ("api_key", "func")}
     server = {k: info.get(k) for k in ("model_path", "speculative_algorithm", "device", "dtype", "context_length")}
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": config, "server": server, "levels": [l.__dict__ for l in levels]}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "config": config,
+        "server": server,
+        "levels": [l.__dict__ for l in levels],
+    }
 
 
 def _concurrency_list(text: str) -> list[int]:
@@ -175,12 +189,16 @@ def _concurrency_list(text: str) -> list[int]:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key")
-    parser.add_argument("--backend", choices=("sglang", "openai"), default="sglang", help="/generate or /v1/completions")
+    parser.add_argument(
+        "--backend", choices=("sglang", "openai"), default="sglang", help="/generate or /v1/completions"
+    )
     parser.add_argument("--model", help="model id for the openai backend (default: the first of /v1/models)")
     parser.add_argument("--concurrency", type=_concurrency_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
     parser.add_argument("--num-prompts", type=int, default=200, help="requests per concurrency level")
     parser.add_argument("--dataset-name", choices=("gsm8k", "random"), default="gsm8k")
-    parser.add_argument("--dataset-path", type=Path, help="GSM8K jsonl (default: the test split shipped in the package)")
+    parser.add_argument(
+        "--dataset-path", type=Path, help="GSM8K jsonl (default: the test split shipped in the package)"
+    )
     parser.add_argument("--num-shots", type=int, default=0, help="few-shot examples before each GSM8K question")
     parser.add_argument("--random-input-len", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -195,7 +213,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for flag, value in (("--num-prompts", ns.num_prompts), ("--max-new-tokens", ns.max_new_tokens), ("--random-input-len", ns.random_input_len)):
+    for flag, value in (
+        ("--num-prompts", ns.num_prompts),
+        ("--max-new-tokens", ns.max_new_tokens),
+        ("--random-input-len", ns.random_input_len),
+    ):
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
     if ns.temperature < 0:

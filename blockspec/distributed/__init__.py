@@ -1,1 +1,1 @@
-"""Tensor parallelism: the rank group, sharded weight loading, the forward mirror and the rank processes."""
+"""Tensor parallelism below the model: the rank group and its collectives, sharded weight loading."""

@@ -19,7 +19,9 @@ from typing import Any, Optional
 import httpx
 from tqdm import tqdm
 
-from blockspec.bench.client import accept_length_between, auth_headers, avg_accept_length, first_model_id, get_server_info
+from blockspec.evals.client import (
+    accept_length_between, auth_headers, avg_accept_length, first_model_id, get_server_info,
+)
 
 STOP = ["Question", "Assistant:", "<|separator|>"]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -156,7 +158,9 @@ def add_gsm8k_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000")
     parser.add_argument("--api-key")
     parser.add_argument("--model", help="model id sent to the server (default: the first of /v1/models)")
-    parser.add_argument("--data-path", type=Path, help="GSM8K test.jsonl (default: the test split shipped in the package)")
+    parser.add_argument(
+        "--data-path", type=Path, help="GSM8K test.jsonl (default: the test split shipped in the package)"
+    )
     parser.add_argument("--num-examples", type=int, default=200)
     parser.add_argument("--num-threads", type=int, default=64)
     parser.add_argument("--num-shots", type=int, default=5)
@@ -167,7 +171,11 @@ def add_gsm8k_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for flag, value in (("--num-examples", ns.num_examples), ("--num-threads", ns.num_threads), ("--max-tokens", ns.max_tokens)):
+    for flag, value in (
+        ("--num-examples", ns.num_examples),
+        ("--num-threads", ns.num_threads),
+        ("--max-tokens", ns.max_tokens),
+    ):
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
     if ns.num_shots < 0:

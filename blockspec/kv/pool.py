@@ -20,8 +20,15 @@ class LayerKVStore:
 
 
 class KVPool:
+
     def __init__(
-        self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         shape = (num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

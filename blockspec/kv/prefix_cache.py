@@ -1,8 +1,9 @@
 """PrefixCache: what the scheduler asks of the radix tree: a prefix to reuse at admission, the KV to keep at release.
 
 Invariants, for every admitted request:
-- `req.pages[:req.shared_len // page_size]` are tree pages, locked through `req.cache_node`: read, never written
-  (a request writes KV only at positions >= kv_len >= shared_len, and shared_len is a whole number of pages).
+- `req.pages[:req.shared_len // page_size]` are tree pages, locked through the tree node the cache holds for the
+  request (`locked`): read, never written (a request writes KV only at positions >= kv_len >= shared_len, and
+  shared_len is a whole number of pages).
 - The rest of `req.pages` belong to the request; `release` hands the full pages of its valid KV to the tree and frees
   the others.
 - A request's KV is valid for positions < min(kv_len, len(all_ids)): `kv_len` can run past the committed tokens when
@@ -18,9 +19,9 @@ from typing import Any, Optional
 
 from blockspec.host_tensors import int64_tensor
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
-from blockspec.kv.radix_tree import RadixTree
+from blockspec.kv.radix_tree import RadixNode, RadixTree
+from blockspec.outputs import ExtendChunk
 from blockspec.request import Req
-from blockspec.step.plan import ExtendChunk
 
 IN_BATCH_MIN_SHARED = 32  # NOTE: uncached prompt tokens a waiting request must share with a step's extend to wait
 
@@ -66,6 +67,7 @@ class PrefixCache:
             raise RuntimeError("a scheduler without the radix cache over a pool that has one")
         self.lookup_tokens = 0  # tokens admitted requests needed KV for (retracted ones: those not computed before)
         self.hit_tokens = 0  # of those, tokens whose KV came from the cache
+        self.locked: dict[Req, RadixNode] = {}  # NOTE: the tree node each request's shared pages are locked through
 
     @property
     def enabled(self) -> bool:
@@ -83,7 +85,7 @@ class PrefixCache:
         # hidden state seeds the first draft block.
         pages, node = self.tree.match(req.all_ids[:-1])
         self.tree.lock(node)
-        req.cache_node, req.pages = node, list(pages)
+        self.locked[req], req.pages = node, list(pages)
         req.kv_len = req.shared_len = len(pages) * self.page_size
 
     def in_batch(self, chunks: list[ExtendChunk]) -> Optional[InBatchPrefixes]:
@@ -137,11 +139,12 @@ class PrefixCache:
             self.table.write(req.pool_row, first * ps, int64_tensor(slots))
         self.tree.lock(node)
         self._unlock(req)
-        req.cache_node, req.shared_len = node, length
+        self.locked[req], req.shared_len = node, length
 
     def release(self, req: Req) -> None:
         """A finished, aborted or retracted request gives its pages back: the full pages of its valid KV to the
-        tree (tokens already cached keep the tree's pages; the request's copies are freed), the rest to the free list."""
+        tree (tokens already cached keep the tree's pages; the request's copies are freed), the rest to the free
+        list."""
         ps = self.page_size
         shared = req.shared_len // ps
         keep = shared
@@ -180,8 +183,7 @@ class PrefixCache:
         return min(req.kv_len, len(req.all_ids)) // self.page_size
 
     def _unlock(self, req: Req) -> None:
-        node = req.cache_node
+        node = self.locked.pop(req, None)
         if node is not None:
             assert self.tree is not None
             self.tree.unlock(node)
-            req.cache_node = None

@@ -179,7 +179,9 @@ class RadixTree:
         heapq.heappush(self._candidates, (node.last_access, next(self._order), node))
         if len(self._candidates) > 4 * self.num_nodes + self.candidate_slack:
             # NOTE: in place: an `evict` in progress pops from this same list
-            self._candidates[:] = [(n.last_access, next(self._order), n) for n in self._nodes() if self._evictable_leaf(n)]
+            self._candidates[:] = [
+                (n.last_access, next(self._order), n) for n in self._nodes() if self._evictable_leaf(n)
+            ]
             heapq.heapify(self._candidates)
 
     def _first_page(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ class KernelMode:
     (layers/batch_invariant_matmul.py; on CPU only under TRITON_INTERPRET=1, for tests).
 
     NOTE: the other reductions need no mode: RMSNorm / q-k norm, rope and SiLU·mul are one program per row on CUDA
-    (Triton) and row-wise torch ops on CPU, argmax is exact; all batch-invariant already (tests/test_batch_invariant_rows.py)."""
+    (Triton) and row-wise torch ops on CPU, argmax is exact; all batch-invariant already
+    (tests/test_batch_invariant_rows.py)."""
 
     batch_invariant: bool = False
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.distributed.group import TensorParallel
-from blockspec.sampling import greedy_tokens
+from blockspec.layers.argmax import greedy_tokens
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -10,7 +10,18 @@ from torch import nn
 
 from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.norm import RMSNorm, rmsnorm_torch, use_triton
-from blockspec.models.config import RopeConfig
+
+
+@dataclass
+class RopeConfig:
+    """A model's rotary scaling, from its config.json (models/config.py parses it)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)

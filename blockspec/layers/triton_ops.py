@@ -94,7 +94,9 @@ def _rope_store_kernel(
     sin = tl.load(sin_ptr + pos * stride_table + dims)
     if HAS_Q:
         q_base = q_ptr + token * stride_q_tok
-        q1, q2 = _norm_rope_heads(q_base, stride_q_head, num_q_heads, q_norm_ptr, eps, cos, sin, HALF, BLOCK_HQ, QK_NORM)
+        q1, q2 = _norm_rope_heads(
+            q_base, stride_q_head, num_q_heads, q_norm_ptr, eps, cos, sin, HALF, BLOCK_HQ, QK_NORM
+        )
         _store_heads(q_base, stride_q_head, num_q_heads, q1, q2, HALF, BLOCK_HQ)
     k_base = k_ptr + token * stride_k_tok
     k1, k2 = _norm_rope_heads(k_base, stride_k_head, num_kv_heads, k_norm_ptr, eps, cos, sin, HALF, BLOCK_HK, QK_NORM)

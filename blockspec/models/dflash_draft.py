@@ -8,10 +8,12 @@ import torch
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
+from blockspec.batch import ForwardBatch
 from blockspec.distributed.group import TensorParallel
 from blockspec.distributed.shards import ShardLayout, iter_sharded_safetensors
 from blockspec.kv.pool import KVPool, LayerKVStore
 from blockspec.layers.activation import GatedMLP
+from blockspec.layers.argmax import greedy_tokens
 from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
 from blockspec.layers.linear import Linear, StackedLinear
 from blockspec.layers.norm import RMSNorm
@@ -19,8 +21,6 @@ from blockspec.layers.parallel import greedy_head_tokens
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
 from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into, safetensors_files
-from blockspec.batch import ForwardBatch
-from blockspec.sampling import greedy_tokens
 
 
 class DraftAttention(nn.Module):
@@ -37,13 +37,16 @@ class DraftAttention(nn.Module):
             self.num_kv_heads = tp.local_kv_heads(config.num_kv_heads)
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias,
-                                      kernels)
+        self.qkv_proj = StackedLinear(
+            h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias, kernels
+        )
         self.o_proj = Linear(self.num_heads * d, h, bias, kernels)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def store_context_kv(self, context: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, store: LayerKVStore) -> None:
+    def store_context_kv(
+        self, context: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, store: LayerKVStore
+    ) -> None:
         """k = rope(k_norm(k_proj(c))), v = v_proj(c) written at store.slots (on CUDA in the rope launch)."""
         t = context.shape[0]
         # NOTE: one GEMM for k|v: rows q_size.. of the stacked weight (a view, no copy).
@@ -101,7 +104,9 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
-    def materialise_context(self, aux_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool) -> None:
+    def materialise_context(
+        self, aux_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool
+    ) -> None:
         """Writes draft K/V of committed tokens: k = rope(k_norm(k_proj(c))), v = v_proj(c), c = hidden_norm(fc(aux)).
 
         NOTE: context features do not pass input_layernorm (z-lab's reference does the same)."""

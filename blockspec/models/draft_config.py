@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from blockspec.models.config import RopeConfig, TargetConfig, load_json, parse_rope
+from blockspec.layers.rotary import RopeConfig
+from blockspec.models.config import TargetConfig, load_json, parse_rope
 
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -66,12 +67,16 @@ def parse_draft_config(raw: dict[str, Any], target: TargetConfig) -> DraftConfig
         layer_ids = default_target_layer_ids(num_target_layers, num_layers)
     layer_ids = [int(i) for i in layer_ids]
     if not layer_ids or any(not 0 <= i < target.num_layers for i in layer_ids):
-        raise ValueError(f"draft target_layer_ids {layer_ids} must lie in [0, {target.num_layers}) (the target's layers)")
+        raise ValueError(
+            f"draft target_layer_ids {layer_ids} must lie in [0, {target.num_layers}) (the target's layers)"
+        )
     mask_token_id = _get(raw, "mask_token_id")
     if mask_token_id is None:
         raise ValueError("draft config has no mask_token_id (top level or under dflash_config)")
     if not 0 <= int(mask_token_id) < target.vocab_size:
-        raise ValueError(f"draft mask_token_id {mask_token_id} is outside the target vocabulary [0, {target.vocab_size})")
+        raise ValueError(
+            f"draft mask_token_id {mask_token_id} is outside the target vocabulary [0, {target.vocab_size})"
+        )
     layer_types = _get(raw, "layer_types") or ["full_attention"] * num_layers
     if len(layer_types) != num_layers:
         raise ValueError(f"draft layer_types has {len(layer_types)} entries for {num_layers} layers")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from blockspec.config import EngineConfig
+    from blockspec.config.engine_config import EngineConfig
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # NOTE: what loading a checkpoint reads; no optimizer states, other weight formats or media
@@ -51,6 +51,10 @@ def with_local_checkpoints(config: "EngineConfig") -> "EngineConfig":
     return dataclasses.replace(
         config,
         model_path=resolve_checkpoint(config.model_path, "model_path"),
-        tokenizer_path=None if config.tokenizer_path is None else resolve_checkpoint(config.tokenizer_path, "tokenizer_path"),
-        speculative_draft_model_path=None if draft is None else resolve_checkpoint(draft, "speculative_draft_model_path"),
+        tokenizer_path=(
+            None if config.tokenizer_path is None else resolve_checkpoint(config.tokenizer_path, "tokenizer_path")
+        ),
+        speculative_draft_model_path=(
+            None if draft is None else resolve_checkpoint(draft, "speculative_draft_model_path")
+        ),
     )

@@ -12,17 +12,17 @@ import torch
 from torch import nn
 
 from blockspec.attention.base import AttentionBackend
+from blockspec.batch import ForwardBatch
 from blockspec.distributed.group import TensorParallel
+from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
 from blockspec.layers.linear import Linear, StackedLinear, linear_into
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.parallel import VocabParallelEmbedding, VocabParallelLMHead, greedy_head_tokens
-from blockspec.kv.pool import LayerKVStore
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.config import TargetConfig
 from blockspec.models.pieces import PieceState
-from blockspec.batch import ForwardBatch
 
 
 @dataclass
@@ -47,8 +47,9 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = StackedLinear(h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias,
-                                      kernels)
+        self.qkv_proj = StackedLinear(
+            h, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"], bias, kernels
+        )
         self.o_proj = Linear(self.num_heads * d, h, bias, kernels)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)

@@ -86,7 +86,8 @@ def load_weights_into(
         target = params[param_name].narrow(0, offset, rows) if name in stacked else params[param_name]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, the config implies {tuple(target.shape)}"
+                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, the config implies "
+                f"{tuple(target.shape)}"
             )
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))

@@ -3,41 +3,36 @@
 Graphs are registered by (kind, tokens per request): one GraphedForward each, holding one graph per captured batch
 size (DFlash captures its cycle and verify kinds once per verify length in use, speculative/verify_length.py). Every
 uniform forward of the engine goes through `run(kind, inputs, eager)`: a replay when graphs are on and the graph of
-the kind at the inputs' tokens per request accepts them, else `eager` on the batch built from them; both are counted. `enabled` is the public
-switch (benchmarks time eager steps with `graphs.enabled = False`); turning it off keeps the captured graphs.
+the kind at the inputs' tokens per request accepts them, else `eager` on the batch built from them; both are
+counted. `enabled` is the public switch (benchmarks time eager steps with `graphs.enabled = False`); turning it off
+keeps the captured graphs. Rank 0 of a tensor-parallel group sends each run to the other ranks first
+(runner/mirror.py).
 """
 from __future__ import annotations
 
-import enum
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from blockspec.attention.base import AttentionBackend, GraphPlanner, graph_planner
 from blockspec.batch import ForwardBatch, ForwardMode, GraphInputs
 from blockspec.kv.allocator import ReqToTokenTable
-from blockspec.runner.cuda_graph import GraphedForward, GraphOutputs
-
-if TYPE_CHECKING:
-    from blockspec.distributed.mirror import ForwardMirror
+from blockspec.runner.cuda_graph import GraphOutputs, GraphedForward
+from blockspec.runner.graph_kind import GraphKind, tokens_per_request
+from blockspec.runner.mirror import ForwardMirror
 
 EagerForward = Callable[[ForwardBatch], GraphOutputs]
 
 
-class GraphKind(enum.Enum):
-    DECODE = "target-decode"  # target-only decode: 1 token per request
-    VERIFY = "target-verify"  # DFlash verify: B block tokens per request (+ the draft KV materialise)
-    DRAFT = "draft"  # DFlash propose: the draft over [bonus, mask x (B-1)]
-    GREEDY_CYCLE = "greedy-cycle"  # a whole greedy DFlash cycle: propose → verify → both argmaxes → acceptance
-
-
 class CudaGraphs:
     def __init__(
-        self, available: bool, batch_sizes: list[int], table: ReqToTokenTable, max_positions: int, device: torch.device
+        self, available: bool, batch_sizes: list[int], table: ReqToTokenTable, max_positions: int, device: torch.device,
+        forward_mirror: Optional[ForwardMirror] = None,
     ) -> None:
         """`available`: whether this engine captures full graphs at all (CUDA, a graph-capable backend, not
-        disabled by flags); when False `capture` is a no-op and every forward runs eagerly."""
+        disabled by flags); when False `capture` is a no-op and every forward runs eagerly. `forward_mirror`: rank 0
+        of a tensor-parallel group sends each run to the other ranks through it (once it is started)."""
         self.available = available
         self.enabled = available
         self.batch_sizes = batch_sizes
@@ -47,8 +42,7 @@ class CudaGraphs:
         self.by_kind: dict[tuple[GraphKind, int], GraphedForward] = {}
         self.counts = {"graph": 0, "eager": 0}
         self.capture_seconds = 0.0  # every kind's capture together (start-up report)
-        # NOTE: rank 0 of a tensor-parallel group sets this (distributed/mirror.py): each run goes to the other ranks
-        self.forward_mirror: Optional[ForwardMirror] = None
+        self.forward_mirror = forward_mirror
 
     def capture(
         self,
@@ -110,13 +104,6 @@ class CudaGraphs:
         if isinstance(inputs, ForwardBatch):
             return inputs
         return inputs.to_batch(self.table.table, self.max_positions)
-
-
-def tokens_per_request(inputs: GraphInputs) -> int:
-    """The uniform number of new tokens per request of a built batch or of rows."""
-    if isinstance(inputs, ForwardBatch):
-        return -1 if inputs.uniform_q_len is None else inputs.uniform_q_len
-    return inputs.q
 
 
 def single_host_planner(kind: GraphKind, attention: Sequence[AttentionBackend]) -> Optional[GraphPlanner]:

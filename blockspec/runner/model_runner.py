@@ -4,28 +4,27 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.attention.factory import make_backend, resolve_backend_name
-from blockspec.config import EngineConfig
-from blockspec.deterministic import batch_invariant_attention, check_device_support, kernel_mode
+from blockspec.attention.triton_backend import DEFAULT_ATTENTION_KERNELS, TritonAttentionBackend
+from blockspec.attention.triton_graph_extend import GraphExtendAttention
+from blockspec.batch import ForwardBatch, GraphInputs
+from blockspec.config.engine_config import EngineConfig
 from blockspec.distributed.group import TensorParallel
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig, load_target_config
 from blockspec.models.llama import ModelOutput
 from blockspec.models.loader import load_target_model, resolve_dtype
-from blockspec.batch import ForwardBatch, GraphInputs
-from blockspec.runner.graphs import CudaGraphs, GraphKind
-from blockspec.attention.triton_backend import DEFAULT_ATTENTION_KERNELS, TritonAttentionBackend
-from blockspec.attention.triton_graph_extend import GraphExtendAttention
+from blockspec.runner.deterministic import batch_invariant_attention, check_device_support, kernel_mode
+from blockspec.runner.graph_kind import GraphKind
+from blockspec.runner.graphs import CudaGraphs
+from blockspec.runner.mirror import ForwardMirror
 from blockspec.runner.piecewise_graph import AuxConsumer, PiecewiseGraphRunner, default_buckets
-
-if TYPE_CHECKING:
-    from blockspec.distributed.mirror import ForwardMirror
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +69,6 @@ class ModelRunner:
         every rank's pool has the same number of slots (the slot ids rank 0 allocates are valid everywhere)."""
         self.config = config
         self.tp = tp
-        # NOTE: rank 0 of a group sets this (distributed/mirror.py): every forward's batch goes to the other ranks first
-        self.forward_mirror: Optional[ForwardMirror] = None
         self.hidden_capture_layer_ids = hidden_capture_layer_ids
         self.device = config.resolved_device
         self.dtype = pick_dtype(config, self.device)
@@ -106,6 +103,12 @@ class ModelRunner:
         )
         table_width = min(self.max_positions, self.allocator.total_slots + extra_positions + 1)
         self.req_to_token = ReqToTokenTable(config.max_running_requests, table_width, self.device)
+        # NOTE: rank 0 of a tensor-parallel group sends every forward to the other ranks first (once the engine starts
+        # the mirror, after graph capture); the other ranks receive them (worker/forward_receiver.py)
+        self.forward_mirror: Optional[ForwardMirror] = None
+        if tp is not None and tp.rank == 0:
+            self.forward_mirror = ForwardMirror(tp, self.req_to_token.table,
+                                                lambda: (self.graphs.enabled, self.piecewise_enabled))
         self.startup_seconds["kv_pool"] = time.perf_counter() - started
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
         self.attention: AttentionBackend = make_backend(
@@ -116,7 +119,14 @@ class ModelRunner:
             self.device.type == "cuda" and not config.disable_cuda_graph
             and self.attention_backend in ("triton", "flashinfer")
         )
-        self.graphs = CudaGraphs(graphs_available, config.cuda_graph_bs, self.req_to_token, self.max_positions, self.device)
+        self.graphs = CudaGraphs(
+            graphs_available,
+            config.cuda_graph_bs,
+            self.req_to_token,
+            self.max_positions,
+            self.device,
+            self.forward_mirror,
+        )
         self.piecewise: Optional[PiecewiseGraphRunner] = None
         self.piecewise_enabled = True  # NOTE: public switch (benchmarks time eager extends); keeps the captured graphs
         self.piecewise_counts = {"piecewise": 0, "piecewise_fallback": 0}

@@ -27,9 +27,9 @@ import torch
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.attention.triton_graph_extend import GraphExtendAttention
+from blockspec.batch import ForwardBatch, ForwardMode
 from blockspec.models.llama import CausalLM, ModelOutput
 from blockspec.models.pieces import PieceState
-from blockspec.batch import ForwardBatch, ForwardMode
 from blockspec.runner.gc_pause import garbage_collection_paused
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,9 @@ class PiecewiseGraphRunner:
                 self.graphs[(index, n)] = graph
         logger.info(
             "captured piecewise graphs: %d buckets x %d graphs in %.1f s, %.0f MiB",
-            len(self.buckets), 1 if self.graph_attention is not None else self.model.num_pieces, time.perf_counter() - start,
+            len(self.buckets),
+            1 if self.graph_attention is not None else self.model.num_pieces,
+            time.perf_counter() - start,
             (torch.cuda.memory_allocated(self.device) - before) / 2**20,
         )
 
@@ -193,7 +195,9 @@ class PiecewiseGraphRunner:
                 self.whole_forward(n)
             return self.output(batch, t)
         batch.attn_meta = self.backend.plan(batch)
-        run: Callable[[int], None] = (lambda i: self.graphs[(i, n)].replay()) if use_graphs else (lambda i: self.segment(i, n))
+        run: Callable[[int], None] = (
+            (lambda i: self.graphs[(i, n)].replay()) if use_graphs else (lambda i: self.segment(i, n))
+        )
         q, k, v = self.model.split_qkv(self.qkv[:t])  # NOTE: attention runs on the real rows only
         for index in range(self.model.num_pieces):
             run(index)

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from blockspec.engine import Engine
+from blockspec.engine.engine import Engine
 from blockspec.server.args import ServerSettings
 from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics
@@ -40,7 +40,12 @@ class ApiKeyMiddleware:
             return
         supplied = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(supplied, self.expected):
-            error = APIError(401, "authorization: missing or wrong API key (send 'Authorization: Bearer KEY')", "authorization", "authentication_error")
+            error = APIError(
+                401,
+                "authorization: missing or wrong API key (send 'Authorization: Bearer KEY')",
+                "authorization",
+                "authentication_error",
+            )
             self.metrics.http_errors.labels(status="401").inc()
             await JSONResponse(error.body(), status_code=401)(scope, receive, send)
             return
@@ -65,7 +70,9 @@ class BodyLimitMiddleware:
         self.drain_bytes = drain_bytes
 
     def error(self) -> APIError:
-        return APIError(413, f"body: larger than the server's limit of {self.limit} bytes (--max-request-bytes)", "body")
+        return APIError(
+            413, f"body: larger than the server's limit of {self.limit} bytes (--max-request-bytes)", "body"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -183,4 +190,3 @@ def create_app(engine: Union[Engine, EngineLoop], settings: Optional[ServerSetti
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
     return app
-

@@ -6,11 +6,12 @@ import dataclasses
 import math
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from blockspec.admission import WAIT_POLICIES
-from blockspec.config import ATTENTION_BACKENDS, EngineConfig
+from blockspec.config.engine_config import EngineConfig
+from blockspec.config.flags import ENGINE_FLAGS
 from blockspec.server.compat_flags import add_compat_arguments, apply_compat_flags
 from blockspec.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
@@ -48,103 +49,81 @@ class ServeArgs:
     server: ServerSettings = field(default_factory=ServerSettings)
 
 
-# (flag, argparse keywords); each engine flag sets the EngineConfig field named after it.
-_ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--model-path", dict(required=True, help="HF checkpoint directory of the target model, or a hub id org/name")),
-    ("--tokenizer-path", dict(help="tokenizer directory (default: the model path)")),
-    ("--skip-tokenizer-init", dict(action="store_true", help="serve input_ids only, no tokenizer")),
-    ("--trust-remote-code", dict(action="store_true", help="accepted for SGLang compatibility")),
-    ("--device", dict(default="auto", help="auto, cpu, cuda or cuda:N")),
-    ("--dtype", dict(default="auto", choices=("auto", "float32", "bfloat16", "float16", "half"),
-                     help="auto: bfloat16 on CUDA, float32 on CPU; half = float16 (default auto)")),
-    ("--attention-backend", dict(default="auto", choices=ATTENTION_BACKENDS,
-                                 help="auto: Triton on CUDA, torch on CPU (default auto)")),
-    ("--page-size", dict(type=int, default=1, help="tokens per KV page (default 1)")),
-    ("--max-running-requests", dict(type=int, default=64, help="requests decoding at once (default 64)")),
-    ("--max-total-tokens", dict(type=int, help="KV pool size in tokens (default: from --mem-fraction-static)")),
-    ("--chunked-prefill-size", dict(type=int, default=8192, help="-1 disables chunked prefill")),
-    ("--max-prefill-wait-steps", dict(type=int, help="while requests decode, new arrivals wait up to N decode steps "
-                                      "to be prefilled together in one extend step (default: 1 with "
-                                      "--speculative-algorithm, else 0: at once)")),
-    ("--prefill-wait-policy", dict(default="fixed", choices=WAIT_POLICIES, help="fixed: held arrivals wait the N steps "
-                                   "of --max-prefill-wait-steps; cost: N at most, released once holding them has "
-                                   "cost as much as an extend step (default fixed)")),
-    ("--stream-interval", dict(type=int, default=1, help="a streaming request gets a chunk once this many new tokens "
-                               "are ready, and its last one always (default 1: every step's tokens)")),
-    ("--context-length", dict(type=int, help="prompt + output limit (default: the model's max_position_embeddings)")),
-    ("--mem-fraction-static", dict(type=float, default=0.85, help="GPU memory share for weights + KV pool (default 0.85)")),
-    ("--random-seed", dict(type=int, default=0, help="seed for dummy weights and simulated acceptance (default 0)")),
-    ("--host-threads", dict(type=int, help="torch threads for the engine's host-side tensor work (default: 1 on a GPU, "
-                                            "torch's default on CPU)")),
-    ("--cuda-graph-bs", dict(type=int, nargs="+", help="batch sizes captured as CUDA graphs")),
-    ("--disable-cuda-graph", dict(action="store_true", help="run decode / verify / draft eagerly (default: graphs on CUDA)")),
-    ("--disable-overlap-schedule", dict(action="store_true", help="greedy decode: commit each step before launching the next")),
-    ("--disable-radix-cache", dict(action="store_true", help="no prefix sharing: every prompt is prefilled in full")),
-    ("--enable-mixed-chunk", dict(action="store_true", help="one forward carries prefill chunks with the running decode/verify")),
-    ("--enforce-piecewise-cuda-graph", dict(action="store_true", help="piecewise CUDA graphs for prefill/extend")),
-    ("--piecewise-eager-attention", dict(action="store_true", help="run attention eagerly between the piecewise "
-     "graphs (default with Triton attention: each token bucket's whole extend forward, attentions included, is one "
-     "graph)")),
-    ("--piecewise-attention-max-splits", dict(type=int, default=4, help="Triton attention inside the piecewise "
-     "graphs splits each program's keys up to N ways (a power of two <= 16) in token buckets too small to fill the "
-     "GPU (cache-hit extends: few new tokens behind long cached prefixes); 1: never")),
-    ("--piecewise-cuda-graph-max-tokens", dict(type=int, help="largest piecewise-graph token bucket (default: the "
-                                                              "--chunked-prefill-size, at most 8192)")),
-    ("--piecewise-cuda-graph-tokens", dict(type=int, nargs="+", help="explicit token buckets for piecewise graphs")),
-    ("--cuda-graph-backend-prefill", dict(choices=("piecewise", "none"), help="piecewise = --enforce-piecewise-cuda-graph")),
-    ("--tp-size", dict(type=int, default=1, help="tensor-parallel ranks (one process and GPU each; default 1)")),
-    ("--speculative-algorithm", dict(type=str.upper, choices=("DFLASH",), help="DFLASH (default: none, target only)")),
-    ("--speculative-draft-model-path", dict(help="z-lab format DFlash draft directory or hub id (default: none)")),
-    ("--speculative-num-draft-tokens", dict(type=int, help="block size (default: the draft's block_size)")),
-    ("--speculative-simulate-accept-len", dict(type=float, help="benchmarking only: force the accept length")),
-    ("--speculative-simulate-accept-profile", dict(
-        help="benchmarking only: draw each verify's accept length from geometric:MEAN or an accept-length histogram "
-             "JSON (the /server_info layout)")),
-    ("--speculative-adaptive-verify", dict(
-        type=str.lower, choices=("on", "off"),
-        help="verify length per batch size from measured cycle times and live acceptance (default: on when the "
-             "DFlash cycle runs in CUDA graphs; on without graphs times eager cycles)")),
-    ("--speculative-num-draft-tokens-per-bs", dict(
-        help="fixed verify length per batch size instead, e.g. 1-16:10,17-64:4 (1 = plain target decode)")),
-    ("--load-format", dict(default="auto", choices=("auto", "dummy"), help="dummy: random weights (default auto)")),
-    ("--enable-deterministic-inference", dict(
-        action="store_true",
-        help="batch-invariant GEMM, attention and norms: a token's logits do not depend on the batch, so greedy DFlash "
-             "output equals target-only output at any batch size (Triton attention, tp-size 1; costs step latency)")),
-    ("--triton-attention-split-tile-size", dict(
-        type=int, help="keys per KV split of the deterministic attention, a multiple of 32 (default 256)")),
-]
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _engine_flag(field: dataclasses.Field[Any], field_type: Any) -> tuple[str, dict[str, Any]]:
+    """The argparse flag of one EngineConfig field: its type and default from the field, the rest from ENGINE_FLAGS."""
+    flag = ENGINE_FLAGS[field.name]
+    kwargs: dict[str, Any] = {"help": flag.help}
+    value_type = field_type
+    if typing.get_origin(field_type) is typing.Union:  # NOTE: Optional[X]: the flag takes an X
+        value_type = next(t for t in typing.get_args(field_type) if t is not type(None))
+    if value_type is bool:
+        kwargs["action"] = "store_true"  # NOTE: every switch defaults to off
+    elif typing.get_origin(value_type) is list:
+        kwargs.update(type=typing.get_args(value_type)[0], nargs="+")
+    elif value_type in (int, float):
+        kwargs["type"] = value_type
+    if flag.fold_case is not None:
+        kwargs["type"] = flag.fold_case
+    if flag.choices is not None:
+        kwargs["choices"] = flag.choices
+    if flag.required:
+        kwargs["required"] = True
+    elif value_type is not bool and not flag.unset_by_default and field.default not in (dataclasses.MISSING, None):
+        kwargs["default"] = field.default
+    return _flag(field.name), kwargs
+
+
+def _engine_flags() -> list[tuple[str, dict[str, Any]]]:
+    """Every EngineConfig field with an entry in ENGINE_FLAGS, in that table's order (the --help order)."""
+    fields = {field.name: field for field in dataclasses.fields(EngineConfig)}
+    types = typing.get_type_hints(EngineConfig)
+    return [_engine_flag(fields[name], types[name]) for name in ENGINE_FLAGS]
+
+
+_ENGINE_FLAGS = _engine_flags()
 
 _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--host", dict(default="127.0.0.1", help="address to listen on (default 127.0.0.1)")),
     ("--port", dict(type=int, default=30000, help="0 picks a free port")),
     ("--api-key", dict(help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")),
-    ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="waiting requests beyond it get 503")),
+    ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                                   help="waiting requests beyond it get 503")),
     ("--served-model-name", dict(help="model id reported by /v1/models (default: the model path)")),
-    ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS, help="info and debug add an access log line per request (default warning)")),
-    ("--tool-call-parser", dict(choices=TOOL_CALL_PARSERS, help="the model's tool-call format: llama3 (Llama-3.x JSON) or "
-                                "qwen3 (Hermes-style <tool_call>); default none: chat requests with tools get 400")),
-    ("--max-request-bytes", dict(type=int, default=DEFAULT_MAX_REQUEST_BYTES, help="request bodies larger than this get 413 (default 16 MiB, far above any context length of text)")),
+    ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS,
+                         help="info and debug add an access log line per request (default warning)")),
+    ("--tool-call-parser", dict(
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format: llama3 (Llama-3.x JSON) or qwen3 (Hermes-style <tool_call>); default "
+             "none: chat requests with tools get 400")),
+    ("--max-request-bytes", dict(
+        type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="request bodies larger than this get 413 (default 16 MiB, far above any context length of text)")),
     ("--shutdown-grace-s", dict(
         type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
-        help="on SIGTERM/SIGINT, in-flight requests get this long to finish; then streams end with an SSE error event "
-             "and the others get 503 (default 20: below Kubernetes' 30 s from SIGTERM to SIGKILL)",
+        help="on SIGTERM/SIGINT, in-flight requests get this long to finish; then streams end with an SSE error "
+             "event and the others get 503 (default 20: below Kubernetes' 30 s from SIGTERM to SIGKILL)",
     )),
     ("--header-timeout-s", dict(
         type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-        help="a connection must deliver a complete request head this long after it opens or its last response ends; "
-             "else it is closed, with a 408 if it sent part of one (default 10)",
+        help="a connection must deliver a complete request head this long after it opens or its last response "
+             "ends; else it is closed, with a 408 if it sent part of one (default 10)",
     )),
     ("--body-timeout-s", dict(
         type=float, default=DEFAULT_BODY_TIMEOUT_S,
-        help="once a request head is in, its whole body must arrive within this long; else the connection is closed "
-             "with a 408 (default 60)",
+        help="once a request head is in, its whole body must arrive within this long; else the connection is "
+             "closed with a 408 (default 60)",
     )),
     ("--max-connections", dict(
         type=int, default=DEFAULT_MAX_CONNECTIONS,
         help="open connections per HTTP server process; one over it is answered 503 and closed (default 1000)",
     )),
-    ("--timeout-keep-alive", dict(type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE, help="seconds an idle keep-alive connection stays open (uvicorn's, default 5)")),
+    ("--timeout-keep-alive", dict(
+        type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
+        help="seconds an idle keep-alive connection stays open (uvicorn's, default 5)")),
     ("--api-server-count", dict(
         type=int,
         help="HTTP server processes on the port (SO_REUSEPORT), each with its own event loop, tokenizer and "
@@ -197,8 +176,8 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
         engine["dtype"] = "float16"
     apply_compat_flags(values, engine, parser)
     if engine["max_prefill_wait_steps"] is None:
-        # NOTE: H200, 2026-12-02, 793551f, SmolLM2 shapes, DFlash, 64 clients, 4 HTTP processes, one lease: 0.89 of
-        # the offline engine at 0, 0.97 at 1 (fewer, larger extend steps, each of which stalls every running cycle)
+        # NOTE: DFlash serving keeps more of the offline engine's throughput with arrivals held one step (fewer, larger
+        # extend steps, each of which stalls every running cycle); measured in docs/performance.md
         engine["max_prefill_wait_steps"] = 1 if engine["speculative_algorithm"] else 0
     if values["api_server_count"] is None:
         values["api_server_count"] = default_api_server_count(engine["device"], usable_cpu_count())
@@ -237,8 +216,8 @@ def usable_cpu_count() -> Optional[int]:
 
 def default_api_server_count(device: str, cpu_count: Optional[int]) -> int:
     """HTTP server processes when --api-server-count is not given: on a GPU one per 4 CPU cores, at most 4; else 1.
-    NOTE: on the H200 (16 cores, 2026-12-02, 793551f, SmolLM2 shapes, 64 clients) one process kept 0.89 of the
-    offline engine's target-only tokens/s and four kept 1.05; on a CPU the engine, not HTTP, is the bottleneck."""
+    NOTE: on a GPU one HTTP process cannot keep up with a small model's engine (measured in docs/performance.md); on
+    a CPU the engine, not HTTP, is the bottleneck."""
     on_gpu = device.startswith("cuda")
     if device == "auto":
         import torch

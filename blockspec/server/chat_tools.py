@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from blockspec.grammar import GrammarSpec, check_grammar
+from blockspec.request import GrammarSpec, check_grammar
 from blockspec.server.protocol import ChatCompletionRequest
 from blockspec.server.state import APIError
 from blockspec.server.tool_calls import ToolCall, parse_tool_calls, required_call_grammar

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from blockspec.config import DEFAULT_CUDA_GRAPH_BS
+from blockspec.config.engine_config import DEFAULT_CUDA_GRAPH_BS
 
 COMPAT_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--cuda-graph-max-bs", dict(type=int, help="capture CUDA graphs for the default batch sizes up to this one "

@@ -9,12 +9,12 @@ from typing import Any, Callable, Optional, Union
 
 import zmq
 
-from blockspec.engine import Engine
+from blockspec.engine import wire
+from blockspec.engine.engine import Engine
+from blockspec.engine.process import EngineHandle, EngineThread, RemoteEngine
 from blockspec.request import Req
-from blockspec.server import wire
 from blockspec.server.detokenize import OutputTexts
 from blockspec.server.engine_errors import DIED_MESSAGE, EngineLoadError, EngineStoppedError, QueueFullError
-from blockspec.server.engine_process import EngineHandle, EngineThread, RemoteEngine
 from blockspec.server.frontends import EngineAddresses
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
@@ -24,8 +24,15 @@ WATCH_MS = 200
 
 
 class EngineLoop:
-    def __init__(self, engine: Union[Engine, EngineHandle], metrics: Optional[ServerMetrics] = None, max_queued_requests: int = 1024,
-                 addresses: Optional[EngineAddresses] = None, frontend: int = 0) -> None:
+
+    def __init__(
+        self,
+        engine: Union[Engine, EngineHandle],
+        metrics: Optional[ServerMetrics] = None,
+        max_queued_requests: int = 1024,
+        addresses: Optional[EngineAddresses] = None,
+        frontend: int = 0,
+    ) -> None:
         """`addresses`: every HTTP server process's socket pair (default: one, made at launch); `frontend`: this
         process's index in them. A RemoteEngine handle means another server process launched the engine."""
         self.handle = EngineThread(engine) if isinstance(engine, Engine) else engine
@@ -82,7 +89,11 @@ class EngineLoop:
         deadline = time.monotonic() + startup_timeout
         while not self._from.poll(100):
             if not self.handle.is_alive() or time.monotonic() > deadline:
-                raise EngineLoadError("the engine exited before it was ready" if time.monotonic() <= deadline else "the engine did not start")
+                raise EngineLoadError(
+                    "the engine exited before it was ready"
+                    if time.monotonic() <= deadline
+                    else "the engine did not start"
+                )
         message = wire.decode_from_engine(self._from.recv())
         if isinstance(message, wire.LoadFailed):
             raise EngineLoadError(message.message)
@@ -267,7 +278,9 @@ class EngineLoop:
                 whole = self.texts.finish(out.rid)
                 if out.output is not None and out.text is None:
                     out.output["text"] = whole
-            submission.push(Delta(index, text, out.ids, out.output, out.error, out.status, out.logprobs, out.top_logprobs))
+            submission.push(
+                Delta(index, text, out.ids, out.output, out.error, out.status, out.logprobs, out.top_logprobs)
+            )
         stats = message.stats
         if stats is None or self.metrics is None:
             return

@@ -41,7 +41,9 @@ class EngineAddresses:
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port that other processes can bind too (SO_REUSEPORT)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -74,7 +76,9 @@ class FrontendGroup:
             while not ready.wait(0.1):
                 if not process.is_alive() or time.monotonic() > deadline:
                     self.stop(5)
-                    raise RuntimeError(f"HTTP server process {process.name} did not start (exit code {process.exitcode})")
+                    raise RuntimeError(
+                        f"HTTP server process {process.name} did not start (exit code {process.exitcode})"
+                    )
 
     def terminate(self) -> None:
         """SIGTERM to every extra process that runs: each drains its own requests."""

@@ -18,18 +18,18 @@ from typing import Any, Optional, Sequence, Union
 import uvicorn
 from fastapi import FastAPI
 
-from blockspec.engine import Engine
+from blockspec.engine.engine import Engine
+from blockspec.engine.process import EngineProcess, RemoteEngine
+from blockspec.engine.process_exit import exit_now
+from blockspec.engine.startup_report import summary_line
+from blockspec.engine.wire import EngineInfo
 from blockspec.server.app import create_app
-from blockspec.server.state import get_state_of
 from blockspec.server.args import ServeArgs, ServerSettings, parse_serve_args
 from blockspec.server.engine_errors import EngineLoadError
 from blockspec.server.engine_loop import EngineLoop
-from blockspec.server.engine_process import EngineProcess, RemoteEngine
 from blockspec.server.frontends import EngineAddresses, FrontendGroup, reuse_port_socket
-from blockspec.server.wire import EngineInfo
 from blockspec.server.http_protocol import limited_h11_protocol
-from blockspec.process_exit import exit_now
-from blockspec.startup.report import summary_line
+from blockspec.server.state import get_state_of
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_MARGIN_S = 5
@@ -102,7 +102,9 @@ def run_server(args: ServeArgs) -> int:
     if count > 1:
         sockets = [reuse_port_socket(args.server.host, args.server.port)]
         args = dataclasses.replace(args, server=dataclasses.replace(args.server, port=int(sockets[0].getsockname()[1])))
-        frontends = FrontendGroup(run_extra_frontend, count, (args, addresses.portable(), engine_loop.info, os.getpid()))
+        frontends = FrontendGroup(
+            run_extra_frontend, count, (args, addresses.portable(), engine_loop.info, os.getpid())
+        )
         stop_s = args.server.shutdown_grace_s + 2 * SHUTDOWN_MARGIN_S
         engine_loop.before_stop.append(lambda: frontends.stop(stop_s))
     server = _make_server(create_app(engine_loop, args.server), args.server, frontends)

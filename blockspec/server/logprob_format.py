@@ -20,7 +20,9 @@ def from_meta_info(meta: dict[str, Any]) -> tuple[list[int], list[float], list[l
     return ids, [float(entry[0]) for entry in chosen], [[(int(t[1]), float(t[0])) for t in top] for top in tops]
 
 
-def chat_content(tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float], tops: TopEntries) -> list[dict[str, Any]]:
+def chat_content(
+    tokenizer: Any, ids: Sequence[int], logprobs: Sequence[float], tops: TopEntries
+) -> list[dict[str, Any]]:
     def entry(token: int, logprob: float) -> dict[str, Any]:
         text = token_text(tokenizer, token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

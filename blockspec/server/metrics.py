@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from blockspec.server.wire import FinishStat, StepStats, VerifyLengthStat
+from blockspec.engine.wire import FinishStat, StepStats, VerifyLengthStat
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, float("inf"))
@@ -55,16 +55,31 @@ class ServerMetrics:
         self.kv_usage = Gauge("blockspec_token_usage", "Fraction of KV slots in use", registry=r)
         self.kv_free = Gauge("blockspec_kv_free_slots", "Free KV slots", registry=r)
         self.kv_total = Gauge("blockspec_kv_total_slots", "KV slots in the pool", registry=r)
-        self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("blockspec_time_per_output_token_seconds", "Mean time per token after the first", buckets=_TPOT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "blockspec_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "blockspec_time_per_output_token_seconds",
+            "Mean time per token after the first",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
         self.receive_time = Histogram("blockspec_request_receive_time_seconds", "Arrival to the engine's scheduler",
                                       buckets=_TPOT_BUCKETS, registry=r)
-        self.queue_time = Histogram("blockspec_request_queue_time_seconds", "In the engine's waiting queue (received to "
-                                    "admitted to a prefill step)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "blockspec_request_queue_time_seconds",
+            "In the engine's waiting queue (received to " "admitted to a prefill step)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prefill_time = Histogram("blockspec_request_prefill_time_seconds", "Admitted to first token",
                                       buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("blockspec_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r)
-        self.avg_accept = Gauge("blockspec_spec_accept_length", "Tokens committed per verify forward (bonus included)", registry=r)
+        self.e2e = Histogram(
+            "blockspec_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.avg_accept = Gauge(
+            "blockspec_spec_accept_length", "Tokens committed per verify forward (bonus included)", registry=r
+        )
         self.accept_per_verify = _CountedHistogram(
             "blockspec_spec_accept_length_per_verify", "Tokens committed by each verify forward", max_accept_length
         )
@@ -74,11 +89,17 @@ class ServerMetrics:
         self._last_detail: Optional[StepStats] = None  # the last one with the detailed fields (StepStats.detailed)
         self.kernel_compiles = Gauge(
             "blockspec_kernel_compiles_after_startup",
-            "Triton kernel variants compiled since the engine's start-up finished (each a stall; should stay 0)", registry=r,
+            "Triton kernel variants compiled since the engine's start-up finished (each a stall; should stay 0)",
+            registry=r,
         )
-        self.startup_seconds = Gauge("blockspec_startup_seconds", "Engine start-up time by phase", ["phase"], registry=r)
+        self.startup_seconds = Gauge(
+            "blockspec_startup_seconds", "Engine start-up time by phase", ["phase"], registry=r
+        )
         self.position_accept = Gauge(
-            "blockspec_spec_position_accept_rate", "Fraction of verifies that accepted draft position N", ["position"], registry=r
+            "blockspec_spec_position_accept_rate",
+            "Fraction of verifies that accepted draft position N",
+            ["position"],
+            registry=r,
         )
 
         self.verify_length = Gauge(
@@ -96,23 +117,34 @@ class ServerMetrics:
 
         self.verify_position_rate = Gauge(
             "blockspec_spec_verify_position_accept_rate",
-            "P(draft position N accepted | a verify tried it and accepted the ones before), decayed, as adaptive verify "
-            "uses it", ["position"], registry=r,
+            "P(draft position N accepted | a verify tried it and accepted the ones before), decayed, as adaptive "
+            "verify uses it",
+            ["position"],
+            registry=r,
         )
 
         self.cache_hit_rate = Gauge(
             "blockspec_cache_hit_rate", "Radix cache: prompt tokens found cached / prompt tokens admitted", registry=r
         )
-        self.cached_tokens = Counter("blockspec_cached_tokens", "Radix cache: prompt tokens whose KV was reused", registry=r)
-        self.radix_evicted_tokens = Counter("blockspec_radix_cache_evicted_tokens", "Radix cache: tokens evicted", registry=r)
-        self.radix_tree_tokens = Gauge("blockspec_radix_cache_tokens", "Radix cache: tokens held in the tree", registry=r)
+        self.cached_tokens = Counter(
+            "blockspec_cached_tokens", "Radix cache: prompt tokens whose KV was reused", registry=r
+        )
+        self.radix_evicted_tokens = Counter(
+            "blockspec_radix_cache_evicted_tokens", "Radix cache: tokens evicted", registry=r
+        )
+        self.radix_tree_tokens = Gauge(
+            "blockspec_radix_cache_tokens", "Radix cache: tokens held in the tree", registry=r
+        )
         self._cache_totals = {"cached_tokens_total": 0, "evicted_tokens_total": 0}
 
     def set_cache_stats(self, stats: dict[str, Any]) -> None:
         """From `Engine.radix_cache_stats()` (read when /metrics is scraped); engine totals only grow."""
         self.cache_hit_rate.set(float(stats["cache_hit_rate"]))
         self.radix_tree_tokens.set(int(stats["tree_tokens"]))
-        for key, counter in (("cached_tokens_total", self.cached_tokens), ("evicted_tokens_total", self.radix_evicted_tokens)):
+        for key, counter in (
+            ("cached_tokens_total", self.cached_tokens),
+            ("evicted_tokens_total", self.radix_evicted_tokens),
+        ):
             grown = int(stats[key]) - self._cache_totals[key]
             if grown > 0:
                 counter.inc(grown)

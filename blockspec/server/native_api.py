@@ -12,8 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 import blockspec
-from blockspec.request_args import logprob_request
-from blockspec.request import SamplingParams
+from blockspec.request import SamplingParams, logprob_request
 from blockspec.server.engine_errors import EngineStoppedError
 from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.metrics import CONTENT_TYPE
@@ -71,7 +70,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     return outputs[0] if single else outputs
 
 
-async def _generate_stream(state: ServerState, submission: Submission, request: Request, single: bool) -> AsyncIterator[bytes]:
+async def _generate_stream(
+    state: ServerState, submission: Submission, request: Request, single: bool
+) -> AsyncIterator[bytes]:
     """SGLang's default streaming: every chunk carries the cumulative text and output_ids."""
     texts = [""] * len(submission.reqs)
     ids: list[list[int]] = [[] for _ in submission.reqs]
@@ -87,8 +88,17 @@ async def _generate_stream(state: ServerState, submission: Submission, request: 
                 if delta.output is not None:
                     meta = delta.output["meta_info"]
                 else:
-                    meta = {"id": req.rid, "prompt_tokens": req.prompt_len, "completion_tokens": len(ids[delta.index]), "finish_reason": None}
-                chunk: dict[str, Any] = {"text": texts[delta.index], "output_ids": list(ids[delta.index]), "meta_info": meta}
+                    meta = {
+                        "id": req.rid,
+                        "prompt_tokens": req.prompt_len,
+                        "completion_tokens": len(ids[delta.index]),
+                        "finish_reason": None,
+                    }
+                chunk: dict[str, Any] = {
+                    "text": texts[delta.index],
+                    "output_ids": list(ids[delta.index]),
+                    "meta_info": meta,
+                }
                 if not single:
                     chunk["index"] = delta.index
                 yield sse(chunk)

@@ -11,7 +11,9 @@ from blockspec.server.chat_tools import ChatTools, call_json, chat_tools
 from blockspec.server.json_route import FastJSONRoute
 from blockspec.server.logprob_format import chat_content, completion_logprobs, from_meta_info
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from blockspec.server.state import APIError, ClientGone, EventStream, ServerState, finish_fields, get_state, new_id, sse, usage
+from blockspec.server.state import (
+    APIError, ClientGone, EventStream, ServerState, finish_fields, get_state, new_id, sse, usage,
+)
 from blockspec.server.submission import Submission
 from blockspec.server.tool_calls import ToolCallStream
 
@@ -20,15 +22,25 @@ _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sam
             "json_schema": "response_format"}
 
 
-def _max_new(state: ServerState, body: _SamplingFields, prompt_len: int, requested: Optional[int], default: Optional[int]) -> int:
+def _max_new(
+    state: ServerState, body: _SamplingFields, prompt_len: int, requested: Optional[int], default: Optional[int]
+) -> int:
     if requested is not None:
         return requested
     room = max(1, state.context_length - prompt_len)
     return room if default is None else min(default, room)
 
 
-def _submit(state: ServerState, body: _SamplingFields, batch: list[list[int]], requested: Optional[int], default: Optional[int],
-            prompt_param: str, rid: str, extra: Optional[dict[str, Any]] = None) -> Submission:
+def _submit(
+    state: ServerState,
+    body: _SamplingFields,
+    batch: list[list[int]],
+    requested: Optional[int],
+    default: Optional[int],
+    prompt_param: str,
+    rid: str,
+    extra: Optional[dict[str, Any]] = None,
+) -> Submission:
     """Prompt i's choice j is request i * n + j (the OpenAI choice index); `extra` sampling fields go to every one."""
     n = body.n
     params = [{**body.sampling_params(_max_new(state, body, len(ids), requested, default), j), **(extra or {})}
@@ -112,7 +124,9 @@ async def _chat_stream(state: ServerState, submission: Submission, request: Requ
     extra = {"usage": None} if include_usage else {}
     finals: dict[int, dict[str, Any]] = {}
 
-    def chunk(index: int, delta: dict[str, Any], finish: Optional[dict[str, Any]] = None, logprobs: Any = None) -> bytes:
+    def chunk(
+        index: int, delta: dict[str, Any], finish: Optional[dict[str, Any]] = None, logprobs: Any = None
+    ) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})
 
@@ -144,7 +158,9 @@ async def _chat_stream(state: ServerState, submission: Submission, request: Requ
                             yield chunk(delta.index, {"content": rest})
                         if found:
                             yield chunk(delta.index, {"tool_calls": [call_json(c, i) for i, c in enumerate(found)]})
-                            finish["finish_reason"] = "tool_calls" if finish["finish_reason"] == "stop" else finish["finish_reason"]
+                            finish["finish_reason"] = (
+                                "tool_calls" if finish["finish_reason"] == "stop" else finish["finish_reason"]
+                            )
                     yield chunk(delta.index, {}, finish)
                     if include_usage and len(finals) == n:
                         yield sse({**head, "choices": [], "usage": usage([finals[i] for i in range(n)], n)})
@@ -158,7 +174,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state = get_state(request)
     _check_model(state, body.model)
     if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo: with logprobs it needs the prompt's log-probabilities, which are not computed", "echo")
+        raise APIError(
+            400, "echo: with logprobs it needs the prompt's log-probabilities, which are not computed", "echo"
+        )
     prompt = body.prompt
     # NOTE: pydantic matched exactly one member of the Prompt union, so lists are homogeneous.
     if isinstance(prompt, str):
@@ -177,13 +195,20 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return EventStream(_completion_stream(state, submission, request, head, body, echoes))
     outputs = await state.collect(submission, request)
     choices = [
-        {"index": i, "text": echoes[i] + o["text"], "logprobs": _completion_logprobs(state, body, o), **_choice_finish(o)}
+        {
+            "index": i,
+            "text": echoes[i] + o["text"],
+            "logprobs": _completion_logprobs(state, body, o),
+            **_choice_finish(o),
+        }
         for i, o in enumerate(outputs)
     ]
     return {**head, "choices": choices, "usage": usage(outputs, body.n)}
 
 
-def _completion_logprobs(state: ServerState, body: CompletionRequest, output: dict[str, Any]) -> Optional[dict[str, Any]]:
+def _completion_logprobs(
+    state: ServerState, body: CompletionRequest, output: dict[str, Any]
+) -> Optional[dict[str, Any]]:
     if body.logprobs is None:
         return None
     return completion_logprobs(state.tokenizer, *from_meta_info(output["meta_info"]), with_top=body.logprobs > 0)
@@ -212,7 +237,9 @@ async def _completion_stream(state: ServerState, submission: Submission, request
               logprobs: Optional[list[float]] = None, tops: Any = None) -> bytes:
         entry = None
         if body.logprobs is not None and logprobs is not None:
-            entry = completion_logprobs(state.tokenizer, ids, logprobs, tops or [], offsets.get(index, 0), body.logprobs > 0)
+            entry = completion_logprobs(
+                state.tokenizer, ids, logprobs, tops or [], offsets.get(index, 0), body.logprobs > 0
+            )
         offsets[index] = offsets.get(index, 0) + len(text)
         choice = {"index": index, "text": text, "logprobs": entry, **(finish or {"finish_reason": None})}
         return sse({**head, "choices": [choice], **extra})

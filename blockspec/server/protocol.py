@@ -14,7 +14,9 @@ def _valid_unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"invalid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}") from exc
+        raise ValueError(
+            f"invalid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
+        ) from exc
     return text
 
 
@@ -217,7 +219,12 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-Prompt = Union[Text, Annotated[list[Text], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)], Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+Prompt = Union[
+    Text,
+    Annotated[list[Text], Field(min_length=1)],
+    Annotated[list[TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+]
 
 
 class CompletionRequest(_SamplingFields):
@@ -259,7 +266,9 @@ class GenerateRequest(_Lenient):
     """SGLang's native /generate: exactly one of `text` / `input_ids`; lists make a batch."""
 
     text: Union[Text, Annotated[list[Text], Field(min_length=1)], None] = None
-    input_ids: Union[Annotated[list[StrictInt], Field(min_length=1)], Annotated[list[list[StrictInt]], Field(min_length=1)], None] = None
+    input_ids: Union[
+        Annotated[list[StrictInt], Field(min_length=1)], Annotated[list[list[StrictInt]], Field(min_length=1)], None
+    ] = None
     sampling_params: Annotated[Union[dict[str, Any], list[dict[str, Any]], None], AfterValidator(_strings_valid)] = None
     rid: Union[Text, list[Text], None] = None
     stream: StrictBool = False

@@ -15,15 +15,15 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
+from blockspec.engine.wire import EngineInfo
 from blockspec.request import Req, RequestLimits, SamplingParams, build_requests
 from blockspec.server.args import ServerSettings
 from blockspec.server.batch_encoder import BatchEncoder
+from blockspec.server.detokenize import OutputTexts
 from blockspec.server.engine_errors import EngineStoppedError, QueueFullError
 from blockspec.server.engine_loop import EngineLoop
 from blockspec.server.metrics import ServerMetrics
 from blockspec.server.submission import Delta, Submission
-from blockspec.server.wire import EngineInfo
-from blockspec.server.detokenize import OutputTexts
 from blockspec.tokenizer import ToolsIgnoredError, backend_of, load_tokenizer, render_chat
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
@@ -95,13 +95,16 @@ class ServerState:
     loop: EngineLoop
     settings: ServerSettings
     metrics: ServerMetrics
-    tokenizer: Optional[PreTrainedTokenizerBase]  # the HTTP thread's own copy: HF tokenizers aren't shared across threads
+    # the HTTP thread's own copy: HF tokenizers aren't shared across threads
+    tokenizer: Optional[PreTrainedTokenizerBase]
     context_length: int
     vocab_size: int
     created: int
     # NOTE: one thread, so the tokenizer copy is never used concurrently (HF fast tokenizers mutate their state
     # per call) and tokenization never runs on the event loop.
-    tokenize_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="blockspec-tokenize"))
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="blockspec-tokenize")
+    )
     encoder: Optional[BatchEncoder] = None  # texts → ids, batched (a tokenizer copy of its own)
 
     @classmethod
@@ -124,7 +127,9 @@ class ServerState:
     @property
     def limits(self) -> RequestLimits:
         info = self.info
-        return RequestLimits(info.vocab_size, info.context_length, info.total_slots, info.slots_per_decode, info.has_tokenizer)
+        return RequestLimits(
+            info.vocab_size, info.context_length, info.total_slots, info.slots_per_decode, info.has_tokenizer
+        )
 
     @property
     def model_name(self) -> str:
@@ -137,7 +142,9 @@ class ServerState:
     async def encode(self, texts: list[str], param: str) -> list[list[int]]:
         tokenizer = self.tokenizer
         if tokenizer is None:
-            raise APIError(400, f"{param}: text input needs a tokenizer; this server runs with --skip-tokenizer-init", param)
+            raise APIError(
+                400, f"{param}: text input needs a tokenizer; this server runs with --skip-tokenizer-init", param
+            )
         assert self.encoder is not None  # NOTE: built with the tokenizer
         try:
             return list(await asyncio.gather(*(self.encoder.encode(text) for text in texts)))
@@ -153,7 +160,9 @@ class ServerState:
     async def chat_ids(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         tokenizer = self.tokenizer
         if tokenizer is None:
-            raise APIError(400, "messages: chat needs a tokenizer; this server runs with --skip-tokenizer-init", "messages")
+            raise APIError(
+                400, "messages: chat needs a tokenizer; this server runs with --skip-tokenizer-init", "messages"
+            )
         assert self.encoder is not None
         try:
             rendered = await self._off_loop(lambda: render_chat(tokenizer, messages, tools))
@@ -178,7 +187,11 @@ class ServerState:
         renames = renames or {}
         for ids, p in zip(batch, params):
             max_new = p.get("max_new_tokens", SamplingParams.max_new_tokens)
-            if isinstance(max_new, int) and 0 < len(ids) < self.context_length and len(ids) + max_new > self.context_length:
+            if (
+                isinstance(max_new, int)
+                and 0 < len(ids) < self.context_length
+                and len(ids) + max_new > self.context_length
+            ):
                 name = renames.get("max_new_tokens", "max_new_tokens")
                 raise APIError(
                     400,
@@ -224,7 +237,9 @@ class ServerState:
         for index in submission.pending:
             self.loop.abort(submission.reqs[index].rid)
 
-    async def collect(self, submission: Submission, request: Request, keep_aborted: bool = False) -> list[dict[str, Any]]:
+    async def collect(
+        self, submission: Submission, request: Request, keep_aborted: bool = False
+    ) -> list[dict[str, Any]]:
         """Final outputs in submission order; an error (or an abort, unless `keep_aborted`) becomes an APIError."""
         outputs: list[Optional[dict[str, Any]]] = [None] * len(submission.reqs)
         stream = self.deltas(submission, request)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from blockspec.grammar import JSON_OBJECT_SCHEMA
+from blockspec.request import JSON_OBJECT_SCHEMA
 
 
 def response_format_schema(response_format: Optional[dict[str, Any]]) -> Optional[str]:

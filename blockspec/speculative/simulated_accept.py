@@ -11,38 +11,11 @@ A verify of length n accepts min(drawn, n - 1): the full block's proposals are d
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-
-def accept_distribution(profile: str, block_size: int) -> list[float]:
-    """P(accepted = a) for a = 0..B-1 (accepted proposals of a full block) from a profile spec; ValueError if bad."""
-    if profile.startswith("geometric:"):
-        try:
-            mean = float(profile.split(":", 1)[1])
-        except ValueError:
-            raise ValueError(f"speculative_simulate_accept_profile: {profile!r} is not geometric:MEAN") from None
-        if mean < 1:
-            raise ValueError(f"speculative_simulate_accept_profile: geometric mean must be >= 1, got {mean}")
-        rate = (mean - 1) / mean
-        probs = [rate ** a * (1 - rate) for a in range(block_size - 1)]
-        return probs + [rate ** (block_size - 1)]
-    path = Path(profile)
-    if not path.is_file():
-        raise ValueError(f"speculative_simulate_accept_profile: {profile!r} is neither geometric:MEAN nor a JSON file")
-    data = json.loads(path.read_text())
-    histogram = data.get("spec_accept_length_histogram") if isinstance(data, dict) else data
-    if not isinstance(histogram, list) or not all(isinstance(c, (int, float)) and c >= 0 for c in histogram):
-        raise ValueError(f"speculative_simulate_accept_profile: {profile} holds no list of counts per accept length")
-    counts = [float(c) for c in histogram[1:]]  # NOTE: index c = verifies that committed c tokens; 0 never happens
-    if sum(counts) <= 0:
-        raise ValueError(f"speculative_simulate_accept_profile: {profile} has no verifies")
-    folded = counts[: block_size - 1] + [sum(counts[block_size - 1:])]  # longer accepts stop at the block's end
-    folded += [0.0] * (block_size - len(folded))
-    return [c / sum(folded) for c in folded]
+from blockspec.config.speculative_flags import accept_distribution
 
 
 class SimulatedAcceptance:
@@ -76,7 +49,9 @@ class SimulatedAcceptance:
     def accepted(self, batch_size: int, num_draft_tokens: int, device: torch.device) -> torch.Tensor:
         """[bs, 1] int64 accepted proposals for a verify of `num_draft_tokens` block tokens."""
         if self.constant is not None:
-            return torch.full((batch_size, 1), min(self.constant, num_draft_tokens - 1), dtype=torch.int64, device=device)
+            return torch.full(
+                (batch_size, 1), min(self.constant, num_draft_tokens - 1), dtype=torch.int64, device=device
+            )
         uniform = torch.rand((batch_size, 1), generator=self.generator, device=self.cdf.device).to(device)
         drawn = (uniform > self.cdf[None, :]).sum(1, keepdim=True)
         return drawn.clamp(max=num_draft_tokens - 1)

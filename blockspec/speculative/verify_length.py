@@ -15,38 +15,9 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
-Schedule = list[tuple[int, int, int]]  # (first batch size, last batch size, verify length)
+from blockspec.config.speculative_flags import Schedule
+
 MIN_CYCLE_SHARE = 0.1  # a cycle's estimate never drops below this share of its start-up figure
-
-
-def parse_verify_schedule(text: str) -> Schedule:
-    """`1-16:10,17-64:4` → [(1, 16, 10), (17, 64, 4)]; `A:N` is the single batch size A. ValueError when malformed."""
-    schedule: Schedule = []
-    for part in text.split(","):
-        sizes, sep, length = part.strip().partition(":")
-        first, dash, last = sizes.partition("-")
-        try:
-            lo, hi, n = int(first), int(last) if dash else int(first), int(length)
-        except ValueError:
-            raise ValueError(
-                f"speculative_num_draft_tokens_per_bs: {part.strip()!r} is not FIRST-LAST:N or BS:N (e.g. 1-16:10,17-64:4)"
-            ) from None
-        if not sep or lo < 1 or hi < lo or n < 1:
-            raise ValueError(f"speculative_num_draft_tokens_per_bs: {part.strip()!r} needs 1 <= FIRST <= LAST and N >= 1")
-        if schedule and lo <= schedule[-1][1]:
-            raise ValueError(f"speculative_num_draft_tokens_per_bs: ranges must be increasing and disjoint at {part.strip()!r}")
-        schedule.append((lo, hi, n))
-    return schedule
-
-
-def check_schedule_covers(schedule: Schedule, max_batch_size: int) -> None:
-    covered = {bs for lo, hi, _ in schedule for bs in range(lo, min(hi, max_batch_size) + 1)}
-    missing = [bs for bs in range(1, max_batch_size + 1) if bs not in covered]
-    if missing:
-        raise ValueError(
-            f"speculative_num_draft_tokens_per_bs must cover every batch size 1..{max_batch_size} "
-            f"(max_running_requests); missing {missing[0]}" + (f"..{missing[-1]}" if len(missing) > 1 else "")
-        )
 
 
 def default_verify_lengths(block_size: int) -> tuple[int, ...]:
@@ -72,7 +43,8 @@ class AcceptanceStats:
         self.prior_weight = prior_weight
         self.tried = [0.0] * max_proposals  # NOTE: index j - 1 holds position j (proposal d_j)
         self.passed = [0.0] * max_proposals
-        self._survival: Optional[list[float]] = None  # NOTE: kept until the next observe (each cycle's choice asks ≥ 4x)
+        # NOTE: kept until the next observe (each cycle's choice asks ≥ 4x)
+        self._survival: Optional[list[float]] = None
 
     def observe(self, num_draft_tokens: int, accepted: Sequence[int]) -> None:
         """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted."""
@@ -211,7 +183,9 @@ class FixedVerifyLength:
     def __init__(self, schedule: Schedule, block_size: int, reason: str) -> None:
         bad = [n for _, _, n in schedule if n > block_size]
         if bad:
-            raise ValueError(f"speculative_num_draft_tokens_per_bs: verify length {bad[0]} exceeds the block size {block_size}")
+            raise ValueError(
+                f"speculative_num_draft_tokens_per_bs: verify length {bad[0]} exceeds the block size {block_size}"
+            )
         self.schedule = schedule
         self.block_size = block_size
         self.reason = reason
@@ -249,7 +223,9 @@ class AdaptiveVerifyLength:
 
     def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64) -> None:
         self.lengths = tuple(sorted(set(lengths)))
-        missing = [key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms]
+        missing = [
+            key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms
+        ]
         if missing:
             raise ValueError(f"adaptive verify: no measured cycle time for (batch size, verify length) {missing[0]}")
         self.times = times

@@ -9,7 +9,9 @@ from blockspec.train.options import TrainOptions, parse_options
 
 
 def describe_sets(sets: dict[str, dict[str, Any]]) -> str:
-    return "; ".join(f"{name} accept length {r['accept_length']:.2f} ({r['prompts']} prompts)" for name, r in sets.items())
+    return "; ".join(
+        f"{name} accept length {r['accept_length']:.2f} ({r['prompts']} prompts)" for name, r in sets.items()
+    )
 
 
 def _run(options: TrainOptions, args: list[str]) -> str:

@@ -236,8 +236,15 @@ def generate_missing(
         bar.update(len(done))
         bar.close()
         seconds = time.perf_counter() - started
-        logger.info("generated %d responses (%d tokens) in %.0f s: %.1f responses/s, %.0f tokens/s over %d engine steps",
-                    len(todo), tokens, seconds, len(todo) / seconds, tokens / seconds, engine.scheduler.num_steps)
+        logger.info(
+            "generated %d responses (%d tokens) in %.0f s: %.1f responses/s, %.0f tokens/s over %d engine steps",
+            len(todo),
+            tokens,
+            seconds,
+            len(todo) / seconds,
+            tokens / seconds,
+            engine.scheduler.num_steps,
+        )
     finally:
         engine.shutdown()
     return len(todo)

@@ -52,7 +52,12 @@ def measure_prompt_sets(
             options.ignore_eos, block_size,
         )
         results[prompt_set.name] = {"file": prompt_set.path, "prompts": len(prompt_set.prompts), **measured}
-        logger.info("%s: accept length %.3f over %d prompts", prompt_set.name, measured["accept_length"], len(prompt_set.prompts))
+        logger.info(
+            "%s: accept length %.3f over %d prompts",
+            prompt_set.name,
+            measured["accept_length"],
+            len(prompt_set.prompts),
+        )
     return results
 
 

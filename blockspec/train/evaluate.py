@@ -12,7 +12,7 @@ def measure_acceptance(
     dtype: str, ignore_eos: bool = False, block_size: int = 16,
 ) -> dict[str, Any]:
     """Greedy DFlash generation; returns the engine's avg_spec_accept_length (committed tokens per verify)."""
-    from blockspec import Engine
+    from blockspec.engine.engine import Engine
 
     need = sum(len(p) + max_new_tokens + 2 * block_size for p in prompts)
     engine = Engine(

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from blockspec.attention.factory import make_backend, resolve_backend_name
+from blockspec.batch import ForwardMode, build_batch
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import TargetConfig
 from blockspec.models.llama import CausalLM
 from blockspec.models.loader import load_target_model
-from blockspec.batch import ForwardMode, build_batch
 
 
 class TargetFeatures:
@@ -55,7 +55,9 @@ class TargetFeatures:
             cfg = self.config
             self._pool_slots = max(num_tokens + 1, 2 * self._pool_slots)
             self._pool = None  # NOTE: free the old pool before allocating the larger one
-            self._pool = KVPool(self._pool_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+            self._pool = KVPool(
+                self._pool_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            )
         return self._pool
 
     @torch.no_grad()
@@ -63,7 +65,9 @@ class TargetFeatures:
         """Per sequence [len, len(layer_ids) * hidden] features, in the target's dtype."""
         lengths = [len(s) for s in sequences]
         if max(lengths) > self.max_positions:
-            raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the feature extractor's {self.max_positions}")
+            raise ValueError(
+                f"a sequence of {max(lengths)} tokens exceeds the feature extractor's {self.max_positions}"
+            )
         pool = self._pool_for(sum(lengths))
         cfg = self.config
         backend = make_backend(self.attention_backend, pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)

@@ -98,7 +98,9 @@ class Candidate:
 Generate = Callable[[list[list[int]], list[dict[str, Any]]], list[tuple[list[int], str]]]
 
 
-def sample_candidates(generate: Generate, turn: UserTurn, first: int, count: int, settings: MagpieSettings) -> list[Candidate]:
+def sample_candidates(
+    generate: Generate, turn: UserTurn, first: int, count: int, settings: MagpieSettings
+) -> list[Candidate]:
     params = [
         {"temperature": settings.temperature, "top_p": settings.top_p, "max_new_tokens": settings.max_new_tokens,
          "seed": settings.seed * 1_000_003 + i, "stop_token_ids": [turn.end_of_turn_id]}
@@ -195,7 +197,9 @@ def last_user_turns(paths: Sequence[str | Path]) -> list[str]:
 
 
 def prompt_record(text: str, system_prompt: Optional[str], split: str, number: int) -> dict[str, Any]:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": text}]
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": text}
+    ]
     return {"messages": messages, "source": "magpie", "split": split, "id": f"magpie-{split}-{number}"}
 
 

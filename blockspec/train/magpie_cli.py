@@ -17,7 +17,11 @@ def build_parser() -> argparse.ArgumentParser:
     defaults, filters = MagpieSettings(1), FilterSettings()
     parser = argparse.ArgumentParser(prog="blockspec generate-prompts", description=__doc__)
     parser.add_argument("--model-path", required=True, help="HF-style target directory with a chat template")
-    parser.add_argument("--out", required=True, help="output directory: prompts.train.jsonl, prompts.heldout.jsonl, generation_info.json")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output directory: prompts.train.jsonl, prompts.heldout.jsonl, generation_info.json",
+    )
     parser.add_argument("--num-prompts", type=int, required=True, help="prompts to keep (train + held-out)")
     parser.add_argument("--heldout-fraction", type=float, default=defaults.heldout_fraction,
                         help="share of the prompts written to prompts.heldout.jsonl (never trained on)")
@@ -26,17 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=defaults.temperature)
     parser.add_argument("--top-p", type=float, default=defaults.top_p)
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="user turn length cap")
-    parser.add_argument("--system-prompt", default=None, help="system message before the user turn (and in the records)")
+    parser.add_argument(
+        "--system-prompt", default=None, help="system message before the user turn (and in the records)"
+    )
     parser.add_argument("--exclude", action="append", default=[], metavar="FILE",
                         help="prompt JSONL whose user turns new prompts must not duplicate, even nearly (repeatable)")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="user turns sampled per generate call")
+    parser.add_argument(
+        "--batch-size", type=int, default=defaults.batch_size, help="user turns sampled per generate call"
+    )
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no new batch after this many minutes (keeps what it has; default: no limit)")
     parser.add_argument("--min-words", type=int, default=filters.min_words)
     parser.add_argument("--max-chars", type=int, default=filters.max_chars)
     parser.add_argument("--min-ascii-share", type=float, default=filters.min_ascii_share)
-    parser.add_argument("--near-duplicate-jaccard", type=float, default=filters.near_duplicate_jaccard,
-                        help="word-3-gram Jaccard similarity from which a prompt counts as a duplicate of an earlier one")
+    parser.add_argument(
+        "--near-duplicate-jaccard",
+        type=float,
+        default=filters.near_duplicate_jaccard,
+        help="word-3-gram Jaccard similarity from which a prompt counts as a duplicate of an earlier one",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
@@ -47,16 +59,24 @@ def settings_from_args(ns: argparse.Namespace) -> MagpieSettings:
     filters = FilterSettings(min_words=ns.min_words, max_chars=ns.max_chars, min_ascii_share=ns.min_ascii_share,
                              near_duplicate_jaccard=ns.near_duplicate_jaccard)
     return MagpieSettings(
-        num_prompts=ns.num_prompts, seed=ns.seed, temperature=ns.temperature, top_p=ns.top_p,
-        max_new_tokens=ns.max_new_tokens, max_candidates=ns.max_candidates, batch_size=ns.batch_size,
-        heldout_fraction=ns.heldout_fraction, system_prompt=ns.system_prompt, max_minutes=ns.max_minutes, filters=filters,
+        num_prompts=ns.num_prompts,
+        seed=ns.seed,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        max_new_tokens=ns.max_new_tokens,
+        max_candidates=ns.max_candidates,
+        batch_size=ns.batch_size,
+        heldout_fraction=ns.heldout_fraction,
+        system_prompt=ns.system_prompt,
+        max_minutes=ns.max_minutes,
+        filters=filters,
     )
 
 
 def build_engine(model_path: str, device: str, dtype: str, settings: MagpieSettings, prefix_len: int) -> Any:
     """As train-draft's response engine: wide batches (small targets want them) and a KV pool sized to hold them all,
     not a share of free memory, so that several generators fit one device."""
-    from blockspec import Engine
+    from blockspec.engine.engine import Engine
     from blockspec.train.response_workers import GEN_MAX_RUNNING, generation_engine_flags
 
     running = min(settings.batch_size, GEN_MAX_RUNNING)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.layers.rotary import inverse_frequencies
-from blockspec.models.config import RopeConfig, TargetConfig
+from blockspec.layers.rotary import RopeConfig, inverse_frequencies
+from blockspec.models.config import TargetConfig
 
 
 @dataclass
@@ -28,7 +28,9 @@ class DraftArch:
     max_position_embeddings: int
 
     @classmethod
-    def from_target(cls, target: TargetConfig, num_layers: int, num_taps: int, intermediate_size: int | None) -> "DraftArch":
+    def from_target(
+        cls, target: TargetConfig, num_layers: int, num_taps: int, intermediate_size: int | None
+    ) -> "DraftArch":
         """Qwen3-style layers with the target's widths (what z-lab's drafts do); plain rope at the target's theta."""
         return cls(
             hidden_size=target.hidden_size,

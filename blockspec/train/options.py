@@ -20,7 +20,9 @@ def prompt_set_names(paths: Sequence[str]) -> list[str]:
     names = [Path(p).stem for p in paths]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"--eval-prompts: several files are named {', '.join(repeated)}; results are keyed by file name")
+        raise ValueError(
+            f"--eval-prompts: several files are named {', '.join(repeated)}; results are keyed by file name"
+        )
     return names
 
 
@@ -91,7 +93,7 @@ class TrainOptions:
         which is the checkpoint that gets shipped)."""
         if self.cache_dir:
             return Path(self.cache_dir)
-        from blockspec.smollm2 import default_cache_root
+        from blockspec.models.smollm2 import default_cache_root
 
         key = f"{Path(self.target_model_path).resolve()}\n{Path(self.data).resolve()}"
         if self.mix_data is not None:  # NOTE: mixing changes which prompt sits at which cache index
@@ -119,7 +121,9 @@ class TrainOptions:
         if not 0.0 < self.mix_ratio < 1.0:
             raise ValueError(f"--mix-ratio must be in (0, 1), got {self.mix_ratio}")
         if not Path(self.data).is_file():
-            raise FileNotFoundError(f"--data {self.data}: no such file (expected JSON lines with messages/text/question)")
+            raise FileNotFoundError(
+                f"--data {self.data}: no such file (expected JSON lines with messages/text/question)"
+            )
         if self.eval_data is not None and not Path(self.eval_data).is_file():
             raise FileNotFoundError(f"--eval-data {self.eval_data}: no such file")
         if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
@@ -127,7 +131,9 @@ class TrainOptions:
         if not Path(self.target_model_path).is_dir():
             raise FileNotFoundError(f"--target-model-path {self.target_model_path}: no such directory")
         if self.block_size < 2:
-            raise ValueError(f"--block-size must be >= 2 (the anchor token plus at least one prediction), got {self.block_size}")
+            raise ValueError(
+                f"--block-size must be >= 2 (the anchor token plus at least one prediction), got {self.block_size}"
+            )
         for name in ("num_layers", "steps", "batch_size", "blocks_per_seq", "max_new_tokens", "gen_batch_size",
                      "gen_workers"):
             if getattr(self, name) < 1:
@@ -200,7 +206,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="generate until --max-new-tokens (base models)")
     gen.add_argument("--system-prompt", default=None, help="system message added to `question` prompts")
     gen.add_argument("--user-suffix", default="", help="text appended to `question` prompts")
-    gen.add_argument("--cache-dir", default=None, help="response cache (default: under $BLOCKSPEC_CACHE or ~/.cache/blockspec); resumable")
+    gen.add_argument(
+        "--cache-dir",
+        default=None,
+        help="response cache (default: under $BLOCKSPEC_CACHE or ~/.cache/blockspec); resumable",
+    )
     gen.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size,
                      help="finished responses per cache append; the engine runs up to min(this, 256) at once")
     gen.add_argument("--gen-workers", type=int, default=defaults.gen_workers,
@@ -249,8 +259,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                     "name and recorded in training_info.json (eval_runs)")
     ev.add_argument("--eval-prompts-max", type=int, default=defaults.eval_prompts_max,
                     help="prompts used from each --eval-prompts file (its first N)")
-    ev.add_argument("--eval-only", action="store_true",
-                    help="train nothing: measure the draft in --out on --eval-prompts and append to its training_info.json")
+    ev.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="train nothing: measure the draft in --out on --eval-prompts and append to its training_info.json",
+    )
     dev = parser.add_argument_group("device and output")
     dev.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (torchrun: cuda:LOCAL_RANK)")
     dev.add_argument("--dtype", default="auto", help="target dtype (auto: bfloat16 on CUDA, float32 on CPU)")

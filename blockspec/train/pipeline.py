@@ -1,4 +1,6 @@
-"""`blockspec train-draft` end to end: prompts → target responses (cached) → DFlash training → z-lab checkpoint."""
+"""`blockspec train-draft` end to end: prompts → target responses (cached) → DFlash training → z-lab
+checkpoint."""
+
 from __future__ import annotations
 
 import datetime
@@ -21,12 +23,12 @@ from blockspec.train.data import (
 )
 from blockspec.train.eval_sets import PromptSet, eval_run_record, load_prompt_sets, measure_prompt_sets
 from blockspec.train.evaluate import measure_acceptance
-from blockspec.train.info import git_commit
 from blockspec.train.features import TargetFeatures
+from blockspec.train.info import git_commit
 from blockspec.train.model import DraftArch, TrainableDraft
 from blockspec.train.options import TrainOptions, resolve_layer_ids
 from blockspec.train.response_workers import generate_in_workers, response_engine_factory
-from blockspec.train.trainer import Dist, Trainer, TrainResult
+from blockspec.train.trainer import Dist, TrainResult, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,9 @@ def _build_draft(
     if options.init_from is not None:
         draft, init_ids, _ = load_trainable_draft(options.init_from, target)
         if options.target_layer_ids is not None and init_ids != layer_ids:
-            raise ValueError(f"--init-from {options.init_from} taps layers {init_ids}, not --target-layer-ids {layer_ids}")
+            raise ValueError(
+                f"--init-from {options.init_from} taps layers {init_ids}, not --target-layer-ids {layer_ids}"
+            )
         if mask_token_id is None:
             mask_token_id = int(load_json(Path(options.init_from) / "config.json")["dflash_config"]["mask_token_id"])
         return draft, init_ids, mask_token_id
@@ -107,7 +111,9 @@ def prepare(options: TrainOptions) -> Prepared:
     target = load_target_config(options.target_model_path)
     layer_ids = resolve_layer_ids(options, target)
     if options.mask_token_id is not None and not 0 <= options.mask_token_id < target.vocab_size:
-        raise ValueError(f"--mask-token-id {options.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})")
+        raise ValueError(
+            f"--mask-token-id {options.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})"
+        )
     dist = init_distributed(options.device)
     device = resolve_device(options.device, dist)
     dtype = resolve_target_dtype(options.dtype, device)
@@ -123,8 +129,16 @@ def prepare(options: TrainOptions) -> Prepared:
         cache.check_meta()  # NOTE: before the workers: they must not race to write it
         by_workers = generate_in_workers(options, prompts, meta, device, dtype, dist.rank, dist.world)
     samples, generated = generate_responses(
-        prompts, cache, response_engine_factory(options, device, dtype, max(map(len, prompts))), options.max_new_tokens,
-        options.ignore_eos, options.gen_batch_size, dist.rank, dist.world, dist.barrier, options.progress and dist.is_main,
+        prompts,
+        cache,
+        response_engine_factory(options, device, dtype, max(map(len, prompts))),
+        options.max_new_tokens,
+        options.ignore_eos,
+        options.gen_batch_size,
+        dist.rank,
+        dist.world,
+        dist.barrier,
+        options.progress and dist.is_main,
     )
     gc.collect()  # NOTE: the generation engine's KV pool and graphs must be gone before training allocates
     if device.type == "cuda":

@@ -97,7 +97,10 @@ class NearDuplicateIndex:
 
     def signature(self, items: frozenset[str]) -> np.ndarray:
         hashed = np.array(
-            [int.from_bytes(hashlib.blake2b(s.encode(), digest_size=4).digest(), "little") % _MERSENNE_31 for s in sorted(items)],
+            [
+                int.from_bytes(hashlib.blake2b(s.encode(), digest_size=4).digest(), "little") % _MERSENNE_31
+                for s in sorted(items)
+            ],
             dtype=np.int64,
         )
         # NOTE: a, b, hash < 2^31, so a * hash + b < 2^62 never overflows int64.

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from blockspec.config import DEFAULT_CUDA_GRAPH_BS
+from blockspec.config.engine_config import DEFAULT_CUDA_GRAPH_BS
 from blockspec.models.config import load_target_config
 from blockspec.train.data import ResponseCache, generate_missing
 from blockspec.train.devices import dtype_name
@@ -45,13 +45,19 @@ def response_engine_factory(
     """The generation engine: wide batches and a KV pool that holds them all at their longest. NOTE: sized, not a
     share of free memory, so that several workers fit one device."""
     def make() -> Any:
-        from blockspec import Engine
+        from blockspec.engine.engine import Engine
 
         running = min(options.gen_batch_size, GEN_MAX_RUNNING)
         return Engine(
-            model_path=options.target_model_path, device=str(device), dtype=dtype_name(dtype), skip_tokenizer_init=True,
-            **generation_engine_flags(running), max_total_tokens=running * (longest_prompt + options.max_new_tokens + 1),
-            context_length=min(options.max_seq_len, load_target_config(options.target_model_path).max_position_embeddings),
+            model_path=options.target_model_path,
+            device=str(device),
+            dtype=dtype_name(dtype),
+            skip_tokenizer_init=True,
+            **generation_engine_flags(running),
+            max_total_tokens=running * (longest_prompt + options.max_new_tokens + 1),
+            context_length=min(
+                options.max_seq_len, load_target_config(options.target_model_path).max_position_embeddings
+            ),
         )
 
     return make

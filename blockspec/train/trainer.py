@@ -52,7 +52,8 @@ class TrainResult:
 
 
 def schedule_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
-    """Linear warmup over the first `warmup_ratio` of training, then cosine from 1 to `min_ratio`; progress in [0, 1]."""
+    """Linear warmup over the first `warmup_ratio` of training, then cosine from 1 to `min_ratio`; progress in
+    [0, 1]."""
     if progress < warmup_ratio:
         return max(progress / warmup_ratio, 1e-3)
     rest = (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio)
@@ -134,7 +135,8 @@ class Trainer:
         self.steps_done = 0
         if options.compile_draft:
             # NOTE: only the training forward is compiled; checkpoints and evals use `draft` itself
-            self.model = torch.compile(self.model, dynamic=True, options=draft_inductor_options())  # type: ignore[assignment]
+            # type: ignore[assignment]
+            self.model = torch.compile(self.model, dynamic=True, options=draft_inductor_options())
         self.optimizer = torch.optim.AdamW(
             draft.parameters(), lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95)
         )
@@ -229,7 +231,9 @@ class Trainer:
         opts = self.options
         train_started = time.perf_counter()
         order = batches(len(self.samples), opts.batch_size, opts.seed, self.dist)
-        bar = tqdm(total=opts.steps, desc="training draft", unit="step", disable=not (opts.progress and self.dist.is_main))
+        bar = tqdm(
+            total=opts.steps, desc="training draft", unit="step", disable=not (opts.progress and self.dist.is_main)
+        )
         smooth: list[float] = []  # running averages of (loss, accuracy, τ estimate)
         evals: list[dict[str, Any]] = []
         step_seconds = 0.0
@@ -248,7 +252,9 @@ class Trainer:
                 if self.dist.is_main:
                     record = {"step": step, "loss": smooth[0], **evaluate(step)}
                     evals.append(record)
-                    bar.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+                    bar.write(
+                        " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+                    )
                 self.dist.barrier()
             if last:
                 break

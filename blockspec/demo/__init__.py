@@ -1,0 +1,1 @@
+"""The SmolLM2 + DFlash GSM8K demo (`make demo`)."""

@@ -1,0 +1,147 @@
+"""StepExecutor: runs each engine step's plan on the worker; owns the decode step's KV slots and the overlap schedule.
+
+Overlap schedule (greedy decode, target-only or DFlash): `run_ahead` launches step N+1 on the device before it
+commits step N, whose host bookkeeping (commit, finish checks, slot release, statistics) then runs while the device
+works. Step N+1's inputs are derived on the device from N's outputs (worker/inflight.py), so a request in flight has
+a kv_len that lags one uncommitted step (<= B tokens), and N+1 writes up to B slots past that: requests in flight
+hold slots to kv_len + 2B. `drain` commits the step in flight when the next step cannot overlap. An extend step
+(`launch_extend`) queues its forward behind the step in flight and, through `extend_run_ahead`, the next decode
+step behind the extend, for the decoding requests and those whose prompt the extend completes (their first token,
+the extend's argmax, goes into that step's rows on the device).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from blockspec.kv.allocator import PageAllocator, ReqToTokenTable
+from blockspec.layers.argmax import greedy_tokens
+from blockspec.outputs import Committed, StepPlan
+from blockspec.request import Req
+from blockspec.worker.inflight import FirstTokens, InFlightStep, device_index, host_copy
+from blockspec.worker.protocol import Worker
+
+
+
+class StepExecutor:
+    def __init__(self, worker: Worker, allocator: PageAllocator, table: ReqToTokenTable, overlap: bool) -> None:
+        """`overlap`: the overlap schedule's public switch (benchmarks time the synchronous loop with it off)."""
+        self.worker = worker
+        self.allocator = allocator
+        self.table = table
+        self.overlap = overlap
+        self.in_flight: Optional[InFlightStep] = None
+        self.mixed_steps = 0  # steps whose one forward carried prefill chunks and decode/verify together
+
+    @property
+    def slots_per_decode(self) -> int:
+        """KV slots one request writes in a decode step (1, or the DFlash block size)."""
+        return self.worker.decode_slots_per_req
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.worker.is_speculative
+
+    def fits(self, reqs: Sequence[Req], ahead: Optional[int] = None) -> bool:
+        """Whether the free pool can give every request slots up to kv_len + ahead (default: one decode step)."""
+        ahead = self.slots_per_decode if ahead is None else ahead
+        needed = sum(self.allocator.extra_pages_needed(r, r.kv_len + ahead) for r in reqs)
+        return needed * self.allocator.page_size <= self.allocator.free_slots
+
+    def run(self, plan: StepPlan) -> list[Committed]:
+        """Runs the plan synchronously, in one forward when it has both parts (`Worker.mixed`): its extend chunks
+        and one decode step of its decode requests (slots for it are given here; the scheduler made room with
+        `fits`). Nothing of the plan may be in flight (an extend-only plan may also go through `launch_extend`)."""
+        reqs, lens = [c.req for c in plan.extend], [c.length for c in plan.extend]
+        decode_reqs = plan.decode
+        if decode_reqs:
+            assert self.in_flight is None, "drain the step in flight before a synchronous decode step"
+            grown = [req.kv_len + self.slots_per_decode for req in decode_reqs]
+            self.allocator.grow_many(decode_reqs, grown, self.table)
+        if reqs and decode_reqs:
+            first, decoded = self.worker.mixed(reqs, lens, decode_reqs)
+            self.mixed_steps += 1
+        else:
+            first = self.worker.extend(reqs, lens) if reqs else []
+            decoded = self.worker.decode(decode_reqs) if decode_reqs else []
+        committed = first_token_commits(reqs, first)
+        for req, tokens in zip(decode_reqs, decoded):
+            if req.finished:  # NOTE: its sampling failed in this step (sampling_faults.py): no verify cycle to count
+                continue
+            self.allocator.shrink(req, req.kv_len)
+            committed.append(Committed(req, tokens, verified=True))
+        return committed
+
+    def launch_extend(self, plan: StepPlan) -> torch.Tensor:
+        """Launches an extend-only plan's forward without waiting for it (a decode step may stay in flight ahead of
+        it); its last-token logits [bs, V], for `extend_commits`."""
+        return self.worker.extend_logits([c.req for c in plan.extend], [c.length for c in plan.extend])
+
+    def extend_commits(self, plan: StepPlan, logits: torch.Tensor) -> list[Committed]:
+        """The first tokens of an extend launched by `launch_extend` (waits for its logits)."""
+        reqs = [c.req for c in plan.extend]
+        return first_token_commits(reqs, self.worker.first_tokens(reqs, logits))
+
+    def extend_run_ahead(self, plan: StepPlan, logits: torch.Tensor, decoding: list[Req]) -> Optional[list[Committed]]:
+        """After `launch_extend`: launches the next decode step behind the extend, for the decoding requests and the
+        plan's requests whose prompt it completes (their first token, the extend's argmax, stays on the device), then
+        commits the step in flight and the first tokens while the device runs both. None (nothing done) where
+        `run_ahead` would decline (then `drain` and `extend_commits`)."""
+        ready_at = [i for i, chunk in enumerate(plan.extend) if chunk.req.pending_len == 0]
+        ready = [plan.extend[i].req for i in ready_at]
+        if not self._can_run_ahead(decoding + ready):
+            return None
+        first, host_first, first_ready = None, None, None
+        if ready:
+            index = device_index(ready_at, len(plan.extend), logits.device)
+            first = FirstTokens(ready, greedy_tokens(logits if index is None else logits[index]))
+            host_first, first_ready = host_copy(first.tokens)
+        previous, self.in_flight = self.in_flight, self.worker.launch(decoding + ready, self.in_flight, first)
+        committed = [] if previous is None else self._commit(previous, keep_ahead=None)
+        if first_ready is not None:
+            first_ready.synchronize()
+        return committed + ([] if host_first is None else first_token_commits(ready, host_first.tolist()))
+
+    def run_ahead(self, reqs: list[Req]) -> Optional[list[Committed]]:
+        """Launches a decode step for `reqs`, then commits the step in flight (if any) while the device runs it.
+
+        None (nothing done) when the batch cannot overlap: the schedule is off, sampled requests, a host-planned
+        graph, or no room for slots two steps ahead (the synchronous step, after `drain`, may then retract)."""
+        if not self._can_run_ahead(reqs):
+            return None
+        previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight)
+        # NOTE: nothing shrinks: each request keeps its slots to (pre-commit kv_len) + 2B, which the next launch grows
+        # from (by what this commit advanced, not by B + that), and `drain` or its release frees the rest
+        return [] if previous is None else self._commit(previous, keep_ahead=None)
+
+    def _can_run_ahead(self, reqs: list[Req]) -> bool:
+        """Whether `reqs` can be launched ahead of the host's commit; if so, each now has slots two steps ahead."""
+        if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
+            return False
+        lengths = [r.kv_len + 2 * self.slots_per_decode for r in reqs]
+        return max(lengths) <= self.table.max_context_len and self.allocator.try_grow_many(reqs, lengths, self.table)
+
+    def drain(self) -> list[Committed]:
+        """Commits the step in flight, if any (nothing runs after it, so its rejected slots are released)."""
+        if self.in_flight is None:
+            return []
+        step, self.in_flight = self.in_flight, None
+        return self._commit(step, keep_ahead=0)
+
+    def _commit(self, step: InFlightStep, keep_ahead: Optional[int]) -> list[Committed]:
+        """A launched step's tokens; each request keeps slots to kv_len + keep_ahead (every slot it has: None)."""
+        committed: list[Committed] = []
+        shrink = self.allocator.shrink
+        for req, tokens in zip(step.reqs, self.worker.finish(step)):
+            if tokens is None:  # finished or aborted since the launch
+                continue
+            if keep_ahead is not None:
+                shrink(req, req.kv_len + keep_ahead)
+            committed.append(Committed(req, tokens, verified=True))
+        return committed
+
+
+def first_token_commits(reqs: Sequence[Req], first: Sequence[Optional[int]]) -> list[Committed]:
+    """An extend's first tokens as commits (none for a request still mid-prompt)."""
+    return [Committed(req, [token], verified=False) for req, token in zip(reqs, first) if token is not None]

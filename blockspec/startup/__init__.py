@@ -1,1 +1,0 @@
-"""Engine start-up: kernel warm-up, the compile counter, the start-up report."""

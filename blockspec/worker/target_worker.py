@@ -1,0 +1,173 @@
+"""TargetWorker: runs a step's forwards for the target alone (no speculation) and samples their tokens."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import ContextManager, Optional, Sequence
+
+import torch
+
+from blockspec.attention.base import AttentionBackend
+from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
+from blockspec.layers.argmax import greedy_tokens
+from blockspec.models.llama import ModelOutput
+from blockspec.request import Req
+from blockspec.runner.graph_kind import GraphKind
+from blockspec.runner.graphs import EagerForward
+from blockspec.runner.model_runner import ModelRunner
+from blockspec.sample.sampling import append_logprobs, sample_next_tokens
+from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
+from blockspec.worker.protocol import SpeculativeState
+
+
+class TargetWorker:
+    """The decode step commits one token per request; KV for it is one slot per request."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.capture: tuple[int, ...] = ()  # target layers whose outputs extend forwards return (DFlash: its taps)
+        self.draft_attention: Optional[AttentionBackend] = None  # NOTE: no draft (DFlashWorker sets its own)
+
+    @property
+    def decode_slots_per_req(self) -> int:
+        return 1
+
+    @property
+    def is_speculative(self) -> bool:
+        return False
+
+    @property
+    def uniform_lengths(self) -> tuple[int, ...]:
+        return (self.decode_slots_per_req,)
+
+    def pinned_verify_length(self, num_draft_tokens: int) -> ContextManager[None]:
+        return contextlib.nullcontext()  # NOTE: nothing to verify
+
+    def forget_live_state(self) -> None:
+        pass  # NOTE: target-only decoding learns nothing from traffic
+
+    def speculative_state(self) -> Optional[SpeculativeState]:
+        return None
+
+    def init_cuda_graphs(self) -> None:
+        self.runner.graphs.capture(GraphKind.DECODE, self.runner.eager_forward, ForwardMode.DECODE, 1,
+                                   [self.runner.attention])
+        self.runner.capture_piecewise()
+
+    def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:
+        """The function `graphs.run` is given for `kind` (tensor-parallel ranks mirror rank 0's forwards with it)."""
+        if kind is GraphKind.DECODE:
+            return self.runner.eager_forward
+        raise ValueError(f"a target-only worker runs no {kind.value} forward")
+
+    # ---- extend ------------------------------------------------------------------------------
+    @staticmethod
+    def chunk_token_ids(reqs: Sequence[Req], chunk_lens: Sequence[int]) -> list[list[int]]:
+        """The next `chunk_lens[i]` tokens of each request that have no KV yet."""
+        return [req.all_ids[req.kv_len:req.kv_len + n] for req, n in zip(reqs, chunk_lens)]
+
+    def build_extend_batch(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> ForwardBatch:
+        logits_rows = [end - 1 for end in itertools.accumulate(chunk_lens)]
+        return build_batch(
+            ForwardMode.EXTEND,
+            self.chunk_token_ids(reqs, chunk_lens),
+            [req.kv_len for req in reqs],
+            [req.pool_row for req in reqs],  # type: ignore[misc]
+            self.runner.req_to_token.table,
+            logits_rows,
+            self.capture,
+        )
+
+    def extend_forward(self, batch: ForwardBatch) -> ModelOutput:
+        """The target forward of an extend batch (piecewise graphs or eager)."""
+        return self.runner.forward_extend(batch)
+
+    def run_extend(self, batch: ForwardBatch, reqs: Sequence[Req]) -> ModelOutput:
+        output = self.extend_forward(batch)
+        for req, n in zip(reqs, batch.extend_lens_cpu):
+            req.kv_len += n
+        return output
+
+    def extend_logits(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> torch.Tensor:
+        """Computes KV for the next `chunk_lens[i]` pending tokens of each request; last-token logits [bs, V]."""
+        return self.run_extend(self.build_extend_batch(reqs, chunk_lens), reqs).logits
+
+    def extend(self, reqs: Sequence[Req], chunk_lens: Sequence[int]) -> list[Optional[int]]:
+        """Runs the chunks; per request its first output token once its whole prompt is cached, else None."""
+        return self.first_tokens(reqs, self.extend_logits(reqs, chunk_lens))
+
+    def first_tokens(self, reqs: Sequence[Req], logits: torch.Tensor) -> list[Optional[int]]:
+        """From last-token logits [bs, V] after an extend: the sampled token of each request whose prompt is now
+        fully cached, None for one still mid-prompt."""
+        ready = [i for i, req in enumerate(reqs) if req.pending_len == 0]
+        first: list[Optional[int]] = [None] * len(reqs)
+        if ready:
+            for i, token in zip(ready, sample_next_tokens(logits[ready], [reqs[i] for i in ready])):
+                first[i] = token
+                if reqs[i].wants_logprobs and not reqs[i].finished:  # NOTE: finished: its sampling failed
+                    append_logprobs(reqs[i], logits[i:i + 1], [token])
+        return first
+
+    def mixed(
+        self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req]
+    ) -> tuple[list[Optional[int]], list[list[int]]]:
+        """One extend forward over prefill chunks and the decode requests' last tokens (a chunk of one token each).
+        Returns the chunks' first tokens (see `extend`) and each decode request's token."""
+        first = self.extend([*reqs, *decode_reqs], [*chunk_lens, *[1] * len(decode_reqs)])
+        decoded = first[len(reqs):]
+        assert all(token is not None for token in decoded)
+        return first[:len(reqs)], [[token] for token in decoded if token is not None]
+
+    # ---- decode ------------------------------------------------------------------------------
+    def _decode_rows(self, reqs: Sequence[Req]) -> UniformRows:
+        """[last token | req→token row | kv_len + 1] per request: one new token at position kv_len."""
+        return UniformRows.build(
+            ForwardMode.DECODE,
+            [[req.all_ids[-1]] for req in reqs],
+            [req.pool_row for req in reqs],  # type: ignore[misc]
+            [req.kv_len + 1 for req in reqs],
+            self.runner.device,
+        )
+
+    def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
+        """Greedy batches whose decode runs from device rows can run a step ahead of the host's commit."""
+        return self.runner.graphs.runs_from_device_rows(GraphKind.DECODE) and not any(r.samples_on_host for r in reqs)
+
+    @torch.inference_mode()
+    def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,
+               first: Optional[FirstTokens] = None) -> InFlightStep:
+        """Launches a greedy decode step without waiting for it: requests of `carry` take their token and length
+        from its device outputs, those of `first` their token from its tensor. The executor has given each request
+        slots up to kv_len + 2."""
+        device = self.runner.device
+        ordered, rows = launch_rows(
+            reqs, carry, next_decode_rows,
+            lambda fresh: self._decode_rows(fresh).rows.to(device, non_blocking=True), device, first,
+        )
+        logits = self.runner.forward_uniform(GraphKind.DECODE, DeviceRows(ForwardMode.DECODE, rows)).logits
+        tokens = greedy_tokens(logits).view(-1, 1)
+        host_tokens, ready = host_copy(tokens)
+        return InFlightStep(ordered, rows, tokens, host_tokens, ready)
+
+    def finish(self, step: InFlightStep) -> list[Optional[list[int]]]:
+        """Waits for `step`; each request's token (None for one that finished since the launch), kv_len advanced."""
+        return step.commit(lambda row: row)  # NOTE: a decode row is [argmax]
+
+    def decode(self, reqs: Sequence[Req]) -> list[list[int]]:
+        """One token per request; the executor has given each request a slot at position kv_len."""
+        logits = self.runner.forward_uniform(GraphKind.DECODE, self._decode_rows(reqs)).logits
+        tokens = sample_next_tokens(logits, reqs)
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            req.kv_len += 1
+            if req.wants_logprobs and not req.finished:  # NOTE: finished: its sampling failed (sampling_faults.py)
+                append_logprobs(req, logits[i:i + 1], [token])
+        return [[token] for token in tokens]
+
+
+def next_decode_rows(step: InFlightStep, index: Optional[torch.Tensor]) -> torch.Tensor:
+    """Rows [token | req→token row | seq_len] with outputs [argmax] → the next step's
+    [argmax | row | seq_len + 1]."""
+    rows, tokens = step.rows, step.tokens
+    if index is not None:
+        rows, tokens = rows[index], tokens[index]
+    return torch.cat([tokens, rows[:, 1:2], rows[:, 2:] + 1], dim=1)
