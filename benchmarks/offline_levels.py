@@ -27,7 +27,7 @@ def closed_loop_tok_s(engine: Any, prompts: list[list[int]], concurrency: int, p
             req = queued.popleft()
             engine.scheduler.add_request(req)
             in_flight.add(req.rid)
-        for req in engine.step():
+        for req in engine.scheduler.step():
             if req.rid in in_flight:
                 in_flight.discard(req.rid)
                 tokens += len(req.output_ids)
