@@ -62,13 +62,15 @@ def build_tiny_model(kind: str, seed: int = 0, residual_scale: float = 1.0, **ov
     model = MODEL_CLASSES.get(kind, LlamaForCausalLM)(config).eval()
     with torch.no_grad():
         # NOTE: random tiny models have near-tied logits; a sharper head makes greedy argmax decisive (and a
-        # sharper router, the top-k choice of experts).
+        # sharper router, the top-k choice of experts). Experts ×4: at HF's init scale they barely move the
+        # residual stream (greedy tokens hardly change without them), so a routing or combine error would go unseen.
         model.lm_head.weight.mul_(4.0)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(residual_scale)
             if hasattr(layer.mlp, "experts"):
                 layer.mlp.gate.weight.mul_(4.0)
-                layer.mlp.experts.down_proj.mul_(residual_scale)
+                layer.mlp.experts.gate_up_proj.mul_(4.0)
+                layer.mlp.experts.down_proj.mul_(4.0 * residual_scale)
             else:
                 layer.mlp.down_proj.weight.mul_(residual_scale)
     return model
