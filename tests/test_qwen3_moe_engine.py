@@ -230,3 +230,27 @@ def test_tp2_matches_tp1(moe_pair: dict[str, Any], spec: bool) -> None:
         assert_same_outputs(expected, got)
     if spec:
         assert max(o["meta_info"]["spec_accept_length"] for o in reference[0]) > 1.0
+
+
+DETERMINISTIC = dict(dtype="float16", enable_deterministic_inference=True, triton_attention_split_tile_size=32,
+                     chunked_prefill_size=16, page_size=4)
+
+
+def test_fused_experts_in_the_model_are_batch_invariant(make_engine: Any, moe_pair: dict[str, Any]) -> None:
+    """--enable-deterministic-inference picks the fused Triton experts (fixed tiles; Triton's interpreter on CPU): a
+    target token's logits are bit-identical as a decode step, in an extend chunk and in DFlash verify blocks at batch
+    sizes 3 and 1, and greedy DFlash equals target-only."""
+    pytest.importorskip("triton")
+    from determinism_checks import logits_by_path, mismatched_rows
+
+    root = moe_pair["root"]
+    target_only = make_engine(root / "target", **DETERMINISTIC)
+    dflash = make_engine(root / "target", speculative_algorithm="DFLASH",
+                         speculative_draft_model_path=str(root / "draft"), **DETERMINISTIC)
+    assert target_only.runner.model.model.layers[0].mlp.uses_triton(torch.empty(0))
+    prompts = [[5 + i for i in range(n)] for n in (3, 14, 37)]
+    paths = logits_by_path(target_only, dflash, prompts, 8, 96)
+    assert mismatched_rows(paths) == {"extend": 0, "verify": 0, "verify_bs1": 0}
+    greedy = {**GREEDY, "max_new_tokens": 16}
+    expected = [o["output_ids"] for o in target_only.generate(input_ids=prompts, sampling_params=greedy)]
+    assert [o["output_ids"] for o in dflash.generate(input_ids=prompts, sampling_params=greedy)] == expected

@@ -3,8 +3,10 @@ weighted by the router's probabilities.
 
 One layer, three parts: the router (`gate`, a linear layer to E logits, and `route`, softmax → top-k → optional
 renormalisation), the experts (`StackedExperts`: E gated SiLU MLPs, their weights stacked [E, ...]), and the
-backend that runs the experts and the weighted combine: the torch reference (`experts_reference`). A family with
-another router or another expert format changes only its part.
+backend that runs the experts and the weighted combine: the torch reference (`experts_reference`, CPU and tests) or
+the fused Triton kernel (`layers/fused_moe.py`: tokens sorted by expert, a grouped GEMM over the experts hit,
+static shapes so it captures in CUDA graphs). Both take the same inputs, so a family with another router or
+another expert format changes only its part.
 
 Under tensor parallelism every rank holds every expert, cut along its intermediate dimension (gate|up by rows, down
 by columns, as a dense MLP): each rank computes partial outputs of the same routed tokens, the all-reduce sums them.
@@ -23,7 +25,7 @@ from blockspec.distributed.group import TensorParallel
 from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
 from blockspec.layers.linear import Linear
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ class SparseMoe(nn.Module):
     """The MoE MLP of one layer: `gate` (the router, [E, H], replicated) and `experts`. Called as a dense MLP is:
     `forward(x [T, H], out)` → [T, H], summed over TP ranks in place.
 
-    `backend`: "torch" (experts_reference); None picks by device."""
+    `backend`: "torch" (experts_reference) or "triton" (the fused kernel); None picks by device: Triton on CUDA
+    and, on CPU, under batch-invariant kernels (its tiles do not follow the batch; Triton's interpreter), else torch."""
 
     def __init__(
         self, hidden_size: int, expert_intermediate_size: int, routing: ExpertRouting,
@@ -128,11 +131,23 @@ class SparseMoe(nn.Module):
         self.gate = Linear(hidden_size, routing.num_experts, False, kernels)
         self.experts = StackedExperts(routing.num_experts, hidden_size, expert_intermediate_size)
 
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether the experts of input `x` run on the fused Triton kernel (else the torch reference)."""
+        if self.backend is not None:
+            return self.backend == "triton"
+        return x.is_cuda or self.kernels.batch_invariant
+
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out`: optional [T, H] buffer the combined output is written into."""
         weights, ids = route(self.gate(x), self.routing)
         experts = self.experts
-        combined = experts_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-        if out is not None:
-            combined = out.copy_(combined)
+        if self.uses_triton(x):
+            from blockspec.layers.fused_moe import fused_experts  # NOTE: needs Triton
+
+            combined = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, out,
+                                     batch_invariant=self.kernels.batch_invariant)
+        else:
+            combined = experts_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+            if out is not None:
+                combined = out.copy_(combined)
         return combined if self.tp is None else self.tp.all_reduce(combined)
