@@ -73,19 +73,25 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit
+def _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """(expert, pairs [BLOCK_M], valid [BLOCK_M]) of this program's block of sorted rows: its expert (-1: an unused
+    block) and its (token, slot) pairs (the sentinel num_pairs on padding rows)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    pairs = tl.load(pair_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden, intermediate, top_k,
                     stride_xt, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """out[pair, cols] = SiLU(x[token] · gate[e, cols]) · (x[token] · up[e, cols]) for the block's pairs, e its
     expert (w [E, 2 I, H]: gate rows, then up rows)."""
     wait_for_previous_grid(PDL)
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pair_rows_ptr + rows).to(tl.int64)
-    valid = pairs < num_pairs
     tokens = pairs // top_k
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < intermediate
@@ -112,13 +118,9 @@ def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, ou
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """out[pair, cols] = routing[pair] · (h[pair] · down[e, cols]) in fp32 (w [E, H, I])."""
     wait_for_previous_grid(PDL)
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pair_rows_ptr + rows).to(tl.int64)
-    valid = pairs < num_pairs
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden
     down_rows = w_ptr + expert * stride_we + cols[None, :] * stride_wn
