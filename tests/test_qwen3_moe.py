@@ -142,3 +142,24 @@ def test_expert_shard_cuts() -> None:
     with pytest.raises(ValueError, match="moe_intermediate_size \\(32\\) is not divisible by tp_size 3"):
         cut_for("model.layers.0.mlp.experts.0.up_proj.weight", ShardLayout(6, 3, 4, 64, 10, 32), TensorParallel(0, 3))
 
+
+
+def test_shardability_checks_the_expert_intermediate_size(tiny, tmp_path: Path) -> None:
+    """Before any rank starts: moe_intermediate_size must divide by tp_size; the dense intermediate_size only matters
+    when some layer is dense."""
+    from blockspec.config.engine_config import EngineConfig
+    from blockspec.engine.rank_processes import check_shardable
+
+    raw = json.loads((tiny("qwen3_moe").path / "config.json").read_text())
+
+    def config_with(**fields: object) -> EngineConfig:
+        directory = tmp_path / "-".join(f"{k}{v}" for k, v in fields.items())
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**raw, **fields}))
+        return EngineConfig(model_path=str(directory), device="cpu", tp_size=2)
+
+    check_shardable(config_with(mlp_only_layers=[], intermediate_size=63))  # every layer sparse: 63 is unused
+    with pytest.raises(ValueError, match="the target's intermediate_size \\(63\\) is not divisible by tp_size 2"):
+        check_shardable(config_with(mlp_only_layers=[2], intermediate_size=63))
+    with pytest.raises(ValueError, match="the target's moe_intermediate_size \\(31\\) is not divisible by tp_size 2"):
+        check_shardable(config_with(moe_intermediate_size=31))

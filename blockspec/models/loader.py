@@ -87,18 +87,20 @@ def load_weights_into(
     exactly."""
     params = dict(module.named_parameters())
     stacked = _stacked_targets(module)
-    expected = {name for name in params if name not in {t[0] for t in stacked.values()}} | set(stacked)
+    stacked_params = {param_name for param_name, _, _, _ in stacked.values()}
+    expected = {name for name in params if name not in stacked_params} | set(stacked)
     filled: set[str] = set()
     for name, tensor in weights:
         if name.startswith(ignore) or name not in expected:
             if not name.startswith(ignore):
                 logger.debug("ignoring checkpoint tensor %s", name)
             continue
-        target = params[name] if name not in stacked else None
-        if target is None:
+        if name in stacked:
             param_name, expert, offset, rows = stacked[name]
-            target = params[param_name] if expert is None else params[param_name][expert]
-            target = target.narrow(0, offset, rows)
+            whole = params[param_name] if expert is None else params[param_name][expert]
+            target = whole.narrow(0, offset, rows)
+        else:
+            target = params[name]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, the config implies "
