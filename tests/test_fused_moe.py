@@ -22,10 +22,13 @@ def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tens
     return weights.to(DEVICE), ids.to(DEVICE)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (7, 8, 3, 16), (40, 4, 2, 16), (9, 64, 8, 32)])
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [
+    (1, 8, 2, 16), (7, 8, 3, 16), (40, 4, 2, 16), (9, 64, 8, 32),
+    (70, 160, 3, 16),  # more pairs than one 128-pair chunk, more experts than a chunk of blocks
+])
 def test_sort_groups_pairs_by_expert_in_padded_blocks(tokens: int, experts: int, top_k: int, block_m: int) -> None:
-    """Every pair exactly once, in its expert's block; groups in ascending expert order, padded with the sentinel;
-    blocks past the used ones marked -1; the buffer as large as the worst case needs."""
+    """Every pair exactly once, in its expert's block; groups in ascending expert order, padded with the sentinel
+    after the group's pairs; blocks past the used ones marked -1; the buffer as large as the worst case needs."""
     _, ids = routed(tokens, experts, top_k, seed=tokens)
     pair_rows, block_experts = sort_by_expert(ids, experts, block_m)
     num_pairs = tokens * top_k
@@ -42,7 +45,7 @@ def test_sort_groups_pairs_by_expert_in_padded_blocks(tokens: int, experts: int,
         block = rows[index * block_m:(index + 1) * block_m]
         assert all(flat[p] == expert for p in block if p < num_pairs)
         assert all(p == num_pairs for p in block[block.index(num_pairs):]) if num_pairs in block else True
-    for expert in hit:  # each expert's pairs in token order (a stable sort), padded to whole blocks
+    for expert in hit:  # each expert's pairs padded to whole blocks
         assert used.count(expert) == -(-flat.count(expert) // block_m)
 
 
@@ -52,6 +55,7 @@ def test_sort_groups_pairs_by_expert_in_padded_blocks(tokens: int, experts: int,
     (5, 48, 24, 8, 3),  # hidden and intermediate not powers of two (masked tiles)
     (33, 32, 16, 4, 2),  # more rows than one 16-row block per expert
     (20, 64, 80, 16, 4),  # several column tiles of the intermediate size
+    (50, 32, 16, 8, 3),  # more pairs than one 128-pair chunk of the sort
 ])
 def test_fused_experts_equal_reference(dtype: torch.dtype, tokens: int, hidden: int, intermediate: int,
                                        experts: int, top_k: int) -> None:

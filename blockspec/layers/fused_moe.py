@@ -1,9 +1,11 @@
 """The MoE experts fused for CUDA (Triton): SparseMoe's "triton" backend, equal to `experts_reference` (layers/moe.py).
 
-Three launches, static shapes throughout (no host sync: the whole layer captures in a CUDA graph):
-1. `sort_by_expert` (torch ops on the device): the T·k (token, slot) pairs grouped by expert, each expert's group
-   padded to a multiple of BLOCK_M rows, so every block of BLOCK_M sorted rows belongs to one expert. The buffer is
-   sized for the worst case (every hit expert padded), and the blocks past the used ones are marked -1.
+Three steps, five launches, static shapes throughout (no host sync: the whole layer captures in a CUDA graph):
+1. `sort_by_expert` (two small launches: counts, then placement by atomic counters): the T·k (token, slot) pairs
+   grouped by expert, each expert's group padded to a multiple of BLOCK_M rows, so every block of BLOCK_M sorted
+   rows belongs to one expert. The buffer is sized for the worst case (every hit expert padded), and the blocks past
+   the used ones are marked -1. NOTE: two launches rather than a chain of small torch ops (a sort, cumsums,
+   gathers): in a decode graph every layer pays for each launch.
 2. `_gate_up_kernel`: per (block, column tile of I) one grouped-GEMM tile: the block's tokens × its expert's gate
    and up rows, SiLU(gate)·up, stored per pair. `_down_kernel`: the same over the down projection, scaled by the
    pair's routing weight. Blocks marked -1 return at once, so only the experts actually hit are read: a decode
@@ -47,28 +49,68 @@ def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False
     return ExpertTiles(block_m, 64, 64)
 
 
+@triton.jit
+def _count_experts_kernel(ids_ptr, num_pairs, next_row_ptr, block_experts_ptr, num_blocks, pair_rows_ptr, capacity,
+                          NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                          CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """One program: each expert's pair count padded to whole blocks; the first row of each expert's group (into
+    next_row, the counters the placing kernel advances), each block's expert (-1 past the used rows), and the
+    sentinel num_pairs in every row of pair_rows."""
+    wait_for_previous_grid(PDL)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        index = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + index, mask=index < num_pairs, other=BLOCK_E)  # NOTE: past the end: no expert
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    group_end = tl.cumsum(padded, axis=0)
+    tl.store(next_row_ptr + experts, group_end - padded, mask=experts < NUM_EXPERTS)
+    used_rows = tl.sum(padded, axis=0)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        first_row = blocks * BLOCK_M
+        # NOTE: the block's expert = how many groups end at or before its first row (empty groups end where the
+        # previous one does, so they are skipped)
+        expert = tl.sum((group_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + blocks, tl.where(first_row < used_rows, expert, -1), mask=blocks < num_blocks)
+    for start in range(0, capacity, CHUNK):
+        rows = start + tl.arange(0, CHUNK)
+        tl.store(pair_rows_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < capacity)
+
+
+@triton.jit
+def _place_pairs_kernel(ids_ptr, num_pairs, next_row_ptr, pair_rows_ptr, CHUNK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Every pair takes the next free row of its expert's group (an atomic counter per expert)."""
+    wait_for_previous_grid(PDL)
+    index = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    valid = index < num_pairs
+    ids = tl.load(ids_ptr + index, mask=valid, other=0)
+    rows = tl.atomic_add(next_row_ptr + ids, 1, mask=valid)
+    tl.store(pair_rows_ptr + rows, index.to(tl.int32), mask=valid)
+
+
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair_rows [capacity] int32, block_experts [capacity / block_m] int32) for expert ids [T, k]: pair_rows holds
     the pairs (t · k + slot) grouped by expert in ascending expert order, each group padded with the sentinel T · k
     to a multiple of block_m; block_experts[b] is the expert of rows [b · block_m, (b + 1) · block_m), -1 past the
-    last used block. NOTE: capacity = T·k + min(E, T·k)·(block_m - 1), rounded up to block_m: the most padding any
-    routing needs, so the shapes depend on T only."""
+    last used block. Two launches. NOTE: within a group the pairs come in no fixed order (atomics): each row is
+    computed on its own and combined by pair, so the order changes no result. capacity = T·k + min(E, T·k)·(block_m
+    - 1), rounded up to block_m: the most padding any routing needs, so the shapes depend on T only."""
     num_pairs = ids.numel()
-    device = ids.device
-    flat = ids.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded_end = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
-    first_sorted = counts.cumsum(0) - counts  # where each expert's pairs start in the unpadded sorted order
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    padded_start = padded_end - (counts + block_m - 1) // block_m * block_m
-    destination = padded_start[sorted_experts] + torch.arange(num_pairs, device=device) - first_sorted[sorted_experts]
     capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
-    pair_rows = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
-    pair_rows.scatter_(0, destination, order.to(torch.int32))
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
-    block_experts = torch.where(block_starts < padded_end[-1], block_experts, -1)
+    pair_rows = torch.empty(capacity, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
+    next_row = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    flat = ids.reshape(-1)
+    chunk = 128
+    _count_experts_kernel[(1,)](
+        flat, num_pairs, next_row, block_experts, block_experts.shape[0], pair_rows, capacity, NUM_EXPERTS=num_experts,
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_M=block_m, CHUNK=chunk, **pdl_launch(ids),
+    )
+    _place_pairs_kernel[(triton.cdiv(num_pairs, chunk),)](flat, num_pairs, next_row, pair_rows, CHUNK=chunk,
+                                                         **pdl_launch(ids))
     return pair_rows, block_experts
 
 
