@@ -104,11 +104,13 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
     next_row = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     flat = ids.reshape(-1)
-    chunk = 128
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    # NOTE: the counting program compares [CHUNK, BLOCK_E] tiles: 4096 elements keep them in registers
     _count_experts_kernel[(1,)](
         flat, num_pairs, next_row, block_experts, block_experts.shape[0], pair_rows, capacity, NUM_EXPERTS=num_experts,
-        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_M=block_m, CHUNK=chunk, **pdl_launch(ids),
+        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=max(16, 4096 // block_e), **pdl_launch(ids),
     )
+    chunk = 128
     _place_pairs_kernel[(triton.cdiv(num_pairs, chunk),)](flat, num_pairs, next_row, pair_rows, CHUNK=chunk,
                                                          **pdl_launch(ids))
     return pair_rows, block_experts
