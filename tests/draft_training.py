@@ -77,11 +77,12 @@ def save_trained_pair(root: Path) -> Path:
     return root
 
 
-def save_trained_target(root: Path) -> PreTrainedModel:
-    """save_trained_pair, returning the target model (the HF oracle)."""
+def save_trained_target(root: Path, kind: str = "llama") -> PreTrainedModel:
+    """save_trained_pair (the target a tiny model of `kind`, tiny_models.py), returning the target model (the HF
+    oracle)."""
     from tiny_models import save_tiny_draft, save_tiny_model
 
-    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
+    target = save_tiny_model(kind, root / "target", residual_scale=0.3)
     draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
     train_tiny_draft(draft, target, steps=200)
     draft.save_pretrained(root / "draft")

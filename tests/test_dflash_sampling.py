@@ -50,15 +50,16 @@ def total_variation(a: Counter, b: Counter) -> float:
     return 0.5 * sum(abs(a[k] - b[k]) for k in set(a) | set(b))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("params, verify_lengths", [
     ({"temperature": 1.0, "top_p": 1.0}, None), ({"temperature": 0.7, "top_p": 0.9}, None),
     ({"temperature": 1.0, "top_p": 1.0}, [1, 2, 4, 3, 1, 4]),
 ], ids=["t1", "t0.7-p0.9", "t1-changing-verify-length"])
 def test_sampled_continuations_follow_target(
-    tmp_path: Path, params: dict[str, float], verify_lengths: Optional[list[int]]
+    tmp_path: Path, params: dict[str, float], verify_lengths: Optional[list[int]], kind: str
 ) -> None:
-    """Also with the verify length changing every cycle (1: a plain sampled target step)."""
-    target = save_tiny_model("llama", tmp_path / "target", vocab_size=VOCAB, residual_scale=0.5)
+    """Also with the verify length changing every cycle (1: a plain sampled target step); a dense and an MoE target."""
+    target = save_tiny_model(kind, tmp_path / "target", vocab_size=VOCAB, residual_scale=0.5)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)  # undo the test models' sharpening: a spread-out distribution
     target.save_pretrained(tmp_path / "target")

@@ -1,4 +1,5 @@
-"""Greedy output is token-identical to HF transformers `generate` (CPU, fp32) on tiny Llama-3 / Qwen3 models."""
+"""Greedy output is token-identical to HF transformers `generate` (CPU, fp32) on tiny Llama-3 / Qwen3 / Qwen3-MoE
+models."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import pytest
 
 from engine_testing import VOCAB, hf_greedy, random_prompts
 
-KINDS = ["llama", "llama_tied", "qwen3"]
+KINDS = ["llama", "llama_tied", "qwen3", "qwen3_moe", "qwen3_moe_step2"]
 # NOTE: 1..40 tokens; 40 > every chunked_prefill_size below, and prompt + output crosses the llama3 rope's
 # original_max_position_embeddings (64) and several 16-token pages.
 PROMPT_LENS = [1, 40, 3, 17, 8, 33, 2, 25]

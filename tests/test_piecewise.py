@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu
 CAPTURE = (0, 2)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])  # NOTE: qwen3_moe: layer 0 sparse, 2 dense
 def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Engine:
     root = tmp_path_factory.mktemp(f"pcg_{request.param}")
     save_tiny_model(request.param, root)

@@ -5,7 +5,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, PreTrainedModel
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+)
 
 TINY = dict(
     vocab_size=96,
@@ -31,7 +33,15 @@ LLAMA3_ROPE = {
 }
 
 
-def tiny_config(kind: str, **overrides: Any) -> LlamaConfig | Qwen3Config:
+# NOTE: Qwen3-MoE: 8 experts, top 2; layer 2 dense (mlp_only_layers), the others sparse. "qwen3_moe_step2": every
+# second layer sparse (decoder_sparse_step), top 3 renormalised (norm_topk_prob).
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[2])
+QWEN3_MOE_STEP2 = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, decoder_sparse_step=2,
+                       norm_topk_prob=True)
+MODEL_CLASSES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "qwen3_moe_step2": Qwen3MoeForCausalLM}
+
+
+def tiny_config(kind: str, **overrides: Any) -> LlamaConfig | Qwen3Config | Qwen3MoeConfig:
     fields = {**TINY, **overrides}
     if kind == "llama":
         return LlamaConfig(rope_scaling=dict(LLAMA3_ROPE), **fields)
@@ -39,6 +49,8 @@ def tiny_config(kind: str, **overrides: Any) -> LlamaConfig | Qwen3Config:
         return LlamaConfig(rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=True, **fields)
     if kind == "qwen3":
         return Qwen3Config(head_dim=16, **fields)
+    if kind in ("qwen3_moe", "qwen3_moe_step2"):
+        return Qwen3MoeConfig(head_dim=16, **{**(QWEN3_MOE if kind == "qwen3_moe" else QWEN3_MOE_STEP2), **fields})
     raise ValueError(kind)
 
 
@@ -47,13 +59,20 @@ def build_tiny_model(kind: str, seed: int = 0, residual_scale: float = 1.0, **ov
     briefly trained draft reaches multi-token acceptance."""
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
-    model = (Qwen3ForCausalLM if kind == "qwen3" else LlamaForCausalLM)(config).eval()
+    model = MODEL_CLASSES.get(kind, LlamaForCausalLM)(config).eval()
     with torch.no_grad():
-        # NOTE: random tiny models have near-tied logits; a sharper head makes greedy argmax decisive.
+        # NOTE: random tiny models have near-tied logits; a sharper head makes greedy argmax decisive (and a
+        # sharper router, the top-k choice of experts). Experts ×4: at HF's init scale they barely move the
+        # residual stream (greedy tokens hardly change without them), so a routing or combine error would go unseen.
         model.lm_head.weight.mul_(4.0)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(residual_scale)
-            layer.mlp.down_proj.weight.mul_(residual_scale)
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.gate.weight.mul_(4.0)
+                layer.mlp.experts.gate_up_proj.mul_(4.0)
+                layer.mlp.experts.down_proj.mul_(4.0 * residual_scale)
+            else:
+                layer.mlp.down_proj.weight.mul_(residual_scale)
     return model
 
 

@@ -1,7 +1,8 @@
 """Sharded weight loading: each rank reads only its slices of the safetensors (`safe_open(...).get_slice`).
 
 Column-parallel weights (q, k, v, gate, up; the vocabulary rows of embed_tokens / lm_head) are cut along dim 0,
-row-parallel ones (o, down) along dim 1; everything else (norms, the draft's fc) is read whole.
+row-parallel ones (o, down) along dim 1; everything else (norms, the draft's fc, an MoE router) is read whole. An
+expert's gate / up / down (`mlp.experts.{e}.*`) is cut like a dense MLP's, by the expert intermediate size.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class ShardLayout:
     head_dim: int
     intermediate_size: int
     vocab_size: Optional[int] = None  # None: no embedding / lm_head (the DFlash draft)
+    expert_intermediate_size: Optional[int] = None  # the experts' (`mlp.experts.{e}.*`) of a mixture of experts
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,14 @@ class Cut:
     zeros: bool = False  # NOTE: a row-parallel bias lives on rank 0 only, so the all-reduce adds it once
 
 
+def _local_ffn(name: str, layout: ShardLayout, tp: TensorParallel) -> int:
+    """This rank's share of the intermediate size of the MLP `name` belongs to (an expert's or the dense one)."""
+    if ".experts." in name:
+        assert layout.expert_intermediate_size is not None, f"{name}: the layout has no expert intermediate size"
+        return tp.split(layout.expert_intermediate_size, "moe_intermediate_size")
+    return tp.split(layout.intermediate_size, "intermediate_size")
+
+
 def cut_for(name: str, layout: ShardLayout, tp: TensorParallel) -> Optional[Cut]:
     """This rank's cut of checkpoint tensor `name`, None for a replicated one."""
     parts = name.rsplit(".", 2)
@@ -44,7 +54,7 @@ def cut_for(name: str, layout: ShardLayout, tp: TensorParallel) -> Optional[Cut]
     d = layout.head_dim
     local_heads = tp.split(layout.num_heads, "num_attention_heads")
     local_kv = tp.local_kv_heads(layout.num_kv_heads)
-    local_ffn = tp.split(layout.intermediate_size, "intermediate_size")
+    local_ffn = _local_ffn(name, layout, tp) if module in ("gate_proj", "up_proj", "down_proj") else 0
     if module == "q_proj":
         return Cut(0, tp.rank * local_heads * d, local_heads * d, local_heads * d)
     if module in ("k_proj", "v_proj"):

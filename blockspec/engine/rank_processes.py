@@ -77,14 +77,18 @@ def check_shardable(config: EngineConfig) -> None:
         if torch.cuda.device_count() < config.tp_size:
             raise ValueError(f"tp_size {config.tp_size} needs as many GPUs, {torch.cuda.device_count()} visible")
     target = load_target_config(config.model_path)
-    shapes = [(target.num_heads, target.num_kv_heads, target.intermediate_size, "the target")]
+    shapes = [(target.num_heads, target.num_kv_heads, target.intermediate_size if target.has_dense_layers else None,
+               "the target")]
+    if target.moe is not None:
+        tp.split(target.moe.expert_intermediate_size, "the target's moe_intermediate_size")
     if config.speculative_draft_model_path is not None:
         draft = load_draft_config(config.speculative_draft_model_path, target)
         shapes.append((draft.num_heads, draft.num_kv_heads, draft.intermediate_size, "the draft"))
     for heads, kv_heads, intermediate, which in shapes:
         tp.split(heads, f"{which}'s num_attention_heads")
         tp.local_kv_heads(kv_heads)
-        tp.split(intermediate, f"{which}'s intermediate_size")
+        if intermediate is not None:
+            tp.split(intermediate, f"{which}'s intermediate_size")
 
 
 class RankProcesses:

@@ -6,10 +6,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from blockspec.layers.moe import ExpertRouting
 from blockspec.layers.rotary import RopeConfig
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts part of a target: how its sparse layers route, the experts' intermediate size, and which
+    layers are sparse (the others have a dense MLP of the config's intermediate_size)."""
+
+    routing: ExpertRouting
+    expert_intermediate_size: int
+    sparse_layers: tuple[int, ...]
 
 
 @dataclass
@@ -30,11 +42,20 @@ class TargetConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: Optional[MoeConfig] = None  # None: every layer has a dense MLP
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def is_sparse(self, layer_id: int) -> bool:
+        """Whether layer `layer_id`'s MLP is a mixture of experts."""
+        return self.moe is not None and layer_id in self.moe.sparse_layers
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return not all(self.is_sparse(layer_id) for layer_id in range(self.num_layers))
 
 
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:
@@ -60,6 +81,21 @@ def _eos_ids(raw: dict[str, Any]) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
 
 
+def parse_qwen3_moe(raw: dict[str, Any], num_layers: int) -> MoeConfig:
+    """Qwen3-MoE's fields: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
+    (HF's rule); `num_experts` (transformers 5 writes `num_local_experts`), `num_experts_per_tok`, `norm_topk_prob`,
+    `moe_intermediate_size`. No shared expert."""
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)) or 0)
+    top_k = int(raw["num_experts_per_tok"])
+    if num_experts and not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    dense_only = {int(i) for i in raw.get("mlp_only_layers") or []}
+    sparse = tuple(i for i in range(num_layers) if num_experts > 0 and (i + 1) % step == 0 and i not in dense_only)
+    return MoeConfig(ExpertRouting(num_experts, top_k, bool(raw.get("norm_topk_prob", False))),
+                     int(raw["moe_intermediate_size"]), sparse)
+
+
 def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
     architectures = raw.get("architectures") or []
     arch = architectures[0] if architectures else _MODEL_TYPE_TO_ARCH.get(raw.get("model_type", ""), "")
@@ -72,6 +108,7 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
+        num_layers = int(raw["num_hidden_layers"])
         if kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         return TargetConfig(
@@ -79,7 +116,7 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -89,8 +126,9 @@ def parse_target_config(raw: dict[str, Any]) -> TargetConfig:
             rope=parse_rope(raw),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QK_NORM_ARCHITECTURES,
             eos_token_ids=_eos_ids(raw),
+            moe=parse_qwen3_moe(raw, num_layers) if arch == "Qwen3MoeForCausalLM" else None,
             raw=raw,
         )
     except KeyError as missing:

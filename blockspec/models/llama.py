@@ -84,30 +84,35 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TargetConfig, layer_id: int, tp: Optional[TensorParallel] = None,
+    """`mlp`: the layer's MLP, called as `mlp(x [T, H], out)` → [T, H] summed over TP ranks (GatedMLP, SparseMoe)."""
+
+    def __init__(self, config: TargetConfig, layer_id: int, mlp: nn.Module, tp: Optional[TensorParallel] = None,
                  kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.self_attn = SelfAttention(config, layer_id, tp, kernels)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, kernels)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: TargetConfig, max_positions: int, tp: Optional[TensorParallel] = None,
-                 kernels: KernelMode = DEFAULT_KERNELS) -> None:
+    """`mlps`: each layer's MLP, in layer order."""
+
+    def __init__(self, config: TargetConfig, max_positions: int, mlps: list[nn.Module],
+                 tp: Optional[TensorParallel] = None, kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size) if tp is None
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, mlp, tp, kernels) for i, mlp in enumerate(mlps))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
 
 class CausalLM(nn.Module):
-    """LlamaForCausalLM / Qwen3ForCausalLM (the family only changes q/k norms, set by the config).
+    """LlamaForCausalLM / Qwen3ForCausalLM (the family only changes q/k norms, set by the config). A family that
+    keeps this attention and changes the MLPs subclasses it and overrides `build_mlp` (models/qwen3_moe.py).
 
     With `tp` this rank's shard: vocab-parallel embedding and lm_head (full logits on every rank), sharded heads and
     MLP, the o / down projections summed over ranks; hidden states, aux hidden and logits are replicated.
@@ -120,13 +125,19 @@ class CausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.kernels = kernels
-        self.model = DecoderModel(config, max_positions, tp, kernels)
+        mlps = [self.build_mlp(config, layer_id, tp, kernels) for layer_id in range(config.num_layers)]
+        self.model = DecoderModel(config, max_positions, mlps, tp, kernels)
         self.lm_head = (
             Linear(config.hidden_size, config.vocab_size, False, kernels) if tp is None
             else VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def build_mlp(config: TargetConfig, layer_id: int, tp: Optional[TensorParallel], kernels: KernelMode) -> nn.Module:
+        """Layer `layer_id`'s MLP: a dense gated SiLU MLP in Llama and Qwen3."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, kernels)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

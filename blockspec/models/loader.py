@@ -14,9 +14,11 @@ from blockspec.distributed.group import TensorParallel
 from blockspec.distributed.shards import ShardLayout, iter_sharded_safetensors
 from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
 from blockspec.layers.linear import StackedLinear
+from blockspec.layers.moe import StackedExperts
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.config import TargetConfig, load_target_config
 from blockspec.models.llama import CausalLM
+from blockspec.models.qwen3_moe import Qwen3MoeCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +57,15 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
-def _stacked_targets(module: nn.Module) -> dict[str, tuple[str, int, int]]:
-    """Checkpoint name → (fused parameter name, row offset, rows) for every StackedLinear part."""
-    targets: dict[str, tuple[str, int, int]] = {}
+# NOTE: the target classes by family (models/config.py SUPPORTED_ARCHITECTURES); a family that changes only the MLPs
+# is a CausalLM subclass
+MODEL_CLASSES: dict[str, type[CausalLM]] = {"llama": CausalLM, "qwen3": CausalLM, "qwen3_moe": Qwen3MoeCausalLM}
+
+
+def _stacked_targets(module: nn.Module) -> dict[str, tuple[str, Optional[int], int, int]]:
+    """Checkpoint name → (stacked parameter name, expert index or None, row offset, rows) for every StackedLinear
+    part (q|k|v, gate|up) and every expert matrix of StackedExperts."""
+    targets: dict[str, tuple[str, Optional[int], int, int]] = {}
     for prefix, sub in module.named_modules():
         if isinstance(sub, StackedLinear):
             parent = prefix.rsplit(".", 1)[0] + "." if "." in prefix else ""
@@ -65,25 +73,34 @@ def _stacked_targets(module: nn.Module) -> dict[str, tuple[str, int, int]]:
                 offset, rows = sub.shard_offset(shard)
                 for kind in ("weight", "bias"):
                     if getattr(sub, kind, None) is not None:
-                        targets[f"{parent}{shard}.{kind}"] = (f"{prefix}.{kind}", offset, rows)
+                        targets[f"{parent}{shard}.{kind}"] = (f"{prefix}.{kind}", None, offset, rows)
+        elif isinstance(sub, StackedExperts):
+            for name, part in sub.checkpoint_parts().items():
+                targets[f"{prefix}.{name}"] = (f"{prefix}.{part.param}", part.expert, part.offset, part.rows)
     return targets
 
 
 def load_weights_into(
     module: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], ignore: tuple[str, ...] = ()
 ) -> None:
-    """Copies named tensors into `module` (stacking q|k|v and gate|up); every parameter must be filled exactly."""
+    """Copies named tensors into `module` (stacking q|k|v, gate|up and the experts); every parameter must be filled
+    exactly."""
     params = dict(module.named_parameters())
     stacked = _stacked_targets(module)
-    expected = {name for name in params if name not in {t[0] for t in stacked.values()}} | set(stacked)
+    stacked_params = {param_name for param_name, _, _, _ in stacked.values()}
+    expected = {name for name in params if name not in stacked_params} | set(stacked)
     filled: set[str] = set()
     for name, tensor in weights:
         if name.startswith(ignore) or name not in expected:
             if not name.startswith(ignore):
                 logger.debug("ignoring checkpoint tensor %s", name)
             continue
-        param_name, offset, rows = stacked.get(name, (name, 0, params[name].shape[0] if name in params else 0))
-        target = params[param_name].narrow(0, offset, rows) if name in stacked else params[param_name]
+        if name in stacked:
+            param_name, expert, offset, rows = stacked[name]
+            whole = params[param_name] if expert is None else params[param_name][expert]
+            target = whole.narrow(0, offset, rows)
+        else:
+            target = params[name]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint, the config implies "
@@ -116,7 +133,7 @@ def load_target_model(
     """The target (this rank's shard of it under `tp`, reading only that shard's slices), its layers in `kernels`."""
     config = load_target_config(model_dir)
     with torch.device("meta"):
-        model = CausalLM(config, max_positions, tp, kernels)
+        model = MODEL_CLASSES[config.family](config, max_positions, tp, kernels)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if config.tie_word_embeddings:
@@ -128,7 +145,7 @@ def load_target_model(
         load_weights_into(model, iter_safetensors(model_dir), ignore=ignore)
     else:
         layout = ShardLayout(config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
-                             config.vocab_size)
+                             config.vocab_size, None if config.moe is None else config.moe.expert_intermediate_size)
         load_weights_into(model, iter_sharded_safetensors(safetensors_files(model_dir), layout, tp), ignore=ignore)
     model.eval()
     return model, config

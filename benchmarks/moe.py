@@ -1,0 +1,283 @@
+"""Mixture-of-experts targets on one GPU (#51): Qwen3-30B-A3B shapes (48 layers, hidden 2048, 128 experts, top 8,
+expert intermediate 768, 32 query / 4 KV heads, vocab 151,936), dummy bf16 weights, a 5-layer DFlash draft of the
+same hidden size (block 16, simulated accept length 6).
+
+Rows (`rows` in the result), each with mode, bs, step_ms, touched_experts_per_layer, floor_ms:
+- "layer_decode" / "layer_verify": one MoE layer (SparseMoe, the fused Triton experts, replayed from a CUDA graph)
+  over bs tokens / bs verify blocks of 16 tokens; its floor is the bytes of the experts the batch touches (and the
+  router) at the copy bandwidth measured in the same run, so a verify block that hits more experts is judged fairly.
+- "target_decode" / "dflash_cycle" / "dflash_adaptive": one scheduler step of the engine (CUDA graphs; the mean of
+  back-to-back steps) at context --context, with tokens_per_step (committed tokens per step, all requests) and
+  verify_tokens (the verify length in use); the DFlash cycle with the whole block and with adaptive verify on. Its
+  floor: every weight but the experts and the embedding table, the touched experts of every sparse layer, the KV
+  read (and the draft and lm_head under DFlash).
+Touched experts: dummy weights route at random, so the count is the router's on random hidden states of that many
+tokens (real routing is more correlated: fewer experts).
+
+With --serving, the serving table (1 and 64 clients, DFlash vs target-only, accept length 6) through
+benchmarks/serving_vs_engine.py on the same shapes; its rows go to `serving`. --shape tiny runs everything small on
+the CPU (plumbing only, timings meaningless; tests/test_moe_bench.py). Writes moe_<date>_<commit>.json under --out.
+On the device: `scripts/device.sh bench moe --parts layer step serving`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from blockspec import Engine
+from blockspec.bench.provenance import run_identity
+from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
+
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1e6,
+    tie_word_embeddings=False, eos_token_id=151645,
+)
+DRAFT_30B_A3B = dict(
+    architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1e6, block_size=16, num_target_layers=48,
+    dflash_config={"mask_token_id": 151669, "target_layer_ids": [1, 12, 23, 34, 45]},
+)
+TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+            num_experts_per_tok=4, max_position_embeddings=2048, eos_token_id=2)
+TINY_DRAFT = dict(DRAFT_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                  block_size=4, num_target_layers=4, dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 2]})
+SHAPES = {"30b-a3b": (QWEN3_30B_A3B, DRAFT_30B_A3B), "tiny": (TINY, TINY_DRAFT)}
+
+
+def write_configs(root: Path, shape: str) -> tuple[Path, Path]:
+    target, draft = SHAPES[shape]
+    for name, config in (("target", target), ("draft", draft)):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "config.json").write_text(json.dumps(config))
+    return root / "target", root / "draft"
+
+
+def timer(device: torch.device, repeat: int) -> Callable[[Callable[[], Any]], float]:
+    """ms per call: benchmarks.device_timing on CUDA, a plain clock on the CPU (--shape tiny)."""
+    if device.type == "cuda":
+        from benchmarks.device_timing import cuda_ms
+
+        return lambda fn: cuda_ms(fn, repeat)
+
+    def cpu_ms(fn: Callable[[], Any]) -> float:
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / repeat
+
+    return cpu_ms
+
+
+def steady(device: torch.device, repeat: int, fn: Callable[[], Any]) -> float:
+    if device.type == "cuda":
+        from benchmarks.device_timing import steady_ms
+
+        return steady_ms(fn, repeat)
+    return timer(device, repeat)(fn)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device copy (read + written), the floor's bandwidth; 1e11 on the CPU (plumbing)."""
+    if device.type != "cuda":
+        return 1e11
+    from benchmarks.device_timing import read_bandwidth
+
+    return read_bandwidth()
+
+
+def touched_experts(gate: torch.nn.Linear, routing: ExpertRouting, tokens: int, seed: int) -> int:
+    """Distinct experts the router picks for `tokens` random hidden states (random routing, as dummy weights give)."""
+    generator = torch.Generator(device=gate.weight.device).manual_seed(seed)
+    x = torch.randn(tokens, gate.in_features, generator=generator, device=gate.weight.device, dtype=gate.weight.dtype)
+    with torch.no_grad():
+        return int(route(gate(x), routing)[1].unique().numel())
+
+
+def expert_bytes(config: dict[str, Any], element: int) -> int:
+    """Bytes of one expert (gate, up and down)."""
+    return 3 * config["hidden_size"] * config["moe_intermediate_size"] * element
+
+
+def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+               bandwidth: float) -> list[dict[str, Any]]:
+    """One MoE layer per mode and batch size, replayed from a CUDA graph on CUDA (which also shows it captures)."""
+    routing = ExpertRouting(config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"])
+    layer = SparseMoe(config["hidden_size"], config["moe_intermediate_size"], routing).to(device, dtype)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.02)
+    element = torch.empty(0, dtype=dtype).element_size()
+    router_bytes = layer.gate.weight.numel() * element
+    measure = timer(device, args.repeat)
+    rows = []
+    for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
+        for bs in args.batch_sizes:
+            tokens = bs * per_request
+            x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)
+            out = torch.empty_like(x)
+            with torch.no_grad():
+                touched = int(route(layer.gate(x), routing)[1].unique().numel())
+                run: Callable[[], Any] = lambda: layer(x, out)  # noqa: E731
+                run()  # NOTE: warm-up (compiles the kernels)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        run()
+                    run = graph.replay
+                ms = measure(run)
+            floor_ms = (touched * expert_bytes(config, element) + router_bytes) / bandwidth * 1e3
+            rows.append({"mode": mode, "bs": bs, "tokens": tokens, "step_ms": ms, "touched_experts_per_layer": touched,
+                         "floor_ms": floor_ms, "over_floor": ms / floor_ms})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def prefill(engine: Engine, bs: int, context: int, vocab: int) -> list:
+    reqs, _ = engine.make_requests(
+        input_ids=[torch.randint(10, vocab - 10, (context,)).tolist() for _ in range(bs)],
+        sampling_params={"temperature": 0, "max_new_tokens": 1_000_000, "ignore_eos": True},
+    )
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    while any(r.pending_len != 1 for r in reqs):
+        engine.step()
+    return reqs
+
+
+def param_bytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def step_rows(config: dict[str, Any], target_dir: Path, draft_dir: Path, args: argparse.Namespace,
+              device: torch.device, bandwidth: float) -> list[dict[str, Any]]:
+    """Scheduler steps of target-only decode and of the DFlash cycle (whole block, adaptive verify) per batch size."""
+    rows = []
+    modes: list[tuple[str, dict[str, Any]]] = [
+        ("target_decode", {}),
+        ("dflash_cycle", dict(speculative_adaptive_verify="off")),
+        ("dflash_adaptive", dict(speculative_adaptive_verify="on")),
+    ]
+    for mode, extra in modes:
+        flags: dict[str, Any] = dict(model_path=str(target_dir), load_format="dummy", device=str(device),
+                                     dtype=args.dtype, skip_tokenizer_init=True,
+                                     max_total_tokens=max(args.batch_sizes) * (args.context + 1024),
+                                     max_running_requests=max(args.batch_sizes), cuda_graph_bs=args.batch_sizes)
+        if mode != "target_decode":
+            flags.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
+                         speculative_simulate_accept_len=args.accept_len, **extra)
+        engine = Engine(**flags)
+        model = engine.runner.model
+        routing = ExpertRouting(config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"])
+        sparse = [m for m in model.modules() if isinstance(m, SparseMoe)]
+        experts = [p for m in model.modules() if isinstance(m, StackedExperts) for p in m.parameters()]
+        expert_ids = {id(p) for p in experts}
+        dense_bytes = param_bytes(p for p in model.parameters() if id(p) not in expert_ids)
+        dense_bytes -= param_bytes(model.model.embed_tokens.parameters())  # NOTE: only its rows are read
+        element = experts[0].element_size()
+        kv_per_token = 2 * config["num_hidden_layers"] * engine.runner.num_local_kv_heads * config["head_dim"] * element
+        draft_bytes = 0 if mode == "target_decode" else (
+            param_bytes(engine.worker.draft.parameters()) + model.lm_head.weight.numel() * element)
+        for bs in args.batch_sizes:
+            reqs = prefill(engine, bs, args.context, config["vocab_size"])
+            engine.step()  # NOTE: warm-up (adaptive verify: its first choices)
+            before = sum(len(r.output_ids) for r in reqs)
+            ms = steady(device, args.repeat, engine.step)
+            tokens_per_step = (sum(len(r.output_ids) for r in reqs) - before) / args.repeat
+            verify_tokens = 1
+            if mode != "target_decode":  # NOTE: the verify length in use at this batch size (adaptive: its choice)
+                verify = engine.get_server_info()["internal_states"][0].get("verify_length") or {}
+                verify_tokens = int(verify.get("in_use", {}).get(str(bs), {}).get("num_draft_tokens", args.block))
+            touched = touched_experts(sparse[0].gate, routing, bs * verify_tokens, seed=bs)
+            floor_bytes = (dense_bytes + draft_bytes + touched * expert_bytes(config, element) * len(sparse)
+                           + bs * args.context * kv_per_token)
+            row = {"mode": mode, "bs": bs, "step_ms": ms, "tokens_per_step": tokens_per_step,
+                   "touched_experts_per_layer": touched, "floor_ms": floor_bytes / bandwidth * 1e3,
+                   "verify_tokens": verify_tokens, "context": args.context}
+            rows.append(row)
+            print(json.dumps(row, default=str), flush=True)
+            for req in reqs:
+                engine.scheduler.abort(req.rid)
+            engine.scheduler.collect_finished()
+        engine.shutdown()
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def serving_rows(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], int]:
+    """benchmarks/serving_vs_engine.py on the MoE shapes (its "tiny" shape with --model-dir / --draft-dir: these
+    config.json files, dummy weights), simulated accept length, 1 and 64 clients, DFlash and target-only; the rows of
+    the result it writes and its exit status (non-zero when a row failed: the others are kept)."""
+    out = args.out / "moe_serving"
+    out.mkdir(parents=True, exist_ok=True)
+    before = set(out.glob("*.json"))
+    command = [sys.executable, "-m", "benchmarks.serving_vs_engine", "--shapes", "tiny", "--model-dir",
+               str(target_dir), "--draft-dir", str(draft_dir), "--load-format", "dummy", "--accept-len",
+               str(args.accept_len), "--concurrency", "1,64", "--modes", "dflash,target", "--out", str(out),
+               "--tag", "moe", "--no-plot", "--prompt-len", str(args.context), "--max-new-tokens", "128"]
+    status = subprocess.run(command).returncode
+    rows: list[dict[str, Any]] = []
+    for path in sorted(set(out.glob("*.json")) - before):
+        rows += json.loads(path.read_text()).get("rows", [])
+    return rows, status
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="30b-a3b")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--block", type=int, default=16, help="verify block of the layer rows")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--accept-len", type=float, default=6.0)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--parts", nargs="+", choices=("layer", "step", "serving"), default=["layer", "step"])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.shape == "tiny":
+        args.block = min(args.block, TINY_DRAFT["block_size"])
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    config = SHAPES[args.shape][0]
+    identity = run_identity()
+    bandwidth = copy_bandwidth(device)
+    report: dict[str, Any] = {**identity, "shape": args.shape, "config": config, "bandwidth_bytes_per_s": bandwidth,
+                              "args": vars(args), "rows": [], "serving": []}
+    path = args.out / f"moe_{identity['date']}_{identity['commit']}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        path.write_text(json.dumps(report, indent=1, default=str))
+
+    root = args.out / f"moe_shapes_{args.shape}"
+    target_dir, draft_dir = write_configs(root, args.shape)
+    if "layer" in args.parts:
+        report["rows"] += layer_rows(config, args, device, dtype, bandwidth)
+        save()
+    if "step" in args.parts:
+        report["rows"] += step_rows(config, target_dir, draft_dir, args, device, bandwidth)
+        save()
+    if "serving" in args.parts:
+        report["serving"], report["serving_exit_status"] = serving_rows(target_dir, draft_dir, args)
+        save()
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The MoE experts fused for CUDA (Triton): SparseMoe's "triton" backend, equal to `experts_reference` (layers/moe.py).
+
+Three steps, five launches, static shapes throughout (no host sync: the whole layer captures in a CUDA graph):
+1. `sort_by_expert` (two small launches: counts, then placement by atomic counters): the T·k (token, slot) pairs
+   grouped by expert, each expert's group padded to a multiple of BLOCK_M rows, so every block of BLOCK_M sorted
+   rows belongs to one expert. The buffer is sized for the worst case (every hit expert padded), and the blocks past
+   the used ones are marked -1. NOTE: two launches rather than a chain of small torch ops (a sort, cumsums,
+   gathers): in a decode graph every layer pays for each launch.
+2. `_gate_up_kernel`: per (block, column tile of I) one grouped-GEMM tile: the block's tokens × its expert's gate
+   and up rows, SiLU(gate)·up, stored per pair. `_down_kernel`: the same over the down projection, scaled by the
+   pair's routing weight. Blocks marked -1 return at once, so only the experts actually hit are read: a decode
+   step reads the k experts per token it routes to, not all E.
+3. `_combine_kernel`: each token's k weighted rows summed in fp32 (a fixed order: the result does not depend on
+   which other tokens share the batch).
+
+NOTE: the tiles follow the average rows per expert (T·k / E), except under batch-invariant kernels, where they are
+fixed (a row's sums then never depend on the batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+
+
+@dataclass(frozen=True)
+class ExpertTiles:
+    block_m: int  # sorted (token, slot) rows per block: each expert's group is padded to a multiple of it
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
+
+
+def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False) -> ExpertTiles:
+    """Blocks as tall as the experts' average share of the pairs (decode: 16, padding is wasted work)."""
+    if batch_invariant:
+        return BATCH_INVARIANT_TILES
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+    return ExpertTiles(block_m, 64, 64)
+
+
+@triton.jit
+def _count_experts_kernel(ids_ptr, num_pairs, next_row_ptr, block_experts_ptr, num_blocks, pair_rows_ptr, capacity,
+                          NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                          CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """One program: each expert's pair count padded to whole blocks; the first row of each expert's group (into
+    next_row, the counters the placing kernel advances), each block's expert (-1 past the used rows), and the
+    sentinel num_pairs in every row of pair_rows."""
+    wait_for_previous_grid(PDL)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        index = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + index, mask=index < num_pairs, other=BLOCK_E)  # NOTE: past the end: no expert
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    group_end = tl.cumsum(padded, axis=0)
+    tl.store(next_row_ptr + experts, group_end - padded, mask=experts < NUM_EXPERTS)
+    used_rows = tl.sum(padded, axis=0)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        first_row = blocks * BLOCK_M
+        # NOTE: the block's expert = how many groups end at or before its first row (empty groups end where the
+        # previous one does, so they are skipped)
+        expert = tl.sum((group_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + blocks, tl.where(first_row < used_rows, expert, -1), mask=blocks < num_blocks)
+    for start in range(0, capacity, CHUNK):
+        rows = start + tl.arange(0, CHUNK)
+        tl.store(pair_rows_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < capacity)
+
+
+@triton.jit
+def _place_pairs_kernel(ids_ptr, num_pairs, next_row_ptr, pair_rows_ptr, CHUNK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Every pair takes the next free row of its expert's group (an atomic counter per expert)."""
+    wait_for_previous_grid(PDL)
+    index = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    valid = index < num_pairs
+    ids = tl.load(ids_ptr + index, mask=valid, other=0)
+    rows = tl.atomic_add(next_row_ptr + ids, 1, mask=valid)
+    tl.store(pair_rows_ptr + rows, index.to(tl.int32), mask=valid)
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair_rows [capacity] int32, block_experts [capacity / block_m] int32) for expert ids [T, k]: pair_rows holds
+    the pairs (t · k + slot) grouped by expert in ascending expert order, each group padded with the sentinel T · k
+    to a multiple of block_m; block_experts[b] is the expert of rows [b · block_m, (b + 1) · block_m), -1 past the
+    last used block. Two launches. NOTE: within a group the pairs come in no fixed order (atomics): each row is
+    computed on its own and combined by pair, so the order changes no result. capacity = T·k + min(E, T·k)·(block_m
+    - 1), rounded up to block_m: the most padding any routing needs, so the shapes depend on T only."""
+    num_pairs = ids.numel()
+    capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+    pair_rows = torch.empty(capacity, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
+    next_row = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    flat = ids.reshape(-1)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    # NOTE: the counting program compares [CHUNK, BLOCK_E] tiles: 4096 elements keep them in registers
+    _count_experts_kernel[(1,)](
+        flat, num_pairs, next_row, block_experts, block_experts.shape[0], pair_rows, capacity, NUM_EXPERTS=num_experts,
+        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=max(16, 4096 // block_e), **pdl_launch(ids),
+    )
+    chunk = 128
+    _place_pairs_kernel[(triton.cdiv(num_pairs, chunk),)](flat, num_pairs, next_row, pair_rows, CHUNK=chunk,
+                                                         **pdl_launch(ids))
+    return pair_rows, block_experts
+
+
+@triton.jit
+def _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """(expert, pairs [BLOCK_M], valid [BLOCK_M]) of this program's block of sorted rows: its expert (-1: an unused
+    block) and its (token, slot) pairs (the sentinel num_pairs on padding rows)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    pairs = tl.load(pair_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, pairs, pairs < num_pairs
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden, intermediate, top_k,
+                    stride_xt, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    """out[pair, cols] = SiLU(x[token] · gate[e, cols]) · (x[token] · up[e, cols]) for the block's pairs, e its
+    expert (w [E, 2 I, H]: gate rows, then up rows)."""
+    wait_for_previous_grid(PDL)
+    expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
+    tokens = pairs // top_k
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < intermediate
+    gate_rows = w_ptr + expert * stride_we + cols[None, :] * stride_wn
+    up_rows = gate_rows + intermediate * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_valid = ks < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :], mask=valid[:, None] & k_valid[None, :],
+                    other=0.0)
+        w_mask = k_valid[:, None] & col_valid[None, :]
+        gate = tl.dot(a, tl.load(gate_rows + ks[:, None], mask=w_mask, other=0.0), gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, tl.load(up_rows + ks[:, None], mask=w_mask, other=0.0), up, input_precision=DOT_PRECISION)
+    activated = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], activated.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_valid[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden,
+                 intermediate, stride_ht, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    """out[pair, cols] = routing[pair] · (h[pair] · down[e, cols]) in fp32 (w [E, H, I])."""
+    wait_for_previous_grid(PDL)
+    expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < hidden
+    down_rows = w_ptr + expert * stride_we + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, intermediate, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_valid = ks < intermediate
+        a = tl.load(h_ptr + pairs[:, None] * stride_ht + ks[None, :], mask=valid[:, None] & k_valid[None, :],
+                    other=0.0)
+        w = tl.load(down_rows + ks[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    acc = acc * tl.load(routing_ptr + pairs, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], acc, mask=valid[:, None] & col_valid[None, :])
+
+
+@triton.jit
+def _combine_kernel(pair_out_ptr, out_ptr, hidden, top_k, stride_pt, stride_ot, BLOCK_H: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """out[t] = sum over its k pairs of the weighted expert outputs, in slot order, in fp32."""
+    wait_for_previous_grid(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for slot in range(0, top_k):
+        acc += tl.load(pair_out_ptr + (token * top_k + slot) * stride_pt + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _block(size: int, preferred: int) -> int:
+    """A tile edge for a dimension of `size`: `preferred`, or smaller for a small dimension (at least 16, tl.dot's
+    minimum)."""
+    return max(16, min(preferred, triton.next_power_of_2(size)))
+
+
+def fused_experts(
+    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    out: Optional[torch.Tensor] = None, batch_invariant: bool = False, tiles: Optional[ExpertTiles] = None,
+) -> torch.Tensor:
+    """experts_reference(x [T, H], gate_up_proj [E, 2 I, H], down_proj [E, H, I], weights [T, k], ids [T, k]) with
+    the fused kernels, into `out` [T, H] when given. `tiles`: fixed tiles (benchmarks, tests) instead of
+    choose_tiles's."""
+    num_tokens, hidden = x.shape
+    num_experts, double_intermediate, _ = gate_up_proj.shape
+    intermediate = double_intermediate // 2
+    top_k = ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if out is None:
+        out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    assert x.stride(-1) == 1 and gate_up_proj.is_contiguous() and down_proj.is_contiguous()
+    chosen = tiles or choose_tiles(num_pairs, num_experts, batch_invariant)
+    pair_rows, block_experts = sort_by_expert(ids, num_experts, chosen.block_m)
+    routing = weights.reshape(-1).to(torch.float32).contiguous()
+    activated = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
+    pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = dict(num_warps=chosen.num_warps, num_stages=chosen.num_stages, **pdl_launch(x))
+    num_blocks = block_experts.shape[0]
+    block_n, block_k = _block(intermediate, chosen.block_n), _block(hidden, chosen.block_k)
+    _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
+        x, gate_up_proj, pair_rows, block_experts, activated, num_pairs, hidden, intermediate, top_k, x.stride(0),
+        gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0), BLOCK_M=chosen.block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, DOT_PRECISION=precision, **launch,
+    )
+    block_n, block_k = _block(hidden, chosen.block_n), _block(intermediate, chosen.block_k)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        activated, down_proj, routing, pair_rows, block_experts, pair_out, num_pairs, hidden, intermediate,
+        activated.stride(0), down_proj.stride(0), down_proj.stride(1), pair_out.stride(0), BLOCK_M=chosen.block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, **launch,
+    )
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        pair_out, out, hidden, top_k, pair_out.stride(0), out.stride(0), BLOCK_H=block_h, **pdl_launch(x),
+    )
+    return out

@@ -1,0 +1,153 @@
+"""Mixture-of-experts MLP: a router scores E experts per token, the top k run on it, their outputs are summed
+weighted by the router's probabilities.
+
+One layer, three parts: the router (`gate`, a linear layer to E logits, and `route`, softmax → top-k → optional
+renormalisation), the experts (`StackedExperts`: E gated SiLU MLPs, their weights stacked [E, ...]), and the
+backend that runs the experts and the weighted combine: the torch reference (`experts_reference`, CPU and tests) or
+the fused Triton kernel (`layers/fused_moe.py`: tokens sorted by expert, a grouped GEMM over the experts hit,
+static shapes so it captures in CUDA graphs). Both take the same inputs, so a family with another router or
+another expert format changes only its part.
+
+Under tensor parallelism every rank holds every expert, cut along its intermediate dimension (gate|up by rows, down
+by columns, as a dense MLP): each rank computes partial outputs of the same routed tokens, the all-reduce sums them.
+The router is replicated, so every rank routes alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.distributed.group import TensorParallel
+from blockspec.layers.kernel_mode import DEFAULT_KERNELS, KernelMode
+from blockspec.layers.linear import Linear
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """How tokens pick experts: softmax over `num_experts` router logits, the `top_k` largest probabilities, divided
+    by their sum when `renormalize` (HF's norm_topk_prob)."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """Where one checkpoint matrix of one expert lives in the stacked parameters: rows [offset, offset + rows) of
+    `param[expert]`."""
+
+    param: str
+    expert: int
+    offset: int
+    rows: int
+
+
+def route(router_logits: torch.Tensor, routing: ExpertRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) of each token. NOTE: softmax and top-k in fp32, as HF; ties
+    between probabilities pick the lower expert id (torch.topk), the same on every TP rank."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class StackedExperts(nn.Module):
+    """E gated SiLU MLPs: gate_up_proj [E, 2 I, H] (gate rows, then up rows), down_proj [E, H, I]; I is this rank's
+    share of the expert intermediate size. Checkpoints name them per expert (HF's `experts.{e}.gate_proj.weight`,
+    `up_proj`, `down_proj`): `checkpoint_parts` says where each lands."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def checkpoint_parts(self) -> dict[str, ExpertPart]:
+        """Checkpoint name relative to this module → its place in the stacked parameters."""
+        parts: dict[str, ExpertPart] = {}
+        size = self.intermediate_size
+        for expert in range(self.num_experts):
+            parts[f"{expert}.gate_proj.weight"] = ExpertPart("gate_up_proj", expert, 0, size)
+            parts[f"{expert}.up_proj.weight"] = ExpertPart("gate_up_proj", expert, size, size)
+            parts[f"{expert}.down_proj.weight"] = ExpertPart("down_proj", expert, 0, self.down_proj.shape[1])
+        return parts
+
+
+def experts_reference(
+    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, expert by expert over the tokens routed to
+    it (the reference: HF's order of operations, weights cast to x's dtype). NOTE: reads the expert counts on the
+    host, so it cannot be captured in a CUDA graph: CUDA runs the fused kernel."""
+    top_k = ids.shape[1]
+    intermediate = down_proj.shape[-1]
+    out = torch.zeros_like(x)
+    flat_ids = ids.flatten()
+    flat_weights = weights.flatten().to(x.dtype)
+    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        gate, up = F.linear(x[tokens], gate_up_proj[expert]).split(intermediate, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, down_proj[expert]) * flat_weights[pairs, None]
+        out.index_add_(0, tokens, expert_out)
+    return out
+
+
+class SparseMoe(nn.Module):
+    """The MoE MLP of one layer: `gate` (the router, [E, H], replicated) and `experts`. Called as a dense MLP is:
+    `forward(x [T, H], out)` → [T, H], summed over TP ranks in place.
+
+    `backend`: "torch" (experts_reference) or "triton" (the fused kernel); None picks by device: Triton on CUDA
+    and, on CPU, under batch-invariant kernels (its tiles do not follow the batch; Triton's interpreter), else torch."""
+
+    def __init__(
+        self, hidden_size: int, expert_intermediate_size: int, routing: ExpertRouting,
+        tp: Optional[TensorParallel] = None, kernels: KernelMode = DEFAULT_KERNELS, backend: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown MoE backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if tp is not None:
+            expert_intermediate_size = tp.split(expert_intermediate_size, "moe_intermediate_size")
+        self.routing = routing
+        self.tp = tp
+        self.kernels = kernels
+        self.backend = backend
+        self.gate = Linear(hidden_size, routing.num_experts, False, kernels)
+        self.experts = StackedExperts(routing.num_experts, hidden_size, expert_intermediate_size)
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether the experts of input `x` run on the fused Triton kernel (else the torch reference)."""
+        if self.backend is not None:
+            return self.backend == "triton"
+        return x.is_cuda or self.kernels.batch_invariant
+
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`out`: optional [T, H] buffer the combined output is written into."""
+        weights, ids = route(self.gate(x), self.routing)
+        experts = self.experts
+        if self.uses_triton(x):
+            from blockspec.layers.fused_moe import fused_experts  # NOTE: needs Triton
+
+            combined = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, out,
+                                     batch_invariant=self.kernels.batch_invariant)
+        else:
+            combined = experts_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+            if out is not None:
+                combined = out.copy_(combined)
+        return combined if self.tp is None else self.tp.all_reduce(combined)

@@ -1,0 +1,105 @@
+"""The fused MoE kernels (layers/fused_moe.py) equal the torch reference experts (layers/moe.py): the expert sort,
+the gate/up + SiLU·mul and down grouped GEMMs and the weighted combine. Under Triton's interpreter on CPU (root
+conftest; fp32 and fp16: the interpreter's bf16 dot is wrong), natively on CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
+pytest.importorskip("triton")
+
+from blockspec.layers.fused_moe import ExpertTiles, choose_tiles, fused_experts, sort_by_expert  # noqa: E402
+from blockspec.layers.moe import ExpertRouting, SparseMoe, experts_reference, route  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weights, ids = route(torch.randn(tokens, experts, generator=generator), ExpertRouting(experts, top_k, False))
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [
+    (1, 8, 2, 16), (7, 8, 3, 16), (40, 4, 2, 16), (9, 64, 8, 32),
+    (70, 160, 3, 16),  # more pairs than one 128-pair chunk, more experts than a chunk of blocks
+])
+def test_sort_groups_pairs_by_expert_in_padded_blocks(tokens: int, experts: int, top_k: int, block_m: int) -> None:
+    """Every pair exactly once, in its expert's block; groups in ascending expert order, padded with the sentinel
+    after the group's pairs; blocks past the used ones marked -1; the buffer as large as the worst case needs."""
+    _, ids = routed(tokens, experts, top_k, seed=tokens)
+    pair_rows, block_experts = sort_by_expert(ids, experts, block_m)
+    num_pairs = tokens * top_k
+    assert pair_rows.shape[0] % block_m == 0 and block_experts.shape[0] == pair_rows.shape[0] // block_m
+    assert pair_rows.shape[0] >= num_pairs + min(experts, num_pairs) * (block_m - 1)
+    rows, blocks, flat = pair_rows.cpu().tolist(), block_experts.cpu().tolist(), ids.flatten().cpu().tolist()
+    real = [p for p in rows if p < num_pairs]
+    assert sorted(real) == list(range(num_pairs))
+    hit = sorted(set(flat))
+    used = [b for b in blocks if b >= 0]
+    assert sorted(set(used)) == hit and used == sorted(used)  # only the experts hit, ascending
+    assert all(b == -1 for b in blocks[len(used):])
+    for index, expert in enumerate(used):
+        block = rows[index * block_m:(index + 1) * block_m]
+        assert all(flat[p] == expert for p in block if p < num_pairs)
+        assert all(p == num_pairs for p in block[block.index(num_pairs):]) if num_pairs in block else True
+    for expert in hit:  # each expert's pairs padded to whole blocks
+        assert used.count(expert) == -(-flat.count(expert) // block_m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,hidden,intermediate,experts,top_k", [
+    (1, 32, 16, 8, 2),  # a decode step: 2 experts read
+    (5, 48, 24, 8, 3),  # hidden and intermediate not powers of two (masked tiles)
+    (33, 32, 16, 4, 2),  # more rows than one 16-row block per expert
+    (20, 64, 80, 16, 4),  # several column tiles of the intermediate size
+    (50, 32, 16, 8, 3),  # more pairs than one 128-pair chunk of the sort
+])
+def test_fused_experts_equal_reference(dtype: torch.dtype, tokens: int, hidden: int, intermediate: int,
+                                       experts: int, top_k: int) -> None:
+    generator = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype).to(DEVICE)
+    gate_up = (torch.randn(experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5).to(dtype).to(DEVICE)
+    down = (torch.randn(experts, hidden, intermediate, generator=generator) / intermediate**0.5).to(dtype).to(DEVICE)
+    weights, ids = routed(tokens, experts, top_k, seed=tokens)
+    expected = experts_reference(x.float(), gate_up.float(), down.float(), weights, ids)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids).float(), expected, **tolerance)
+    out = torch.full_like(x, float("nan"))
+    assert fused_experts(x, gate_up, down, weights, ids, out) is out
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+    tall = fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(32, 16, 16))  # other tiles, same sums
+    torch.testing.assert_close(tall.float(), expected, **tolerance)
+
+
+def test_sparse_moe_backends_agree() -> None:
+    """SparseMoe with backend "triton" == backend "torch" on the same weights (router included), into a buffer."""
+    torch.manual_seed(0)
+    routing = ExpertRouting(num_experts=8, top_k=2, renormalize=True)
+    reference = SparseMoe(32, 16, routing, backend="torch").to(DEVICE)
+    for param in reference.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    fused = SparseMoe(32, 16, routing, backend="triton").to(DEVICE)
+    fused.load_state_dict(reference.state_dict())
+    x = torch.randn(11, 32, device=DEVICE)
+    out = torch.empty_like(x)
+    with torch.no_grad():
+        expected = reference(x)
+        assert fused(x, out) is out
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_follow_rows_per_expert_unless_batch_invariant() -> None:
+    assert choose_tiles(8, 128).block_m == 16  # a decode step of one token, top 8
+    assert choose_tiles(64 * 16 * 8, 128).block_m == 32  # 64 verify blocks of 16 tokens: 64 rows per expert
+    assert choose_tiles(4096 * 8, 128).block_m == 64  # a 4096-token extend
+    assert choose_tiles(64 * 16 * 8, 128, batch_invariant=True) == choose_tiles(8, 128, batch_invariant=True)
+
+
+def test_empty_batch() -> None:
+    x = torch.empty(0, 32, device=DEVICE)
+    weights, ids = torch.empty(0, 2, device=DEVICE), torch.empty(0, 2, dtype=torch.int64, device=DEVICE)
+    assert fused_experts(x, torch.zeros(4, 32, 32, device=DEVICE), torch.zeros(4, 32, 16, device=DEVICE), weights,
+                         ids).shape == (0, 32)

@@ -1,0 +1,28 @@
+"""benchmarks/moe.py runs end to end at its tiny shape on the CPU (plumbing: the rows #51 asks for; timings
+meaningless there): layer rows per mode and batch size, engine step rows of target-only decode and the DFlash
+cycle (whole block, adaptive), touched experts no more than the tokens' picks allow."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import moe
+
+
+def test_tiny_shape_writes_the_rows(tmp_path: Path) -> None:
+    assert moe.main(["--shape", "tiny", "--dtype", "float32", "--batch-sizes", "1", "3", "--context", "12",
+                     "--repeat", "2", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("moe_*.json")
+    report = json.loads(path.read_text())
+    rows = report["rows"]
+    modes = ["layer_decode", "layer_verify", "target_decode", "dflash_cycle", "dflash_adaptive"]
+    assert [(r["mode"], r["bs"]) for r in rows] == [(m, bs) for m in modes for bs in (1, 3)]
+    top_k, experts = moe.TINY["num_experts_per_tok"], moe.TINY["num_experts"]
+    for row in rows:
+        assert {"mode", "bs", "step_ms", "touched_experts_per_layer", "floor_ms"} <= set(row)
+        tokens = row.get("tokens", row["bs"] * row.get("verify_tokens", 1))
+        assert top_k <= row["touched_experts_per_layer"] <= min(experts, tokens * top_k)
+        assert row["step_ms"] > 0 and row["floor_ms"] > 0
+    steps = {(r["mode"], r["bs"]): r for r in rows}
+    assert steps[("target_decode", 3)]["tokens_per_step"] == 3
+    assert steps[("dflash_cycle", 3)]["tokens_per_step"] > 3  # simulated acceptance: several tokens per request
