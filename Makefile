@@ -26,7 +26,7 @@ gpu-test:
 	bash scripts/device.sh gpu-test
 
 demo: $(STAMP)
-	$(PY) -m blockspec.demo.gsm8k_demo
+	$(PY) -m blockspec.demo
 
 clean:
 	rm -rf $(VENV)
