@@ -17,7 +17,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -25,11 +24,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
+from benchmarks.step_latency import write_configs
 from blockspec import Engine
-from blockspec.bench.provenance import commit_id
 from blockspec.request import Req
 from blockspec.speculative.verify_length import AcceptanceStats, full_block
-from step_latency import write_configs
 
 PROFILES = {"demo": str(Path(__file__).parent / "profiles" / "smollm2_demo_draft_gsm8k.json"), "geometric6": "geometric:6"}
 TINY_TARGET = dict(
@@ -204,13 +203,13 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, default=8, help="scheduler steps per timed block")
     parser.add_argument("--rounds", type=int, default=4, help="timed blocks per mode (fixed and adaptive alternate)")
     parser.add_argument("--headroom", type=int, default=1024, help="KV slots per request beyond the context")
-    parser.add_argument("--commit", default=os.environ.get("BLOCKSPEC_COMMIT"), help="default: $BLOCKSPEC_COMMIT or git")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_commit_argument(parser)
+    add_out_argument(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (bs 1 2, context 16)")
     args = parser.parse_args()
     if args.smoke:
         args.batch_sizes, args.contexts, args.block_steps, args.rounds = [1, 2], [16], 3, 2
-    commit = args.commit or commit_id()
+    commit = resolved_commit(args)
     date = datetime.date.today().isoformat()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
     report: dict[str, Any] = {"gpu": device, "date": date, "commit": commit, "torch": torch.__version__,
@@ -238,18 +237,13 @@ def main() -> None:
                            **measure_dflash(engine, PROFILES[name], context, bs, args)}
                     report["rows"].append(row)
                     print(json.dumps(row), flush=True)
-                    path.write_text(json.dumps(report, indent=1))  # NOTE: a cut-short run keeps its rows
+                    write_json(path, report)  # NOTE: a cut-short run keeps its rows
         report["verify_length_end"] = engine.get_server_info()["internal_states"][0]["verify_length"]
         free(engine)
     report["goals"] = goals(report["rows"])
     report["wall_s"] = time.perf_counter() - started
-    path.write_text(json.dumps(report, indent=1))
-    try:
-        from plot_adaptive_verify import plot
-
-        print(f"wrote {path} and {plot(path)}")
-    except ImportError as error:  # NOTE: matplotlib may be missing on the device; the JSON is the result
-        print(f"wrote {path}; no plot ({error}): run plot_adaptive_verify.py {path.name} where matplotlib is")
+    write_json(path, report)
+    print(f"wrote {path}; {plot_result(path)}")
     print(f"{'profile':>10} {'ctx':>5} {'bs':>3} {'target':>9} {'fixed':>9} {'adaptive':>9} {'n':>3} {'÷ envelope':>10}")
     for r in report["rows"]:
         envelope = r["adaptive_tok_s"] / max(r["fixed_tok_s"], r["target_tok_s"])

@@ -24,11 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from adaptive_verify import model_dirs, prefill, release, sync
+from benchmarks.adaptive_verify import model_dirs, prefill, release, sync
+from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
 from blockspec import Engine
-from blockspec.bench.provenance import commit_id
 from blockspec.batch import ForwardMode, build_batch
-from plot_deterministic_cost import plot
 
 TIMED_KEYS = ("cycle_ms", "greedy_cycle_ms", "verify_ms", "propose_ms", "prefill_ms")
 
@@ -151,14 +150,14 @@ def main() -> None:
     parser.add_argument("--accept-len", type=float, default=4.0)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1), for tests")
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_commit_argument(parser)
+    add_out_argument(parser)
     args = parser.parse_args()
     if args.smoke:
         args.batch_sizes, args.contexts, args.prefill_tokens, args.repeat = [1, 2], [40], 24, 2
         if os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--smoke runs the deterministic kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-    commit = args.commit or commit_id()
+    commit = resolved_commit(args)
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
         "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
@@ -170,11 +169,11 @@ def main() -> None:
 
     def save(rows: list[dict[str, Any]]) -> None:  # NOTE: after every engine, so a run cut short keeps its rows
         report["rows"], report["cost"] = rows, cost_ratios(rows)
-        path.write_text(json.dumps(report, indent=1))
+        write_json(path, report)
 
     with tempfile.TemporaryDirectory() as tmp:
         run(args, Path(tmp), save)
-    print(f"wrote {path} and {plot(path)}")
+    print(f"wrote {path}; {plot_result(path)}")
     for ratio in report["cost"]:
         print("cost:", ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in ratio.items()))
 

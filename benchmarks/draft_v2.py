@@ -12,7 +12,12 @@ share a state directory (--state; kept between the calls of one warm machine):
   all    the three in one process (the CPU smoke: --smoke --device cpu)
 
 Run `train` again with another --run and recipe flags to compare recipes; `bench` picks the run with the best
-held-out accept lengths (or --run). The device wrapper is scripts/train_draft_v2.sh."""
+held-out accept lengths (or --run). The device wrapper is scripts/train_draft_v2.sh.
+
+The bench stage's server measurement: the demo pair through `python -m blockspec.serve` at one streaming client,
+target alone and with each draft, on the demo's own prompts (GSM8K test questions in the demo wording, greedy, each
+answer to its end of turn); tokens/s from the client, the accept length from /server_info. The data lives in
+draft_v2_data.py, the records and the merge of several machines' results in draft_v2_report.py."""
 from __future__ import annotations
 
 import argparse
@@ -25,19 +30,92 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from benchmarks.draft_v2_data import (
+    GENERAL_FILES, MATH_SYSTEM_PROMPT, Batch, DataPaths, ExtendSettings, extend_general, general_outputs, seed_general,
+    target_dir, write_general, write_gsm8k,
+)
+from benchmarks.draft_v2_report import (
+    State, asset_stats, best_run, pack_draft, set_accepts, speedups, write_result,
+)
+from benchmarks.results import plot_result
+from benchmarks.serving_server import ServerProcess, log_tail
+from benchmarks.serving_vs_engine_support import client_namespace, measure_level
 from blockspec.bench.provenance import commit_id
-from blockspec.smollm2 import DEMO_DRAFT_DIR
+from blockspec.evals.gsm8k import default_data_path, load_lines
+from blockspec.smollm2 import DEMO_DRAFT_DIR, build_messages
+from blockspec.tokenizer import chat_to_ids, load_tokenizer
 from blockspec.train.cli import main as train_draft
 from blockspec.train.data import ratio_taking_all, read_prompt_records
 from blockspec.train.info import read_info
 from blockspec.train.magpie import MagpieSettings
-from draft_v2_data import (
-    GENERAL_FILES, DataPaths, general_outputs, seed_general, target_dir, write_general, write_gsm8k,
-)
-from draft_v2_extend import MATH_SYSTEM_PROMPT, Batch, ExtendSettings, extend_general
-from draft_v2_report import State, asset_stats, best_run, pack_draft, set_accepts, write_result
-from draft_v2_server import ServerSettings, demo_prompts, measure_one_client, speedups
 
+
+@dataclass(frozen=True)
+class ServerSettings:
+    device: str  # "cuda" or "cpu"
+    num_prompts: int = 16
+    warmup_prompts: int = 2
+    max_new_tokens: int = 256
+    startup_timeout: float = 600.0
+    request_timeout: float = 600.0
+
+    def flags(self) -> list[str]:
+        """The demo server as a user starts it on this device: Triton + bf16 + graphs on CUDA, torch + fp32 on CPU."""
+        common = ["--max-running-requests", "4", "--disable-radix-cache"]
+        if self.device == "cpu":
+            return [*common, "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch"]
+        return [*common, "--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "triton",
+                "--enforce-piecewise-cuda-graph", "--cuda-graph-bs", "1", "2", "4"]
+
+
+def demo_prompts(model_dir: Path, settings: ServerSettings) -> tuple[list[list[int]], list[list[int]]]:
+    """(measured prompts, warm-up prompts): the first test questions, then others for the warm-up."""
+    tokenizer = load_tokenizer(model_dir)
+    rows = load_lines(default_data_path())
+    ids = [chat_to_ids(tokenizer, build_messages(r["question"])) for r in rows[:settings.num_prompts + settings.warmup_prompts]]
+    return ids[:settings.num_prompts], ids[settings.num_prompts:]
+
+
+def measure_one_client(
+    label: str, model_dir: Path, draft: Optional[Path], settings: ServerSettings, prompts: list[list[int]],
+    warmup: list[list[int]], log_dir: Path,
+) -> dict[str, Any]:
+    """One server, its warm-up, then the prompts one after another from one client."""
+    flags = ["--model-path", str(model_dir), *settings.flags()]
+    if draft is not None:
+        flags += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
+    log_path = log_dir / f"server_{label}.log"
+    ns: argparse.Namespace = client_namespace("", settings.max_new_tokens, settings.request_timeout)
+    ns.ignore_eos = False  # NOTE: real answers end at their end of turn, as the demo's do
+    try:
+        with ServerProcess(flags, log_path, settings.startup_timeout) as server:
+            ns.base_url = server.base_url
+            if warmup:
+                measure_level(ns, warmup, 1, 0.0, 0)
+            level = measure_level(ns, prompts, 1, 0.0, 0)
+    except (RuntimeError, OSError) as error:
+        return {"label": label, "draft": str(draft) if draft else None, "error": f"{error}\n{log_tail(log_path)}"}
+    keys = ("server_tok_s", "completed", "failed", "duration_s", "ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms",
+            "server_accept_length", "first_error")
+    return {"label": label, "draft": str(draft) if draft else None, "prompts": len(prompts),
+            "output_tokens": round(level["server_tok_s"] * level["duration_s"]), **{k: level[k] for k in keys}}
+
+
+# NOTE: Issue #24: a better shipped SmolLM2 draft, end to end, in stages that each fit one device command (≤ 10 min) and
+# share a state directory (--state; kept between the calls of one warm machine):
+#
+#   data   convert the target, sample general prompts from it (blockspec generate-prompts' module; a held-out split),
+#          write GSM8K train questions in three wordings and GSM8K test questions in a held-out wording, and cache the
+#          target's greedy responses to the training prompts (resumable: a cut-short stage loses nothing)
+#   train  one recipe (--run NAME; v2 by default: 5 layers, γ = 7, 32 anchors per sequence, warmup + cosine over the
+#          wall-time budget) on GSM8K mixed with the generated prompts, then its accept length on both held-out sets
+#          (train-draft --eval-prompts); the draft comes back in parts ≤ 15 MiB
+#   bench  the shipped draft on the same sets (train-draft --eval-only), then the demo server at one client: target
+#          alone, shipped draft, best run (Triton, bf16 on CUDA); writes draft_v2_<date>_<commit>.json + PNG
+#   all    the three in one process (the CPU smoke: --smoke --device cpu)
+#
+# Run `train` again with another --run and recipe flags to compare recipes; `bench` picks the run with the best
+# held-out accept lengths (or --run). The device wrapper is scripts/train_draft_v2.sh.
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TAPS = [1, 8, 15, 22, 28]
 
@@ -263,10 +341,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         {"data": stage_data, "train": stage_train, "bench": stage_bench}[stage](args, paths, state, scale)
         print(f"== stage {stage} took {time.monotonic() - started:.0f} s", flush=True)
         if stage != "data":
-            from plot_draft_v2 import plot
-
             path = write_result(state, args.out, gpu_name(), commit_id(), args.smoke)
-            print(f"wrote {path} and {plot(path)}", flush=True)
+            print(f"wrote {path}; {plot_result(path)}", flush=True)
     errors = [r for r in state.data.get("server_rows", []) if "error" in r]
     return 1 if errors else 0
 

@@ -9,7 +9,7 @@ measures, as wall time (`host`) and as this thread's CPU time (`host_cpu`: unmov
 lengths vary, so arrivals spread over the steps as in serving), over `--frontends` server links. Runs unchanged on
 CPU and CUDA; writes JSON to --out.
 
-    python benchmarks/host_overhead.py --out /tmp/host.json [--modes dflash,target] [--profile /tmp/host.prof]
+    python -m benchmarks.host_overhead --out /tmp/host.json [--modes dflash,target] [--profile /tmp/host.prof]
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from typing import Any, Callable, Optional
 import torch
 import zmq
 
+from benchmarks.serving_vs_engine_support import TINY, TINY_DRAFT
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.server import wire
 from blockspec.server.engine_core import EngineCore
-from serving_vs_engine_support import TINY, TINY_DRAFT
 
 TARGET = dict(TINY, num_hidden_layers=2, max_position_embeddings=2048)
 DRAFT = dict(TINY_DRAFT, max_position_embeddings=2048, num_target_layers=2,

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.device_timing import cuda_ms
+from benchmarks.results import add_out_argument, write_json
+from benchmarks.step_latency import write_configs
 from blockspec import Engine
 from blockspec.request import Req, SamplingParams
-from device_timing import cuda_ms
-from step_latency import write_configs
 
 
 def make_reqs(engine: Engine, batch_size: int, tokens: int, cached: int = 0) -> list[Req]:
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     captures: list[dict[str, Any]] = []
@@ -117,9 +118,7 @@ def main() -> None:
     commit = os.environ.get("BLOCKSPEC_COMMIT", "unknown")
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
               "torch": torch.__version__, "rows": rows, "startup": captures}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"prefill_latency_{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
+    path = write_json(args.out / f"prefill_latency_{report['date']}.json", report)
     print(f"wrote {path}")
     print(f"{'spec':>5} {'bs':>3} {'tokens':>6} {'eager':>8} {'pcg':>8} {'x':>5}")
     for r in rows:

@@ -1,8 +1,8 @@
 """Where the host time of a serving run goes: a server started under py-spy (the server and its engine process) while
 closed-loop clients keep it busy (serving_vs_engine.py --py-spy-s S), and a summary of py-spy's raw stacks.
 
-`python benchmarks/serving_profile.py FILE.txt[.gz] [--top N]` prints, per process, the busiest functions by self and by
-inclusive samples (idle waits — zmq poll, selectors, sleeping threads — counted apart)."""
+`python -m benchmarks.serving_profile FILE.txt[.gz] [--top N]` prints, per process, the busiest functions by self
+and by inclusive samples (idle waits — zmq poll, selectors, sleeping threads — counted apart)."""
 from __future__ import annotations
 
 import argparse
@@ -53,7 +53,7 @@ def profile_top_level(start_server: Callable[[list[str]], Any], sent: list[list[
                       args: argparse.Namespace, stem: Path) -> None:
     """serving_vs_engine.py --py-spy-s: a fresh server under py-spy, a warm-up, then `sent` at `concurrency` closed-loop
     clients; raw stacks to STEM.txt.gz, the summary (40 functions a list) to STEM_summary.txt and stdout."""
-    from serving_vs_engine_support import client_namespace, measure_level, run_clients
+    from benchmarks.serving_vs_engine_support import client_namespace, measure_level, run_clients
 
     def clients(url: str) -> None:
         measure_level(client_namespace(url, args.warmup_new_tokens, args.request_timeout), sent[:args.warmup],

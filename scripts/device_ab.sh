@@ -4,6 +4,7 @@
 # PARENT_DIR (an older tree: `git archive <commit> --prefix=ab_parent/ | tar -x`), alternating ROUNDS times.
 # Logs and JSON go to $OUT (else ./device-out). Budgets in seconds: TEST_S (0 skips the tests), STEP_S per run.
 # Usage: BLOCKSPEC_COMMIT=<this> PARENT_COMMIT=<parent> PARENT_DIR=ab_parent scripts/device_ab.sh
+# Then, here: python -m benchmarks.step_latency --ab-summary <out>/step_latency_<date>_ab_*.json
 set -uo pipefail
 out=${OUT:-device-out}
 mkdir -p "$out"
@@ -21,8 +22,10 @@ fi
 for round in $(seq "${ROUNDS:-1}"); do
     for side in new parent; do
         if [ "$side" = new ]; then dir=$here commit=$BLOCKSPEC_COMMIT; else dir=$here/$PARENT_DIR commit=$PARENT_COMMIT; fi
+        # NOTE: trees from #48 on run the benchmarks as a package (python -m); an older parent runs them by path
+        if [ -f "$dir/benchmarks/__init__.py" ]; then bench=(-m benchmarks.step_latency); else bench=(benchmarks/step_latency.py); fi
         (cd "$dir" && PYTHONPATH=/tmp/site:$dir BLOCKSPEC_COMMIT=$commit timeout "${STEP_S:-200}" python3 \
-            benchmarks/step_latency.py --batch-sizes 1 32 --contexts 512 --graphs-only --skip-reference --repeat 15 \
+            "${bench[@]}" --batch-sizes 1 32 --contexts 512 --graphs-only --skip-reference --repeat 15 \
             --tag "ab_${side}_${commit}_r${round}${ROUND_TAG:-}" --out "$out") > "$out/step.log" 2>&1
         echo "== $side $commit round $round"; grep -E "^ *triton|TB/s" "$out/step.log"
     done

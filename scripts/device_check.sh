@@ -7,10 +7,10 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_adaptive.py tests/test_flashinfer.py \
     tests/test_triton_attention.py tests/test_triton_ops.py tests/test_piecewise.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
-timeout "${STEP_S:-300}" python3 benchmarks/step_latency.py --backends triton flashinfer --repeat 10 --out "$out" \
+timeout "${STEP_S:-300}" python3 -m benchmarks.step_latency --backends triton flashinfer --repeat 10 --out "$out" \
     > "$out/step_latency.log" 2>&1
 grep -v '^{' "$out/step_latency.log" | tail -40
 if [ "${PREFILL_S:-0}" -gt 0 ]; then
-    timeout "$PREFILL_S" python3 benchmarks/prefill_latency.py --out "$out" > "$out/prefill_latency.log" 2>&1
+    timeout "$PREFILL_S" python3 -m benchmarks.prefill_latency --out "$out" > "$out/prefill_latency.log" 2>&1
     tail -20 "$out/prefill_latency.log"
 fi

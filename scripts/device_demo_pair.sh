@@ -35,18 +35,18 @@ for stage in "$@"; do
 print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))") || exit 1
     fi
     if [ "$stage" = drift ]; then
-        timeout "${DRIFT_S:-250}" python3 benchmarks/greedy_drift.py --model-path "$model" --out "$out" \
+        timeout "${DRIFT_S:-250}" python3 -m benchmarks.greedy_drift --model-path "$model" --out "$out" \
             ${DRIFT_FLAGS:-} > "$out/greedy_drift.log" 2>&1 || code=$?
         grep -v -E "INFO (blockspec|httpx)" "$out/greedy_drift.log" | tail -"${TAIL:-25}"
     elif [ "$stage" = serving ]; then
-        timeout "${SERVING_S:-560}" python3 benchmarks/serving_vs_engine.py --shapes smollm2 --model-dir "$model" \
+        timeout "${SERVING_S:-560}" python3 -m benchmarks.serving_vs_engine --shapes smollm2 --model-dir "$model" \
             --tokenizer-path "$model" --accept-len 0 --dataset gsm8k --concurrency "${CONC:-1,8,32,64}" \
             --modes "${MODES:-dflash,target}" --num-prompts 1024 --max-rounds 16 --tag "demo_pair${TAG:-}" --out "$out" \
             ${SERVING_FLAGS:-} --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph ${SERVING_EXTRA:-}" \
             > "$out/serving${TAG:-}.log" 2>&1 || code=$?
         grep -v -E "INFO (blockspec|httpx)" "$out/serving${TAG:-}.log" | tail -"${TAIL:-25}"
     else
-        timeout "${PREFIX_S:-560}" python3 benchmarks/prefix_cache.py --shapes demo --demo-model-dir "$model" --out "$out" \
+        timeout "${PREFIX_S:-560}" python3 -m benchmarks.prefix_cache --shapes demo --demo-model-dir "$model" --out "$out" \
             ${PREFIX_FLAGS:-} > "$out/prefix_cache.log" 2>&1 || code=$?
         grep -v -E "INFO (blockspec|httpx)" "$out/prefix_cache.log" | tail -"${TAIL:-25}"
     fi

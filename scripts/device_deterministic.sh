@@ -13,6 +13,6 @@ if [ "${TEST_S:-420}" -gt 0 ]; then
 fi
 if [ "${BENCH_S:-0}" -gt 0 ]; then
     # shellcheck disable=SC2086
-    timeout "${BENCH_S}" python3 benchmarks/deterministic_cost.py --out "$out" ${BENCH_ARGS:-} 2>&1 \
+    timeout "${BENCH_S}" python3 -m benchmarks.deterministic_cost --out "$out" ${BENCH_ARGS:-} 2>&1 \
         | tee "$out/deterministic_cost.log" | grep -E "^(cost|wrote)"
 fi

@@ -12,7 +12,7 @@ if [ "${TEST_S:-0}" -gt 0 ]; then
         tests/test_dflash_oracle.py tests/test_dflash_lossless.py tests/test_step_plan.py tests/test_last_layer_tap.py} 2>&1 \
         | tee "$out/gpu_tests_${BLOCKSPEC_COMMIT}.log" | tail -6
 fi
-timeout "${SERVE_S:-480}" python3 benchmarks/serving_vs_engine.py --shapes "${SHAPES:-smollm2,llama8b}" \
+timeout "${SERVE_S:-480}" python3 -m benchmarks.serving_vs_engine --shapes "${SHAPES:-smollm2,llama8b}" \
     --modes "${MODES:-dflash,target}" --concurrency "${CONC:-1,8,64}" --max-rounds "${ROUNDS:-8}" \
     --py-spy-s "${PYSPY_S:-0}" --tag "${TAG:-}" --out "$out" \
     --extra-flags="--attention-backend triton --enforce-piecewise-cuda-graph ${EXTRA:-}" 2>&1 | tail -"${TAIL:-60}"

@@ -22,7 +22,7 @@ out=$(cd "$out" && pwd)
 IFS=';' read -ra variants <<< "${VARIANTS:-default=;threads16=--host-threads 16}"
 py_spy_s=${PYSPY_S:-0}
 if [ "${HOST_S:-0}" -gt 0 ]; then
-    PYTHONPATH=/tmp/site:$here/benchmarks:$here timeout "$HOST_S" python3 benchmarks/host_overhead.py --device cuda \
+    PYTHONPATH=/tmp/site:$here timeout "$HOST_S" python3 -m benchmarks.host_overhead --device cuda \
         --frontends 4 --out "$out/host_overhead_$(date +%F)_${BLOCKSPEC_COMMIT}.json" 2>&1 | grep -E "^(dflash|target) " \
         | tee -a "$out/serving_ab.log"
 fi
@@ -35,7 +35,9 @@ for variant in "${variants[@]}"; do
         name=parent_${name#parent:} tree=$here/${PARENT_DIR:?a parent: variant needs PARENT_DIR} commit=${PARENT_COMMIT:?}
     fi
     echo "== variant $name ($commit): ${flags:-(no extra flags)}"
-    (cd "$tree" && BLOCKSPEC_COMMIT=$commit PYTHONPATH=/tmp/site:$tree timeout "${RUN_S:-260}" python3 benchmarks/serving_vs_engine.py --shapes "${SHAPES:-smollm2}" --modes "${MODES:-dflash}" \
+    # NOTE: trees from #48 on run the benchmarks as a package (python -m); an older parent runs them by path
+    if [ -f "$tree/benchmarks/__init__.py" ]; then bench=(-m benchmarks.serving_vs_engine); else bench=(benchmarks/serving_vs_engine.py); fi
+    (cd "$tree" && BLOCKSPEC_COMMIT=$commit PYTHONPATH=/tmp/site:$tree timeout "${RUN_S:-260}" python3 "${bench[@]}" --shapes "${SHAPES:-smollm2}" --modes "${MODES:-dflash}" \
         --concurrency "${CONC:-64}" --poisson-rate 0 --num-prompts "${PROMPTS:-1024}" --max-rounds "${ROUNDS:-16}" \
         --client-procs "${CLIENT_PROCS:-4}" --no-plot --engine-cache /tmp/blockspec-engine-cache --py-spy-s "$py_spy_s" \
         --tag "ab_$name" --out "$out" \
@@ -51,6 +53,6 @@ done
 existing=()
 for json in "${ab_jsons[@]}"; do [ -f "$json" ] && existing+=("$json"); done
 if [ ${#existing[@]} -gt 0 ]; then
-    python3 benchmarks/plot_serving_ab.py --out "$out/serving_ab_$(date +%F)_${BLOCKSPEC_COMMIT}.png" "${existing[@]}" \
-        || echo "no A/B plot (plot_serving_ab.py failed)"
+    python3 -m benchmarks.plots --serving-ab --out "$out/serving_ab_$(date +%F)_${BLOCKSPEC_COMMIT}.png" "${existing[@]}" \
+        || echo "no A/B plot (benchmarks.plots --serving-ab failed)"
 fi

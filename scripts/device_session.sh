@@ -13,7 +13,7 @@ if [ "${TEST_S:-280}" -gt 0 ]; then
         | tee "$out/gpu_tests_${BLOCKSPEC_COMMIT}.log" | tail -15
 fi
 if [ "${ADAPT_S:-200}" -gt 0 ]; then
-    (cd benchmarks && timeout "${ADAPT_S:-200}" python3 adaptive_verify.py --out "$out" ${ADAPT_FLAGS:-}) \
+    timeout "${ADAPT_S:-200}" python3 -m benchmarks.adaptive_verify --out "$out" ${ADAPT_FLAGS:-} \
         > "$out/adaptive_verify.log" 2>&1
     grep -v "^{" "$out/adaptive_verify.log" | tail -40
 fi

@@ -25,7 +25,7 @@ status=0
 run() {
     local shape=$1 tag=$2 budget=$3
     shift 3
-    timeout "$budget" python3 benchmarks/warm_start.py --shape "$shape" --tag "$tag" --out "$out" \
+    timeout "$budget" python3 -m benchmarks.warm_start --shape "$shape" --tag "$tag" --out "$out" \
         --startup-timeout $((budget * 3 / 4)) "$@" > "$out/warm_start_${shape}_${tag}.log" 2>&1 || status=1
     tail -1 "$out/warm_start_${shape}_${tag}.log" | cut -c1-400
 }
@@ -47,6 +47,6 @@ if [ "${TEST_S:-50}" -gt 0 ]; then  # NOTE: TEST_S=0 skips the gpu test (run wit
         | tee "$out/warm_start_gpu_tests.log" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-python3 benchmarks/warm_start.py --table "$out"/warm_start_llama8b_cold.json "$out"/warm_start_llama8b_warm.json \
+python3 -m benchmarks.warm_start --table "$out"/warm_start_llama8b_cold.json "$out"/warm_start_llama8b_warm.json \
     "$out"/warm_start_smollm2_cold.json "$out"/warm_start_smollm2_warm.json
 exit $status

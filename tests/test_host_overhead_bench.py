@@ -8,18 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+import benchmarks
+
+ROOT = Path(benchmarks.__file__).resolve().parent.parent
 
 
 def test_short_run_reports_host_time_per_step(tmp_path: Path) -> None:
-    root = BENCHMARKS.parent
+    root = ROOT
     out = tmp_path / "host.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", BLOCKSPEC_COMMIT="test",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
     args = ["--out", str(out), "--device", "cpu", "--clients", "4", "--prompt-len", "8", "--max-new-tokens", "8",
             "--block-size", "4", "--warmup-steps", "3", "--steps", "12"]
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "host_overhead.py"), *args], capture_output=True, text=True,
-                          env=env, cwd=BENCHMARKS, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["commit"] == "test" and report["device"] == "cpu"

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-from prefix_cache_rows import describe, folded, goals, step_counts  # noqa: E402
-from prefix_cache_workloads import SMOKE, build_workloads, fit_ids  # noqa: E402
+import benchmarks
+from benchmarks.prefix_cache_rows import describe, folded, goals, step_counts
+from benchmarks.prefix_cache_workloads import SMOKE, build_workloads, fit_ids
 from server_support import save_text_model  # noqa: E402
+
+ROOT = Path(benchmarks.__file__).resolve().parent.parent
 
 ROW_KEYS = {"workload", "shape", "cache", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "accept_len", "cache_hit_rate",
             "engine_steps", "engine_extend_steps", "engine_held_steps", "engine_extend_step_mean_ms",
@@ -94,8 +94,8 @@ def test_repeats_fold_into_medians() -> None:
 
 @pytest.mark.slow
 def test_only_selects_workloads(workloads_file: Path) -> None:
-    from prefix_cache import selected
-    from prefix_cache_workloads import Workload
+    from benchmarks.prefix_cache import selected
+    from benchmarks.prefix_cache_workloads import Workload
 
     workloads = [Workload(**w) for w in json.loads(workloads_file.read_text())["workloads"]]
     assert [w.name for w in selected(workloads, "")] == ["gsm8k", "sysprompt", "multiturn"]
@@ -105,12 +105,12 @@ def test_only_selects_workloads(workloads_file: Path) -> None:
 
 
 def test_smoke_end_to_end(workloads_file: Path, tmp_path: Path) -> None:
-    root = BENCHMARKS.parent
+    root = ROOT
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-    command = [sys.executable, str(BENCHMARKS / "prefix_cache.py"), "--smoke", "--workloads", str(workloads_file),
+    command = [sys.executable, "-m", "benchmarks.prefix_cache", "--smoke", "--workloads", str(workloads_file),
                "--commit", "test", "--out", str(tmp_path), "--startup-timeout", "120", "--repeats", "2"]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=BENCHMARKS, timeout=600)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = tmp_path.glob("prefix_cache_*_test.json")
     assert path.with_suffix(".png").is_file()
@@ -150,12 +150,12 @@ def _serve_children(parent: int) -> list[int]:
 def test_sigterm_stops_the_server_it_started(workloads_file: Path, tmp_path: Path) -> None:
     """`timeout` cut a device run of this benchmark and its server (a session of its own) kept the GPU's memory:
     SIGTERM must stop the server before the benchmark exits."""
-    root = BENCHMARKS.parent
+    root = ROOT
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-    command = [sys.executable, str(BENCHMARKS / "prefix_cache.py"), "--smoke", "--workloads", str(workloads_file),
+    command = [sys.executable, "-m", "benchmarks.prefix_cache", "--smoke", "--workloads", str(workloads_file),
                "--commit", "test", "--out", str(tmp_path), "--startup-timeout", "120", "--no-plot", "--repeats", "1"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=BENCHMARKS)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
         servers: list[int] = []
@@ -173,7 +173,7 @@ def test_sigterm_stops_the_server_it_started(workloads_file: Path, tmp_path: Pat
 
 
 def test_servers_run_extends_as_the_documented_serve_command_does(tmp_path: Path) -> None:
-    from prefix_cache import build_parser, serve_flags, shape_kwargs
+    from benchmarks.prefix_cache import build_parser, serve_flags, shape_kwargs
 
     documented, _, _ = shape_kwargs("tiny", tmp_path, build_parser().parse_args([]))
     assert "--enforce-piecewise-cuda-graph" in serve_flags(documented)

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import radix_evict  # noqa: E402
+from benchmarks import radix_evict
 
 
 def test_radix_evict_small(tmp_path: Path) -> None:

@@ -2,13 +2,9 @@
 from the gzip the benchmark keeps."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-from serving_profile import compress, summarize  # noqa: E402
+from benchmarks.serving_profile import compress, summarize
 
 RAW = """\
 process 10:"python -m blockspec.serve";<module> (x.py:1);EngineCore.run (engine_core.py:100);Scheduler.step (scheduler.py:125);launch (dflash.py:40) 30

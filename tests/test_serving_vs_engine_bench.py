@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+import benchmarks
+from benchmarks.serving_vs_engine import extra_engine_kwargs, serve_flags
+from benchmarks.serving_workload import gsm8k_chat_prompts, serve_dflash_wait_steps
 
-from serving_vs_engine import extra_engine_kwargs, serve_flags  # noqa: E402
-from serving_workload import gsm8k_chat_prompts, serve_dflash_wait_steps  # noqa: E402
+ROOT = Path(benchmarks.__file__).resolve().parent.parent
 
 ROW_KEYS = {"shape", "weights", "mode", "concurrency", "engine_tok_s", "server_tok_s", "server_over_engine", "ttft_p50_ms",
             "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_accept_length", "client_procs", "clients_cpu_share", "http_cpu_share", "engine_cpu_share"}
@@ -30,7 +30,7 @@ def test_extra_flags_become_engine_kwargs_and_serve_flags() -> None:
 
 
 def test_gsm8k_prompts_are_chats_of_the_test_questions(tmp_path: Path) -> None:
-    from greedy_drift import load_questions
+    from benchmarks.greedy_drift import load_questions
     from server_support import save_text_model
 
     from blockspec.tokenizer import load_tokenizer
@@ -56,7 +56,7 @@ def test_wait_policy_flags_reach_the_engine_side() -> None:
 
 
 def test_merge_keeps_sources_and_tells_weights_apart(tmp_path: Path) -> None:
-    from merge_serving_results import merge
+    from benchmarks.merge_serving_results import merge
 
     def result(name: str, commit: str, load_format: str, rows: list[dict[str, object]]) -> Path:
         data = {"gpu": "NVIDIA H200", "date": "2026-12-03", "commit": commit, "flags": {"extra_flags": "--x"},
@@ -86,7 +86,7 @@ def test_merge_keeps_sources_and_tells_weights_apart(tmp_path: Path) -> None:
 def test_offline_closed_loop_keeps_the_level_in_flight() -> None:
     from types import SimpleNamespace
 
-    from offline_levels import closed_loop_tok_s
+    from benchmarks.serving_vs_engine_support import closed_loop_tok_s
 
     class Scheduler:
         """Finishes its oldest request at every step; counts what it holds."""
@@ -109,18 +109,18 @@ def test_offline_closed_loop_keeps_the_level_in_flight() -> None:
 
 
 def test_help() -> None:
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "serving_vs_engine.py"), "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serving_vs_engine", "--help"], capture_output=True,
                          text=True, check=True)
     assert "--extra-flags" in out.stdout
 
 
 @pytest.mark.slow
 def test_tiny_end_to_end(tmp_path: Path) -> None:
-    root = BENCHMARKS.parent
+    root = ROOT
     # NOTE: one intra-op thread per process, as in the CPU suite: the engine and the server share two cores.
     env = dict(os.environ, OMP_NUM_THREADS="1", BLOCKSPEC_COMMIT="test",
                PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-    command = [sys.executable, str(BENCHMARKS / "serving_vs_engine.py"), "--shapes", "tiny", "--device", "cpu",
+    command = [sys.executable, "-m", "benchmarks.serving_vs_engine", "--shapes", "tiny", "--device", "cpu",
                "--num-prompts", "4", "--prompt-len", "12", "--max-new-tokens", "8", "--concurrency", "1,2",
                "--warmup", "2", "--warmup-new-tokens", "4", "--extra-flags=--disable-overlap-schedule",
                "--out", str(tmp_path), "--tag", "smoke", "--startup-timeout", "120"]
@@ -161,7 +161,7 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
 
 
 def test_engine_phase_is_reused_for_the_same_spec_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import serving_vs_engine_support as support
+    from benchmarks import serving_vs_engine_support as support
 
     runs: list[dict] = []
 
@@ -188,7 +188,7 @@ def test_engine_phase_is_reused_for_the_same_spec_only(tmp_path: Path, monkeypat
 
 def test_ab_plot_draws_one_pair_of_bars_per_variant(tmp_path: Path) -> None:
     """plot_serving_ab.py: the variants of one A/B call side by side, titled with their GPU, date and commits."""
-    from plot_serving_ab import plot, variant_name
+    from benchmarks.plots import plot_serving_ab, serving_ab_variant_name
 
     row = {"shape": "smollm2", "mode": "dflash", "concurrency": 64, "engine_tok_s": 100.0, "server_tok_s": 90.0,
            "server_over_engine": 0.9, "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0}
@@ -197,10 +197,10 @@ def test_ab_plot_draws_one_pair_of_bars_per_variant(tmp_path: Path) -> None:
         path = tmp_path / f"serving_vs_engine_2026-12-02_{commit}_ab_{tag}.json"
         path.write_text(json.dumps({"gpu": "cpu", "date": "2026-12-02", "commit": commit, "rows": [row]}))
         paths.append(path)
-    assert variant_name(paths[0], {"commit": "aaa1111"}) == "aaa1111\nparent_api4"
-    out = plot(paths, tmp_path / "ab.png")
+    assert serving_ab_variant_name(paths[0], {"commit": "aaa1111"}) == "aaa1111\nparent_api4"
+    out = plot_serving_ab(paths, tmp_path / "ab.png")
     assert out.is_file() and out.stat().st_size > 1000
     with pytest.raises(SystemExit):
         empty = tmp_path / "serving_vs_engine_2026-12-02_ccc_ab_none.json"
         empty.write_text(json.dumps({"gpu": "cpu", "date": "2026-12-02", "commit": "ccc", "rows": []}))
-        plot([empty], tmp_path / "none.png")
+        plot_serving_ab([empty], tmp_path / "none.png")
