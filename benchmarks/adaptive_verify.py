@@ -9,7 +9,7 @@ alternating blocks of scheduler steps (overlap schedule on; each block ends by c
 both see the same mean context; tokens/s = tokens committed in the blocks ÷ their wall time. Target-only runs the
 same blocks on its own engine. Writes results/adaptive_verify_<date>_<commit>.json (rows: profile, context, bs,
 target_tok_s, fixed_tok_s, adaptive_tok_s, ...) and the plot beside it; the commit comes from --commit,
-$BLOCKSPEC_COMMIT or git. `--smoke`: a tiny CPU shape in seconds (tests/test_adaptive_verify_bench.py).
+$BLOCKSPEC_COMMIT or git. `--smoke`: a tiny CPU shape in seconds (tests/benchmarks/test_adaptive_verify_bench.py).
 """
 from __future__ import annotations
 

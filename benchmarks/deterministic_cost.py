@@ -7,7 +7,7 @@ greedy-cycle graph alone, verify and propose forwards, the target-only decode st
 --prefill-tokens tokens per engine. Engines run one after another (flag off, then on). Writes
 results/deterministic_cost_<date>_<commit>.json (rows, the on ÷ off ratios per shape) and the plot beside it; the commit
 from --commit, $BLOCKSPEC_COMMIT or git. `--smoke`: tiny shapes on CPU in the Triton interpreter (needs
-TRITON_INTERPRET=1 in the environment; tests/test_deterministic_cost_bench.py), timings meaningless.
+TRITON_INTERPRET=1 in the environment; tests/benchmarks/test_deterministic_cost_bench.py), timings meaningless.
 """
 from __future__ import annotations
 

@@ -14,10 +14,10 @@ export PATH=/tmp/site/bin:$PATH
 here=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${TEST_S:-300}" -gt 0 ]; then
-    PYTHONPATH=/tmp/site:$here timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-        tests/test_triton_ops.py tests/test_piecewise.py tests/test_triton_attention.py tests/test_overlap_schedule.py \
-        tests/test_dflash_oracle.py tests/test_dflash_lossless.py tests/test_pdl.py tests/test_step_plan.py \
-        tests/test_flashinfer.py 2>&1 | tee "$out/gpu_tests_${BLOCKSPEC_COMMIT}.log" | tail -6
+    PYTHONPATH=/tmp/site:$here timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py \
+        tests/kernels/test_triton_ops.py tests/runner/test_piecewise.py tests/attention/test_triton_attention.py tests/scheduler/test_overlap_schedule.py \
+        tests/dflash/test_dflash_oracle.py tests/dflash/test_dflash_lossless.py tests/kernels/test_pdl.py tests/scheduler/test_step_plan.py \
+        tests/attention/test_flashinfer.py 2>&1 | tee "$out/gpu_tests_${BLOCKSPEC_COMMIT}.log" | tail -6
 fi
 for round in $(seq "${ROUNDS:-1}"); do
     for side in new parent; do

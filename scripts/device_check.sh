@@ -5,8 +5,8 @@
 # Usage: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) scripts/device_check.sh   (pass the commit: no git there)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_adaptive.py tests/test_flashinfer.py \
-    tests/test_triton_attention.py tests/test_triton_ops.py tests/test_piecewise.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
+timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py tests/gpu/test_gpu_adaptive.py tests/attention/test_flashinfer.py \
+    tests/attention/test_triton_attention.py tests/kernels/test_triton_ops.py tests/runner/test_piecewise.py 2>&1 | tee "$out/gpu_tests.log" | tail -8
 timeout "${STEP_S:-300}" python3 -m benchmarks.step_latency --backends triton flashinfer --repeat 10 --out "$out" \
     > "$out/step_latency.log" 2>&1
 grep -v '^{' "$out/step_latency.log" | tail -40

@@ -7,9 +7,9 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 if [ "${TEST_S:-0}" -gt 0 ]; then
-    timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_triton_ops.py \
-        tests/test_piecewise.py tests/test_triton_attention.py tests/test_overlap_schedule.py tests/test_pdl.py \
-        tests/test_dflash_oracle.py tests/test_dflash_lossless.py tests/test_step_plan.py tests/test_last_layer_tap.py} 2>&1 \
+    timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_gpu.py tests/kernels/test_triton_ops.py \
+        tests/runner/test_piecewise.py tests/attention/test_triton_attention.py tests/scheduler/test_overlap_schedule.py tests/kernels/test_pdl.py \
+        tests/dflash/test_dflash_oracle.py tests/dflash/test_dflash_lossless.py tests/scheduler/test_step_plan.py tests/dflash/test_last_layer_tap.py} 2>&1 \
         | tee "$out/gpu_tests_${BLOCKSPEC_COMMIT}.log" | tail -6
 fi
 timeout "${SERVE_S:-480}" python3 -m benchmarks.serving_vs_engine --shapes "${SHAPES:-smollm2,llama8b}" \

@@ -6,10 +6,10 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 if [ "${TEST_S:-280}" -gt 0 ]; then
-    timeout "${TEST_S:-280}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_warm_start_gpu.py \
-        tests/test_gpu_adaptive.py tests/test_gpu.py tests/test_last_layer_tap.py tests/test_piecewise.py \
-        tests/test_overlap_schedule.py tests/test_dflash_lossless.py tests/test_triton_ops.py \
-        tests/test_triton_attention.py tests/test_pdl.py tests/test_step_plan.py tests/test_dflash_oracle.py} 2>&1 \
+    timeout "${TEST_S:-280}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_warm_start_gpu.py \
+        tests/gpu/test_gpu_adaptive.py tests/gpu/test_gpu.py tests/dflash/test_last_layer_tap.py tests/runner/test_piecewise.py \
+        tests/scheduler/test_overlap_schedule.py tests/dflash/test_dflash_lossless.py tests/kernels/test_triton_ops.py \
+        tests/attention/test_triton_attention.py tests/kernels/test_pdl.py tests/scheduler/test_step_plan.py tests/dflash/test_dflash_oracle.py} 2>&1 \
         | tee "$out/gpu_tests_${BLOCKSPEC_COMMIT}.log" | tail -15
 fi
 if [ "${ADAPT_S:-200}" -gt 0 ]; then

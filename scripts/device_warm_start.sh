@@ -43,7 +43,7 @@ for shape in llama8b smollm2; do
 done
 grep -h "compiled after start-up" "$out"/warm_start_*/server_*.log | head -20
 if [ "${TEST_S:-50}" -gt 0 ]; then  # NOTE: TEST_S=0 skips the gpu test (run with the others)
-    timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider tests/test_warm_start_gpu.py 2>&1 \
+    timeout "$TEST_S" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_warm_start_gpu.py 2>&1 \
         | tee "$out/warm_start_gpu_tests.log" | tail -8
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
