@@ -30,7 +30,8 @@ from blockspec import Engine
 from blockspec.request import Req
 from blockspec.speculative.verify_length import AcceptanceStats, full_block
 
-PROFILES = {"demo": str(Path(__file__).parent / "profiles" / "smollm2_demo_draft_gsm8k.json"), "geometric6": "geometric:6"}
+PROFILES = {"demo": str(Path(__file__).parent / "profiles" / "smollm2_demo_draft_gsm8k.json"),
+            "geometric6": "geometric:6"}
 TINY_TARGET = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
@@ -174,7 +175,8 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "bs64_goal_met": bool(big) and big[0] >= 1.3}
 
 
-def build(target_dir: Path, draft_dir: Path | None, args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> Engine:
+def build(target_dir: Path, draft_dir: Path | None, args: argparse.Namespace, sizes: list[int],
+          contexts: list[int]) -> Engine:
     flags: dict[str, Any] = dict(model_path=str(target_dir), load_format="dummy", skip_tokenizer_init=True,
                                  max_total_tokens=max(sizes) * (max(contexts) + args.headroom),
                                  max_running_requests=max(sizes), chunked_prefill_size=16384, cuda_graph_bs=sizes)
@@ -244,7 +246,8 @@ def main() -> None:
     report["wall_s"] = time.perf_counter() - started
     write_json(path, report)
     print(f"wrote {path}; {plot_result(path)}")
-    print(f"{'profile':>10} {'ctx':>5} {'bs':>3} {'target':>9} {'fixed':>9} {'adaptive':>9} {'n':>3} {'÷ envelope':>10}")
+    print(f"{'profile':>10} {'ctx':>5} {'bs':>3} {'target':>9} {'fixed':>9} {'adaptive':>9} {'n':>3} "
+          f"{'÷ envelope':>10}")
     for r in report["rows"]:
         envelope = r["adaptive_tok_s"] / max(r["fixed_tok_s"], r["target_tok_s"])
         print(f"{r['profile']:>10} {r['context']:>5} {r['bs']:>3} {r['target_tok_s']:9.0f} {r['fixed_tok_s']:9.0f} "

@@ -5,8 +5,8 @@ CUDA graphs and piecewise graphs on (as served), a simulated accept length (--ac
 full block). Per flag setting, batch size and context: the DFlash cycle (mean of back-to-back scheduler steps), its
 greedy-cycle graph alone, verify and propose forwards, the target-only decode step, and one extend forward of
 --prefill-tokens tokens per engine. Engines run one after another (flag off, then on). Writes
-results/deterministic_cost_<date>_<commit>.json (rows, the on ÷ off ratios per shape) and the plot beside it; the commit
-from --commit, $BLOCKSPEC_COMMIT or git. `--smoke`: tiny shapes on CPU in the Triton interpreter (needs
+results/deterministic_cost_<date>_<commit>.json (rows, the on ÷ off ratios per shape) and the plot beside it; the
+commit from --commit, $BLOCKSPEC_COMMIT or git. `--smoke`: tiny shapes on CPU in the Triton interpreter (needs
 TRITON_INTERPRET=1 in the environment; tests/benchmarks/test_deterministic_cost_bench.py), timings meaningless.
 """
 from __future__ import annotations
@@ -137,7 +137,8 @@ def cost_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not row["deterministic"] or base is None:
             continue
         ratio = {"spec": row["spec"], "bs": row["bs"], "context": row["context"]}
-        ratio.update({f"{key[:-3]}_on_over_off": row[key] / base[key] for key in TIMED_KEYS if key in row and key in base})
+        ratio.update({f"{key[:-3]}_on_over_off": row[key] / base[key]
+                      for key in TIMED_KEYS if key in row and key in base})
         ratios.append(ratio)
     return ratios
 

@@ -45,7 +45,8 @@ TRAIN_WORDINGS: dict[str, Callable[[str], Messages]] = {
     "solve": lambda q: [{"role": "user", "content": "Solve the following problem.\n\n" + q}],
     "brief": lambda q: [{"role": "user", "content": q + "\nShow your reasoning and end with the final number."}],
 }
-HELDOUT_WORDING = "eval_gsm8k_zero_shot"  # `blockspec eval gsm8k --num-shots 0`: one user message "Question: ...\nAnswer:"
+# NOTE: `blockspec eval gsm8k --num-shots 0`: one user message "Question: ...\nAnswer:"
+HELDOUT_WORDING = "eval_gsm8k_zero_shot"
 
 
 def heldout_messages(question: str) -> Messages:
@@ -119,7 +120,8 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], num_heldout: int,
-                wordings_per_question: int = 1, long_context_chars: int = 6000, wording_offset: int = 0) -> dict[str, Any]:
+                wordings_per_question: int = 1, long_context_chars: int = 6000,
+                wording_offset: int = 0) -> dict[str, Any]:
     """GSM8K train questions, each in `wordings_per_question` training wordings (the rotation starting at the
     question's index plus `wording_offset`), the first `num_heldout` test questions in the held-out wording, and the
     same questions behind ≥ `long_context_chars` characters of other test questions (a report-only held-out set; 0:
@@ -151,13 +153,15 @@ def write_gsm8k(paths: DataPaths, train_file: Path, num_train: Optional[int], nu
              "source": "gsm8k_test", "wording": HELDOUT_WORDING + "_long", "split": HELDOUT_SPLIT}
             for i, row in enumerate(test)
         ])
-    return {"gsm8k_train": len(train), "gsm8k_train_records": len(picked), "wordings_per_question": wordings_per_question,
+    return {"gsm8k_train": len(train), "gsm8k_train_records": len(picked),
+            "wordings_per_question": wordings_per_question,
             "wording_offset": wording_offset,
             "gsm8k_heldout": len(test), "train_wordings": names,
             "heldout_wording": HELDOUT_WORDING, "long_context_chars": long_context_chars}
 
 
-def write_general(paths: DataPaths, model_dir: Path, settings: MagpieSettings, device: str, dtype: str) -> dict[str, Any]:
+def write_general(paths: DataPaths, model_dir: Path, settings: MagpieSettings, device: str,
+                  dtype: str) -> dict[str, Any]:
     """Prompts sampled from the target (its own chat template), filtered, deduplicated and split."""
     from blockspec.tokenizer import load_tokenizer
 
@@ -305,7 +309,8 @@ def extend_general(train_file: Path, heldout_files: list[Path], work_dir: Path, 
             infos = []
             for seed, out, code in shards:
                 produced = out / "prompts.train.jsonl"
-                texts = last_user_turns([produced]) if code == 0 and produced.is_file() and produced.stat().st_size else []
+                produced_some = code == 0 and produced.is_file() and produced.stat().st_size
+                texts = last_user_turns([produced]) if produced_some else []
                 infos.append({"seed": seed, "exit_code": code, **_shard_info(out)})
                 for text in texts:
                     if unique.offer(text) and kept < batch.count:

@@ -175,7 +175,8 @@ def main(argv: list[str]) -> int:
         return 2
     out_dir, paths = Path(argv[0]), [Path(a) for a in argv[1:]]
     documents = [json.loads(p.read_text()) for p in paths]
-    date, commit, smoke = max(d["date"] for d in documents), documents[0]["commit"], bool(documents[0]["details"]["smoke"])
+    date, commit = max(d["date"] for d in documents), documents[0]["commit"]
+    smoke = bool(documents[0]["details"]["smoke"])
     target = (out_dir / f"draft_v2_{date}_{commit}{'_smoke' if smoke else ''}.json").resolve()
     if any(p.resolve() == target for p in paths):
         raise SystemExit(f"error: the merged result would overwrite the input {target}: keep the inputs elsewhere")

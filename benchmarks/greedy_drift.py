@@ -124,7 +124,8 @@ def run_mode(
     try:
         prompts = [engine.chat_input_ids(build_messages(q)) for q in questions]
         start = time.perf_counter()
-        single = [list(cast(list[dict[str, Any]], engine.generate(input_ids=[p], sampling_params=params))[0]["output_ids"])
+        single = [list(cast(list[dict[str, Any]],
+                            engine.generate(input_ids=[p], sampling_params=params))[0]["output_ids"])
                   for p in prompts]
         middle = time.perf_counter()
         repeated = [prompts[i % len(prompts)] for i in range(rows)]

@@ -12,7 +12,8 @@ produce the same tokens.
 Rows: workload, shape, cache ("on"/"off"), tok_s (output tokens / wall time), ttft_p50_ms, ttft_p99_ms, accept_len
 (the server's, over the workload's verifies), cache_hit_rate; each workload runs --repeats times per server (a cold
 cache each time) and its row holds the medians, every sample's tok/s and TTFT kept. Goals: (b) TTFT p50 on ≤ 0.1 ×
-off, (a) tok/s on ≥ 1.5 × off, accept length on = off within 1 %. Writes benchmarks/results/prefix_cache_<date>_<commit>.json (+ PNG).
+off, (a) tok/s on ≥ 1.5 × off, accept length on = off within 1 %. Writes
+benchmarks/results/prefix_cache_<date>_<commit>.json (+ PNG).
 The device has no git: pass --commit (or BLOCKSPEC_COMMIT). Prompts need a ChatML tokenizer and GSM8K: build them
 once with --save-workloads FILE where those are (--smoke for the small ones), and pass --workloads FILE on the device.
 """

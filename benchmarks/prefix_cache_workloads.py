@@ -144,7 +144,8 @@ async def stream_generate(session: aiohttp.ClientSession, ids: list[int], params
     first: Optional[float] = None
     last = b""
     try:
-        async with session.post("generate", json={"input_ids": ids, "sampling_params": params, "stream": True}) as response:
+        body = {"input_ids": ids, "sampling_params": params, "stream": True}
+        async with session.post("generate", json=body) as response:
             if response.status != 200:
                 return Result(False, error=f"HTTP {response.status}: {(await response.read())[:200]!r}")
             async for raw in response.content:
@@ -203,7 +204,8 @@ def run_workload(base_url: str, workload: Workload, params: dict[str, Any], eos_
     """Warm-up requests (untimed), then every turn in order: tok/s over the turns' wall time, TTFT percentiles. The
     clients of a turn are spread over `procs` processes."""
     if workload.warmup:
-        asyncio.run(closed_loop(base_url, workload.warmup, dict(params, max_new_tokens=4), len(workload.warmup), timeout))
+        warmup_params = dict(params, max_new_tokens=4)
+        asyncio.run(closed_loop(base_url, workload.warmup, warmup_params, len(workload.warmup), timeout))
     prompts, results, duration = workload.prompts, [], 0.0
     for turn in range(1 + len(workload.follow_ups)):
         turn_results, seconds = closed_loop_procs(base_url, prompts, params, workload.concurrency, timeout, procs)

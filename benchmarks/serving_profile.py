@@ -41,7 +41,8 @@ def profile_server(start_server: Callable[[list[str]], Any], out_path: Path, run
 
 
 def compress(path: Path) -> Path:
-    """PATH → PATH.gz (the raw stacks of a serving run are tens of MB as text; the device returns small files only)."""
+    """PATH → PATH.gz (the raw stacks of a serving run are tens of MB as text; the device returns small files
+    only)."""
     packed = path.with_name(path.name + ".gz")
     with path.open("rb") as raw, gzip.open(packed, "wb") as out:
         shutil.copyfileobj(raw, out)
@@ -110,7 +111,8 @@ def summarize(path: Path, top: int = 15, rate: int = SAMPLE_RATE, focus: tuple[s
         lines.append(f"{process[:100]}: {total} samples = {total / rate:.2f} busy thread-s; "
                      f"{idle[process] / rate:.2f} s of it in waits")
         lines.append("  self:")
-        lines += [f"    {100 * c / max(busy, 1):5.1f} %  {name[:140]}" for name, c in self_counts[process].most_common(top)]
+        lines += [f"    {100 * c / max(busy, 1):5.1f} %  {name[:140]}"
+                  for name, c in self_counts[process].most_common(top)]
         lines.append("  inclusive (frames under 90 % of busy):")
         below_wrappers = [(n, c) for n, c in inclusive[process].most_common() if c < 0.9 * busy]
         lines += [f"    {100 * c / max(busy, 1):5.1f} %  {name[:140]}" for name, c in below_wrappers[:top]]

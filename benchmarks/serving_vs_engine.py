@@ -4,10 +4,10 @@ Per shape (`llama8b`: Llama-3.1-8B config + 5-layer draft; `smollm2`: SmolLM2-13
 with dummy weights unless --model-dir/--draft-dir; `tiny`: a CPU smoke shape) and mode (`dflash` with a simulated
 accept length, `target`): N random-token prompts, greedy, ignore_eos, fixed new tokens. First `Engine.generate` on
 all of them in a process of its own (engine tok/s at full batch), and each closed-loop level's work in waves of
-that many prompts (the engine number that level's row compares with), then `python -m blockspec.serve` with the same engine flags and
-streaming closed-loop clients on `/generate` (input_ids; spread over --client-procs processes) at each concurrency,
-plus one Poisson-arrival run: server tok/s, server ÷ engine, TTFT and inter-chunk latency (ITL) p50/p99, the
-server's accept length. The demo pair with real weights: --shapes smollm2 --model-dir <converted SmolLM2 dir>
+that many prompts (the engine number that level's row compares with), then `python -m blockspec.serve` with the same
+engine flags and streaming closed-loop clients on `/generate` (input_ids; spread over --client-procs processes) at each
+concurrency, plus one Poisson-arrival run: server tok/s, server ÷ engine, TTFT and inter-chunk latency (ITL) p50/p99,
+the server's accept length. The demo pair with real weights: --shapes smollm2 --model-dir <converted SmolLM2 dir>
 --accept-len 0 (the shipped draft has its weights) --dataset gsm8k (GSM8K test questions as chats, the workload
 the draft was trained for; scripts/device_demo_pair.sh serving). A run split over commands: --merge the earlier JSONs.
 Writes benchmarks/results/serving_vs_engine_<date>_<commit>[_tag].json after every phase, then a PNG beside it.
@@ -45,7 +45,8 @@ def _csv(kind: type, choices: Optional[tuple[str, ...]] = None) -> Any:
         values = [kind(v.strip()) for v in text.split(",") if v.strip()]
         bad = [v for v in values if choices is not None and v not in choices]
         if not values or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list{' of ' + ', '.join(choices) if choices else ''}, got {text!r}")
+            of = " of " + ", ".join(choices) if choices else ""
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list{of}, got {text!r}")
         return values
 
     return parse
@@ -55,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=_csv(str, SHAPES), default=["smollm2", "llama8b"], help="smollm2,llama8b,tiny")
     parser.add_argument("--modes", type=_csv(str, MODES), default=list(MODES), help="dflash,target")
-    parser.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32, 64], help="closed-loop clients, e.g. 1,8,32,64")
-    parser.add_argument("--poisson-rate", type=float, help=f"requests/s of the Poisson run (default {POISSON_FRACTION} x "
+    parser.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32, 64],
+                        help="closed-loop clients, e.g. 1,8,32,64")
+    parser.add_argument("--poisson-rate", type=float,
+                        help=f"requests/s of the Poisson run (default {POISSON_FRACTION} x "
                         "the request throughput at 64 clients, else at the most clients; 0 skips it)")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-rounds", type=int, default=0, help="a closed-loop level sends at most this many "
@@ -248,7 +251,8 @@ def describe(row: dict[str, Any]) -> str:
     conc = f"{row['concurrency']}" + (f"@{row['rate']:.1f}/s" if row["concurrency"] == "poisson" else "")
     ratio = row["server_over_engine"]
     return (f"{row['shape']:>8} {row['mode']:>6} {conc:>14} {row['engine_tok_s']:>10.0f} {row['server_tok_s']:>10.0f} "
-            f"{ratio if ratio is not None else float('nan'):>6.2f} {row['ttft_p50_ms']:>8.1f} {row['ttft_p99_ms']:>8.1f} "
+            f"{ratio if ratio is not None else float('nan'):>6.2f} "
+            f"{row['ttft_p50_ms']:>8.1f} {row['ttft_p99_ms']:>8.1f} "
             f"{row['itl_p50_ms']:>7.2f} {row['itl_p99_ms']:>7.2f} {'-' if accept is None else f'{accept:.2f}':>6} "
             f"{row['completed']}/{row['completed'] + row['failed']} {row.get('kernel_compiles', '-')} "
             f"{row.get('clients_cpu_share', float('nan')):.2f}/{row.get('client_procs', '-')} "
@@ -275,7 +279,8 @@ def _num(value: Optional[float], spec: str) -> str:
 
 HEADER = (f"{'shape':>8} {'mode':>6} {'concurrency':>14} {'engine t/s':>10} {'server t/s':>10} {'s/e':>6} "
           f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok compiles clients-cpu/procs "
-          "http/engine-cpu receive/queue/prefill-ms steps-per-s/extend-share extend/other-step-ms extends-piecewise/eager "
+          "http/engine-cpu receive/queue/prefill-ms steps-per-s/extend-share extend/other-step-ms "
+          "extends-piecewise/eager "
           "loop-ms-per-step-intake/publish/flush engine-core-mhz-offline/server")
 
 

@@ -172,7 +172,8 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     engine = Engine(**spec["engine"])
     cuda = engine.runner.device.type == "cuda"
     if spec["warmup"] > 0:
-        engine.generate(input_ids=prompts[: spec["warmup"]], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
+        engine.generate(input_ids=prompts[: spec["warmup"]],
+                        sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
     before = engine.get_server_info()
     start = time.perf_counter()
     outputs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -189,7 +190,8 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
         for concurrency, count in spec["levels"]:
             level_prompts = prompts[:count]
             # NOTE: one untimed wave first: batch sizes the full-batch warm-up never ran may compile kernels.
-            engine.generate(input_ids=level_prompts[:concurrency], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
+            engine.generate(input_ids=level_prompts[:concurrency],
+                            sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
             by_concurrency[str(concurrency)] = closed_loop_tok_s(engine, level_prompts, concurrency, params, sync)
             by_waves[str(concurrency)] = waves_tok_s(engine, level_prompts, concurrency, params, sync)
     result = {
@@ -210,7 +212,8 @@ def client_namespace(base_url: str, max_new_tokens: int, timeout: float) -> argp
                               disable_tqdm=True, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
 
 
-async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: float, seed: int) -> tuple[list[RequestResult], float]:
+async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: float,
+                      seed: int) -> tuple[list[RequestResult], float]:
     """Requests sent at exponential gaps (mean 1/rate s), none waiting on another; (results, first send to last end)."""
     rng = random.Random(seed)
     async with open_session(ns.base_url, len(prompts), ns.timeout, ns.api_key) as session:
@@ -282,7 +285,8 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
     cpu_after = {name: cpu_s(group) for name, group in pids.items()}
     after, metrics_after = get_server_info(ns.base_url), metrics_text(ns.base_url)
     engine_ttft = histogram_mean_between(metrics_before, metrics_after, "blockspec_time_to_first_token_seconds")
-    phases = {f"engine_{phase}_mean_ms": histogram_mean_between(metrics_before, metrics_after, f"blockspec_request_{phase}_time_seconds")
+    phases = {f"engine_{phase}_mean_ms":
+              histogram_mean_between(metrics_before, metrics_after, f"blockspec_request_{phase}_time_seconds")
               for phase in ("receive", "queue", "prefill")}
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok]
@@ -307,7 +311,8 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         "tpot_p50_ms": percentile(tpots, 50) * 1e3, "tpot_p99_ms": percentile(tpots, 99) * 1e3,
         "e2e_p50_ms": percentile([r.latency for r in ok], 50) * 1e3,
         "mean_in_flight": sum(r.latency for r in ok) / duration,  # NOTE: Little's law over the run's own requests
-        "server_accept_length": accept_length_between(before, after), "server_avg_accept_length": avg_accept_length(after),
+        "server_accept_length": accept_length_between(before, after),
+        "server_avg_accept_length": avg_accept_length(after),
         # NOTE: near `client_procs` the clients, not the server, may be what limits the level
         "client_procs": max(1, min(procs, len(prompts), concurrency or len(prompts))),
         "clients_cpu_share": clients_cpu / duration,

@@ -126,7 +126,8 @@ def run_blockspec(
         startup = time.perf_counter() - start
         model = engine.runner.model
         # NOTE: bytes read per step: the embedding table is not (only a few rows), unless it is the tied lm_head.
-        weights = param_bytes(model) - (0 if model.config.tie_word_embeddings else param_bytes(model.model.embed_tokens))
+        embedding = 0 if model.config.tie_word_embeddings else param_bytes(model.model.embed_tokens)
+        weights = param_bytes(model) - embedding
         draft_weights = param_bytes(engine.worker.draft) + engine.runner.model.lm_head.weight.numel() * 2 if spec else 0
         cfg = engine.runner.target_config
         kv_per_token = 2 * cfg.num_layers * engine.runner.num_local_kv_heads * cfg.head_dim * 2  # NOTE: per GPU
@@ -136,7 +137,8 @@ def run_blockspec(
                 floor_bytes = weights + draft_weights + bs * context * (kv_per_token + draft_kv_per_token)
                 for graphs in (True,) if args.graphs_only else (True, False):
                     m = measure(engine, bs, context, graphs, args.repeat, args.sustained_s if graphs else 0.0)
-                    row = {"backend": backend, "spec": spec, "tp": tp, "bs": bs, "context": context, "graphs": graphs, **m,
+                    row = {"backend": backend, "spec": spec, "tp": tp, "bs": bs, "context": context, "graphs": graphs,
+                           **m,
                            "floor_ms": floor_bytes / bandwidth * 1e3, "startup_s": startup}
                     row["cycle_over_floor"] = row["cycle_ms"] / row["floor_ms"]
                     rows.append(row)
@@ -157,7 +159,8 @@ def run_reference(root: Path, context: int, new_tokens: int) -> dict[str, Any]:
     except ImportError as error:
         return {"error": f"dflash reference unavailable: {error}"}
     with torch.device("cuda"):
-        target = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA_8B.items() if k != "architectures"})).to(torch.bfloat16).eval()
+        target_cfg = LlamaConfig(**{k: v for k, v in LLAMA_8B.items() if k != "architectures"})
+        target = LlamaForCausalLM(target_cfg).to(torch.bfloat16).eval()
         draft_cfg = Qwen3Config(**{k: v for k, v in DRAFT.items() if k not in ("architectures", "dflash_config")})
         draft_cfg.dflash_config = DRAFT["dflash_config"]
         draft = DFlashDraftModel(draft_cfg).to(torch.bfloat16).eval()
@@ -185,7 +188,8 @@ def print_backend_comparison(rows: list[dict[str, Any]], backends: list[str]) ->
     base = backends[0]
     index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"] and r["tp"] == 1}
     print(f"\nspec cycle with graphs, ms (ratio to {base}):")
-    for (backend, bs, context), row in sorted(index.items(), key=lambda kv: (kv[0][2], kv[0][1], backends.index(kv[0][0]))):
+    ordered = sorted(index.items(), key=lambda kv: (kv[0][2], kv[0][1], backends.index(kv[0][0])))
+    for (backend, bs, context), row in ordered:
         ref = index.get((base, bs, context))
         parts = []
         for key in ("cycle_ms", "verify_ms", "propose_ms"):
@@ -312,8 +316,9 @@ def main() -> None:
     print(f"{'backend':>10} {'spec':>5} {'bs':>3} {'ctx':>5} {'graph':>5} {'cycle':>8} {'sync':>8} {'verify':>8} "
           f"{'propose':>8} {'g-cycle':>8} {'floor':>7} {'x':>5}")
     for r in rows:
-        print(f"{r['backend']:>10} {r['spec']!s:>5} {r['bs']:>3} {r['context']:>5} {r['graphs']!s:>5} {r['cycle_ms']:8.2f} "
-              f"{r.get('sync_cycle_ms', 0):8.2f} {r.get('verify_ms', 0):8.2f} {r.get('propose_ms', 0):8.2f} {r.get('greedy_cycle_ms', 0):8.2f} "
+        print(f"{r['backend']:>10} {r['spec']!s:>5} {r['bs']:>3} {r['context']:>5} {r['graphs']!s:>5} "
+              f"{r['cycle_ms']:8.2f} {r.get('sync_cycle_ms', 0):8.2f} {r.get('verify_ms', 0):8.2f} "
+              f"{r.get('propose_ms', 0):8.2f} {r.get('greedy_cycle_ms', 0):8.2f} "
               f"{r['floor_ms']:7.2f} {r['cycle_over_floor']:5.2f}")
     for ref in reference:
         print("dflash reference:", ref)

@@ -51,7 +51,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--no-load", action="store_true", help="measure the start-up alone")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--extra-flags", default="", help="more `blockspec serve` flags, e.g. --extra-flags=\"--enable-mixed-chunk\"")
+    parser.add_argument("--extra-flags", default="",
+                        help="more `blockspec serve` flags, e.g. --extra-flags=\"--enable-mixed-chunk\"")
     parser.add_argument("--table", type=Path, nargs="*", help="print these result files as a table and exit")
     return parser.parse_args()
 
@@ -145,9 +146,11 @@ def print_table(paths: list[Path]) -> None:
             print(f"| {row['shape']} | {row['tag']} | failed: {row['error'][:80]} |")
             continue
         seconds = row["startup"]["seconds"]
-        print(f"| {row['shape']} | {row['tag']} | {row['healthy_s']} | " + " | ".join(f"{seconds[p]:.1f}" for p in phases)
+        print(f"| {row['shape']} | {row['tag']} | {row['healthy_s']} | "
+              + " | ".join(f"{seconds[p]:.1f}" for p in phases)
               + f" | {row['startup']['kernel_variants_compiled']} | {row.get('requests', 0)} "
-              f"({row.get('failed', 0)} failed) | {row['compiles_after_startup']} (metric {row['compiles_metric']:g}) |")
+              f"({row.get('failed', 0)} failed) | {row['compiles_after_startup']} "
+              f"(metric {row['compiles_metric']:g}) |")
 
 
 def main() -> None:
