@@ -9,7 +9,7 @@ alternating blocks of scheduler steps (overlap schedule on; each block ends by c
 both see the same mean context; tokens/s = tokens committed in the blocks ÷ their wall time. Target-only runs the
 same blocks on its own engine. Writes results/adaptive_verify_<date>_<commit>.json (rows: profile, context, bs,
 target_tok_s, fixed_tok_s, adaptive_tok_s, ...) and the plot beside it; the commit comes from --commit,
-$BLOCKSPEC_COMMIT or git. `--smoke`: a tiny CPU shape in seconds (tests/test_adaptive_verify_bench.py).
+$BLOCKSPEC_COMMIT or git. `--smoke`: a tiny CPU shape in seconds (tests/benchmarks/test_adaptive_verify_bench.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +24,14 @@ from typing import Any
 
 import torch
 
+from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
+from benchmarks.step_latency import write_configs
 from blockspec import Engine
-from blockspec.bench.provenance import commit_id
 from blockspec.request import Req
 from blockspec.speculative.verify_length import AcceptanceStats, full_block
-from step_latency import write_configs
 
-PROFILES = {"demo": str(Path(__file__).parent / "profiles" / "smollm2_demo_draft_gsm8k.json"), "geometric6": "geometric:6"}
+PROFILES = {"demo": str(Path(__file__).parent / "profiles" / "smollm2_demo_draft_gsm8k.json"),
+            "geometric6": "geometric:6"}
 TINY_TARGET = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
@@ -175,7 +175,8 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "bs64_goal_met": bool(big) and big[0] >= 1.3}
 
 
-def build(target_dir: Path, draft_dir: Path | None, args: argparse.Namespace, sizes: list[int], contexts: list[int]) -> Engine:
+def build(target_dir: Path, draft_dir: Path | None, args: argparse.Namespace, sizes: list[int],
+          contexts: list[int]) -> Engine:
     flags: dict[str, Any] = dict(model_path=str(target_dir), load_format="dummy", skip_tokenizer_init=True,
                                  max_total_tokens=max(sizes) * (max(contexts) + args.headroom),
                                  max_running_requests=max(sizes), chunked_prefill_size=16384, cuda_graph_bs=sizes)
@@ -204,13 +205,13 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, default=8, help="scheduler steps per timed block")
     parser.add_argument("--rounds", type=int, default=4, help="timed blocks per mode (fixed and adaptive alternate)")
     parser.add_argument("--headroom", type=int, default=1024, help="KV slots per request beyond the context")
-    parser.add_argument("--commit", default=os.environ.get("BLOCKSPEC_COMMIT"), help="default: $BLOCKSPEC_COMMIT or git")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_commit_argument(parser)
+    add_out_argument(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (bs 1 2, context 16)")
     args = parser.parse_args()
     if args.smoke:
         args.batch_sizes, args.contexts, args.block_steps, args.rounds = [1, 2], [16], 3, 2
-    commit = args.commit or commit_id()
+    commit = resolved_commit(args)
     date = datetime.date.today().isoformat()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
     report: dict[str, Any] = {"gpu": device, "date": date, "commit": commit, "torch": torch.__version__,
@@ -238,19 +239,15 @@ def main() -> None:
                            **measure_dflash(engine, PROFILES[name], context, bs, args)}
                     report["rows"].append(row)
                     print(json.dumps(row), flush=True)
-                    path.write_text(json.dumps(report, indent=1))  # NOTE: a cut-short run keeps its rows
+                    write_json(path, report)  # NOTE: a cut-short run keeps its rows
         report["verify_length_end"] = engine.get_server_info()["internal_states"][0]["verify_length"]
         free(engine)
     report["goals"] = goals(report["rows"])
     report["wall_s"] = time.perf_counter() - started
-    path.write_text(json.dumps(report, indent=1))
-    try:
-        from plot_adaptive_verify import plot
-
-        print(f"wrote {path} and {plot(path)}")
-    except ImportError as error:  # NOTE: matplotlib may be missing on the device; the JSON is the result
-        print(f"wrote {path}; no plot ({error}): run plot_adaptive_verify.py {path.name} where matplotlib is")
-    print(f"{'profile':>10} {'ctx':>5} {'bs':>3} {'target':>9} {'fixed':>9} {'adaptive':>9} {'n':>3} {'÷ envelope':>10}")
+    write_json(path, report)
+    print(f"wrote {path}; {plot_result(path)}")
+    print(f"{'profile':>10} {'ctx':>5} {'bs':>3} {'target':>9} {'fixed':>9} {'adaptive':>9} {'n':>3} "
+          f"{'÷ envelope':>10}")
     for r in report["rows"]:
         envelope = r["adaptive_tok_s"] / max(r["fixed_tok_s"], r["target_tok_s"])
         print(f"{r['profile']:>10} {r['context']:>5} {r['bs']:>3} {r['target_tok_s']:9.0f} {r['fixed_tok_s']:9.0f} "

@@ -5,9 +5,9 @@ CUDA graphs and piecewise graphs on (as served), a simulated accept length (--ac
 full block). Per flag setting, batch size and context: the DFlash cycle (mean of back-to-back scheduler steps), its
 greedy-cycle graph alone, verify and propose forwards, the target-only decode step, and one extend forward of
 --prefill-tokens tokens per engine. Engines run one after another (flag off, then on). Writes
-results/deterministic_cost_<date>_<commit>.json (rows, the on ÷ off ratios per shape) and the plot beside it; the commit
-from --commit, $BLOCKSPEC_COMMIT or git. `--smoke`: tiny shapes on CPU in the Triton interpreter (needs
-TRITON_INTERPRET=1 in the environment; tests/test_deterministic_cost_bench.py), timings meaningless.
+results/deterministic_cost_<date>_<commit>.json (rows, the on ÷ off ratios per shape) and the plot beside it; the
+commit from --commit, $BLOCKSPEC_COMMIT or git. `--smoke`: tiny shapes on CPU in the Triton interpreter (needs
+TRITON_INTERPRET=1 in the environment; tests/benchmarks/test_deterministic_cost_bench.py), timings meaningless.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from typing import Any, Callable
 
 import torch
 
-from adaptive_verify import model_dirs, prefill, release, sync
+from benchmarks.adaptive_verify import model_dirs, prefill, release, sync
+from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
 from blockspec import Engine
 from blockspec.batch import ForwardMode, build_batch
 from blockspec.bench.provenance import commit_id
-from plot_deterministic_cost import plot
 
 TIMED_KEYS = ("cycle_ms", "greedy_cycle_ms", "verify_ms", "propose_ms", "prefill_ms")
 
@@ -138,7 +138,8 @@ def cost_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not row["deterministic"] or base is None:
             continue
         ratio = {"spec": row["spec"], "bs": row["bs"], "context": row["context"]}
-        ratio.update({f"{key[:-3]}_on_over_off": row[key] / base[key] for key in TIMED_KEYS if key in row and key in base})
+        ratio.update({f"{key[:-3]}_on_over_off": row[key] / base[key]
+                      for key in TIMED_KEYS if key in row and key in base})
         ratios.append(ratio)
     return ratios
 
@@ -151,14 +152,14 @@ def main() -> None:
     parser.add_argument("--accept-len", type=float, default=4.0)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1), for tests")
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_commit_argument(parser)
+    add_out_argument(parser)
     args = parser.parse_args()
     if args.smoke:
         args.batch_sizes, args.contexts, args.prefill_tokens, args.repeat = [1, 2], [40], 24, 2
         if os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--smoke runs the deterministic kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-    commit = args.commit or commit_id()
+    commit = resolved_commit(args)
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
         "date": datetime.date.today().isoformat(), "commit": commit, "torch": torch.__version__,
@@ -170,11 +171,11 @@ def main() -> None:
 
     def save(rows: list[dict[str, Any]]) -> None:  # NOTE: after every engine, so a run cut short keeps its rows
         report["rows"], report["cost"] = rows, cost_ratios(rows)
-        path.write_text(json.dumps(report, indent=1))
+        write_json(path, report)
 
     with tempfile.TemporaryDirectory() as tmp:
         run(args, Path(tmp), save)
-    print(f"wrote {path} and {plot(path)}")
+    print(f"wrote {path}; {plot_result(path)}")
     for ratio in report["cost"]:
         print("cost:", ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in ratio.items()))
 

@@ -1,11 +1,9 @@
-"""Timing and telemetry the GPU benchmarks share: synced and steady-state wall times, CUDA-graph replay times,
-copy and read-only bandwidth, SM clock and board power while a loop runs, and the JSON report writer."""
+"""Timing and telemetry the GPU benchmarks share: synced and steady-state wall times, copy and read-only bandwidth,
+SM clock and board power while a loop runs."""
 from __future__ import annotations
 
-import json
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -32,35 +30,6 @@ def steady_ms(fn: Callable[[], Any], repeat: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3 / repeat
-
-
-def graphed_us(fn: Callable[[], Any], launches: int = 20) -> float:
-    """Mean µs of one fn() call when `launches` of them are replayed from one CUDA graph (launch gaps as in the
-    engine's graphs); fn is run twice first (compiles, settles the allocator)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * launches)
-
-
-def save_report(out_dir: Path, stem: str, report: dict[str, Any]) -> Path:
-    """Writes `report` as out_dir/<stem>_<report date>.json and says so."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stem}_{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
-    return path
 
 
 def read_bandwidth() -> float:

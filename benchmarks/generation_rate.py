@@ -8,7 +8,7 @@ finished, then `--seconds` of measurement, counting the output tokens of the req
 scheduler's steps (all, extend steps, and their wall time). One variant can run under cProfile (host functions by
 own time) and torch.profiler (device kernels by total time), printed as short tables.
 
-    python benchmarks/generation_rate.py --out benchmarks/results [--variants base,no_radix] [--profile base]
+    python -m benchmarks.generation_rate --out benchmarks/results [--variants base,no_radix] [--profile base]
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from typing import Any, Optional
 
 import torch
 
+from benchmarks.serving_vs_engine_support import SMOLLM2, TINY
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.train.response_workers import generation_engine_flags, wide_graph_bs
-from serving_vs_engine_support import SMOLLM2, TINY
 
 SHAPES = {"smollm2": SMOLLM2, "tiny": dict(TINY, max_position_embeddings=2048)}
 
@@ -168,22 +168,6 @@ def run_variant(model_dir: Path, variant: Variant, args: argparse.Namespace, voc
     return row
 
 
-def plot(report: dict[str, Any], json_path: Path) -> Path:
-    from plot_common import plt, save_titled
-
-    rows = report["rows"]
-    fig, (rate, step) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [r["variant"] for r in rows]
-    rate.barh(names, [r["tokens_per_s"] or 0 for r in rows])
-    rate.set_xlabel("output tokens / s")
-    step.barh(names, [r["decode_step_ms"] or 0 for r in rows], label="decode step")
-    step.barh(names, [r["between_steps_ms"] or 0 for r in rows], left=[r["decode_step_ms"] or 0 for r in rows],
-              label="between steps")
-    step.set_xlabel("ms")
-    step.legend(fontsize=7)
-    return save_titled(fig, report, json_path, f"generation rate ({report['shape']}) · ")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     names = [n for n in args.variants.split(",") if n]
@@ -208,7 +192,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               "settings": {k: v for k, v in vars(args).items() if k not in ("out",)}, "rows": rows}
     path = args.out / f"generation_rate_{identity['date']}_{identity['commit']}.json"
     path.write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {path} and {plot(report, path)}")
+    from benchmarks.plots import plot_generation_rate  # NOTE: here: matplotlib only where a plot is drawn
+
+    print(f"wrote {path} and {plot_generation_rate(report, path)}")
     return 0
 
 

@@ -11,8 +11,8 @@ a larger one is a defect to find. --baseline-batch-sizes S... adds target-only r
 baseline is every pair of target-only runs, so it spans more batch shapes (`baseline_max_margin` is the largest);
 --deterministic runs every engine with --enable-deterministic-inference, where DFlash should equal target-only.
 
-    PYTHONPATH=. python benchmarks/greedy_drift.py                      # H200: bf16, 16 prompts, 256 tokens, bs 64
-    python benchmarks/greedy_drift.py --device cpu --dtype float32 --prompts 2 --max-new-tokens 8 --batch-size 4
+    python -m benchmarks.greedy_drift                      # H200: bf16, 16 prompts, 256 tokens, bs 64
+    python -m benchmarks.greedy_drift --device cpu --dtype float32 --prompts 2 --max-new-tokens 8 --batch-size 4
 
 Writes benchmarks/results/greedy_drift_<date>_<commit>.json (rows: pair, prompt, first_divergence, fp32_margin;
 summary per pair: max_margin, share_identical; baseline_pairs, baseline_max_margin, deterministic; gpu, date,
@@ -24,13 +24,13 @@ import argparse
 import datetime
 import gc
 import itertools
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, cast
 
 import torch
 
+from benchmarks.results import add_out_argument, plot_result, write_json
 from blockspec.bench.provenance import commit_id
 
 Outputs = list[list[int]]
@@ -41,7 +41,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16, help="GSM8K test questions (the first N)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=64, help="rows of the batched call (prompts repeated)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results", help="directory")
+    add_out_argument(parser)
     parser.add_argument("--tag", default="", help="suffix of the result file name, e.g. the attention backend")
     parser.add_argument("--attention-backend", default="auto", help="auto, torch, triton or flashinfer")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -124,7 +124,8 @@ def run_mode(
     try:
         prompts = [engine.chat_input_ids(build_messages(q)) for q in questions]
         start = time.perf_counter()
-        single = [list(cast(list[dict[str, Any]], engine.generate(input_ids=[p], sampling_params=params))[0]["output_ids"])
+        single = [list(cast(list[dict[str, Any]],
+                            engine.generate(input_ids=[p], sampling_params=params))[0]["output_ids"])
                   for p in prompts]
         middle = time.perf_counter()
         repeated = [prompts[i % len(prompts)] for i in range(rows)]
@@ -242,9 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
               "deterministic": args.deterministic,
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "date": date,
               "commit": commit}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"greedy_drift_{date}_{commit}{'_' + args.tag if args.tag else ''}.json"
-    path.write_text(json.dumps(report, indent=1))
+    path = write_json(args.out / f"greedy_drift_{date}_{commit}{'_' + args.tag if args.tag else ''}.json", report)
     print(f"attention {backend}; wrote {path}")
     for pair, values in summary.items():
         margin = "-" if values["max_margin"] is None else f"{values['max_margin']:.4f}"
@@ -252,12 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     above = verdict(rows, report["baseline_max_margin"], baseline_names)
     print("every DFlash divergence within the baseline's margin (rounding)" if not above else
           "DFlash divergences above the baseline's largest margin (look for a defect):\n" + "\n".join(above))
-    try:
-        from plot_greedy_drift import plot
-    except ImportError as error:  # NOTE: matplotlib may be missing on the device; the JSON is the result
-        print(f"no plot ({error}); later: python benchmarks/plot_greedy_drift.py {path}")
-    else:
-        print(f"plot {plot(path)}")
+    print(plot_result(path))
     return path
 
 

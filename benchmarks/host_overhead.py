@@ -9,7 +9,7 @@ measures, as wall time (`host`) and as this thread's CPU time (`host_cpu`: unmov
 lengths vary, so arrivals spread over the steps as in serving), over `--frontends` server links. Runs unchanged on
 CPU and CUDA; writes JSON to --out.
 
-    python benchmarks/host_overhead.py --out /tmp/host.json [--modes dflash,target] [--profile /tmp/host.prof]
+    python -m benchmarks.host_overhead --out /tmp/host.json [--modes dflash,target] [--profile /tmp/host.prof]
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from typing import Any, Callable, Optional
 import torch
 import zmq
 
+from benchmarks.serving_vs_engine_support import TINY, TINY_DRAFT
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.engine import wire
 from blockspec.engine.core import EngineCore
-from serving_vs_engine_support import TINY, TINY_DRAFT
 
 TARGET = dict(TINY, num_hidden_layers=2, max_position_embeddings=2048)
 DRAFT = dict(TINY_DRAFT, max_position_embeddings=2048, num_target_layers=2,
@@ -134,7 +134,8 @@ def instrument(engine: Engine, regions: Regions) -> Callable[[], None]:
     runner.forward_extend = regions.wrap("extend", runner.forward_extend)  # type: ignore[method-assign]
     if engine.dflash_worker is not None:
         worker = engine.dflash_worker
-        worker._materialise_draft_kv = regions.wrap("draft_kv", worker._materialise_draft_kv)  # type: ignore[method-assign]
+        worker._materialise_draft_kv = regions.wrap(  # type: ignore[method-assign]
+            "draft_kv", worker._materialise_draft_kv)
     if not torch.cuda.is_available():
         return lambda: None
     original = torch.cuda.Event.synchronize
@@ -150,7 +151,8 @@ class ClosedLoop:
         self.engine, self.args = engine, args
         self.rng, self.vocab = random.Random(args.seed), TARGET["vocab_size"]
         frontends = range(args.frontends)
-        to_engine, from_engine = [f"ipc://{workdir}/to{i}" for i in frontends], [f"ipc://{workdir}/from{i}" for i in frontends]
+        to_engine = [f"ipc://{workdir}/to{i}" for i in frontends]
+        from_engine = [f"ipc://{workdir}/from{i}" for i in frontends]
         self.context = zmq.Context()
         self.pushes = [self.context.socket(zmq.PUSH) for _ in frontends]
         self.pulls = [self.context.socket(zmq.PULL) for _ in frontends]
@@ -168,7 +170,8 @@ class ClosedLoop:
         out = []
         for _ in range(count):
             n = self.args.max_new_tokens
-            params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": self.rng.randint(max(1, n // 2), n * 3 // 2)}
+            params = {"temperature": 0.0, "ignore_eos": True,
+                      "max_new_tokens": self.rng.randint(max(1, n // 2), n * 3 // 2)}
             prompt = [self.rng.randrange(4, self.vocab) for _ in range(self.args.prompt_len)]
             out.append(wire.AddRequest(f"r{self.next_rid}", prompt, params, self.args.stream, time.monotonic(),
                                        frontend=self.next_rid % self.args.frontends))

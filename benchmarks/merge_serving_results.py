@@ -4,7 +4,7 @@ Each row keeps where it came from: `source` (its file), `commit` (its run's), `w
 from its engine's load format where an older file's rows lack it; "unknown" without one); the engines are keyed
 "<file>:<shape>/<mode>" (file names must differ). Rows of the same shape, weights, mode and level (concurrency, or
 Poisson rate) in several files: the later file's row wins (list the files oldest first). The top-level `commit` names
-every commit the rows come from. Usage: python benchmarks/merge_serving_results.py OUT.json IN.json [IN.json ...]
+every commit the rows come from. Usage: python -m benchmarks.merge_serving_results OUT.json IN.json [IN.json ...]
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from serving_workload import row_weights
+from benchmarks.serving_workload import row_weights
 
 
 def merge(paths: list[Path], out: Path) -> dict[str, Any]:

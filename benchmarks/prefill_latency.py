@@ -1,7 +1,8 @@
 """Prefill/extend latency on Llama-3.1-8B shapes (random bf16 weights): eager vs piecewise CUDA graphs.
 
 Token counts 16..2048 at batch 1 and 8, DFlash on (FULL aux capture + draft KV materialisation) and off; eager
-and piecewise runs alternate (medians); also the piecewise capture time and graph memory. Writes benchmarks/results/prefill_latency_<date>.json (+ .png).
+and piecewise runs alternate (medians); also the piecewise capture time and graph memory. Writes
+benchmarks/results/prefill_latency_<date>.json (+ .png).
 """
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -17,15 +17,18 @@ from typing import Any
 
 import torch
 
+from benchmarks.device_timing import cuda_ms
+from benchmarks.results import add_out_argument, write_json
+from benchmarks.step_latency import write_configs
 from blockspec import Engine
+from blockspec.bench.provenance import commit_id
 from blockspec.request import Req, SamplingParams
-from device_timing import cuda_ms
-from step_latency import write_configs
 
 
 def make_reqs(engine: Engine, batch_size: int, tokens: int, cached: int = 0) -> list[Req]:
     """`batch_size` requests sharing `tokens` new prompt tokens, each with `cached` more tokens ahead of them that
-    count as already in the KV cache (as after a prefix-cache hit or an earlier chunk; `rewind` puts them back there)."""
+    count as already in the KV cache (as after a prefix-cache hit or an earlier chunk; `rewind` puts them back
+    there)."""
     runner = engine.runner
     per_req = max(1, tokens // batch_size) + cached
     reqs = []
@@ -82,7 +85,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     captures: list[dict[str, Any]] = []
@@ -114,16 +117,15 @@ def main() -> None:
             del engine
             gc.collect()
             torch.cuda.empty_cache()
-    commit = os.environ.get("BLOCKSPEC_COMMIT", "unknown")
+    commit = commit_id()
     report = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
               "torch": torch.__version__, "rows": rows, "startup": captures}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"prefill_latency_{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
+    path = write_json(args.out / f"prefill_latency_{report['date']}.json", report)
     print(f"wrote {path}")
     print(f"{'spec':>5} {'bs':>3} {'tokens':>6} {'eager':>8} {'pcg':>8} {'x':>5}")
     for r in rows:
-        print(f"{r['spec']!s:>5} {r['bs']:>3} {r['tokens']:>6} {r['eager_ms']:8.2f} {r['piecewise_ms']:8.2f} {r['speedup']:5.2f}")
+        print(f"{r['spec']!s:>5} {r['bs']:>3} {r['tokens']:>6} {r['eager_ms']:8.2f} {r['piecewise_ms']:8.2f} "
+              f"{r['speedup']:5.2f}")
     for c in captures:
         print("startup:", c)
 

@@ -12,7 +12,8 @@ produce the same tokens.
 Rows: workload, shape, cache ("on"/"off"), tok_s (output tokens / wall time), ttft_p50_ms, ttft_p99_ms, accept_len
 (the server's, over the workload's verifies), cache_hit_rate; each workload runs --repeats times per server (a cold
 cache each time) and its row holds the medians, every sample's tok/s and TTFT kept. Goals: (b) TTFT p50 on ≤ 0.1 ×
-off, (a) tok/s on ≥ 1.5 × off, accept length on = off within 1 %. Writes benchmarks/results/prefix_cache_<date>_<commit>.json (+ PNG).
+off, (a) tok/s on ≥ 1.5 × off, accept length on = off within 1 %. Writes
+benchmarks/results/prefix_cache_<date>_<commit>.json (+ PNG).
 The device has no git: pass --commit (or BLOCKSPEC_COMMIT). Prompts need a ChatML tokenizer and GSM8K: build them
 once with --save-workloads FILE where those are (--smoke for the small ones), and pass --workloads FILE on the device.
 """
@@ -32,15 +33,15 @@ from typing import Any, Optional
 
 import httpx
 
+from benchmarks.prefix_cache_rows import describe, folded, goals, measured_row
+from benchmarks.prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids, run_workload
+from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
+from benchmarks.serving_profile import profile_server
+from benchmarks.serving_server import ServerProcess, exit_on_sigterm, log_tail
+from benchmarks.serving_vs_engine import extra_engine_kwargs, serve_flags
+from benchmarks.serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
 from blockspec.bench.provenance import commit_id
 from blockspec.evals.client import get_server_info, metrics_text
-from prefix_cache_clients import run_workload
-from prefix_cache_rows import describe, folded, goals, measured_row
-from prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids
-from serving_profile import profile_server
-from serving_server import ServerProcess, exit_on_sigterm, log_tail
-from serving_vs_engine import extra_engine_kwargs, serve_flags
-from serving_vs_engine_support import DEFAULT_ACCEPT, SMOLLM2_DRAFT, materialise
 
 SHAPES = ("llama8b", "demo", "tiny")
 
@@ -64,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eager-extend", action="store_true",
                         help="serve without --enforce-piecewise-cuda-graph (the documented serve command's extends run "
                              "as piecewise CUDA graphs; this benchmark serves the same unless told)")
-    parser.add_argument("--commit", help="commit id for the file name and JSON (default: BLOCKSPEC_COMMIT or git)")
+    add_commit_argument(parser)
     parser.add_argument("--tag", default="")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_out_argument(parser)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -224,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     source_vocab, eos_id = int(data["vocab_size"]), int(data["eos_id"])
     extra = shlex.split(args.extra_flags)
     extra_engine_kwargs(extra)  # NOTE: validates the flags before any server starts
-    date, commit = datetime.date.today().isoformat(), args.commit or commit_id()
+    date, commit = datetime.date.today().isoformat(), resolved_commit(args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"prefix_cache_{date}_{commit}{'_' + args.tag if args.tag else ''}.json"
     report: dict[str, Any] = {"gpu": gpu_name(), "date": date, "commit": commit,
@@ -255,12 +256,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"!! {shape}/{cache} failed: {exc}", file=sys.stderr, flush=True)
                 print(f"   {shape} cache {cache} took {time.perf_counter() - start:.0f} s", flush=True)
                 report["goals"] = goals(report["rows"])
-                path.write_text(json.dumps(report, indent=1))
+                write_json(path, report)
     print(f"wrote {path}")
     if not args.no_plot and report["rows"]:
-        from plot_prefix_cache import plot
-
-        print(f"wrote {plot(path)}")
+        print(plot_result(path))
     for goal in report["goals"]:
         print(json.dumps(goal))
     return 1 if failed or any(r["failed"] for r in report["rows"]) else 0

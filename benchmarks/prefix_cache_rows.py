@@ -66,10 +66,12 @@ def folded(samples: list[dict[str, Any]]) -> dict[str, Any]:
 def describe(row: dict[str, Any]) -> str:
     accept = row["accept_len"]
     return (f"{row['workload']:>10} {row['shape']:>8} {row['cache']:>4} {row['tok_s']:>9.0f} tok/s  ttft p50 "
-            f"{row['ttft_p50_ms']:>8.1f} p99 {row['ttft_p99_ms']:>8.1f} ms  accept {'-' if accept is None else f'{accept:.3f}'}"
+            f"{row['ttft_p50_ms']:>8.1f} p99 {row['ttft_p99_ms']:>8.1f} ms  "
+            f"accept {'-' if accept is None else f'{accept:.3f}'}"
             f"  hit {row['cache_hit_rate']:.2f}  {row['requests'] - row['failed']}/{row['requests']} ok"
             f"  engine ttft {_fmt(row['engine_ttft_mean_ms'])} (receive {_fmt(row.get('engine_receive_mean_ms'))}"
-            f" queue {_fmt(row.get('engine_queue_mean_ms'))} prefill {_fmt(row.get('engine_prefill_mean_ms'))}) ms  compiles {row['kernel_compiles']}"
+            f" queue {_fmt(row.get('engine_queue_mean_ms'))} prefill {_fmt(row.get('engine_prefill_mean_ms'))}) ms  "
+            f"compiles {row['kernel_compiles']}"
             f" {row['kernel_compiles_by_kernel'] or ''}  steps {row.get('engine_steps')} (extend"
             f" {row.get('engine_extend_steps')}, held {row.get('engine_held_steps')}) ms extend"
             f" {_fmt(row.get('engine_extend_step_mean_ms'))} other {_fmt(row.get('engine_other_step_mean_ms'))}")
@@ -96,7 +98,8 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "accept_len_rel_diff": abs(accept_on - accept_off) / accept_off if accept_on and accept_off else None,
             }
             if workload == "sysprompt":
-                entry["goal_ttft_met"] = entry["ttft_p50_on_over_off"] is not None and entry["ttft_p50_on_over_off"] <= 0.1
+                ttft_ratio = entry["ttft_p50_on_over_off"]
+                entry["goal_ttft_met"] = ttft_ratio is not None and ttft_ratio <= 0.1
             if workload == "gsm8k":
                 entry["goal_tok_s_met"] = entry["tok_s_on_over_off"] is not None and entry["tok_s_on_over_off"] >= 1.5
             if entry["accept_len_rel_diff"] is not None:

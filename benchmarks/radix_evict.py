@@ -2,7 +2,7 @@
 steps that each evict a decode step's worth of pages (`--rows` pages) and cache one more finished sequence, as a
 full batch does once the pool is full. Prints and writes microseconds per step (run it on two commits for an A/B).
 
-    python benchmarks/radix_evict.py --out /tmp/radix.json [--cached 2000 --rows 256 --length 300]
+    python -m benchmarks.radix_evict --out /tmp/radix.json [--cached 2000 --rows 256 --length 300]
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from blockspec.bench.provenance import run_identity
 from blockspec.kv.radix_tree import RadixTree
@@ -52,19 +52,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {**run_identity(), "settings": vars(args) | {"out": str(args.out)}, "rows": rows}
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out} and {plot(report, args.out)}")
+    from benchmarks.plots import plot_radix_evict  # NOTE: here: matplotlib only where a plot is drawn
+
+    print(f"wrote {args.out} and {plot_radix_evict(report, args.out)}")
     return 0
-
-
-def plot(report: dict[str, Any], json_path: Path) -> Path:
-    from plot_common import plt, save_titled
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["cached_sequences"] for r in report["rows"]], [r["us_per_step_median"] for r in report["rows"]], "o-")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("finished sequences in the tree")
-    ax.set_ylabel(f"µs a step (evict {report['settings']['rows']} pages, insert one)")
-    return save_titled(fig, report, json_path, "radix eviction · ")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Where the host time of a serving run goes: a server started under py-spy (the server and its engine process) while
 closed-loop clients keep it busy (serving_vs_engine.py --py-spy-s S), and a summary of py-spy's raw stacks.
 
-`python benchmarks/serving_profile.py FILE.txt[.gz] [--top N]` prints, per process, the busiest functions by self and by
-inclusive samples (idle waits — zmq poll, selectors, sleeping threads — counted apart)."""
+`python -m benchmarks.serving_profile FILE.txt[.gz] [--top N]` prints, per process, the busiest functions by self
+and by inclusive samples (idle waits — zmq poll, selectors, sleeping threads — counted apart)."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +41,8 @@ def profile_server(start_server: Callable[[list[str]], Any], out_path: Path, run
 
 
 def compress(path: Path) -> Path:
-    """PATH → PATH.gz (the raw stacks of a serving run are tens of MB as text; the device returns small files only)."""
+    """PATH → PATH.gz (the raw stacks of a serving run are tens of MB as text; the device returns small files
+    only)."""
     packed = path.with_name(path.name + ".gz")
     with path.open("rb") as raw, gzip.open(packed, "wb") as out:
         shutil.copyfileobj(raw, out)
@@ -53,7 +54,7 @@ def profile_top_level(start_server: Callable[[list[str]], Any], sent: list[list[
                       args: argparse.Namespace, stem: Path) -> None:
     """serving_vs_engine.py --py-spy-s: a fresh server under py-spy, a warm-up, then `sent` at `concurrency` closed-loop
     clients; raw stacks to STEM.txt.gz, the summary (40 functions a list) to STEM_summary.txt and stdout."""
-    from serving_vs_engine_support import client_namespace, measure_level, run_clients
+    from benchmarks.serving_vs_engine_support import client_namespace, measure_level, run_clients
 
     def clients(url: str) -> None:
         measure_level(client_namespace(url, args.warmup_new_tokens, args.request_timeout), sent[:args.warmup],
@@ -110,7 +111,8 @@ def summarize(path: Path, top: int = 15, rate: int = SAMPLE_RATE, focus: tuple[s
         lines.append(f"{process[:100]}: {total} samples = {total / rate:.2f} busy thread-s; "
                      f"{idle[process] / rate:.2f} s of it in waits")
         lines.append("  self:")
-        lines += [f"    {100 * c / max(busy, 1):5.1f} %  {name[:140]}" for name, c in self_counts[process].most_common(top)]
+        lines += [f"    {100 * c / max(busy, 1):5.1f} %  {name[:140]}"
+                  for name, c in self_counts[process].most_common(top)]
         lines.append("  inclusive (frames under 90 % of busy):")
         below_wrappers = [(n, c) for n, c in inclusive[process].most_common() if c < 0.9 * busy]
         lines += [f"    {100 * c / max(busy, 1):5.1f} %  {name[:140]}" for name, c in below_wrappers[:top]]

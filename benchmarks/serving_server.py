@@ -81,7 +81,8 @@ class ServerProcess:
             time.sleep(0.5)
         raise RuntimeError(f"server not healthy after {self.startup_timeout:.0f}s")
 
-    def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+    def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         target = self.proc.pid

@@ -4,10 +4,10 @@ Per shape (`llama8b`: Llama-3.1-8B config + 5-layer draft; `smollm2`: SmolLM2-13
 with dummy weights unless --model-dir/--draft-dir; `tiny`: a CPU smoke shape) and mode (`dflash` with a simulated
 accept length, `target`): N random-token prompts, greedy, ignore_eos, fixed new tokens. First `Engine.generate` on
 all of them in a process of its own (engine tok/s at full batch), and each closed-loop level's work in waves of
-that many prompts (the engine number that level's row compares with), then `python -m blockspec.serve` with the same engine flags and
-streaming closed-loop clients on `/generate` (input_ids; spread over --client-procs processes) at each concurrency,
-plus one Poisson-arrival run: server tok/s, server ÷ engine, TTFT and inter-chunk latency (ITL) p50/p99, the
-server's accept length. The demo pair with real weights: --shapes smollm2 --model-dir <converted SmolLM2 dir>
+that many prompts (the engine number that level's row compares with), then `python -m blockspec.serve` with the same
+engine flags and streaming closed-loop clients on `/generate` (input_ids; spread over --client-procs processes) at each
+concurrency, plus one Poisson-arrival run: server tok/s, server ÷ engine, TTFT and inter-chunk latency (ITL) p50/p99,
+the server's accept length. The demo pair with real weights: --shapes smollm2 --model-dir <converted SmolLM2 dir>
 --accept-len 0 (the shipped draft has its weights) --dataset gsm8k (GSM8K test questions as chats, the workload
 the draft was trained for; scripts/device_demo_pair.sh serving). A run split over commands: --merge the earlier JSONs.
 Writes benchmarks/results/serving_vs_engine_<date>_<commit>[_tag].json after every phase, then a PNG beside it.
@@ -26,15 +26,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional, cast
 
-from blockspec.bench.provenance import commit_id
-from blockspec.bench.serving import load_prompts
-from serving_server import exit_on_sigterm
-from serving_table import HEADER, describe
-from serving_vs_engine_support import (
+from benchmarks.results import add_out_argument, plot_result
+from benchmarks.serving_server import exit_on_sigterm
+from benchmarks.serving_vs_engine_support import (
     DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, cached_engine_phase, client_namespace, log_tail, materialise,
     measure_level,
 )
-from serving_workload import gsm8k_chat_prompts, row_weights, serve_dflash_wait_steps
+from benchmarks.serving_workload import gsm8k_chat_prompts, row_weights, serve_dflash_wait_steps
+from blockspec.bench.provenance import commit_id
+from blockspec.bench.serving import load_prompts
 
 MODES = ("dflash", "target")
 POISSON_FRACTION = 0.8  # default Poisson rate: this fraction of the top closed-loop level's request throughput
@@ -45,7 +45,8 @@ def _csv(kind: type, choices: Optional[tuple[str, ...]] = None) -> Any:
         values = [kind(v.strip()) for v in text.split(",") if v.strip()]
         bad = [v for v in values if choices is not None and v not in choices]
         if not values or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list{' of ' + ', '.join(choices) if choices else ''}, got {text!r}")
+            of = " of " + ", ".join(choices) if choices else ""
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list{of}, got {text!r}")
         return values
 
     return parse
@@ -55,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=_csv(str, SHAPES), default=["smollm2", "llama8b"], help="smollm2,llama8b,tiny")
     parser.add_argument("--modes", type=_csv(str, MODES), default=list(MODES), help="dflash,target")
-    parser.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32, 64], help="closed-loop clients, e.g. 1,8,32,64")
-    parser.add_argument("--poisson-rate", type=float, help=f"requests/s of the Poisson run (default {POISSON_FRACTION} x "
+    parser.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32, 64],
+                        help="closed-loop clients, e.g. 1,8,32,64")
+    parser.add_argument("--poisson-rate", type=float,
+                        help=f"requests/s of the Poisson run (default {POISSON_FRACTION} x "
                         "the request throughput at 64 clients, else at the most clients; 0 skips it)")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-rounds", type=int, default=0, help="a closed-loop level sends at most this many "
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'=', e.g. --extra-flags=\"--enable-mixed-chunk --enforce-piecewise-cuda-graph\" "
                         "(server-only flags go to the server alone)")
     parser.add_argument("--tag", default="", help="suffix of the result file name")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_out_argument(parser)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for the server to get healthy")
     parser.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds for the whole engine phase")
@@ -189,7 +192,7 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
         levels = run_server_levels(ServerProcess(serve_flags(kwargs) + extra_tokens, log_path, args.startup_timeout),
                                    args, prompts, base, report)
         if args.py_spy_s > 0 and levels:
-            from serving_profile import profile_top_level
+            from benchmarks.serving_profile import profile_top_level
 
             top = max(levels, key=lambda l: l["concurrency"])
             repeats = max(1, math.ceil(1.3 * args.py_spy_s / top["duration_s"]))
@@ -242,6 +245,45 @@ def add_row(report: Report, base: dict[str, Any], level: dict[str, Any]) -> None
     print("   " + describe(row), flush=True)
 
 
+# NOTE: one line per row, as the benchmark prints it (scripts/device_serving_ab.sh greps it)
+def describe(row: dict[str, Any]) -> str:
+    accept = row.get("server_accept_length")
+    conc = f"{row['concurrency']}" + (f"@{row['rate']:.1f}/s" if row["concurrency"] == "poisson" else "")
+    ratio = row["server_over_engine"]
+    return (f"{row['shape']:>8} {row['mode']:>6} {conc:>14} {row['engine_tok_s']:>10.0f} {row['server_tok_s']:>10.0f} "
+            f"{ratio if ratio is not None else float('nan'):>6.2f} "
+            f"{row['ttft_p50_ms']:>8.1f} {row['ttft_p99_ms']:>8.1f} "
+            f"{row['itl_p50_ms']:>7.2f} {row['itl_p99_ms']:>7.2f} {'-' if accept is None else f'{accept:.2f}':>6} "
+            f"{row['completed']}/{row['completed'] + row['failed']} {row.get('kernel_compiles', '-')} "
+            f"{row.get('clients_cpu_share', float('nan')):.2f}/{row.get('client_procs', '-')} "
+            f"{_num(row.get('http_cpu_share'), '.2f')}/{_num(row.get('engine_cpu_share'), '.2f')} "
+            f"{_num(row.get('engine_receive_mean_ms'), '.1f')}/{_num(row.get('engine_queue_mean_ms'), '.1f')}/"
+            f"{_num(row.get('engine_prefill_mean_ms'), '.1f')} {_num(row.get('engine_steps_per_s'), '.0f')}/"
+            f"{_num(row.get('extend_step_share'), '.2f')} {_num(row.get('engine_extend_step_mean_ms'), '.1f')}/"
+            f"{_num(row.get('engine_other_step_mean_ms'), '.2f')} {_extends(row.get('server_forward_counts'))} "
+            f"{'/'.join(_num(row.get(f'engine_{p}_per_step_ms'), '.3f') for p in ('intake', 'publish', 'flush'))} "
+            f"{_num(row.get('engine_core_mhz'), '.0f')}/{_num(row.get('server_engine_core_mhz'), '.0f')}"
+            f"{' ' + str(row['kernel_compiles_by_kernel']) if row.get('kernel_compiles_by_kernel') else ''}")
+
+
+def _extends(counts: Optional[dict[str, int]]) -> str:
+    """The level's extend forwards: on piecewise graphs / eager (no bucket fitted)."""
+    if not counts:
+        return "-"
+    return f"{counts.get('piecewise', 0)}/{counts.get('piecewise_fallback', 0)}"
+
+
+def _num(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+HEADER = (f"{'shape':>8} {'mode':>6} {'concurrency':>14} {'engine t/s':>10} {'server t/s':>10} {'s/e':>6} "
+          f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok compiles clients-cpu/procs "
+          "http/engine-cpu receive/queue/prefill-ms steps-per-s/extend-share extend/other-step-ms "
+          "extends-piecewise/eager "
+          "loop-ms-per-step-intake/publish/flush engine-core-mhz-offline/server")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -279,9 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"   {name}/{mode} took {time.perf_counter() - start:.0f} s", flush=True)
     print(f"wrote {report.path}")
     if not args.no_plot and report.data["rows"]:
-        from plot_serving_vs_engine import plot
-
-        print(f"wrote {plot(report.path)}")
+        print(plot_result(report.path))
     print(HEADER)
     for row in report.data["rows"]:
         print(describe(row))

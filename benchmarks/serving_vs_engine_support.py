@@ -1,6 +1,7 @@
 """Pieces of benchmarks/serving_vs_engine.py: the model shapes (config.json files for dummy weights), engine flags
-as `blockspec serve` flags, the offline-engine phase (its own process: `python serving_vs_engine_support.py engine
-SPEC OUT`), the server process, and the client levels (closed loop from blockspec.bench.serving, Poisson arrivals)."""
+as `blockspec serve` flags, the offline-engine phase (its own process: `python -m
+benchmarks.serving_vs_engine_support engine SPEC OUT`) with its closed-loop and wave levels, the server process, and
+the client levels (closed loop from blockspec.bench.serving, Poisson arrivals)."""
 from __future__ import annotations
 
 import argparse
@@ -12,10 +13,12 @@ import random
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from benchmarks.serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
 from blockspec.evals.client import (
     accept_length_between, avg_accept_length, compiles_between, get_server_info, histogram_mean_between, metrics_text,
     forwards_between, steps_between,
@@ -25,8 +28,6 @@ from blockspec.bench.processes import http_server_pids, process_cpu_s, run_in_pr
 from blockspec.bench.provenance import commit_id
 from blockspec.bench.report import RequestResult, percentile
 from blockspec.bench.serving import one_request, open_session, run_level
-from offline_levels import closed_loop_tok_s, waves_tok_s
-from serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
 
 SMOLLM2_DRAFT = ROOT / "blockspec" / "assets" / "smollm2-135m-dflash-b16"
 SMOLLM2 = dict(
@@ -70,7 +71,7 @@ def materialise(name: str, root: Path, model_dir: Optional[Path], draft_dir: Opt
     """The target and draft directories of a shape: config.json alone (dummy weights) unless `model_dir` /
     `draft_dir` point at real checkpoints."""
     if name == "llama8b":
-        from step_latency import write_configs
+        from benchmarks.step_latency import write_configs
 
         target, draft = write_configs(root / "llama8b")
     elif name == "smollm2":
@@ -84,14 +85,58 @@ def materialise(name: str, root: Path, model_dir: Optional[Path], draft_dir: Opt
     return Shape(name, target, draft_dir or draft, vocab)
 
 
+# NOTE: the offline engine's side of a closed-loop level, the same prompts without HTTP.
+#
+# - `closed_loop_tok_s`: what the server's clients do, minus the server: `concurrency` requests in flight, and the next
+#   prompt queued in the step its predecessor finishes (a client sends its next request once its last one is answered).
+#   The rows' `engine_tok_s` for a closed-loop level.
+# - `waves_tok_s`: the level's prompts in waves of `concurrency` (each wave a `generate` call that waits for its last
+#   request). Before 2026-12-03 this was the rows' comparison; kept as `engine_waves_tok_s`. With real acceptance a
+#   wave's last requests decode at a shrinking batch, so it understates DFlash (the demo pair at 64 clients: server ÷
+#   waves 1.29).
+Sync = Callable[[], None]
+
+
+def closed_loop_tok_s(engine: Any, prompts: list[list[int]], concurrency: int, params: dict[str, Any],
+                      sync: Sync) -> float:
+    """Output tokens per second with `concurrency` requests kept in flight over `prompts` (greedy, fixed lengths)."""
+    reqs, _ = engine.make_requests(input_ids=prompts, sampling_params=params)
+    queued, in_flight, tokens = deque(reqs), set(), 0
+    start = time.perf_counter()
+    while queued or in_flight:
+        while queued and len(in_flight) < concurrency:
+            req = queued.popleft()
+            engine.scheduler.add_request(req)
+            in_flight.add(req.rid)
+        for req in engine.scheduler.step():
+            if req.rid in in_flight:
+                in_flight.discard(req.rid)
+                tokens += len(req.output_ids)
+    sync()
+    return tokens / (time.perf_counter() - start)
+
+
+def waves_tok_s(engine: Any, prompts: list[list[int]], concurrency: int, params: dict[str, Any], sync: Sync) -> float:
+    """Output tokens per second over `prompts` in waves of `concurrency`, each run to its end before the next."""
+    start, tokens = time.perf_counter(), 0
+    for first in range(0, len(prompts), concurrency):
+        wave = engine.generate(input_ids=prompts[first:first + concurrency], sampling_params=params)
+        assert isinstance(wave, list)
+        tokens += sum(len(out["output_ids"]) for out in wave)
+    sync()
+    return tokens / (time.perf_counter() - start)
+
+
 def run_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
     """Runs `engine_main` in a fresh process (its device memory is gone when it exits); its result dict."""
     spec_path, out_path, log_path = workdir / "engine_spec.json", workdir / "engine_out.json", workdir / "engine.log"
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     with log_path.open("w") as log:
-        proc = subprocess.run([sys.executable, __file__, "engine", str(spec_path), str(out_path)], stdout=log,
-                              stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT, timeout=timeout)
+        command = [sys.executable, "-m", "benchmarks.serving_vs_engine_support", "engine", str(spec_path),
+                   str(out_path)]
+        proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
+                              timeout=timeout)
     if proc.returncode != 0 or not out_path.is_file():
         raise RuntimeError(f"engine phase failed (exit {proc.returncode}):\n{log_tail(log_path)}")
     result: dict[str, Any] = json.loads(out_path.read_text())
@@ -127,7 +172,8 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     engine = Engine(**spec["engine"])
     cuda = engine.runner.device.type == "cuda"
     if spec["warmup"] > 0:
-        engine.generate(input_ids=prompts[: spec["warmup"]], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
+        engine.generate(input_ids=prompts[: spec["warmup"]],
+                        sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
     before = engine.get_server_info()
     start = time.perf_counter()
     outputs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -144,7 +190,8 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
         for concurrency, count in spec["levels"]:
             level_prompts = prompts[:count]
             # NOTE: one untimed wave first: batch sizes the full-batch warm-up never ran may compile kernels.
-            engine.generate(input_ids=level_prompts[:concurrency], sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
+            engine.generate(input_ids=level_prompts[:concurrency],
+                            sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
             by_concurrency[str(concurrency)] = closed_loop_tok_s(engine, level_prompts, concurrency, params, sync)
             by_waves[str(concurrency)] = waves_tok_s(engine, level_prompts, concurrency, params, sync)
     result = {
@@ -165,7 +212,8 @@ def client_namespace(base_url: str, max_new_tokens: int, timeout: float) -> argp
                               disable_tqdm=True, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
 
 
-async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: float, seed: int) -> tuple[list[RequestResult], float]:
+async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: float,
+                      seed: int) -> tuple[list[RequestResult], float]:
     """Requests sent at exponential gaps (mean 1/rate s), none waiting on another; (results, first send to last end)."""
     rng = random.Random(seed)
     async with open_session(ns.base_url, len(prompts), ns.timeout, ns.api_key) as session:
@@ -237,7 +285,8 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
     cpu_after = {name: cpu_s(group) for name, group in pids.items()}
     after, metrics_after = get_server_info(ns.base_url), metrics_text(ns.base_url)
     engine_ttft = histogram_mean_between(metrics_before, metrics_after, "blockspec_time_to_first_token_seconds")
-    phases = {f"engine_{phase}_mean_ms": histogram_mean_between(metrics_before, metrics_after, f"blockspec_request_{phase}_time_seconds")
+    phases = {f"engine_{phase}_mean_ms":
+              histogram_mean_between(metrics_before, metrics_after, f"blockspec_request_{phase}_time_seconds")
               for phase in ("receive", "queue", "prefill")}
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok]
@@ -262,7 +311,8 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         "tpot_p50_ms": percentile(tpots, 50) * 1e3, "tpot_p99_ms": percentile(tpots, 99) * 1e3,
         "e2e_p50_ms": percentile([r.latency for r in ok], 50) * 1e3,
         "mean_in_flight": sum(r.latency for r in ok) / duration,  # NOTE: Little's law over the run's own requests
-        "server_accept_length": accept_length_between(before, after), "server_avg_accept_length": avg_accept_length(after),
+        "server_accept_length": accept_length_between(before, after),
+        "server_avg_accept_length": avg_accept_length(after),
         # NOTE: near `client_procs` the clients, not the server, may be what limits the level
         "client_procs": max(1, min(procs, len(prompts), concurrency or len(prompts))),
         "clients_cpu_share": clients_cpu / duration,
@@ -282,5 +332,5 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["engine"] or len(sys.argv) != 4:
-        sys.exit("usage: serving_vs_engine_support.py engine SPEC.json OUT.json")
+        sys.exit("usage: python -m benchmarks.serving_vs_engine_support engine SPEC.json OUT.json")
     engine_main(Path(sys.argv[2]), Path(sys.argv[3]))

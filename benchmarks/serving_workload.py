@@ -8,7 +8,7 @@ from typing import Any
 
 def gsm8k_chat_prompts(tokenizer_path: Path, count: int) -> list[list[int]]:
     """The first `count` GSM8K test questions, each the user turn of a chat, as the chat template's token ids."""
-    from greedy_drift import load_questions
+    from benchmarks.greedy_drift import load_questions
 
     from blockspec.tokenizer import chat_to_ids, load_tokenizer
 

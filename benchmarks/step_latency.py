@@ -17,6 +17,7 @@ import gc
 import itertools
 import json
 import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -24,10 +25,11 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.device_timing import DeviceSampler, cuda_ms, read_bandwidth, read_only_bandwidth, steady_ms
+from benchmarks.results import add_out_argument, plot_result, write_json
 from blockspec import Engine
 from blockspec.bench.provenance import commit_id
 from blockspec.layers.pdl import pdl_enabled
-from device_timing import DeviceSampler, cuda_ms, read_bandwidth, read_only_bandwidth, steady_ms
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -124,7 +126,8 @@ def run_blockspec(
         startup = time.perf_counter() - start
         model = engine.runner.model
         # NOTE: bytes read per step: the embedding table is not (only a few rows), unless it is the tied lm_head.
-        weights = param_bytes(model) - (0 if model.config.tie_word_embeddings else param_bytes(model.model.embed_tokens))
+        embedding = 0 if model.config.tie_word_embeddings else param_bytes(model.model.embed_tokens)
+        weights = param_bytes(model) - embedding
         draft_weights = param_bytes(engine.worker.draft) + engine.runner.model.lm_head.weight.numel() * 2 if spec else 0
         cfg = engine.runner.target_config
         kv_per_token = 2 * cfg.num_layers * engine.runner.num_local_kv_heads * cfg.head_dim * 2  # NOTE: per GPU
@@ -134,7 +137,8 @@ def run_blockspec(
                 floor_bytes = weights + draft_weights + bs * context * (kv_per_token + draft_kv_per_token)
                 for graphs in (True,) if args.graphs_only else (True, False):
                     m = measure(engine, bs, context, graphs, args.repeat, args.sustained_s if graphs else 0.0)
-                    row = {"backend": backend, "spec": spec, "tp": tp, "bs": bs, "context": context, "graphs": graphs, **m,
+                    row = {"backend": backend, "spec": spec, "tp": tp, "bs": bs, "context": context, "graphs": graphs,
+                           **m,
                            "floor_ms": floor_bytes / bandwidth * 1e3, "startup_s": startup}
                     row["cycle_over_floor"] = row["cycle_ms"] / row["floor_ms"]
                     rows.append(row)
@@ -155,7 +159,8 @@ def run_reference(root: Path, context: int, new_tokens: int) -> dict[str, Any]:
     except ImportError as error:
         return {"error": f"dflash reference unavailable: {error}"}
     with torch.device("cuda"):
-        target = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA_8B.items() if k != "architectures"})).to(torch.bfloat16).eval()
+        target_cfg = LlamaConfig(**{k: v for k, v in LLAMA_8B.items() if k != "architectures"})
+        target = LlamaForCausalLM(target_cfg).to(torch.bfloat16).eval()
         draft_cfg = Qwen3Config(**{k: v for k, v in DRAFT.items() if k not in ("architectures", "dflash_config")})
         draft_cfg.dflash_config = DRAFT["dflash_config"]
         draft = DFlashDraftModel(draft_cfg).to(torch.bfloat16).eval()
@@ -183,7 +188,8 @@ def print_backend_comparison(rows: list[dict[str, Any]], backends: list[str]) ->
     base = backends[0]
     index = {(r["backend"], r["bs"], r["context"]): r for r in rows if r["spec"] and r["graphs"] and r["tp"] == 1}
     print(f"\nspec cycle with graphs, ms (ratio to {base}):")
-    for (backend, bs, context), row in sorted(index.items(), key=lambda kv: (kv[0][2], kv[0][1], backends.index(kv[0][0]))):
+    ordered = sorted(index.items(), key=lambda kv: (kv[0][2], kv[0][1], backends.index(kv[0][0])))
+    for (backend, bs, context), row in ordered:
         ref = index.get((base, bs, context))
         parts = []
         for key in ("cycle_ms", "verify_ms", "propose_ms"):
@@ -219,6 +225,52 @@ def goal_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return goals
 
 
+AB_KEYS = ("cycle_ms", "sync_cycle_ms", "greedy_cycle_ms")
+
+
+def summarise_ab(paths: list[Path]) -> dict[str, Any]:
+    """A same-run A/B (scripts/device_ab.sh: files tagged ab_new_* and ab_parent_*): per side and row, the cycle times
+    of every round, their median and spread, and new ÷ parent."""
+    reports = [json.loads(p.read_text()) for p in paths]
+    sides: dict[str, list[dict[str, Any]]] = {}
+    for path, report in zip(paths, reports):
+        side = "new" if "_ab_new_" in path.name else "parent"
+        sides.setdefault(side, []).append(report)
+    commits = {side: runs[0]["commit"] for side, runs in sides.items()}
+    rows = []
+    for row in sides["new"][0]["rows"]:
+        key = (row["spec"], row["bs"], row["context"])
+        entry: dict[str, Any] = {"spec": row["spec"], "bs": row["bs"], "context": row["context"]}
+        for side, runs in sides.items():
+            for name in AB_KEYS:
+                values = [r[name] for run in runs for r in run["rows"]
+                          if (r["spec"], r["bs"], r["context"]) == key and name in r]
+                if values:
+                    entry[f"{side}_{name}"] = values
+                    entry[f"{side}_{name}_median"] = statistics.median(values)
+        entry["new_over_parent"] = entry["new_cycle_ms_median"] / entry["parent_cycle_ms_median"]
+        entry["parent_spread_ms"] = max(entry["parent_cycle_ms"]) - min(entry["parent_cycle_ms"])
+        rows.append(entry)
+    first = sides["new"][0]
+    return {"gpu": first["gpu"], "date": first["date"], "new_commit": commits["new"],
+            "parent_commit": commits["parent"], "rounds": {s: len(r) for s, r in sides.items()},
+            "accept_len": first["accept_len"], "backends": first["backends"], "rows": rows,
+            "sources": [p.name for p in paths]}
+
+
+def write_ab_summary(sources: list[Path]) -> Path:
+    """`--ab-summary`: step_latency_ab_<date>_<new>_vs_<parent>.json beside the sources, printed, and its plot."""
+    summary = summarise_ab(sources)
+    name = f"step_latency_ab_{summary['date']}_{summary['new_commit']}_vs_{summary['parent_commit']}.json"
+    out = write_json(sources[0].parent / name, summary)
+    for row in summary["rows"]:
+        print(f"{'DFlash' if row['spec'] else 'target'} bs {row['bs']:>2}: new {row['new_cycle_ms_median']:.2f} ms, "
+              f"parent {row['parent_cycle_ms_median']:.2f} ms ({row['new_over_parent']:.3f}x; parent spread "
+              f"{row['parent_spread_ms']:.2f} ms)")
+    print(out, plot_result(out))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32, 64])
@@ -227,7 +279,7 @@ def main() -> None:
                         help="attention backends to time in this run (each gets its own engines)")
     parser.add_argument("--accept-len", type=float, default=4.0)
     parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(parser)
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--spec-only", action="store_true", help="skip the target-only engine")
     parser.add_argument("--graphs-only", action="store_true", help="skip the rows with CUDA graphs off")
@@ -235,7 +287,12 @@ def main() -> None:
                         help="also replay the greedy-cycle graph for this many seconds (clock and power settle)")
     parser.add_argument("--tp-size", type=int, default=1, help="also run every engine at this tensor-parallel size")
     parser.add_argument("--tag", default="", help="suffix of the result file name, e.g. an A/B label")
+    parser.add_argument("--ab-summary", type=Path, nargs="+", metavar="JSON",
+                        help="measure nothing: summarise a same-run A/B's step_latency_<date>_ab_*.json files")
     args = parser.parse_args()
+    if args.ab_summary:
+        write_ab_summary(args.ab_summary)
+        return
     bandwidth = read_bandwidth()
     read_only = read_only_bandwidth()
     print(f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s, read-only {read_only / 1e12:.2f} TB/s", flush=True)
@@ -251,7 +308,7 @@ def main() -> None:
 
     def save(rows: list[dict[str, Any]]) -> None:  # NOTE: after every engine, so a cut-short run keeps its rows
         report["rows"] = rows
-        path.write_text(json.dumps(report, indent=1))
+        write_json(path, report)
 
     with tempfile.TemporaryDirectory() as tmp:
         rows = run_blockspec(Path(tmp), args, bandwidth, save)
@@ -259,14 +316,15 @@ def main() -> None:
     print(f"{'backend':>10} {'spec':>5} {'bs':>3} {'ctx':>5} {'graph':>5} {'cycle':>8} {'sync':>8} {'verify':>8} "
           f"{'propose':>8} {'g-cycle':>8} {'floor':>7} {'x':>5}")
     for r in rows:
-        print(f"{r['backend']:>10} {r['spec']!s:>5} {r['bs']:>3} {r['context']:>5} {r['graphs']!s:>5} {r['cycle_ms']:8.2f} "
-              f"{r.get('sync_cycle_ms', 0):8.2f} {r.get('verify_ms', 0):8.2f} {r.get('propose_ms', 0):8.2f} {r.get('greedy_cycle_ms', 0):8.2f} "
+        print(f"{r['backend']:>10} {r['spec']!s:>5} {r['bs']:>3} {r['context']:>5} {r['graphs']!s:>5} "
+              f"{r['cycle_ms']:8.2f} {r.get('sync_cycle_ms', 0):8.2f} {r.get('verify_ms', 0):8.2f} "
+              f"{r.get('propose_ms', 0):8.2f} {r.get('greedy_cycle_ms', 0):8.2f} "
               f"{r['floor_ms']:7.2f} {r['cycle_over_floor']:5.2f}")
     for ref in reference:
         print("dflash reference:", ref)
     print_backend_comparison(rows, args.backends)
     report["goals"] = goal_summary(rows)
-    path.write_text(json.dumps(report, indent=1))
+    write_json(path, report)
     for goal in report["goals"]:
         print("goals:", ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in goal.items()))
 

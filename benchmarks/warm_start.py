@@ -7,8 +7,8 @@ concurrency levels over prompts of varied length (1 token to most of the context
 logprobs. Triton's on-disk cache is whatever TRITON_CACHE_DIR points at: the caller makes it cold (an empty
 directory) or warm (the same directory again). `--table A.json B.json ...` prints earlier results as a table.
 
-    python benchmarks/warm_start.py --tag cold --out OUT     # TRITON_CACHE_DIR=$(mktemp -d) first
-    python benchmarks/warm_start.py --table OUT/warm_start_*.json
+    python -m benchmarks.warm_start --tag cold --out OUT     # TRITON_CACHE_DIR=$(mktemp -d) first
+    python -m benchmarks.warm_start --table OUT/warm_start_*.json
 """
 from __future__ import annotations
 
@@ -26,11 +26,9 @@ from typing import Any, Optional
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_vs_engine_support import ServerProcess, client_namespace, materialise  # noqa: E402
-
-from blockspec.bench.provenance import run_identity  # noqa: E402
-from blockspec.bench.serving import run_level  # noqa: E402
+from benchmarks.serving_vs_engine_support import ServerProcess, client_namespace, materialise
+from blockspec.bench.provenance import run_identity
+from blockspec.bench.serving import run_level
 
 DEFAULT_ACCEPT = {"llama8b": 4.0, "smollm2": 3.2, "tiny": 2.0}
 
@@ -53,7 +51,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--no-load", action="store_true", help="measure the start-up alone")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--extra-flags", default="", help="more `blockspec serve` flags, e.g. --extra-flags=\"--enable-mixed-chunk\"")
+    parser.add_argument("--extra-flags", default="",
+                        help="more `blockspec serve` flags, e.g. --extra-flags=\"--enable-mixed-chunk\"")
     parser.add_argument("--table", type=Path, nargs="*", help="print these result files as a table and exit")
     return parser.parse_args()
 
@@ -147,9 +146,11 @@ def print_table(paths: list[Path]) -> None:
             print(f"| {row['shape']} | {row['tag']} | failed: {row['error'][:80]} |")
             continue
         seconds = row["startup"]["seconds"]
-        print(f"| {row['shape']} | {row['tag']} | {row['healthy_s']} | " + " | ".join(f"{seconds[p]:.1f}" for p in phases)
+        print(f"| {row['shape']} | {row['tag']} | {row['healthy_s']} | "
+              + " | ".join(f"{seconds[p]:.1f}" for p in phases)
               + f" | {row['startup']['kernel_variants_compiled']} | {row.get('requests', 0)} "
-              f"({row.get('failed', 0)} failed) | {row['compiles_after_startup']} (metric {row['compiles_metric']:g}) |")
+              f"({row.get('failed', 0)} failed) | {row['compiles_after_startup']} "
+              f"(metric {row['compiles_metric']:g}) |")
 
 
 def main() -> None:

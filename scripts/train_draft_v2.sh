@@ -94,7 +94,7 @@ case $stage in
         stash_parts "$state"
         assemble_gguf "$state" || exit 1
         restore_responses || exit 1
-        timeout "${DATA_S:-570}" python3 benchmarks/draft_v2.py data --state "$state" --out "$out" --gguf "$state/$name" \
+        timeout "${DATA_S:-570}" python3 -m benchmarks.draft_v2 data --state "$state" --out "$out" --gguf "$state/$name" \
             --gsm8k-train .carry/gsm8k/train.jsonl ${GENERAL:+--general-prompts "$GENERAL"} --mix-ratio "${MIX_RATIO:-0.3}" \
             --more-general "${MORE_GENERAL:-0}" --more-math "${MORE_MATH:-0}" --more-seed "${MORE_SEED:-1}" \
             --gsm8k-wording-offset "${WORDING_OFFSET:-0}" --gen-workers "${GEN_WORKERS:-1}" ${V2_FLAGS:-} \
@@ -103,7 +103,7 @@ case $stage in
         [ $code -eq 124 ] && echo "data stage cut at ${DATA_S:-570} s: the train stage generates the responses left"
         save_responses ;;
     train)
-        timeout "${TRAIN_S:-590}" python3 benchmarks/draft_v2.py train --state "$state" --out "$out" --gguf "$state/$name" \
+        timeout "${TRAIN_S:-590}" python3 -m benchmarks.draft_v2 train --state "$state" --out "$out" --gguf "$state/$name" \
             --run "${RUN:-v2}" --num-layers "${LAYERS:-5}" --train-minutes "${TRAIN_MIN:-6.5}" --deadline-s "${DEADLINE_S:-540}" \
             --mix-ratio "${MIX_RATIO:-0.3}" --gen-workers "${GEN_WORKERS:-1}" --extra-train-flags "${EXTRA:-}" ${V2_FLAGS:-} \
             > "$out/draft_v2_train_${RUN:-v2}.log" 2>&1
@@ -163,7 +163,7 @@ case $stage in
         exit "$(cat "$background/rc")" ;;
     bench)
         refuse_while_training
-        timeout "${BENCH_S:-400}" python3 benchmarks/draft_v2.py bench --state "$state" --out "$out" --gguf "$state/$name" \
+        timeout "${BENCH_S:-400}" python3 -m benchmarks.draft_v2 bench --state "$state" --out "$out" --gguf "$state/$name" \
             --run "${RUN:-}" ${V2_FLAGS:-} > "$out/draft_v2_bench.log" 2>&1
         code=$? ;;
     *)

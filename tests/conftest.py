@@ -11,9 +11,9 @@ import torch
 from transformers import PreTrainedModel
 
 from blockspec import Engine
-from engine_testing import assert_engine_idle
-from interpreter_dot import exact_interpreter_dot
-from tiny_models import build_tiny_model, save_tiny_model
+from tests.support.engine_testing import assert_engine_idle
+from tests.support.interpreter_dot import exact_interpreter_dot
+from tests.support.tiny_models import build_tiny_model, save_tiny_model
 
 # NOTE: tiny models gain nothing from intra-op threads, and on a small shared machine the thread pool's spinning
 # makes every matmul ~100x slower; one thread keeps the CPU suite fast.
@@ -100,7 +100,7 @@ def make_engine(request: pytest.FixtureRequest) -> Iterator[Callable[..., Engine
 def trained_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """{"root": a directory with target/ and a trained draft/ (draft_training.save_trained_target), "target": the
     HF target model, the oracle}; written once per session."""
-    from draft_training import save_trained_target
+    from tests.support.draft_training import save_trained_target
 
     root = tmp_path_factory.mktemp("trained_pair")
     return {"root": root, "target": save_trained_target(root)}
@@ -112,7 +112,7 @@ def qwen_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     target, "tokenizer"} (grammar_models.save_qwen_vocab_pair); written once per session."""
     from transformers import AutoTokenizer
 
-    from grammar_models import save_qwen_vocab_pair
+    from tests.support.grammar_models import save_qwen_vocab_pair
 
     root = tmp_path_factory.mktemp("qwen_vocab_pair")
     target = save_qwen_vocab_pair(root)

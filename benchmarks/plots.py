@@ -1,0 +1,425 @@
+"""The benchmarks' figures: what they share (a headless matplotlib, log2 x axes, concurrency ticks, a PNG saved beside
+the JSON under a title naming the GPU, date and commit) and one function per result kind, each drawing a result JSON
+into a PNG beside it.
+
+    python -m benchmarks.plots RESULT.json [RESULT.json ...]        # the kind from the file name (KIND_<date>...)
+    python -m benchmarks.plots --serving-ab --out AB.png SERVING_VS_ENGINE.json [...]   # one A/B call's variants
+
+A benchmark whose device may lack matplotlib imports this module only where it plots (`plot_result` in
+benchmarks/results.py), so its JSON is written either way."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+
+def finish_axis(ax: Any, xlabel: str, ylabel: str, title: str, title_size: Optional[float] = None) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=title_size)
+    ax.legend(fontsize=7)
+
+
+def save_beside(fig: Any, json_path: Path) -> Path:
+    fig.tight_layout()
+    out = json_path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def concurrency_ticks(axes: Any, rows: list[dict[str, Any]]) -> None:
+    """x ticks at the closed-loop concurrency levels of `rows` (a Poisson row's "poisson" is no level)."""
+    ticks = sorted({r["concurrency"] for r in rows if r["concurrency"] != "poisson"})
+    for ax in axes:
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+
+
+def save_titled(fig: Any, report: dict[str, Any], json_path: Path, prefix: str = "") -> Path:
+    """Titles the figure with the report's GPU, date and commit, saves it beside the JSON and closes it."""
+    fig.suptitle(f"{prefix}{report['gpu']} · {report['date']} · commit {report['commit']}", fontsize=10)
+    out = save_beside(fig, json_path)
+    plt.close(fig)
+    return out
+
+
+def plot_step_latency(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    backends = report.get("backends", ["triton"])
+    rows = [r for r in report["rows"] if r.get("backend", "triton") == backends[0] and r.get("tp", 1) == 1]
+    others = backends[1:]
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for spec, graphs, style in [(True, True, "o-"), (True, False, "o--"), (False, True, "s-"),
+                                    (False, False, "s--")]:
+            sel = sorted((r for r in rows if r["context"] == context and r["spec"] == spec and r["graphs"] == graphs),
+                         key=lambda r: r["bs"])
+            label = f"{'DFlash cycle' if spec else 'target decode'}, graphs {'on' if graphs else 'off'}, {backends[0]}"
+            ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], style, label=label)
+        for backend in others:
+            sel = sorted((r for r in report["rows"] if r.get("backend") == backend and r["context"] == context
+                          and r["spec"] and r["graphs"] and r.get("tp", 1) == 1), key=lambda r: r["bs"])
+            ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], "^-",
+                    label=f"DFlash cycle, graphs on, {backend}")
+        floor = sorted((r for r in rows if r["context"] == context and r["spec"] and r["graphs"]),
+                       key=lambda r: r["bs"])
+        sustained = [r for r in floor if "sustained_greedy_cycle_ms" in r]
+        if sustained:
+            ax.plot([r["bs"] for r in sustained], [r["sustained_greedy_cycle_ms"] for r in sustained], "x-.",
+                    label="DFlash cycle graph, sustained (power settled)")
+        ax.plot([r["bs"] for r in floor], [r["floor_ms"] for r in floor], "k:", label="DFlash floor (bytes / BW)")
+        for ref in report.get("dflash_reference", []):
+            if ref.get("context") == context:
+                ax.axhline(ref["cycle_ms"], color="gray", alpha=0.5, label="z-lab dflash_generate (bs 1)")
+        finish_axis(ax, "batch size", "ms per step", f"Llama-3.1-8B shapes, context {context}")
+    fig.suptitle(f"{report['gpu']} · {report['date']} · commit {report['commit']} · "
+                 f"simulated accept len {report['accept_len']}")
+    return save_beside(fig, path)
+
+
+def plot_prefill_latency(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for spec in (False, True):
+        for bs, color in ((1, "tab:blue"), (8, "tab:orange")):
+            sel = sorted((r for r in rows if r["spec"] == spec and r["bs"] == bs), key=lambda r: r["tokens"])
+            if not sel:
+                continue
+            tag = f"bs {bs}{', DFlash (aux capture)' if spec else ''}"
+            style = "-" if spec else ":"
+            tokens = [r["tokens"] for r in sel]
+            ax.plot(tokens, [r["eager_ms"] for r in sel], "x" + style, color=color, alpha=0.5, label=f"eager, {tag}")
+            ax.plot(tokens, [r["piecewise_ms"] for r in sel], "o" + style, color=color, label=f"piecewise, {tag}")
+    title = f"Prefill, Llama-3.1-8B shapes · {report['gpu']} · {report['date']} · {report['commit']}"
+    finish_axis(ax, "tokens in the extend batch", "ms per forward", title, title_size=9)
+    return save_beside(fig, path)
+
+
+def plot_adaptive_verify(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    rows = report["rows"]
+    profiles = sorted({r["profile"] for r in rows})
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(len(profiles), len(contexts), figsize=(6 * len(contexts), 4.2 * len(profiles)),
+                             squeeze=False)
+    for i, profile in enumerate(profiles):
+        for j, context in enumerate(contexts):
+            ax = axes[i][j]
+            sel = sorted((r for r in rows if r["profile"] == profile and r["context"] == context),
+                         key=lambda r: r["bs"])
+            sizes = [r["bs"] for r in sel]
+            for key, style, label in (("target_tok_s", "s-", "target-only"),
+                                      ("fixed_tok_s", "o--", "DFlash, full block"),
+                                      ("adaptive_tok_s", "^-", "DFlash, adaptive verify")):
+                ax.plot(sizes, [r[key] for r in sel], style, label=label)
+            for r in sel:
+                ax.annotate(f"n={r['adaptive_num_draft_tokens']}", (r["bs"], r["adaptive_tok_s"]), fontsize=7,
+                            textcoords="offset points", xytext=(3, 4))
+            ax.set_yscale("log")
+            finish_axis(ax, "batch size", "tokens/s (all requests)", f"profile {profile}, context {context}", 10)
+    fig.suptitle(f"adaptive verify · {report['gpu']} · {report['date']} · commit {report['commit']} · "
+                 f"{report['shapes']}")
+    return save_beside(fig, path)
+
+
+def plot_deterministic_cost(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    rows, cost = report["rows"], report["cost"]
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(2, len(contexts), figsize=(6 * len(contexts), 8), squeeze=False)
+    for column, context in enumerate(contexts):
+        ax = axes[0][column]
+        for spec in (True, False):
+            for deterministic, style in ((False, "--"), (True, "-")):
+                sel = sorted((r for r in rows if r["context"] == context and r["spec"] == spec
+                              and r["deterministic"] == deterministic), key=lambda r: r["bs"])
+                label = (f"{'DFlash cycle' if spec else 'target decode'}, "
+                         f"deterministic {'on' if deterministic else 'off'}")
+                ax.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], ("o" if spec else "s") + style,
+                        label=label)
+        finish_axis(ax, "batch size", "ms per step", f"context {context}")
+        ax = axes[1][column]
+        for spec, key, style in ((True, "cycle_on_over_off", "o-"), (True, "verify_on_over_off", "^-"),
+                                 (True, "propose_on_over_off", "v-"), (False, "cycle_on_over_off", "s-")):
+            sel = sorted((r for r in cost if r["context"] == context and r["spec"] == spec and key in r),
+                         key=lambda r: r["bs"])
+            name = key.replace("_on_over_off", "")
+            ax.plot([r["bs"] for r in sel], [r[key] for r in sel], style,
+                    label=f"{'DFlash' if spec else 'target'} {name if spec else 'decode'}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        finish_axis(ax, "batch size", "deterministic on ÷ off", f"cost, context {context}")
+    prefill = {r["deterministic"]: r["prefill_ms"] for r in rows if not r["spec"]}
+    note = f" · prefill {rows[0]['prefill_tokens']} tok: {prefill.get(False, 0):.1f} → {prefill.get(True, 0):.1f} ms"
+    fig.suptitle(f"--enable-deterministic-inference cost · {report['gpu']} · {report['date']} · commit "
+                 f"{report['commit']}\n{report['shapes']}{note}", fontsize=9)
+    return save_beside(fig, path)
+
+
+def greedy_drift_baseline_pair(summary: dict[str, Any]) -> str:
+    """The target-only pair (target_bs1 vs target_bsB) of a result with one baseline pair: the one without dflash."""
+    return next(pair for pair in summary if "dflash" not in pair)
+
+
+def plot_greedy_drift(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    summary: dict[str, Any] = report["summary"]
+    margins = {pair: [r["fp32_margin"] for r in report["rows"] if r["pair"] == pair and r["fp32_margin"] is not None]
+               for pair in summary}
+    every = [m for values in margins.values() for m in values]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    labels = [f"{pair}: {len(values)}/{sum(r['pair'] == pair for r in report['rows'])} diverge"
+              for pair, values in margins.items()]
+    if every:
+        top = max(every) or 1.0
+        ax.hist(list(margins.values()), bins=[top * i / 12 for i in range(13)], label=labels)
+    else:
+        ax.text(0.5, 0.5, "no divergence in any pair", ha="center", transform=ax.transAxes)
+        for label in labels:
+            ax.plot([], [], label=label)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    # NOTE: results since --baseline-batch-sizes name their baseline's largest margin; older ones have one baseline pair
+    baseline_max = report["baseline_max_margin"] if "baseline_max_margin" in report else \
+        summary[greedy_drift_baseline_pair(summary)]["max_margin"]
+    if baseline_max is not None:
+        ax.axvline(baseline_max, color="k", linestyle=":", label=f"baseline max margin {baseline_max:.3f}")
+    ax.set_xlabel("fp32 top-1 − top-2 logit margin at the first divergence")
+    ax.set_ylabel("prompts")
+    ax.set_title(f"greedy drift · {report['gpu']} · {report['date']} · commit {report['commit']}", fontsize=9)
+    ax.legend(fontsize=7)
+    return save_beside(fig, path)
+
+
+PREFIX_CACHE_PANELS = (("tok_s", "output tokens/s", False), ("ttft_p50_ms", "TTFT p50 (ms)", True),
+                       ("accept_len", "accept length", False))
+
+
+def plot_prefix_cache(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    rows: list[dict[str, Any]] = report["rows"]
+    groups = sorted({(r["shape"], r["workload"]) for r in rows})
+    fig, axes = plt.subplots(1, len(PREFIX_CACHE_PANELS), figsize=(15, 4.5))
+    width = 0.38
+    for ax, (key, label, log) in zip(axes, PREFIX_CACHE_PANELS):
+        for offset, cache, color in ((-width / 2, "off", "C7"), (width / 2, "on", "C0")):
+            values = []
+            for group in groups:
+                match = [r for r in rows if (r["shape"], r["workload"]) == group and r["cache"] == cache]
+                values.append(float(match[0][key] or 0.0) if match else 0.0)
+            ax.bar([i + offset for i in range(len(groups))], values, width, color=color, label=f"cache {cache}")
+        ax.set_xticks(range(len(groups)), [f"{w}\n{s}" for s, w in groups], fontsize=8)
+        ax.set_ylabel(label)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(label)
+        ax.legend(fontsize=7)
+    return save_titled(fig, report, path, prefix="radix prefix cache · ")
+
+
+def plot_serving_vs_engine(path: Path) -> Path:
+    report = json.loads(path.read_text())
+    rows: list[dict[str, Any]] = report["rows"]
+    fig, (ratio_ax, tok_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    def line(row: dict[str, Any]) -> tuple[str, str, str]:
+        return row["shape"], row.get("weights", "dummy"), row["mode"]
+
+    for index, key in enumerate(sorted({line(r) for r in rows})):
+        color = f"C{index}"
+        label = f"{key[0]}{' (real weights)' if key[1] == 'real' else ''} {key[2]}"
+        closed = sorted((r for r in rows if line(r) == key and r["concurrency"] != "poisson"),
+                        key=lambda r: r["concurrency"])
+        x = [r["concurrency"] for r in closed]
+        ratio_ax.plot(x, [r["server_over_engine"] for r in closed], "o-", color=color, label=label)
+        tok_ax.plot(x, [r["server_tok_s"] for r in closed], "o-", color=color, label=f"{label} server")
+        tok_ax.plot(x, [r["engine_tok_s"] for r in closed], "s:", color=color, alpha=0.7, label=f"{label} engine")
+        for r in rows:
+            if line(r) == key and r["concurrency"] == "poisson":
+                ratio_ax.plot([max(1.0, r["mean_in_flight"])], [r["server_over_engine"]], "x", color=color, ms=9,
+                              label=f"{label} Poisson {r['rate']:.1f} req/s")
+    ratio_ax.axhline(0.9, color="gray", ls="--", alpha=0.6, label="goal 0.90")
+    finish_axis(ratio_ax, "concurrent clients", "server tok/s ÷ engine tok/s", "server ÷ engine")
+    finish_axis(tok_ax, "concurrent clients", "output tokens/s",
+                "throughput (dotted: offline engine, same concurrency)")
+    concurrency_ticks((ratio_ax, tok_ax), rows)
+    return save_titled(fig, report, path)
+
+
+def serving_ab_variant_name(path: Path, report: dict[str, Any]) -> str:
+    """`<commit> <tag>` from a serving_vs_engine_<date>_<commit>_ab_<tag>.json name."""
+    tag = path.stem.split("_ab_", 1)[1] if "_ab_" in path.stem else path.stem
+    return f"{report['commit']}\n{tag}"
+
+
+def plot_serving_ab(paths: list[Path], out: Path) -> Path:
+    reports = [json.loads(p.read_text()) for p in paths]
+    rows = [(serving_ab_variant_name(p, r), row) for p, r in zip(paths, reports) for row in r["rows"]]
+    if not rows:
+        raise SystemExit("no rows in the given JSONs")
+    fig, (tok_ax, ttft_ax) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(rows) + 4), 4.5))
+    x = list(range(len(rows)))
+    labels = [f"{name}\n{row['shape']} {row['mode']} @{row['concurrency']}" for name, row in rows]
+    width = 0.38
+    tok_ax.bar([i - width / 2 for i in x], [row["engine_tok_s"] for _, row in rows], width, label="offline engine")
+    bars = tok_ax.bar([i + width / 2 for i in x], [row["server_tok_s"] for _, row in rows], width, label="server")
+    for bar, (_, row) in zip(bars, rows):
+        ratio = row.get("server_over_engine")
+        if ratio is not None:
+            tok_ax.annotate(f"{ratio:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                            va="bottom", fontsize=8)
+    tok_ax.set_ylabel("output tok/s (bar label: server ÷ engine)")
+    ttft_ax.bar([i - width / 2 for i in x], [row["ttft_p50_ms"] for _, row in rows], width, label="TTFT p50")
+    ttft_ax.bar([i + width / 2 for i in x], [row["ttft_p99_ms"] for _, row in rows], width, label="TTFT p99")
+    ttft_ax.set_ylabel("ms")
+    for ax in (tok_ax, ttft_ax):
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.legend(fontsize=7)
+    gpus = sorted({r["gpu"] for r in reports})
+    dates = sorted({r["date"] for r in reports})
+    commits = sorted({r["commit"] for r in reports})
+    fig.suptitle(f"serving A/B · {', '.join(gpus)} · {', '.join(dates)} · commits {', '.join(commits)}", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# NOTE: the last set has no goal
+DRAFT_V2_SETS = (("gsm8k_heldout", 4.0), ("general_heldout", 3.0), ("gsm8k_long_heldout", None))
+
+
+def draft_v2_set_values(record: dict) -> dict:
+    """A draft's accept length per held-out set, from its newest eval run (`accept` holds the goal sets' copies)."""
+    return {name: run["accept_length"] for name, run in (record.get("eval") or {}).items()}
+
+
+def plot_draft_v2(json_path: Path) -> Path:
+    data = json.loads(json_path.read_text())
+    details = data["details"]
+    drafts = {"shipped": draft_v2_set_values(details["shipped"])}
+    drafts.update({name: draft_v2_set_values(run) for name, run in data["runs"].items()})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / max(1, len(drafts))
+    for i, (name, accept) in enumerate(drafts.items()):
+        xs = [j + (i - (len(drafts) - 1) / 2) * width for j in range(len(DRAFT_V2_SETS))]
+        values = [accept.get(s) or 0.0 for s, _ in DRAFT_V2_SETS]
+        bars = left.bar(xs, values, width, label=name)
+        left.bar_label(bars, fmt="%.2f", fontsize=7)
+    for j, (_, goal) in enumerate(DRAFT_V2_SETS):
+        if goal is not None:
+            left.hlines(goal, j - 0.45, j + 0.45, colors="k", linestyles="dashed", linewidth=1)
+    left.set_xticks(range(len(DRAFT_V2_SETS)), [s for s, _ in DRAFT_V2_SETS])
+    left.set_ylabel("accept length (tokens per verify, block 16)")
+    left.set_title("held-out prompts (dashed: goal)")
+    left.legend(fontsize=7)
+    rows = [r for r in details["server_rows"] if "error" not in r]
+    if rows:
+        bars = right.bar([r["label"] for r in rows], [r["server_tok_s"] for r in rows], color="tab:gray")
+        labels = []
+        target = next((r["server_tok_s"] for r in rows if r["label"] == "target_only"), None)
+        for row in rows:
+            ratio = f"{row['server_tok_s'] / target:.2f}x" if target else ""
+            accept = row.get("server_accept_length")
+            labels.append(ratio + (f", τ {accept:.2f}" if accept else ""))
+        right.bar_label(bars, labels=labels, fontsize=7)
+    right.set_ylabel("tokens/s, 1 streaming client")
+    right.set_title(f"demo pair through the server ({data['gpu']})")
+    fig.suptitle(f"draft v2 (#24), {data['date']}, commit {data['commit']}", fontsize=10)
+    return save_beside(fig, json_path)
+
+
+def plot_step_latency_ab(summary: dict[str, Any], path: Path) -> Path:
+    """A same-run A/B summary (step_latency.py --ab-summary): every round's cycle time per row, parent beside new."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = [f"{'DFlash' if r['spec'] else 'target'} bs {r['bs']}" for r in summary["rows"]]
+    for offset, side in ((-0.18, "parent"), (0.18, "new")):
+        for i, row in enumerate(summary["rows"]):
+            values = row[f"{side}_cycle_ms"]
+            ax.scatter([i + offset] * len(values), values, color="tab:gray" if side == "parent" else "tab:blue",
+                       label=f"{side} {summary[side + '_commit']}" if i == 0 else None)
+    finish_axis(ax, "row (ctx 512)", "ms per step (each round)", "same-run A/B, step_latency")
+    ax.set_xscale("linear")
+    ax.set_xticks(range(len(labels)), labels)
+    fig.suptitle(f"{summary['gpu']} · {summary['date']} · {summary['new_commit']} vs {summary['parent_commit']}")
+    return save_beside(fig, path)
+
+
+def _from_file(draw: Callable[[dict[str, Any], Path], Path]) -> Callable[[Path], Path]:
+    return lambda path: draw(json.loads(path.read_text()), path)
+
+
+def plot_generation_rate(report: dict[str, Any], json_path: Path) -> Path:
+    rows = report["rows"]
+    fig, (rate, step) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["variant"] for r in rows]
+    rate.barh(names, [r["tokens_per_s"] or 0 for r in rows])
+    rate.set_xlabel("output tokens / s")
+    step.barh(names, [r["decode_step_ms"] or 0 for r in rows], label="decode step")
+    step.barh(names, [r["between_steps_ms"] or 0 for r in rows], left=[r["decode_step_ms"] or 0 for r in rows],
+              label="between steps")
+    step.set_xlabel("ms")
+    step.legend(fontsize=7)
+    return save_titled(fig, report, json_path, f"generation rate ({report['shape']}) · ")
+
+
+def plot_radix_evict(report: dict[str, Any], json_path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["cached_sequences"] for r in report["rows"]], [r["us_per_step_median"] for r in report["rows"]], "o-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("finished sequences in the tree")
+    ax.set_ylabel(f"µs a step (evict {report['settings']['rows']} pages, insert one)")
+    return save_titled(fig, report, json_path, "radix eviction · ")
+
+
+# NOTE: longest prefix first: step_latency_ab_* is not a step_latency_* result
+PLOTTERS: dict[str, Callable[[Path], Path]] = {
+    "step_latency_ab": _from_file(plot_step_latency_ab),
+    "step_latency": plot_step_latency,
+    "prefill_latency": plot_prefill_latency,
+    "adaptive_verify": plot_adaptive_verify,
+    "deterministic_cost": plot_deterministic_cost,
+    "greedy_drift": plot_greedy_drift,
+    "prefix_cache": plot_prefix_cache,
+    "serving_vs_engine": plot_serving_vs_engine,
+    "draft_v2": plot_draft_v2,
+    "generation_rate": _from_file(plot_generation_rate),
+    "radix_evict": _from_file(plot_radix_evict),
+}
+
+
+def plot_file(path: Path) -> Path:
+    """Draws a result JSON by its kind, read from its file name (`<kind>_<date>...json`); the PNG's path."""
+    for kind, draw in PLOTTERS.items():
+        if path.name.startswith(kind + "_"):
+            return draw(path)
+    raise SystemExit(f"{path.name}: no plot for this kind; known kinds: {', '.join(PLOTTERS)}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--serving-ab", action="store_true",
+                        help="draw the JSONs (serving_vs_engine, one per variant, in plot order) as one A/B into --out")
+    parser.add_argument("--out", type=Path, help="with --serving-ab: the PNG path")
+    parser.add_argument("jsons", type=Path, nargs="+", help="result JSONs")
+    args = parser.parse_args(argv)
+    if args.serving_ab:
+        if args.out is None:
+            parser.error("--serving-ab needs --out")
+        print(f"wrote {plot_serving_ab(args.jsons, args.out)}")
+        return 0
+    for path in args.jsons:
+        print(plot_file(path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Where a benchmark's result goes and how it is written: the results directory, the `--out`/`--commit` flags every
+result-writing benchmark takes, the JSON document, and its plot where matplotlib is installed (the device may lack
+it: the JSON is the result, the plot can be drawn later with `python -m benchmarks.plots RESULT.json`).
+
+What a result names about its run (commit, GPU, date) comes from blockspec.bench.provenance."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from blockspec.bench.provenance import commit_id
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def add_out_argument(parser: argparse.ArgumentParser, 
+                     what: str = "directory of the result JSON (and its plot)") -> None:
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"{what} (default: benchmarks/results)")
+
+
+def add_commit_argument(parser: argparse.ArgumentParser) -> None:
+    """--commit: the commit a result names (the device's tree has no git); `resolved_commit` reads it."""
+    parser.add_argument("--commit", default=None, help="commit id for the file name and JSON "
+                                                       "(default: $BLOCKSPEC_COMMIT, else git)")
+
+
+def resolved_commit(args: argparse.Namespace) -> str:
+    return str(args.commit) if args.commit else commit_id()
+
+
+def write_json(path: Path, report: dict[str, Any]) -> Path:
+    """Writes the result document (indented; values JSON cannot hold as their str); rewritten after every row by the
+    benchmarks that save as they go, so a run cut short keeps what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
+    return path
+
+
+def plot_result(path: Path) -> str:
+    """Draws the result's plot beside it (benchmarks/plots.py, by the file's kind); what happened, as a line."""
+    try:
+        from benchmarks.plots import plot_file
+    except ImportError as error:
+        return f"no plot ({error}); later: python -m benchmarks.plots {path}"
+    return f"plot {plot_file(path)}"

@@ -1,0 +1,1 @@
+"""Attention backends: Triton, graphed extend attention, FlashInfer."""

@@ -1,0 +1,1 @@
+"""blockspec.bench: the serving benchmark's client, processes, core clock and CLI."""

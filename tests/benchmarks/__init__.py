@@ -1,0 +1,1 @@
+"""The benchmarks/ package, each benchmark on the CPU."""

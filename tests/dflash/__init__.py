@@ -1,0 +1,1 @@
+"""DFlash speculative decoding: losslessness, the z-lab oracle, sampling, adaptive verify, the shipped draft."""

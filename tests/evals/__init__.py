@@ -1,0 +1,1 @@
+"""blockspec eval."""

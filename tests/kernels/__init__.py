@@ -1,0 +1,1 @@
+"""Fused Triton ops and programmatic dependent launch."""

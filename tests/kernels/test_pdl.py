@@ -1,0 +1,171 @@
+"""Programmatic dependent launch: off where it cannot work; every engine kernel compiled for sm90 with PDL waits
+for the previous grid before its first global memory access (checked in the PTX, no GPU needed); and on the GPU
+graphs of PDL-launched kernels give bit-identical results to plain launches on fresh inputs every replay."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
+pytest.importorskip("triton")
+
+from blockspec.layers import triton_ops  # noqa: E402
+from blockspec.layers.pdl import pdl_enabled, pdl_launch  # noqa: E402
+
+MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async")
+BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
+# NOTE: per kernel: (module, name, pointer and float argument types (others are i32), constexpr values).
+KERNEL_SPECS = {
+    "rmsnorm": ("blockspec.layers.triton_ops", "_rmsnorm_kernel",
+                {"x_ptr": BF16, "residual_ptr": BF16, "weight_ptr": BF16, "out_ptr": BF16, "eps": "fp32"},
+                {"HAS_RESIDUAL": True, "BLOCK": 4096}),
+    "rope_store": ("blockspec.layers.triton_ops", "_rope_store_kernel",
+                   {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "positions_ptr": I64, "cos_ptr": F32,
+                    "sin_ptr": F32, "q_norm_ptr": BF16, "k_norm_ptr": BF16, "k_cache_ptr": BF16, "v_cache_ptr": BF16,
+                    "slots_ptr": I64, "eps": "fp32"},
+                   {"HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8, "HAS_Q": True, "QK_NORM": True, "STORE": True}),
+    "silu_mul": ("blockspec.layers.triton_ops", "_silu_mul_kernel", {"gate_up_ptr": BF16, "out_ptr": BF16},
+                 {"BLOCK": 1024}),
+    "chunk_argmax": ("blockspec.layers.triton_ops", "_chunk_argmax_kernel",
+                     {"x_ptr": BF16, "best_val_ptr": F32, "best_idx_ptr": I32}, {"BLOCK": 4096}),
+    "pick_argmax": ("blockspec.layers.triton_ops", "_pick_argmax_kernel",
+                    {"best_val_ptr": F32, "best_idx_ptr": I32, "out_ptr": I64}, {"BLOCK_CHUNKS": 32}),
+    "paged_attention": ("blockspec.attention.triton_kernels", "paged_attention_kernel",
+                        {"q_ptr": BF16, "k_cache_ptr": BF16, "v_cache_ptr": BF16, "out_ptr": BF16,
+                         "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32, "req_to_token_ptr": I32,
+                         "req_rows_ptr": I64, "q_starts_ptr": I32, "q_lens_ptr": I32, "seq_lens_ptr": I32,
+                         "qk_scale_log2": "fp32"},
+                        {"NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64,
+                         "NUM_SPLITS": 2, "CAUSAL": True, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
+                         "MASK_EDGES_ONLY": True}),
+    "merge_splits": ("blockspec.attention.triton_kernels", "merge_splits_kernel",
+                     {"out_ptr": BF16, "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32},
+                     {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 4, "BLOCK_H": 8}),
+    "tiled_extend_split": ("blockspec.attention.triton_kernels", "tiled_extend_attention_kernel",
+                           {"q_ptr": BF16, "k_cache_ptr": BF16, "v_cache_ptr": BF16, "out_ptr": BF16,
+                            "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32, "req_to_token_ptr": I64,
+                            "req_rows_ptr": I64, "q_starts_ptr": I64, "q_lens_ptr": I64, "seq_lens_ptr": I64,
+                            "tile_req_ptr": I64, "tile_m_ptr": I64, "tile_count_ptr": I64, "qk_scale_log2": "fp32"},
+                           {"GROUP": 3, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_M": 64, "BLOCK_N": 32, "NUM_SPLITS": 8,
+                            "MIN_SPLIT_KEYS": 256, "CAUSAL": True, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
+                            "MASK_EDGES_ONLY": True}),
+    "merge_real_rows": ("blockspec.attention.triton_kernels", "merge_real_rows_kernel",
+                        {"out_ptr": BF16, "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32,
+                         "token_count_ptr": I64},
+                        {"HEAD_DIM": 64, "BLOCK_D": 64, "NUM_SPLITS": 8, "BLOCK_H": 8}),
+}
+
+
+def ptx_positions(name: str) -> dict[str, int]:
+    """Compiles one engine kernel for sm90 with PDL on (CPU only; Triton must not be in interpreter mode) and returns
+    where in its PTX the wait, the trigger and the first global memory access are."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, attr, types, constexprs = KERNEL_SPECS[name]
+    kernel = getattr(importlib.import_module(module), attr)
+    constexprs = {**constexprs, "PDL": True}
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"launch_pdl": True})
+    ptx = compiled.asm["ptx"]
+    first_memory_op = min((ptx.find(op) for op in MEMORY_OPS if op in ptx), default=-1)
+    return {"wait": ptx.find("griddepcontrol.wait"), "trigger": ptx.find("griddepcontrol.launch_dependents"),
+            "first_memory_op": first_memory_op, "launch_pdl": int(compiled.metadata.launch_pdl)}
+
+
+def test_pdl_is_off_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert not pdl_enabled(cpu)
+    assert pdl_launch(torch.zeros(1)) == {}
+
+
+def test_pdl_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The env switch alone decides on a capable GPU (faked here, so the test also runs on CPU)."""
+    import triton
+
+    from blockspec.layers import pdl
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: True)
+    monkeypatch.delenv("BLOCKSPEC_PDL", raising=False)
+    assert pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("BLOCKSPEC_PDL", "0")
+    assert not pdl_enabled(torch.device("cuda", 0))
+
+
+def test_every_engine_kernel_waits_before_touching_memory() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__, *KERNEL_SPECS], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    positions = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(positions) == set(KERNEL_SPECS)
+    for name, where in positions.items():
+        assert where["launch_pdl"] == 1, name
+        assert 0 <= where["wait"] < where["trigger"] < where["first_memory_op"], (name, where)
+
+
+def _layer_chain(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, up: torch.Tensor,
+                 down: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    for _ in range(layers):
+        h = triton_ops.rmsnorm(x, norm_w, 1e-5, residual=residual)
+        gate_up = h @ up.t()
+        x = triton_ops.silu_mul(gate_up) @ down.t()
+    logits = triton_ops.rmsnorm(x, norm_w, 1e-5, residual=residual) @ up.t()
+    return triton_ops.argmax_rows(logits), residual
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU with PDL (sm90+)")
+@pytest.mark.parametrize("rows", [1, 10, 320])
+def test_graph_of_pdl_kernels_matches_plain_launches(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    hidden, inter, replays = 1024, 2048, 4
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16) / shape[-1] ** 0.5
+
+    w, up, down = 1 + randn(hidden), randn(2 * inter, hidden), randn(hidden, inter)
+    # NOTE: fresh inputs every replay, so a kernel that read its predecessor's buffer early would see last replay's.
+    inputs = [(randn(rows, hidden), randn(rows, hidden)) for _ in range(replays)]
+
+    def run_graph() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, residual = inputs[0][0].clone(), inputs[0][1].clone()
+        _layer_chain(x, residual.clone(), w, up, down, 1)  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tokens, out_residual = _layer_chain(x, residual, w, up, down, 24)
+        results = []
+        for x_i, residual_i in inputs:
+            x.copy_(x_i)
+            residual.copy_(residual_i)
+            graph.replay()
+            results.append((tokens.clone(), out_residual.clone()))
+        torch.cuda.synchronize()
+        return results
+
+    monkeypatch.setenv("BLOCKSPEC_PDL", "1")
+    assert pdl_launch(inputs[0][0]) == {"PDL": True, "launch_pdl": True}
+    with_pdl = run_graph()
+    monkeypatch.setenv("BLOCKSPEC_PDL", "0")
+    plain = run_graph()
+    for (tokens_pdl, residual_pdl), (tokens_plain, residual_plain) in zip(with_pdl, plain):
+        assert torch.equal(tokens_pdl, tokens_plain)
+        assert torch.equal(residual_pdl, residual_plain)
+    assert not torch.equal(with_pdl[0][1], with_pdl[1][1])  # the inputs did change between replays
+
+
+if __name__ == "__main__":  # NOTE: run by the PTX test above in a process without the Triton interpreter
+    print(json.dumps({name: ptx_positions(name) for name in sys.argv[1:]}))

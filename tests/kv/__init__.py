@@ -1,0 +1,1 @@
+"""The KV pool and the radix prefix cache."""

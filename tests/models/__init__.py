@@ -1,0 +1,1 @@
+"""Models and checkpoints: HF equality, SmolLM2, loading, Hugging Face ids."""

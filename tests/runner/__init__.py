@@ -1,0 +1,1 @@
+"""Running forwards: piecewise graphs, host index arrays, tensor parallelism, warm start."""

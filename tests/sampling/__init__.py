@@ -1,0 +1,1 @@
+"""Sampling, penalties, logprobs, grammars and tool calls."""

@@ -1,0 +1,1 @@
+"""Scheduling: continuous batching, admission, finishing, mixed chunks, step plans, the overlap schedule."""

@@ -1,0 +1,1 @@
+"""The HTTP server, its engine process and the CLI that starts them."""

@@ -1,0 +1,1 @@
+"""Draft training and prompt generation."""
