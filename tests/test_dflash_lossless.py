@@ -145,8 +145,8 @@ def write_draft_config(root: Path, name: str, **changes: Any) -> Path:
         ({"dflash_config.mask_token_id": 5000}, "mask_token_id"),
         ({"dflash_config.target_layer_ids": [0, 9]}, "target_layer_ids"),
         ({"hidden_size": 48}, "hidden_size"),
-        ({"conv_kernel_size": 4}, "DFlash2"),
-        ({"architectures": ["DFlash2DraftModel"]}, "not supported"),
+        ({"conv_kernel_size": 4}, "DFlash2 draft config lacks 'conv_group_size'"),
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 draft config lacks 'conv_kernel_size'"),
     ],
 )
 def test_bad_draft_config_fails_clearly(models: dict[str, Any], changes: dict[str, Any], message: str) -> None:

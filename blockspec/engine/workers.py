@@ -11,7 +11,7 @@ from blockspec.config.engine_config import EngineConfig
 from blockspec.distributed.group import TensorParallel
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import load_target_config
-from blockspec.models.dflash_draft import load_draft_model
+from blockspec.models.draft_loading import load_draft_model
 from blockspec.models.draft_config import load_draft_config
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.speculative.dflash import DFlashWorker

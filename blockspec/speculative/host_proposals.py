@@ -1,0 +1,55 @@
+"""Proposals of a sampled or grammar-constrained request, walked on the host over its draft rows
+(models/proposal_rows.py), with the draft distributions the proposals were drawn from.
+
+Row j offers choices (the whole vocabulary for DFlash, the selector's candidates after row j-1's choice for DFlash2);
+a grammar masks them to what it allows after d_1..d_{j-1} (sample/grammar.py; when it allows none of a row's
+candidates the row stays unmasked: the proposal only costs acceptance, the target's masked verify keeps the output
+right). Greedy requests take the best choice; sampled ones draw with their own generator from q_j: the request's
+sampling distribution over the vocabulary, or over the candidates the softmax of their scores at the request's
+temperature (as the DFlash2 reference draws). Rejection sampling reads that same q_j, dense over the vocabulary."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from blockspec.models.proposal_rows import ProposalRows
+from blockspec.request import Req
+from blockspec.sample.sampling import sampling_probs
+
+
+def host_proposals(rows: ProposalRows, req: Req) -> tuple[list[int], Optional[torch.Tensor]]:
+    """d_1..d_P for `req` and, when it samples, q [P, V] (row j: the distribution d_j was drawn from)."""
+    params, generator, grammar = req.params, req.generator, req.grammar
+    independent = rows.independent_scores()
+    if grammar is None and independent is not None and not params.is_greedy:
+        # NOTE: every row at once, one draw per row from the request's generator (no row depends on another's)
+        probs = sampling_probs(independent, params)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1).tolist(), probs
+    drawn_from: list[torch.Tensor] = []
+    previous = 0
+
+    def choose(row: int, allowed: Optional[torch.Tensor]) -> int:
+        nonlocal previous
+        ids, scores = rows.choices(row, previous)
+        if allowed is not None:
+            permitted = allowed.to(scores.device)
+            permitted = permitted if ids is None else permitted[ids]
+            if bool(permitted.any()):
+                scores = scores.float().masked_fill(~permitted, float("-inf"))
+        if params.is_greedy:
+            previous = int(scores.argmax())
+        else:
+            if ids is None:
+                q = sampling_probs(scores, params)
+            else:
+                q = torch.softmax(scores.float() / params.temperature, dim=-1)
+            previous = int(torch.multinomial(q, 1, generator=generator))
+            drawn_from.append(q if ids is None else torch.zeros(rows.vocab_width, device=q.device).scatter(0, ids, q))
+        return previous if ids is None else int(ids[previous])
+
+    if grammar is not None:
+        tokens = grammar.walk(rows.length, choose, rows.vocab_width)
+    else:
+        tokens = [choose(row, None) for row in range(rows.length)]
+    return tokens, torch.stack(drawn_from) if drawn_from else None
