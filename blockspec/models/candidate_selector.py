@@ -42,6 +42,13 @@ class CandidateSelector(nn.Module):
         right = self.successor_codebook[ids]
         return torch.matmul(left.float(), right.float().transpose(-1, -2))
 
+    def scores_after(self, hidden: torch.Tensor, previous: torch.Tensor, ids: torch.Tensor,
+                     unary: torch.Tensor) -> torch.Tensor:
+        """[.., k] float32 scores of candidates `ids` [.., k] (unary [.., k]) on rows `hidden` [.., H] whose previous
+        token is `previous` [..] (training: the true previous token, teacher-forced)."""
+        left = self.predecessor_codebook[previous] * self.hidden_projection(hidden)
+        return unary + (self.successor_codebook[ids].float() @ left.float()[..., None])[..., 0]
+
     @staticmethod
     def greedy_walk(unary: torch.Tensor, ids: torch.Tensor, transitions: torch.Tensor) -> torch.Tensor:
         """[N, P] token ids: each row's best-scoring candidate after the one chosen before it.
