@@ -157,8 +157,9 @@ def test_constrained_greedy_equals_constrained_target_loop(qwen_vocab_dflash2: d
     prompts = [list(tokenizer.encode(text)) for text in ("Janet has 3 apples.", "Give me JSON")]
     engine = cpu_engine(Path(qwen_vocab_dflash2["root"]), True, skip_tokenizer_init=False)
     outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 24, kind: source})
+    target = qwen_vocab_dflash2["target"]
     for prompt, out in zip(prompts, outs):
-        assert out["output_ids"] == constrained_greedy(qwen_vocab_dflash2["target"], tokenizer, prompt, kind, source, 24)
+        assert out["output_ids"] == constrained_greedy(target, tokenizer, prompt, kind, source, 24)
     sampled = engine.generate(input_ids=prompts * 2, sampling_params=[
         {"temperature": 1.0, "seed": seed, "max_new_tokens": 24, kind: source} for seed in range(4)])
     for out in sampled:

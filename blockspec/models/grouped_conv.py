@@ -17,8 +17,8 @@ from blockspec.layers.linear import Linear
 
 
 class GroupedDynamicCausalConv(nn.Module):
-    """`base_kernel` [2, taps, H] (before | after), `kernel_projection` H → 2·taps·(H / group_size) (the checkpoint's
-    names and shapes). Rows come flattened [T, H], T a whole number of blocks of `block_size` rows."""
+    """`base_kernel` [2, taps, H] (before | after), `kernel_projection` H → 2·taps·(H / group_size) (the
+    checkpoint's names and shapes). Rows come flattened [T, H], T a whole number of blocks of `block_size` rows."""
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int,
                  kernels: KernelMode = DEFAULT_KERNELS) -> None:
