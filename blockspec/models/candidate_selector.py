@@ -28,9 +28,9 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = Linear(hidden_size, fields.selector_rank, False, kernels)
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(unary scores [.., k] float32, candidate token ids [.., k]) of logits [.., V]: the top k, best first."""
-        unary, ids = torch.topk(logits.float(), self.top_k, dim=-1)
-        return unary, ids
+        """(the top k values [.., k], in the logits' dtype, best first; their token ids [.., k]) of logits [.., V]."""
+        values, ids = torch.topk(logits, self.top_k, dim=-1)
+        return values, ids
 
     def transitions(self, hidden: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """[N, P, k, k] float32: entry [n, j, a, c] is the bilinear score of candidate c of row j after candidate a of

@@ -67,9 +67,12 @@ class DFlash2DraftModel(DFlashDraftModel):
     ) -> tuple[torch.Tensor, ...]:
         """(greedy walk [bs, B-1], unary [bs, B-1, k], candidate ids [bs, B-1, k], transitions [bs, B-1, k, k])."""
         rows = proposal_hidden(hidden, anchors)
-        logits = self.logits(rows.reshape(-1, rows.shape[-1]), lm_head).view(rows.shape[0], rows.shape[1], -1)
+        raw = lm_head(rows.reshape(-1, rows.shape[-1])).view(rows.shape[0], rows.shape[1], -1)
         selector = self.candidate_selector
-        unary, ids = selector.candidates(logits)
+        # NOTE: top-k of the model-dtype logits, then only the k values scaled to float32: no float32 copy of the
+        # [bs·(B-1), V] logits (the scaling is monotonic, so the candidates are the scaled logits' top k)
+        top, ids = selector.candidates(raw)
+        unary = self.scale_logits(top)
         transitions = selector.transitions(rows, ids, anchors)
         return selector.greedy_walk(unary, ids, transitions), unary, ids, transitions
 

@@ -129,7 +129,12 @@ class DFlashDraftModel(nn.Module):
     def logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
         """float32 draft logits of rows `hidden` [.., H] through the target's lm_head (× output_multiplier, then the
         final softcap)."""
-        logits = lm_head(hidden).float() * self.config.output_multiplier
+        return self.scale_logits(lm_head(hidden))
+
+    def scale_logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """float32 draft logits from lm_head outputs `raw`: × output_multiplier, then the final softcap (both
+        monotonic: the order of a row's values, its argmax and top-k, is the raw one's)."""
+        logits = raw.float() * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
