@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, Qwen3Config
 
-from draft_training import target_continuations
+from draft_training import train_tiny_draft
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
@@ -55,54 +55,26 @@ def build_dflash2_draft(
     return draft
 
 
-def train_dflash2_draft(
-    draft: torch.nn.Module, target: PreTrainedModel, steps: int = 200, anchors_per_step: int = 8, seed: int = 0,
-    lr: float = 3e-3,
-) -> torch.nn.Module:
-    """The DFlash recipe in miniature (tests/draft_training.py) for the backbone and convolutions, plus the
-    selector: cross-entropy over each row's candidates given the true previous token, where the label is one."""
-    torch.manual_seed(seed)
-    seqs = target_continuations(target, 24, 6, 58, seed)
-    with torch.no_grad():
-        hidden = target(seqs, output_hidden_states=True).hidden_states
-        features = torch.cat([hidden[i + 1] for i in draft.target_layer_ids], dim=-1)
-    embed = target.get_input_embeddings().weight.detach()
-    head = target.lm_head
-    block = draft.block_size
-    weights = torch.exp(-torch.arange(block - 1, dtype=torch.float32) / 4.0)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=lr)
+def train_dflash2_draft(draft: torch.nn.Module, target: PreTrainedModel, steps: int = 200) -> torch.nn.Module:
+    """draft_training.train_tiny_draft for the backbone and convolutions, plus the selector: cross-entropy over
+    each row's candidates given the true previous token, where the label is one of them."""
     selector = draft.candidate_selector
-    draft.train()
-    length = seqs.shape[1]
-    for _ in range(steps):
-        loss = torch.zeros(())
-        for _ in range(anchors_per_step):
-            row = int(torch.randint(0, seqs.shape[0], (1,)))
-            anchor = int(torch.randint(4, length - block, (1,)))
-            tokens = seqs[row, anchor:anchor + block].clone()
-            labels = tokens[1:].clone()
-            tokens[1:] = draft.mask_token_id
-            out = draft(
-                position_ids=torch.arange(anchor + block)[None],
-                noise_embedding=F.embedding(tokens[None], embed),
-                target_hidden=features[row:row + 1, :anchor],
-            )[0, 1:]
-            logits = draft.compute_logits(out, head)
-            backbone = (F.cross_entropy(logits, labels, reduction="none") * weights).sum() / weights.sum()
-            unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
-            previous = torch.cat([tokens[:1], labels[:-1]])
-            scores = unary + torch.einsum(
-                "pr,pkr->pk", selector.predecessor_codebook(previous) * selector.hidden_projection(out),
-                selector.successor_codebook(candidates),
-            )
-            hit = candidates == labels[:, None]
-            present = hit.any(-1)
-            chain = F.cross_entropy(scores[present], hit[present].float().argmax(-1)) if present.any() else 0.0
-            loss = loss + backbone + chain
-        optimizer.zero_grad()
-        (loss / anchors_per_step).backward()
-        optimizer.step()
-    return draft.eval()
+
+    def selector_loss(rows: torch.Tensor, anchor: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = draft.compute_logits(rows, target.lm_head)
+        unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
+        previous = torch.cat([anchor[None], labels[:-1]])
+        scores = unary + torch.einsum(
+            "pr,pkr->pk", selector.predecessor_codebook(previous) * selector.hidden_projection(rows),
+            selector.successor_codebook(candidates),
+        )
+        hit = candidates == labels[:, None]
+        present = hit.any(-1)
+        if not present.any():
+            return logits.new_zeros(())
+        return F.cross_entropy(scores[present], hit[present].float().argmax(-1))
+
+    return train_tiny_draft(draft, target, steps=steps, extra_loss=selector_loss)
 
 
 def save_published(draft: torch.nn.Module, directory: Path) -> None:

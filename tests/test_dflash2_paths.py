@@ -12,10 +12,10 @@ import torch
 
 from draft_training import cpu_engine
 from dflash2_drafts import build_dflash2_draft, save_published, train_dflash2_draft
-from engine_testing import assert_engine_idle, hf_greedy, prefilled, random_prompts, run_until_done
+from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 from grammar_models import constrained_greedy
 from test_adaptive_verify import SEQUENCE
-from test_dflash_lossless import leading_matches
+from test_dflash_lossless import assert_cycle_equals_propose_then_verify
 from test_logprobs import TOP_N, check_against_hf
 from test_mixed_chunk import staggered_run
 from test_penalties import hf_penalised_greedy
@@ -83,26 +83,9 @@ def test_prefix_cache_hits_stay_lossless(pair: dict[str, Any]) -> None:
 
 
 def test_greedy_cycle_equals_propose_then_verify(pair: dict[str, Any]) -> None:
-    engine = cpu_engine(pair["root"], True)
-    worker, runner = engine.worker, engine.runner
     # NOTE: prompts that end inside the target's own continuation, where the trained draft is good
     prompts = [prompt + hf_greedy(pair["target"], prompt, 12) for prompt in PROMPTS[:5]]
-    reqs = prefilled(engine, prompts, GREEDY)
-    b = worker.block_size
-    for req in reqs:
-        runner.allocator.grow(req, req.kv_len + b, runner.req_to_token)
-    rows = worker.greedy_cycle_tokens(reqs)
-    _, proposals, _ = worker.propose(reqs)
-    target_argmax = worker.verify(reqs, proposals).argmax(-1)
-    assert [row[1:b] for row in rows] == proposals.tolist()
-    assert [row[b:] for row in rows] == target_argmax.tolist()
-    expected = [leading_matches(p, t) for p, t in zip(proposals.tolist(), target_argmax.tolist())]
-    assert [row[0] for row in rows] == expected
-    assert 0 < sum(expected) < len(reqs) * (b - 1)
-    for req in reqs:
-        engine.scheduler.abort(req.rid)
-    engine.step()
-    assert_engine_idle(engine)
+    assert_cycle_equals_propose_then_verify(cpu_engine(pair["root"], True), prompts)
 
 
 def test_seeded_sampling_is_the_same_mixed_or_not(pair: dict[str, Any]) -> None:

@@ -182,9 +182,14 @@ def leading_matches(proposals: list[int], target_argmax: list[int]) -> int:
 
 def test_greedy_cycle_equals_propose_then_verify(models: dict[str, Any]) -> None:
     """The one-graph greedy cycle (run eagerly here) gives the two-step path's proposals and target argmax."""
-    engine = engine_for(models["root"], "trained_draft", 4)
+    assert_cycle_equals_propose_then_verify(engine_for(models["root"], "trained_draft", 4), PROMPTS[:5])
+
+
+def assert_cycle_equals_propose_then_verify(engine: Engine, prompts: list[list[int]]) -> None:
+    """One greedy cycle (greedy_cycle_tokens) for the prefilled `prompts` equals propose then verify: proposals,
+    target argmax and accepted counts, some but not all proposals accepted; the pools are free after."""
     worker, runner = engine.worker, engine.runner
-    reqs = prefilled(engine, PROMPTS[:5], GREEDY)
+    reqs = prefilled(engine, prompts, GREEDY)
     b = worker.block_size
     for req in reqs:
         runner.allocator.grow(req, req.kv_len + b, runner.req_to_token)
