@@ -1,9 +1,10 @@
 """DFlashWorker: prefill with aux capture, then propose (draft) → verify (target) → accept → commit, batched; each
 cycle verifies the verify length its policy picks for the batch size (speculative/verify_length.py).
 
-What every DFlash step shares: the draft and its KV pool, the forwards graphs capture (verify with draft-KV
-materialise, draft logits, the whole greedy cycle per verify length), input rows, and the verify-length policy with
-the acceptance statistics it reads. The steps: propose and verify (host-sampled or constrained requests), the
+What every DFlash step shares: the draft (DFlash or DFlash2: the architecture stays behind the draft's proposal
+interface, models/dflash_draft.py) and its KV pool, the forwards graphs capture (verify with draft-KV materialise,
+the draft's proposal tensors, the whole greedy cycle per verify length), input rows, and the verify-length policy
+with the acceptance statistics it reads. The steps: propose and verify (host-sampled or constrained requests), the
 greedy cycle launched ahead of the host's commit (the overlap schedule), accept (greedy or rejection sampling) and
 the mixed step (prefill chunks + verify blocks in one forward)."""
 from __future__ import annotations
