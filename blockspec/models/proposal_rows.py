@@ -22,9 +22,10 @@ class ProposalRows(Protocol):
         """The width of a dense distribution over the rows' tokens (the lm_head's output rows)."""
         ...
 
-    def choices(self, row: int, previous: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def choices(self, row: int, previous: int | torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """(token ids [k], or None for the whole vocabulary (score i is token i's); scores [k] float32) of `row`,
-        `previous` the index row-1's proposal had among row-1's choices (0 for row 0)."""
+        `previous` the index row-1's proposal had among row-1's choices (0 for row 0; a 0-d device tensor keeps a
+        sampled walk on the device)."""
         ...
 
     def independent_scores(self) -> Optional[torch.Tensor]:
@@ -47,7 +48,7 @@ class VocabularyRows:
     def vocab_width(self) -> int:
         return int(self.logits.shape[-1])
 
-    def choices(self, row: int, previous: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def choices(self, row: int, previous: int | torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         return None, self.logits[row]
 
     def independent_scores(self) -> Optional[torch.Tensor]:
@@ -70,7 +71,7 @@ class CandidateRows:
     def vocab_width(self) -> int:
         return self._vocab_width
 
-    def choices(self, row: int, previous: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def choices(self, row: int, previous: int | torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         return self.ids[row], self.unary[row] + self.transitions[row, previous]
 
     def independent_scores(self) -> Optional[torch.Tensor]:
