@@ -19,7 +19,8 @@ from blockspec.models.grouped_conv import GroupedDynamicCausalConv
 from blockspec.models.proposal_rows import CandidateRows
 from dflash2_drafts import build_dflash2_draft, save_published, train_dflash2_draft
 from test_dflash_oracle import assert_matches_reference
-from tiny_models import save_tiny_model
+from draft_training import train_tiny_draft
+from tiny_models import save_tiny_draft, save_tiny_model
 
 dflash_model = pytest.importorskip("dflash.model")
 dflash_model._cuda_time = time.perf_counter  # NOTE: the reference times with cuda.synchronize; CPU needs a clock
@@ -98,7 +99,7 @@ def selector_changes_choices(draft: torch.nn.Module, target: torch.nn.Module) ->
 CASES = [
     ("llama", [0, 2], 8, {}, True),
     ("qwen3", [1, 2], 7, {"sliding_window": 5}, False),
-    ("llama", [0, 1, 2], 5, {"kernel_size": 2, "top_k": 6, "output_multiplier": 1.5, "final_logit_softcapping": 20.0,
+    ("llama", [0, 1, 2], 5, {"kernel_size": 2, "top_k": 6, "output_multiplier": 1.5, "final_logit_softcapping": 5.0,
                              "input_embedding_scale": 1.1}, True),
 ]
 
@@ -123,3 +124,17 @@ def test_matches_dflash2_reference(tmp_path: Path, kind: str, layer_ids: list[in
         draft.save_pretrained(tmp_path / "draft")
     lengths = assert_matches_reference(draft, target, tmp_path, block)
     assert max(n for cycle_lengths in lengths for n in cycle_lengths) >= 3  # multi-token acceptance was compared
+
+
+def test_dflash_v1_scaled_fields_match_reference(tmp_path: Path) -> None:
+    """A DFlash (v1) draft with output_multiplier, final_logit_softcapping and input_embedding_scale (top-level
+    fields here) equals the reference. NOTE: blockspec read them before DFlash2 too; greedy proposals depend only on
+    the embedding scale (the argmax ignores the monotonic multiplier and softcap, which the v1 sampling test and the
+    DFlash2 case above cover: there they weigh the unary logit against the selector's bilinear term)."""
+    target = save_tiny_model("qwen3", tmp_path / "target", residual_scale=0.3)
+    draft = save_tiny_draft(tmp_path / "draft", target, [1, 2], 6, num_layers=2, seed=4, output_multiplier=1.5,
+                            final_logit_softcapping=20.0, input_embedding_scale=1.1)
+    train_tiny_draft(draft, target, steps=150)
+    draft.save_pretrained(tmp_path / "draft")
+    lengths = assert_matches_reference(draft, target, tmp_path, 6)
+    assert max(n for cycle_lengths in lengths for n in cycle_lengths) >= 3
