@@ -86,3 +86,17 @@ def save_published(draft: torch.nn.Module, directory: Path) -> None:
     for name in CODEBOOKS:
         tensors[name] = tensors.pop(f"{name}.weight")
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
+
+
+def save_trained_dflash2_pair(root: Path) -> PreTrainedModel:
+    """root/target (tiny Llama) and root/draft (DFlash2, block 8, taps [0, 2], trained 150 steps, then codebooks
+    ×4 so the selector's chain changes some proposals; published layout); returns the HF target."""
+    from tiny_models import save_tiny_model
+
+    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
+    draft = train_dflash2_draft(build_dflash2_draft(target, [0, 2], 8, seed=4), target, steps=150)
+    with torch.no_grad():
+        for codebook in (draft.candidate_selector.predecessor_codebook, draft.candidate_selector.successor_codebook):
+            codebook.weight.mul_(4.0)
+    save_published(draft, root / "draft")
+    return target

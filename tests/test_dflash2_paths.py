@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from draft_training import cpu_engine
-from dflash2_drafts import build_dflash2_draft, save_published, train_dflash2_draft
+from dflash2_drafts import build_dflash2_draft, save_published, save_trained_dflash2_pair
 from engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 from grammar_models import constrained_greedy
 from test_adaptive_verify import SEQUENCE
@@ -19,7 +18,6 @@ from test_dflash_lossless import assert_cycle_equals_propose_then_verify
 from test_logprobs import TOP_N, check_against_hf
 from test_mixed_chunk import staggered_run
 from test_penalties import hf_penalised_greedy
-from tiny_models import save_tiny_model
 from verify_cycling import CyclingVerifyLength
 
 pytest.importorskip("dflash.model")
@@ -35,13 +33,7 @@ SAMPLED = {"temperature": 0.3, "top_k": 20, "seed": 3, "max_new_tokens": 24, "ig
 def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """root/target (tiny Llama) and root/draft (DFlash2, block 8, taps [0, 2], trained, published layout)."""
     root = tmp_path_factory.mktemp("dflash2_pair")
-    target = save_tiny_model("llama", root / "target", residual_scale=0.3)
-    draft = train_dflash2_draft(build_dflash2_draft(target, [0, 2], 8, seed=4), target, steps=150)
-    with torch.no_grad():  # NOTE: wider codebooks: the selector's chain changes some proposals
-        for codebook in (draft.candidate_selector.predecessor_codebook, draft.candidate_selector.successor_codebook):
-            codebook.weight.mul_(4.0)
-    save_published(draft, root / "draft")
-    return {"root": root, "target": target}
+    return {"root": root, "target": save_trained_dflash2_pair(root)}
 
 
 @pytest.mark.parametrize("flags,cycling", [
