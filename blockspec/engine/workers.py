@@ -57,6 +57,7 @@ def build_dflash_worker(config: EngineConfig, tp: Optional[TensorParallel] = Non
     )
     runner.startup_seconds["kv_pool"] += time.perf_counter() - started
     logger.info(
-        "DFlash draft: %d layers, block %d, taps %s", draft_config.num_layers, block_size, draft_config.target_layer_ids
+        "%s draft: %d layers, block %d, taps %s", "DFlash" if draft_config.dflash2 is None else "DFlash2",
+        draft_config.num_layers, block_size, draft_config.target_layer_ids,
     )
     return runner, DFlashWorker(runner, draft, draft_pool, block_size)
