@@ -47,7 +47,7 @@ def check_grammar(spec: GrammarSpec) -> None:
 class GrammarMatcher(Protocol):
     """A constrained request's grammar matcher as the scheduler and the workers use it (sample/grammar.py's
     RequestGrammar implements it), named here so the request needs nothing of the sampling layer. NOTE: it always
-    stands at the request's committed output; `masked` and `propose` advance it tentatively and roll back."""
+    stands at the request's committed output; `masked` and `walk` advance it tentatively and roll back."""
 
     spec: GrammarSpec
 
@@ -58,8 +58,8 @@ class GrammarMatcher(Protocol):
 
     def masked(self, logits: torch.Tensor, drafted: Sequence[int] = ()) -> torch.Tensor: ...
 
-    def propose(self, draft_logits: torch.Tensor, choose: Callable[[torch.Tensor], int]
-                ) -> tuple[list[int], torch.Tensor]: ...
+    def walk(self, rows: int, choose: Callable[[int, Optional[torch.Tensor]], int], vocab_width: int
+             ) -> list[int]: ...
 
 
 @dataclass

@@ -11,7 +11,7 @@ from blockspec.config.engine_config import EngineConfig
 from blockspec.distributed.group import TensorParallel
 from blockspec.kv.pool import KVPool
 from blockspec.models.config import load_target_config
-from blockspec.models.dflash_draft import load_draft_model
+from blockspec.models.draft_loading import load_draft_model
 from blockspec.models.draft_config import load_draft_config
 from blockspec.runner.model_runner import ModelRunner, pick_dtype
 from blockspec.speculative.dflash import DFlashWorker
@@ -57,6 +57,7 @@ def build_dflash_worker(config: EngineConfig, tp: Optional[TensorParallel] = Non
     )
     runner.startup_seconds["kv_pool"] += time.perf_counter() - started
     logger.info(
-        "DFlash draft: %d layers, block %d, taps %s", draft_config.num_layers, block_size, draft_config.target_layer_ids
+        "%s draft: %d layers, block %d, taps %s", "DFlash" if draft_config.dflash2 is None else "DFlash2",
+        draft_config.num_layers, block_size, draft_config.target_layer_ids,
     )
     return runner, DFlashWorker(runner, draft, draft_pool, block_size)

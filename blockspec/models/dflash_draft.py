@@ -1,7 +1,7 @@
-"""The DFlash block-diffusion draft: Qwen3-style layers conditioned on projected target hidden states."""
+"""The DFlash block-diffusion draft: Qwen3-style layers conditioned on projected target hidden states, proposing the
+argmax (or a draw) of each block row's logits. DFlash2 drafts extend it (models/dflash2_draft.py)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -10,7 +10,6 @@ from torch import nn
 from blockspec.attention.base import AttentionBackend
 from blockspec.batch import ForwardBatch
 from blockspec.distributed.group import TensorParallel
-from blockspec.distributed.shards import ShardLayout, iter_sharded_safetensors
 from blockspec.kv.pool import KVPool, LayerKVStore
 from blockspec.layers.activation import GatedMLP
 from blockspec.layers.argmax import greedy_tokens
@@ -20,7 +19,7 @@ from blockspec.layers.norm import RMSNorm
 from blockspec.layers.parallel import greedy_head_tokens
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
-from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into, safetensors_files
+from blockspec.models.proposal_rows import ProposalRows, VocabularyRows
 
 
 class DraftAttention(nn.Module):
@@ -98,11 +97,15 @@ class DFlashDraftModel(nn.Module):
                  kernels: KernelMode = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(DraftLayer(config, i, tp, kernels) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.build_layer(config, i, tp, kernels) for i in range(config.num_layers))
         self.fc = Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, False, kernels)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
+
+    def build_layer(self, config: DraftConfig, layer_id: int, tp: Optional[TensorParallel],
+                    kernels: KernelMode) -> DraftLayer:
+        return DraftLayer(config, layer_id, tp, kernels)
 
     def materialise_context(
         self, aux_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pool: KVPool
@@ -123,33 +126,48 @@ class DFlashDraftModel(nn.Module):
             hidden = layer(hidden, self.rotary, batch, backend)
         return self.norm(hidden)
 
-    def argmax(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
-        """argmax of `logits` per row; without scaling or softcap, straight from the model-dtype logits (exact: the
-        fp32 cast preserves order and ties)."""
-        if self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping:
-            return greedy_head_tokens(lm_head, hidden)
-        return greedy_tokens(self.logits(hidden, lm_head))
-
     def logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
-        logits = lm_head(hidden).float() * self.config.output_multiplier
+        """float32 draft logits of rows `hidden` [.., H] through the target's lm_head (× output_multiplier, then the
+        final softcap)."""
+        return self.scale_logits(lm_head(hidden))
+
+    def scale_logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """float32 draft logits from lm_head outputs `raw`: × output_multiplier, then the final softcap (both
+        monotonic: the order of a row's values, its argmax and top-k, is the raw one's)."""
+        logits = raw.float() * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
+    # ---- proposals: what the speculative worker calls -----------------------------------------------------------
+    def greedy_proposals(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        """[bs, B-1] greedy proposals d_1..d_{B-1} from the block hidden states [bs·B, H] (`anchors` [bs]: each
+        block's row-0 token). Graph-capturable: no host reads.
 
-def load_draft_model(
-    draft_dir: str | Path, config: DraftConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-    dummy: bool = False, tp: Optional[TensorParallel] = None, kernels: KernelMode = DEFAULT_KERNELS,
-) -> DFlashDraftModel:
-    with torch.device("meta"):
-        model = DFlashDraftModel(config, max_positions, tp, kernels)
-    model = model.to_empty(device=device).to(dtype)
-    model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
-    if dummy:
-        init_dummy_weights(model, seed=1)
-    elif tp is None:
-        weights = ((name.removeprefix("model."), tensor) for name, tensor in iter_safetensors(draft_dir))
-        load_weights_into(model, weights)
-    else:
-        layout = ShardLayout(config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size)
-        load_weights_into(model, iter_sharded_safetensors(safetensors_files(draft_dir), layout, tp, {"model.": ""}))
-    return model.eval()
+        Here the argmax of each row's logits; without scaling or softcap straight from the model-dtype logits
+        (exact: the fp32 cast preserves order and ties)."""
+        rows = proposal_hidden(hidden, anchors)
+        flat = rows.reshape(-1, rows.shape[-1])
+        if self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping:
+            tokens = greedy_head_tokens(lm_head, flat)
+        else:
+            tokens = greedy_tokens(self.logits(flat, lm_head))
+        return tokens.view(rows.shape[0], rows.shape[1])
+
+    def proposal_tensors(
+        self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear
+    ) -> tuple[torch.Tensor, ...]:
+        """Everything a propose step needs from one draft forward, as device tensors (a graph's outputs): first the
+        greedy proposals [bs, B-1], then what `proposal_rows` reads (here the draft logits [bs, B-1, V])."""
+        rows = proposal_hidden(hidden, anchors)
+        logits = self.logits(rows.reshape(-1, rows.shape[-1]), lm_head).view(rows.shape[0], rows.shape[1], -1)
+        return greedy_tokens(logits), logits
+
+    def proposal_rows(self, tensors: tuple[torch.Tensor, ...], index: int) -> ProposalRows:
+        """Request `index`'s rows of `proposal_tensors`, for proposing on the host (sampled or constrained)."""
+        return VocabularyRows(tensors[1][index])
+
+
+def proposal_hidden(hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """[bs, B-1, H]: the block rows 1..B-1 of `hidden` [bs·B, H] (row 0, the anchor's, proposes nothing)."""
+    bs = anchors.shape[0]
+    return hidden.view(bs, hidden.shape[0] // bs, hidden.shape[-1])[:, 1:]

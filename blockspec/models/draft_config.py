@@ -1,4 +1,4 @@
-"""DFlash draft configuration (z-lab checkpoint format), validated against the target."""
+"""DFlash and DFlash2 draft configuration (z-lab checkpoint format), validated against the target."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +22,22 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+@dataclass(frozen=True)
+class DFlash2Fields:
+    """What a DFlash2 draft adds to a DFlash one: a grouped dynamic causal convolution around each layer's attention
+    and MLP (`conv_kernel_size` taps, one dynamic weight per `conv_group_size` channels), and a candidate selector
+    over the target lm_head's top `selector_top_k` tokens per draft row (codebooks of `selector_rank` columns, one row
+    per token of `selector_vocab_size`). `logits_width`: the target's vocabulary, the width of the logits the
+    candidates come from."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    selector_vocab_size: int
+    logits_width: int
+
+
 @dataclass
 class DraftConfig:
     hidden_size: int
@@ -41,6 +57,7 @@ class DraftConfig:
     input_embedding_scale: float
     output_multiplier: float
     final_logit_softcapping: Optional[float]
+    dflash2: Optional[DFlash2Fields] = None  # None: a DFlash (v1) draft
 
 
 def _get(raw: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -48,10 +65,34 @@ def _get(raw: dict[str, Any], name: str, default: Any = None) -> Any:
     return nested[name] if name in nested else raw.get(name, default)
 
 
-def parse_draft_config(raw: dict[str, Any], target: TargetConfig) -> DraftConfig:
+def _positive_int(raw: dict[str, Any], name: str) -> int:
+    value = _get(raw, name)
+    if value is None:
+        raise ValueError(f"DFlash2 draft config lacks {name!r} (top level or under dflash_config)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"DFlash2 draft {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_dflash2_fields(raw: dict[str, Any], target: TargetConfig, hidden: int) -> Optional[DFlash2Fields]:
+    """The DFlash2 fields of a draft config (architectures ["DFlash2DraftModel"] or any of DFLASH2_KEYS present),
+    None for a DFlash (v1) draft."""
     archs = raw.get("architectures") or []
-    if any("DFlash2" in a for a in archs) or any(_get(raw, k) is not None for k in DFLASH2_KEYS):
-        raise ValueError("DFlash2 (conv/selector) draft checkpoints are not supported; use a DFlash (v1) draft")
+    if not any("DFlash2" in a for a in archs) and all(_get(raw, k) is None for k in DFLASH2_KEYS):
+        return None
+    kernel_size, group_size, rank, top_k = (_positive_int(raw, name) for name in DFLASH2_KEYS)
+    if hidden % group_size:
+        raise ValueError(f"DFlash2 draft conv_group_size {group_size} does not divide hidden_size {hidden}")
+    vocab = int(raw.get("vocab_size") or target.vocab_size)
+    if vocab < target.vocab_size:
+        raise ValueError(f"DFlash2 draft vocab_size {vocab} is smaller than the target's {target.vocab_size}: the "
+                         "selector's codebooks need a row for every token of the target's lm_head")
+    if top_k > target.vocab_size:
+        raise ValueError(f"DFlash2 draft selector_top_k {top_k} exceeds the target vocabulary ({target.vocab_size})")
+    return DFlash2Fields(kernel_size, group_size, rank, top_k, vocab, target.vocab_size)
+
+
+def parse_draft_config(raw: dict[str, Any], target: TargetConfig) -> DraftConfig:
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -112,6 +153,7 @@ def parse_draft_config(raw: dict[str, Any], target: TargetConfig) -> DraftConfig
         input_embedding_scale=float(_get(raw, "input_embedding_scale", 1.0) or 1.0),
         output_multiplier=float(_get(raw, "output_multiplier", 1.0) or 1.0),
         final_logit_softcapping=float(softcap) if softcap else None,
+        dflash2=parse_dflash2_fields(raw, target, hidden),
     )
 
 

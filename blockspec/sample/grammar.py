@@ -116,30 +116,35 @@ class RequestGrammar:
         xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=min(self.vocab_size, out.shape[-1]))
         return out
 
-    def propose(
-        self, draft_logits: torch.Tensor, choose: Callable[[torch.Tensor], int]
-    ) -> tuple[list[int], torch.Tensor]:
-        """Proposals d_1..d_k from the draft's rows [k, V], row j masked after d_1..d_{j-1} and `choose` picking from
-        it; returns them and the masked rows. Past a terminated grammar the rows stay unmasked."""
-        import xgrammar as xgr
-
-        matcher, rows = self.matcher, draft_logits.shape[0]
-        out = draft_logits.float().clone()
+    def walk(self, rows: int, choose: Callable[[int, Optional[torch.Tensor]], int], vocab_width: int) -> list[int]:
+        """Proposals d_1..d_rows: `choose(j, allowed)` picks d_j given the tokens the grammar allows after the
+        committed output + d_1..d_{j-1} (bool [vocab_width], on the CPU; None past a terminated grammar or a token it
+        rejected: those rows are unconstrained)."""
+        matcher = self.matcher
         bitmask = self._bitmask(1)
         tokens: list[int] = []
         advanced, constrained = 0, True
         for j in range(rows):
             constrained = constrained and not matcher.is_terminated()
+            allowed = None
             if constrained:
                 matcher.fill_next_token_bitmask(bitmask, 0)
-                xgr.apply_token_bitmask_inplace(out[j:j + 1], bitmask.to(out.device),
-                                                vocab_size=min(self.vocab_size, out.shape[-1]))
-            tokens.append(choose(out[j]))
+                allowed = self._allowed(bitmask, vocab_width)
+            tokens.append(choose(j, allowed))
             if constrained:
                 constrained = bool(matcher.accept_token(tokens[-1]))
                 advanced += int(constrained)
         matcher.rollback(advanced)
-        return tokens, out
+        return tokens
+
+    def _allowed(self, bitmask: torch.Tensor, vocab_width: int) -> torch.Tensor:
+        """bool [vocab_width]: the tokens a filled one-row bitmask allows (tokens past the grammar's vocabulary, an
+        lm_head's padding, stay allowed as `masked` leaves them)."""
+        import xgrammar as xgr
+
+        scores = torch.zeros((1, vocab_width))
+        xgr.apply_token_bitmask_inplace(scores, bitmask, vocab_size=min(self.vocab_size, vocab_width))
+        return torch.isfinite(scores[0])
 
 
 def constrain_rows(logits: torch.Tensor, grammars: Sequence[Optional[RequestGrammar]]) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """DFlashWorker: prefill with aux capture, then propose (draft) → verify (target) → accept → commit, batched; each
 cycle verifies the verify length its policy picks for the batch size (speculative/verify_length.py).
 
-What every DFlash step shares: the draft and its KV pool, the forwards graphs capture (verify with draft-KV
-materialise, draft logits, the whole greedy cycle per verify length), input rows, and the verify-length policy with
-the acceptance statistics it reads. The steps: propose and verify (host-sampled or constrained requests), the
+What every DFlash step shares: the draft (DFlash or DFlash2: the architecture stays behind the draft's proposal
+interface, models/dflash_draft.py) and its KV pool, the forwards graphs capture (verify with draft-KV materialise,
+the draft's proposal tensors, the whole greedy cycle per verify length), input rows, and the verify-length policy
+with the acceptance statistics it reads. The steps: propose and verify (host-sampled or constrained requests), the
 greedy cycle launched ahead of the host's commit (the overlap schedule), accept (greedy or rejection sampling) and
 the mixed step (prefill chunks + verify blocks in one forward)."""
 from __future__ import annotations
@@ -32,11 +33,10 @@ from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sample.acceptance import greedy_accept_counts, rejection_accept
 from blockspec.sample.penalties import penalized
-from blockspec.sample.sampling import append_logprobs, sampling_probs
-from blockspec.sample.sampling_faults import (
-    SamplingFault, choice_faults, distribution_faults, draw, fail_request, pick, raise_first,
-)
+from blockspec.sample.sampling import append_logprobs
+from blockspec.sample.sampling_faults import SamplingFault, choice_faults, fail_request, raise_first
 from blockspec.speculative.cycle_timing import measure_cycle_times
+from blockspec.speculative.host_proposals import host_proposals
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
 from blockspec.speculative.verify_length import (
     AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, VerifyLengthPolicy, default_verify_lengths,
@@ -185,7 +185,7 @@ class DFlashWorker(TargetWorker):
         target, draft = self.runner.attention, self.draft_attention
         for n in self.verify_lengths:
             graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, [target], self.capture)
-        graphs.capture(GraphKind.DRAFT, self._draft_logits, ForwardMode.DRAFT, b, [draft])
+        graphs.capture(GraphKind.DRAFT, self._draft_proposals, ForwardMode.DRAFT, b, [draft])
         # NOTE: all-greedy batches replay one graph per cycle: propose → verify → both argmaxes. A backend that
         # plans on the host (FlashInfer) cannot plan the verify half from inside it, so it keeps the two graphs.
         if graph_planner(draft) is None and graph_planner(target) is None:
@@ -197,7 +197,7 @@ class DFlashWorker(TargetWorker):
         if kind is GraphKind.VERIFY:
             return self._verify_forward
         if kind is GraphKind.DRAFT:
-            return self._draft_logits
+            return self._draft_proposals
         if kind is GraphKind.GREEDY_CYCLE:
             return self.cycle_fn(tokens_per_req)
         return super().uniform_forward_fn(kind, tokens_per_req)
@@ -216,10 +216,10 @@ class DFlashWorker(TargetWorker):
         embeds = self.runner.model.embed(batch.input_ids) * self.draft_config.input_embedding_scale
         return self.draft(batch, self.draft_attention, embeds)
 
-    def _draft_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        """Draft logits for every block row [T, V] (row 0 of each block is unused) and their argmax."""
-        logits = self.draft.logits(self._draft_hidden(batch), self.runner.model.lm_head)
-        return logits, greedy_tokens(logits)
+    def _draft_proposals(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """The draft's proposal tensors of a full-block batch: greedy proposals [bs, B-1] first, then what the
+        draft reads back per request to propose on the host (DFlashDraftModel.proposal_tensors)."""
+        return self.draft.proposal_tensors(self._draft_hidden(batch), _anchors(batch), self.runner.model.lm_head)
 
     def _materialise_draft_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         self.draft.materialise_context(aux_hidden, positions, slots, self.draft_pool)
@@ -254,7 +254,7 @@ class DFlashWorker(TargetWorker):
                              (), batch.max_seq_len_hint)
 
     def _greedy_cycle(self, batch: ForwardBatch, num_draft_tokens: int) -> tuple[torch.Tensor]:
-        """A whole greedy cycle on the device: draft argmax proposals, verify forward, target argmax, acceptance.
+        """A whole greedy cycle on the device: the draft's greedy proposals, verify forward, target argmax, acceptance.
 
         Returns [bs, 2n] int64 rows [accepted | d_1..d_{n-1} | target argmax after each of the n verified tokens];
         `accepted` counts the leading proposals equal to the target's choice before them (or the simulated count),
@@ -262,8 +262,10 @@ class DFlashWorker(TargetWorker):
         bs, n = batch.batch_size, num_draft_tokens
         if n > 1:
             draft_batch = self._full_draft_batch(batch, n)
-            draft_argmax = self.draft.argmax(self._draft_hidden(draft_batch), self.runner.model.lm_head)
-            proposals = draft_argmax.view(bs, self.block_size)[:, 1:n]
+            greedy = self.draft.greedy_proposals(
+                self._draft_hidden(draft_batch), _anchors(draft_batch), self.runner.model.lm_head
+            )
+            proposals = greedy[:, :n - 1]
             block_ids = torch.cat([batch.input_ids.view(bs, n)[:, :1], proposals], dim=1).reshape(-1)
         else:
             proposals, block_ids = batch.input_ids.view(bs, 1)[:, :0], batch.input_ids
@@ -315,7 +317,7 @@ class DFlashWorker(TargetWorker):
         if n > 1:  # NOTE: the synchronous cycle: the draft's graph, then the verify graph
             draft = torch.zeros((batch_size, self.block_size + 2), dtype=torch.int64)
             draft[:, -2], draft[:, -1] = self.runner.req_to_token.dummy_row, self.block_size
-            graphs.run(GraphKind.DRAFT, UniformRows(ForwardMode.DRAFT, _pinned(draft, device)), self._draft_logits)
+            graphs.run(GraphKind.DRAFT, UniformRows(ForwardMode.DRAFT, _pinned(draft, device)), self._draft_proposals)
         verify = UniformRows(ForwardMode.VERIFY, _pinned(rows, device), self.capture)
         logits, _ = graphs.run(GraphKind.VERIFY, verify, self._verify_forward)
         assert logits is not None
@@ -385,25 +387,22 @@ class DFlashWorker(TargetWorker):
         have nothing to sample from is failed on its own (sampling_faults.py; its proposals stay the argmax)."""
         b = self.block_size
         batch = self.block_rows(reqs, b).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
-        all_logits, all_argmax = self.runner.graphs.run(GraphKind.DRAFT, batch, self._draft_logits)
-        assert all_logits is not None and all_argmax is not None
-        proposals = all_argmax.view(len(reqs), b)[:, 1:].clone()
+        outputs = self.runner.graphs.run(GraphKind.DRAFT, batch, self._draft_proposals)
+        tensors = tuple(t for t in outputs if t is not None)
+        assert len(tensors) == len(outputs)
+        proposals = tensors[0].clone()  # NOTE: the next replay of the draft graph overwrites its outputs
         draft_probs: dict[int, torch.Tensor] = {}
         for i, req in enumerate(reqs):
-            logits = all_logits.view(len(reqs), b, -1)[i, 1:]
+            if req.grammar is None and req.params.is_greedy:
+                continue
             try:
-                if req.grammar is not None:
-                    tokens, probs = constrained_proposals(req, logits)
-                    proposals[i] = torch.tensor(tokens, device=proposals.device)
-                    if probs is not None:
-                        draft_probs[i] = probs
-                elif not req.params.is_greedy:
-                    probs = sampling_probs(logits, req.params)
-                    raise_first(distribution_faults(probs))
-                    proposals[i] = torch.multinomial(probs, 1, generator=req.generator).squeeze(-1)
-                    draft_probs[i] = probs
+                tokens, probs = host_proposals(self.draft.proposal_rows(tensors, i), req)
             except SamplingFault as fault:
                 fail_request(req, str(fault))
+                continue
+            proposals[i] = torch.tensor(tokens, device=proposals.device)
+            if probs is not None:
+                draft_probs[i] = probs
         return batch, proposals, draft_probs
 
     @torch.inference_mode()
@@ -527,18 +526,10 @@ def _pinned(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     return rows.pin_memory() if device.type == "cuda" else rows
 
 
+def _anchors(batch: ForwardBatch) -> torch.Tensor:
+    """[bs] each block's row-0 token (the last committed one) of a full-block draft batch."""
+    return batch.input_ids.view(batch.batch_size, -1)[:, 0]
 
-def constrained_proposals(req: Req, draft_logits: torch.Tensor) -> tuple[list[int], Optional[torch.Tensor]]:
-    """A constrained request's proposals from its draft rows [B-1, V] (each masked after the proposals before it) and,
-    when it samples, the masked distributions they were drawn from. SamplingFault when a row has nothing to draw
-    from."""
-    assert req.grammar is not None
-    if req.params.is_greedy:
-        tokens, _ = req.grammar.propose(draft_logits, pick)
-        return tokens, None
-    params, generator = req.params, req.generator
-    tokens, masked = req.grammar.propose(draft_logits, lambda row: draw(sampling_probs(row, params), generator))
-    return tokens, sampling_probs(masked, params)
 
 
 def next_cycle_rows(

@@ -20,6 +20,10 @@ Recipe (z-lab has not published theirs; this follows the DFlash paper):
 4. Output (checkpoint.py): z-lab's format: config.json (Qwen3 fields, architectures ["DFlashDraftModel"],
    `dflash_config` {mask_token_id, target_layer_ids}, block_size, num_target_layers), safetensors shards ≤ 16 MiB
    (+ index), z-lab weight names; it loads in blockspec and in `dflash.model.DFlashDraftModel.from_pretrained`.
+   `--draft-arch dflash2` trains a DFlash2 draft (architectures ["DFlash2DraftModel"], the convolution and selector
+   sizes in `dflash_config`, bare codebooks): grouped dynamic causal convolutions in every layer and the candidate
+   selector, trained with the backbone (the selector by cross-entropy over each row's top-k candidates, the true
+   previous token given); it loads in `dflash.model.DFlash2DraftModel.from_pretrained` too.
    training_info.json beside it records the command, options, commit and results.
 
 The first SmolLM2 demo draft (2 layers, the demo's prompt format, all 7473 GSM8K train questions, 6000 steps of 32

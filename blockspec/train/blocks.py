@@ -7,9 +7,12 @@ lets a block see the context before its anchor and itself (non-causally), nothin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from blockspec.models.candidate_selector import CandidateSelector
 
 IGNORE = -100
 CONTEXT_MULTIPLE = 64  # the training step's context padding on CUDA (build_block_batch's context_multiple)
@@ -92,9 +95,11 @@ class BlockLoss:
 
 
 def block_loss(
-    hidden: torch.Tensor, batch: BlockBatch, lm_head_weight: torch.Tensor, weights: torch.Tensor
+    hidden: torch.Tensor, batch: BlockBatch, lm_head_weight: torch.Tensor, weights: torch.Tensor,
+    selector: Optional[CandidateSelector] = None,
 ) -> BlockLoss:
-    """Weighted CE of block rows 1..B-1 through the frozen target lm_head (the draft has none)."""
+    """Weighted CE of block rows 1..B-1 through the frozen target lm_head (the draft has none); with a DFlash2
+    `selector`, plus its weighted CE over each row's candidates (selector_loss)."""
     n_seq, n_blocks, b_minus_1 = batch.labels.shape
     rows = hidden.view(n_seq, n_blocks, b_minus_1 + 1, -1)[:, :, 1:]
     labelled = batch.labels != IGNORE
@@ -103,6 +108,9 @@ def block_loss(
     w = weights.to(hidden.device).expand(n_seq, n_blocks, -1)[labelled]
     ce = F.cross_entropy(logits, targets, reduction="none")
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    if selector is not None:
+        previous = torch.cat([batch.block_ids[:, :, :1], batch.labels[:, :, :-1]], dim=2)[labelled]
+        loss = loss + selector_loss(selector, rows[labelled], logits, previous, targets, w)
     with torch.no_grad():
         correct = torch.zeros_like(labelled)
         correct[labelled] = logits.argmax(-1) == targets
@@ -110,3 +118,21 @@ def block_loss(
         accept = 1.0 + run[batch.block_valid].mean().item() if batch.block_valid.any() else 1.0
         accuracy = correct[labelled].float().mean().item() if labelled.any() else 0.0
     return BlockLoss(loss, accuracy, accept)
+
+
+def selector_loss(
+    selector: CandidateSelector, rows: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
+    targets: torch.Tensor, weights: torch.Tensor,
+) -> torch.Tensor:
+    """Weighted CE of the selector's scores over each labelled row's top-k candidates, the row's previous token the
+    true one (teacher-forced, as the backbone's loss), on the rows whose label is among their candidates (the others
+    cannot be proposed: the backbone's loss is what pulls their label in). rows [R, H], logits [R, V], previous,
+    targets, weights [R]."""
+    unary, ids = selector.candidates(logits)
+    hit = ids == targets[:, None]
+    present = hit.any(-1)
+    if not bool(present.any()):
+        return logits.new_zeros(())
+    scores = selector.scores_after(rows[present], previous[present], ids[present], unary[present])
+    ce = F.cross_entropy(scores, hit[present].float().argmax(-1), reduction="none")
+    return (ce * weights[present]).sum() / weights[present].sum().clamp(min=1e-6)

@@ -1,4 +1,4 @@
-"""Saves a trained draft in z-lab's DFlash checkpoint format (loads in blockspec and in `dflash`)."""
+"""Saves a trained draft in z-lab's DFlash or DFlash2 checkpoint format (loads in blockspec and in `dflash`)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from blockspec.models.config import TargetConfig, load_json
 from blockspec.models.draft_config import parse_draft_config
+from blockspec.models.draft_loading import draft_parameter_name
 from blockspec.models.loader import iter_safetensors, resolve_dtype
 from blockspec.train.model import DraftArch, TrainableDraft
 
@@ -28,7 +29,7 @@ QWEN3_KEYS = (
 def draft_config_dict(
     arch: DraftArch, target: TargetConfig, layer_ids: list[int], block_size: int, mask_token_id: int, dtype: str
 ) -> dict[str, Any]:
-    """A Qwen3 config (so transformers builds the reference model from it) plus DFlash's fields."""
+    """A Qwen3 config (so transformers builds the reference model from it) plus DFlash's fields (and DFlash2's)."""
     from transformers import Qwen3Config
 
     config = Qwen3Config(
@@ -49,13 +50,20 @@ def draft_config_dict(
         pad_token_id=None,
     )
     raw = {key: value for key, value in config.to_dict().items() if key in QWEN3_KEYS}
+    dflash_config: dict[str, Any] = {
+        "mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in layer_ids],
+    }
+    if arch.dflash2 is not None:
+        fields = arch.dflash2
+        dflash_config.update(conv_kernel_size=fields.conv_kernel_size, conv_group_size=fields.conv_group_size,
+                             selector_rank=fields.selector_rank, selector_top_k=fields.selector_top_k)
     raw.update(
-        architectures=["DFlashDraftModel"],
+        architectures=["DFlashDraftModel" if arch.dflash2 is None else "DFlash2DraftModel"],
         model_type="qwen3",
         dtype=dtype,
         block_size=block_size,
         num_target_layers=target.num_layers,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in layer_ids]},
+        dflash_config=dflash_config,
     )
     return raw
 
@@ -119,11 +127,12 @@ def load_trainable_draft(draft_dir: str | Path, target: TargetConfig) -> tuple[T
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope.theta, num_taps=len(config.target_layer_ids),
         max_position_embeddings=int(raw.get("max_position_embeddings", target.max_position_embeddings)),
+        dflash2=config.dflash2, block_size=config.block_size,
     )
     model = TrainableDraft(arch)
-    state = {name.removeprefix("model."): t for name, t in iter_safetensors(draft_dir)}
+    state = {draft_parameter_name(name): t for name, t in iter_safetensors(draft_dir)}
     result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"{draft_dir}: weights do not match a DFlash draft (missing {result.missing_keys[:3]}, "
+        raise ValueError(f"{draft_dir}: weights do not match its architecture (missing {result.missing_keys[:3]}, "
                          f"unexpected {result.unexpected_keys[:3]})")
     return model, config.target_layer_ids, config.block_size

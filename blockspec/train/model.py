@@ -1,17 +1,23 @@
-"""The DFlash draft as a plain, differentiable module whose parameter names are z-lab's checkpoint names.
+"""The DFlash (or DFlash2) draft as a plain, differentiable module whose parameter names are z-lab's checkpoint names.
 
 `forward` runs many blocks of many sequences at once: queries are the blocks' tokens, keys/values are
-[projected context features of the whole sequence ; all block tokens], and the mask decides who sees what."""
+[projected context features of the whole sequence ; all block tokens], and the mask decides who sees what. A DFlash2
+draft's layers also convolve each block's rows around attention and MLP (models/grouped_conv.py), and it carries the
+candidate selector (models/candidate_selector.py) that blocks.py's loss trains with the backbone."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.rotary import RopeConfig, inverse_frequencies
+from blockspec.models.candidate_selector import CandidateSelector
 from blockspec.models.config import TargetConfig
+from blockspec.models.draft_config import DFlash2Fields
+from blockspec.models.grouped_conv import GroupedDynamicCausalConv
 
 
 @dataclass
@@ -26,10 +32,13 @@ class DraftArch:
     rope_theta: float
     num_taps: int
     max_position_embeddings: int
+    dflash2: Optional[DFlash2Fields] = None  # None: a DFlash draft
+    block_size: int = 16  # the rows each DFlash2 convolution runs over
 
     @classmethod
     def from_target(
-        cls, target: TargetConfig, num_layers: int, num_taps: int, intermediate_size: int | None
+        cls, target: TargetConfig, num_layers: int, num_taps: int, intermediate_size: int | None,
+        dflash2: Optional[DFlash2Fields] = None, block_size: int = 16,
     ) -> "DraftArch":
         """Qwen3-style layers with the target's widths (what z-lab's drafts do); plain rope at the target's theta."""
         return cls(
@@ -43,6 +52,8 @@ class DraftArch:
             rope_theta=target.rope.theta,
             num_taps=num_taps,
             max_position_embeddings=target.max_position_embeddings,
+            dflash2=dflash2,
+            block_size=block_size,
         )
 
 
@@ -122,13 +133,43 @@ class Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class ConvLayer(Layer):
+    """A DFlash2 layer: attention and MLP each between the two halves of a grouped dynamic causal convolution."""
+
+    def __init__(self, arch: DraftArch, fields: DFlash2Fields) -> None:
+        super().__init__(arch)
+        self.block_size = arch.block_size
+        taps, group = fields.conv_kernel_size, fields.conv_group_size
+        self.attention_conv = GroupedDynamicCausalConv(arch.hidden_size, taps, group)
+        self.mlp_conv = GroupedDynamicCausalConv(arch.hidden_size, taps, group)
+
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self._around(self.attention_conv, self.input_layernorm(x),
+                             lambda h: self.self_attn(h, context, rope_q, rope_k, mask))
+        return x + self._around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
+
+    def _around(self, conv: GroupedDynamicCausalConv, x: torch.Tensor, sublayer: nn.Module | Callable) -> torch.Tensor:
+        """after(sublayer(before(x))) on x [N, n·B, H] (n whole blocks per sequence)."""
+        shape, b = x.shape, self.block_size
+        convolved, dynamic = conv.before(x.reshape(-1, shape[-1]), b)
+        return conv.after(sublayer(convolved.view(shape)).reshape(-1, shape[-1]), dynamic, b).view(shape)
+
+
 class TrainableDraft(nn.Module):
-    """state_dict() names are exactly z-lab's: layers.N.self_attn.*, layers.N.mlp.*, fc, hidden_norm, norm."""
+    """state_dict() names are exactly z-lab's: layers.N.self_attn.*, layers.N.mlp.*, fc, hidden_norm, norm; for
+    DFlash2 also layers.N.{attention,mlp}_conv.* and candidate_selector.* (the codebooks bare, as published)."""
 
     def __init__(self, arch: DraftArch) -> None:
         super().__init__()
         self.arch = arch
-        self.layers = nn.ModuleList(Layer(arch) for _ in range(arch.num_layers))
+        fields = arch.dflash2
+        self.layers = nn.ModuleList(
+            (Layer(arch) if fields is None else ConvLayer(arch, fields)) for _ in range(arch.num_layers)
+        )
+        self.candidate_selector = None if fields is None else CandidateSelector(arch.hidden_size, fields)
         self.fc = nn.Linear(arch.num_taps * arch.hidden_size, arch.hidden_size, bias=False)
         self.hidden_norm = Norm(arch.hidden_size, arch.rms_norm_eps)
         self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
@@ -138,12 +179,20 @@ class TrainableDraft(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
+        """Linear weights and the selector's codebooks ~ N(0, std), norms 1; a convolution starts as the identity
+        (tap 0 weighs 1, the others 0: the dynamic weights start small)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, nn.Linear):
                     module.weight.normal_(0.0, std)
                 elif isinstance(module, Norm):
                     module.weight.fill_(1.0)
+                elif isinstance(module, GroupedDynamicCausalConv):
+                    module.base_kernel.zero_()
+                    module.base_kernel[:, 0] = 1.0
+                elif isinstance(module, CandidateSelector):
+                    module.predecessor_codebook.normal_(0.0, std)
+                    module.successor_codebook.normal_(0.0, std)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.float()

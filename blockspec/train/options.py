@@ -38,6 +38,11 @@ class TrainOptions:
     intermediate_size: Optional[int] = None
     mask_token_id: Optional[int] = None
     init_from: Optional[str] = None
+    draft_arch: str = "dflash"  # dflash2: grouped dynamic causal convolutions + a candidate selector
+    conv_kernel_size: int = 4
+    conv_group_size: int = 64
+    selector_rank: int = 256
+    selector_top_k: int = 16
     # data generation (the target's own greedy responses)
     max_new_tokens: int = 512
     num_prompts: Optional[int] = None
@@ -134,8 +139,10 @@ class TrainOptions:
             raise ValueError(
                 f"--block-size must be >= 2 (the anchor token plus at least one prediction), got {self.block_size}"
             )
+        if self.draft_arch not in ("dflash", "dflash2"):
+            raise ValueError(f"--draft-arch must be dflash or dflash2, got {self.draft_arch!r}")
         for name in ("num_layers", "steps", "batch_size", "blocks_per_seq", "max_new_tokens", "gen_batch_size",
-                     "gen_workers"):
+                     "gen_workers", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < self.block_size + 2:
@@ -198,6 +205,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     arch.add_argument("--intermediate-size", type=int, default=None, help="draft MLP size (default: the target's)")
     arch.add_argument("--mask-token-id", type=int, default=None,
                       help="mask token (default: an id inside the vocab the target never emits)")
+    arch.add_argument("--draft-arch", choices=["dflash", "dflash2"], default=defaults.draft_arch,
+                      help="dflash2: grouped dynamic causal convolutions around attention and MLP and a candidate "
+                      "selector, trained with the backbone (z-lab's DFlash2DraftModel format)")
+    arch.add_argument("--conv-kernel-size", type=int, default=defaults.conv_kernel_size,
+                      help="dflash2: convolution taps (rows of the block before and at each row)")
+    arch.add_argument("--conv-group-size", type=int, default=defaults.conv_group_size,
+                      help="dflash2: channels sharing one dynamic convolution weight (must divide the hidden size)")
+    arch.add_argument("--selector-rank", type=int, default=defaults.selector_rank, help="dflash2: codebook width")
+    arch.add_argument("--selector-top-k", type=int, default=defaults.selector_top_k,
+                      help="dflash2: candidates per draft row (the target lm_head's top k)")
     arch.add_argument("--init-from", default=None,
                       help="start from this draft checkpoint's weights (same architecture and taps): continue training")
     gen = parser.add_argument_group("data generation")

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from blockspec.models.config import TargetConfig, load_json, load_target_config
+from blockspec.models.draft_config import DFlash2Fields, parse_dflash2_fields
 from blockspec.train.checkpoint import draft_config_dict, load_trainable_draft, save_draft, write_json
 from blockspec.train.devices import dtype_name, init_distributed, resolve_device, resolve_target_dtype
 from blockspec.train.data import (
@@ -73,6 +74,8 @@ def _build_draft(
     mask_token_id = options.mask_token_id
     if options.init_from is not None:
         draft, init_ids, _ = load_trainable_draft(options.init_from, target)
+        if (draft.arch.dflash2 is not None) != (options.draft_arch == "dflash2"):
+            raise ValueError(f"--init-from {options.init_from} is not a --draft-arch {options.draft_arch} draft")
         if options.target_layer_ids is not None and init_ids != layer_ids:
             raise ValueError(
                 f"--init-from {options.init_from} taps layers {init_ids}, not --target-layer-ids {layer_ids}"
@@ -84,9 +87,21 @@ def _build_draft(
         mask_token_id = default_mask_token_id(tokenizer, target.vocab_size, used)
     elif mask_token_id in used:
         logger.warning("--mask-token-id %d occurs in the training data", mask_token_id)
-    arch = DraftArch.from_target(target, options.num_layers, len(layer_ids), options.intermediate_size)
+    arch = DraftArch.from_target(target, options.num_layers, len(layer_ids), options.intermediate_size,
+                                 dflash2_fields(options, target), options.block_size)
     torch.manual_seed(options.seed)
     return TrainableDraft(arch), layer_ids, mask_token_id
+
+
+def dflash2_fields(options: TrainOptions, target: TargetConfig) -> Optional[DFlash2Fields]:
+    """--draft-arch dflash2's convolution and selector sizes, checked against the target as a checkpoint's are."""
+    if options.draft_arch != "dflash2":
+        return None
+    return parse_dflash2_fields({
+        "architectures": ["DFlash2DraftModel"], "conv_kernel_size": options.conv_kernel_size,
+        "conv_group_size": options.conv_group_size, "selector_rank": options.selector_rank,
+        "selector_top_k": options.selector_top_k,
+    }, target, target.hidden_size)
 
 
 @dataclass

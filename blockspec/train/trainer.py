@@ -202,7 +202,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         with self._autocast():
             hidden = self.model(embeds, batch.positions, batch.features, batch.mask)
-            result = block_loss(hidden, batch, self.target.lm_head_weight, self.weights)
+            result = block_loss(hidden, batch, self.target.lm_head_weight, self.weights, self.draft.candidate_selector)
         result.loss.backward()
         return result
 

@@ -264,7 +264,7 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
         monkeypatch.setattr(DFlashWorker, "verify_lengths", property(lambda self: (4,)))
         monkeypatch.setattr(DFlashWorker, "calibrate_verify_lengths", lambda self: None)
         monkeypatch.setattr(DFlashWorker, "_verify_forward", lambda self, batch: run_attention(target, batch))
-        monkeypatch.setattr(DFlashWorker, "_draft_logits", lambda self, batch: run_attention(draft, batch))
+        monkeypatch.setattr(DFlashWorker, "_draft_proposals", lambda self, batch: run_attention(draft, batch))
         worker.init_cuda_graphs()
         assert {kind for kind, _ in graphs.by_kind} == {GraphKind.VERIFY, GraphKind.DRAFT}
     else:

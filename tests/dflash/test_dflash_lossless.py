@@ -147,8 +147,8 @@ def write_draft_config(root: Path, name: str, **changes: Any) -> Path:
         ({"dflash_config.mask_token_id": 5000}, "mask_token_id"),
         ({"dflash_config.target_layer_ids": [0, 9]}, "target_layer_ids"),
         ({"hidden_size": 48}, "hidden_size"),
-        ({"conv_kernel_size": 4}, "DFlash2"),
-        ({"architectures": ["DFlash2DraftModel"]}, "not supported"),
+        ({"conv_kernel_size": 4}, "DFlash2 draft config lacks 'conv_group_size'"),
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 draft config lacks 'conv_kernel_size'"),
     ],
 )
 def test_bad_draft_config_fails_clearly(models: dict[str, Any], changes: dict[str, Any], message: str) -> None:
@@ -184,9 +184,14 @@ def leading_matches(proposals: list[int], target_argmax: list[int]) -> int:
 
 def test_greedy_cycle_equals_propose_then_verify(models: dict[str, Any]) -> None:
     """The one-graph greedy cycle (run eagerly here) gives the two-step path's proposals and target argmax."""
-    engine = engine_for(models["root"], "trained_draft", 4)
+    assert_cycle_equals_propose_then_verify(engine_for(models["root"], "trained_draft", 4), PROMPTS[:5])
+
+
+def assert_cycle_equals_propose_then_verify(engine: Engine, prompts: list[list[int]]) -> None:
+    """One greedy cycle (greedy_cycle_tokens) for the prefilled `prompts` equals propose then verify: proposals,
+    target argmax and accepted counts, some but not all proposals accepted; the pools are free after."""
     worker, runner = engine.worker, engine.runner
-    reqs = prefilled(engine, PROMPTS[:5], GREEDY)
+    reqs = prefilled(engine, prompts, GREEDY)
     b = worker.block_size
     for req in reqs:
         runner.allocator.grow(req, req.kv_len + b, runner.req_to_token)

@@ -59,17 +59,33 @@ def test_sampled_continuations_follow_target(
     tmp_path: Path, params: dict[str, float], verify_lengths: Optional[list[int]], kind: str
 ) -> None:
     """Also with the verify length changing every cycle (1: a plain sampled target step); a dense and an MoE target."""
-    target = save_tiny_model(kind, tmp_path / "target", vocab_size=VOCAB, residual_scale=0.5)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.25)  # undo the test models' sharpening: a spread-out distribution
-    target.save_pretrained(tmp_path / "target")
+    target = save_spread_target(tmp_path / "target", kind)
     # NOTE: a sharp draft (output_multiplier) proposes from a distribution far from the target's, so a wrong
     # accept rule or residual shows up clearly in the sampled distribution.
     save_tiny_draft(tmp_path / "draft", target, [0, 2], 4, num_layers=1, mask_token_id=VOCAB - 1, output_multiplier=6.0)
+    assert_samples_follow_target(target, tmp_path, params, verify_lengths)
+
+
+def save_spread_target(directory: Path, kind: str = "llama") -> torch.nn.Module:
+    """A tiny model of `kind` over VOCAB tokens whose next-token distributions are spread out (not the test models'
+    sharp ones)."""
+    target = save_tiny_model(kind, directory, vocab_size=VOCAB, residual_scale=0.5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # undo the test models' sharpening
+    target.save_pretrained(directory)
+    return target
+
+
+def assert_samples_follow_target(
+    target: torch.nn.Module, root: Path, params: dict[str, float], verify_lengths: Optional[list[int]]
+) -> None:
+    """SAMPLES seeded continuations of PROMPT by DFlash on root/target + root/draft (the verify length cycling
+    through `verify_lengths` when given) follow the target's exact distribution (total variation per position and of
+    positions 1-2 together); some proposals were accepted; the KV pool is free after."""
     engine = Engine(
-        model_path=str(tmp_path / "target"), device="cpu", dtype="float32", max_total_tokens=8192,
+        model_path=str(root / "target"), device="cpu", dtype="float32", max_total_tokens=8192,
         max_running_requests=256, skip_tokenizer_init=True, speculative_algorithm="DFLASH",
-        speculative_draft_model_path=str(tmp_path / "draft"),
+        speculative_draft_model_path=str(root / "draft"),
     )
     if verify_lengths is not None:
         engine.worker.verify_policy = CyclingVerifyLength(verify_lengths)

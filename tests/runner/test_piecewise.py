@@ -145,7 +145,7 @@ def test_can_run_decisions(engine: Engine) -> None:
 def test_dflash_refuses_runner_without_aux_capture(tmp_path: Path) -> None:
     pytest.importorskip("dflash.model")
     from blockspec.config.engine_config import EngineConfig
-    from blockspec.models.dflash_draft import load_draft_model
+    from blockspec.models.draft_loading import load_draft_model
     from blockspec.models.draft_config import load_draft_config
     from blockspec.kv.pool import KVPool
     from blockspec.runner.model_runner import ModelRunner

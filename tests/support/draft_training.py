@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +24,12 @@ def target_continuations(target: PreTrainedModel, num_seqs: int, prompt_len: int
 
 
 def train_tiny_draft(
-    draft: torch.nn.Module, target: PreTrainedModel, steps: int = 300, anchors_per_step: int = 8, seed: int = 0, lr: float = 3e-3
+    draft: torch.nn.Module, target: PreTrainedModel, steps: int = 300, anchors_per_step: int = 8, seed: int = 0, lr: float = 3e-3,
+    extra_loss: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
 ) -> torch.nn.Module:
     """DFlash recipe in miniature: random anchors, block = [anchor token, mask...], loss on the next B-1 tokens
-    through the frozen target lm_head, exponentially decaying weights by block position."""
+    through the frozen target lm_head, exponentially decaying weights by block position; plus, per block,
+    `extra_loss(draft rows 1..B-1 [B-1, H], the anchor token, the labels [B-1])` when given."""
     torch.manual_seed(seed)
     seqs = target_continuations(target, 24, 6, 58, seed)
     with torch.no_grad():
@@ -54,6 +57,8 @@ def train_tiny_draft(
             )
             logits = out[0, 1:] @ lm_head.T
             loss = loss + (F.cross_entropy(logits, labels, reduction="none") * weights).sum() / weights.sum()
+            if extra_loss is not None:
+                loss = loss + extra_loss(out[0, 1:], tokens[0], labels)
         optimizer.zero_grad()
         (loss / anchors_per_step).backward()
         optimizer.step()
