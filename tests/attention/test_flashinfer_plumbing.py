@@ -15,6 +15,7 @@ import torch
 from blockspec.attention.factory import resolve_backend_name
 from blockspec.attention.torch_backend import TorchAttentionBackend
 from blockspec.batch import ForwardMode
+from tests.support.fake_cuda_graphs import fake_graph_capture
 
 BACKEND_MODULE = "blockspec.attention.flashinfer_backend"
 
@@ -159,18 +160,13 @@ def test_graphed_forward_replans_before_every_replay(
     fake_backend_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch, mode: ForwardMode, q_len: int,
     window: Optional[int], draft_causal: Optional[bool],
 ) -> None:
-    import contextlib
 
     from blockspec.attention.base import graph_planner
     from blockspec.runner.cuda_graph import GraphedForward
     from blockspec.batch import build_batch
     from tests.attention.test_triton_attention import make_case
 
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
-    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    fake_graph_capture(monkeypatch)
     heads, kv_heads, head_dim = 4, 2, 16
     prefix = [4, 90, 13, 30]
     first, pool_a, pool_b, *_ = make_case(mode, prefix, [q_len] * 4, 16, heads, kv_heads, head_dim, torch.float32)
@@ -211,7 +207,6 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
 ) -> None:
     """Every graph a worker captures plans a host-planned backend outside the capture (the target-only decode graph
     once planned inside it: on the GPU a host→device copy there aborts the capture)."""
-    import contextlib
     from types import SimpleNamespace
 
     from blockspec.kv.allocator import ReqToTokenTable
@@ -221,21 +216,7 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
     from blockspec.worker.target_worker import TargetWorker
     from tests.attention.test_triton_attention import make_case
 
-    capturing = {"now": False}
-
-    @contextlib.contextmanager
-    def fake_capture(*args: Any, **kwargs: Any) -> Iterator[None]:
-        capturing["now"] = True
-        try:
-            yield
-        finally:
-            capturing["now"] = False
-
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    capturing = fake_graph_capture(monkeypatch)
     _, _, pool, *_ = make_case(ForwardMode.DECODE, [4], [1], 1, 4, 2, 16, torch.float32)
     target = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16)
     draft = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16, [None], [False])
@@ -244,7 +225,7 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
         real_plan_wrappers = backend.plan_wrappers
 
         def spy(wrappers: Any, batch: Any, name: str = name, real: Any = real_plan_wrappers) -> None:
-            if capturing["now"]:
+            if capturing.now:
                 planned_inside.append(f"{name} {batch.mode.value}")
             real(wrappers, batch)
 

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from blockspec import Engine  # noqa: E402
 from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from tests.support.engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
-from tests.support.engine_testing import prefilled  # noqa: E402
+from tests.support.engine_testing import overlapped_run_checking_syncs, prefilled  # noqa: E402
 
 pytest.importorskip("dflash.model")
 
@@ -63,21 +63,7 @@ def test_overlapped_cycle_never_syncs(pair: Path) -> None:
     engine = Engine(model_path=str(pair / "target"), dtype="float32", max_total_tokens=4096, skip_tokenizer_init=True,
                     chunked_prefill_size=16, cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="DFLASH",
                     speculative_draft_model_path=str(pair / "draft"))
-    scheduler = engine.scheduler
-    reqs, _ = engine.make_requests(input_ids=PROMPTS[:8], sampling_params=GREEDY)
-    for req in reqs:
-        scheduler.add_request(req)
-    checked = 0
-    while scheduler.has_work:
-        steady = scheduler.steps.in_flight is not None and not scheduler.waiting and all(
-            r.pending_len == 1 for r in scheduler.running)
-        if steady:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            scheduler.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        checked += steady
+    reqs, checked = overlapped_run_checking_syncs(engine, PROMPTS[:8], GREEDY)
     assert checked > 5
     target_only, _ = run_prompts(pair, False, device="cuda")
     assert [r.output_ids for r in reqs] == target_only[:8]

@@ -12,6 +12,7 @@ from blockspec import Engine  # noqa: E402
 from blockspec.batch import ForwardMode  # noqa: E402
 from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from tests.support.engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
+from tests.support.engine_testing import overlapped_run_checking_syncs  # noqa: E402
 
 
 
@@ -151,20 +152,7 @@ def test_overlap_schedule_with_graphs(tiny: Path, page_size: int, spec: bool) ->
     engine = Engine(model_path=str(tiny / "target"), dtype="float32", max_total_tokens=4096, skip_tokenizer_init=True,
                     chunked_prefill_size=16, cuda_graph_bs=[1, 2, 4, 8], page_size=page_size, **flags)
     scheduler = engine.scheduler
-    reqs, _ = engine.make_requests(input_ids=PROMPTS[:8], sampling_params=GREEDY)
-    for req in reqs:
-        scheduler.add_request(req)
-    checked = 0
-    while scheduler.has_work:
-        steady = scheduler.steps.in_flight is not None and not scheduler.waiting and all(
-            r.pending_len == 1 for r in scheduler.running)
-        if steady:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            scheduler.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        checked += steady
+    reqs, checked = overlapped_run_checking_syncs(engine, PROMPTS[:8], GREEDY)
     assert checked > 5
     assert [r.output_ids for r in reqs] == sync[:8] == target_only[:8]
     assert engine.forward_counts["graph"] > 0

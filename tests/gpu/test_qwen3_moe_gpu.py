@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from blockspec import Engine  # noqa: E402
 from blockspec.layers.moe import ExpertRouting, SparseMoe  # noqa: E402
 from tests.support.engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
-from tests.support.engine_testing import hf_greedy  # noqa: E402
+from tests.support.engine_testing import hf_greedy, overlapped_run_checking_syncs  # noqa: E402
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64 * 16])
@@ -87,20 +87,6 @@ def test_overlap_steady_steps_never_sync(moe_pair: dict[str, Any], spec: bool) -
     flags = dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft")) if spec else {}
     engine = Engine(model_path=str(root / "target"), dtype="float32", max_total_tokens=4096, skip_tokenizer_init=True,
                     chunked_prefill_size=16, cuda_graph_bs=[1, 2, 4, 8], **flags)
-    scheduler = engine.scheduler
-    reqs, _ = engine.make_requests(input_ids=PROMPTS[:8], sampling_params=GREEDY)
-    for req in reqs:
-        scheduler.add_request(req)
-    checked = 0
-    while scheduler.has_work:
-        steady = scheduler.steps.in_flight is not None and not scheduler.waiting and all(
-            r.pending_len == 1 for r in scheduler.running)
-        if steady:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            scheduler.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        checked += steady
+    reqs, checked = overlapped_run_checking_syncs(engine, PROMPTS[:8], GREEDY)
     assert checked > 5
     assert [r.output_ids for r in reqs] == sync[:8]

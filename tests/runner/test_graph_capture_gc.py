@@ -4,9 +4,8 @@ torch.cuda's capture replaced by a recorder: garbage from before is collected be
 collection runs inside any capture however low the collector's thresholds."""
 from __future__ import annotations
 
-import contextlib
 import gc
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 import torch
@@ -14,17 +13,18 @@ import torch
 from blockspec.batch import ForwardBatch, ForwardMode
 from blockspec.kv.allocator import ReqToTokenTable
 from blockspec.runner.cuda_graph import GraphedForward
+from tests.support.fake_cuda_graphs import CaptureFlag, fake_graph_capture
 
 
 class DeadCycle:
     """A reference cycle whose finaliser notes whether a capture was in progress when the collector ran it."""
 
-    def __init__(self, events: list[str], capturing: dict[str, bool]) -> None:
+    def __init__(self, events: list[str], capturing: CaptureFlag) -> None:
         self.me = self
         self.events, self.capturing = events, capturing
 
     def __del__(self) -> None:
-        self.events.append("collected inside a capture" if self.capturing["now"] else "collected outside")
+        self.events.append("collected inside a capture" if self.capturing.now else "collected outside")
 
 
 @pytest.fixture()
@@ -38,25 +38,11 @@ def low_thresholds() -> Iterator[None]:
 
 
 def test_graphed_forward_captures_without_collecting(monkeypatch: pytest.MonkeyPatch, low_thresholds: None) -> None:
-    capturing = {"now": False}
+    capturing = fake_graph_capture(monkeypatch)
     events: list[str] = []
 
-    @contextlib.contextmanager
-    def fake_capture(*args: Any, **kwargs: Any) -> Iterator[None]:
-        capturing["now"] = True
-        try:
-            yield
-        finally:
-            capturing["now"] = False
-
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
-
     def forward(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        if capturing["now"]:
+        if capturing.now:
             DeadCycle(events, capturing)  # NOTE: garbage made inside a capture: the collector must wait for the end
             _ = [[i] for i in range(200)]  # allocations that would start a collection
         return (batch.input_ids.float()[:, None] * 2,)

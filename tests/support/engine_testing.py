@@ -87,3 +87,25 @@ def prefilled(engine: Engine, prompts: list[list[int]], sampling_params: dict) -
     finally:
         steps.overlap = overlap
     return reqs
+
+
+def overlapped_run_checking_syncs(engine: Engine, prompts: list[list[int]], sampling_params: dict) -> tuple[list[Req], int]:
+    """Runs `prompts` to the end step by step; every steady overlapped step (the next cycle launched from the last
+    one's device outputs, nothing waiting, one pending token per request) runs under CUDA's sync debug mode 'error',
+    so a synchronising device call there raises. Returns the requests and how many steps were checked."""
+    scheduler = engine.scheduler
+    reqs, _ = engine.make_requests(input_ids=prompts, sampling_params=sampling_params)
+    for req in reqs:
+        scheduler.add_request(req)
+    checked = 0
+    while scheduler.has_work:
+        steady = scheduler.steps.in_flight is not None and not scheduler.waiting and all(
+            r.pending_len == 1 for r in scheduler.running)
+        if steady:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            scheduler.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked += steady
+    return reqs, checked

@@ -24,6 +24,8 @@ from blockspec.train.options import TrainOptions, resolve_layer_ids
 from blockspec.train.pipeline import run
 from tests.support.tiny_models import save_tiny_model
 
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
 REPO = Path(__file__).resolve().parents[2]
 
 
