@@ -44,7 +44,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return generate_prompts_main(args[1:])
     parser, subparsers = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(args)
+    if unknown:  # NOTE: argparse would print the top-level usage; the subcommand's names the flags it takes
+        subparser = subparsers["serve" if ns.command == "serve" else "gsm8k" if ns.command == "eval" else "serving"]
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.command == "serve":
         from blockspec.server.args import serve_args_from_namespace
         from blockspec.server.launch import run_server

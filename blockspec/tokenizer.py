@@ -8,10 +8,15 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from blockspec.chat_templates import chat_template_text
+
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
+                   chat_template: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """The fast tokenizer in `path`; `chat_template` (a shipped template's name or a Jinja file, chat_templates.py)
+    replaces its own chat template."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")
@@ -20,7 +25,10 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
             f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {root}; "
             "pass tokenizer_path or skip_tokenizer_init=True"
         )
-    return AutoTokenizer.from_pretrained(str(root), trust_remote_code=trust_remote_code)
+    if chat_template is None:
+        return AutoTokenizer.from_pretrained(str(root), trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(str(root), trust_remote_code=trust_remote_code,
+                                         chat_template=chat_template_text(chat_template))
 
 
 class ToolsIgnoredError(ValueError):

@@ -48,8 +48,8 @@ class Engine:
             self.tokenizer = None
             if not self.config.skip_tokenizer_init:
                 self.tokenizer = load_tokenizer(
-                    self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code
-                )
+                    self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code,
+                    self.config.chat_template)
             self.runner, self.worker = build_workers(self.config, None if self.ranks is None else self.ranks.tp)
             self.worker.init_cuda_graphs()
             if self.runner.forward_mirror is not None:

@@ -43,6 +43,7 @@ class ServerSettings:
 class ServeArgs:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig keyword arguments
     server: ServerSettings = field(default_factory=ServerSettings)
+    notes: list[str] = field(default_factory=list)  # what accepted SGLang flags do here, printed at start-up
 
 
 def _flag(name: str) -> str:
@@ -161,7 +162,7 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
     engine["log_level"] = values["log_level"]
     if engine["dtype"] == "half":
         engine["dtype"] = "float16"
-    apply_compat_flags(values, engine, parser)
+    notes = apply_compat_flags(values, engine, parser)
     if engine["max_prefill_wait_steps"] is None:
         # NOTE: DFlash serving keeps more of the offline engine's throughput with arrivals held one step (fewer, larger
         # extend steps, each of which stalls every running cycle); measured in docs/performance.md
@@ -189,7 +190,7 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
         EngineConfig.from_kwargs(**engine)
     except ValueError as exc:
         parser.error(_flagify(str(exc)))
-    return ServeArgs(engine=engine, server=server)
+    return ServeArgs(engine=engine, server=server, notes=notes)
 
 
 def usable_cpu_count() -> Optional[int]:

@@ -84,6 +84,8 @@ def run_server(args: ServeArgs) -> int:
     """Starts the engine process (and the extra HTTP server processes of --api-server-count), then serves until
     interrupted. Returns the process exit code: 1 when the model cannot be loaded or the engine process dies."""
     logging.basicConfig(level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for note in args.notes:
+        print(f"blockspec: {note}", file=sys.stderr, flush=True)
     count = args.server.api_server_count
     addresses = EngineAddresses.create(count)
     engine_loop = EngineLoop(EngineProcess(args.engine, args.server.log_level), addresses=addresses)

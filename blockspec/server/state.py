@@ -111,7 +111,9 @@ class ServerState:
     def build(cls, loop: EngineLoop, settings: ServerSettings) -> "ServerState":
         info = loop.info
         assert info is not None and loop.metrics is not None, "the engine must be launched (or in-process) first"
-        tokenizer = load_tokenizer(info.tokenizer_path, info.trust_remote_code) if info.has_tokenizer else None
+        tokenizer = None
+        if info.has_tokenizer:
+            tokenizer = load_tokenizer(info.tokenizer_path, info.trust_remote_code, info.chat_template)
         encoder = None
         if tokenizer is not None:  # NOTE: copies of their own: one on the event loop, one on the encoder's thread
             loop.texts = OutputTexts(backend_of(load_tokenizer(info.tokenizer_path, info.trust_remote_code)))
