@@ -33,6 +33,8 @@ def test_working_flags() -> None:
                              "--log-requests"])
     assert args.engine["chat_template"] == "chatml" and args.server.log_level == "info"
     assert args.engine["log_level"] == "warning"  # NOTE: only the HTTP server's access log gets louder
+    assert any("--tool-call-parser qwen3" in note for note in args.notes)
+    assert not parse_serve_args([*BASE, "--chat-template", "llama3", "--tool-call-parser", "llama3"]).notes
     EngineConfig.from_kwargs(**args.engine)
 
 

@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from blockspec.chat_templates import CHAT_TEMPLATES
 from blockspec.config.engine_config import EngineConfig
 from blockspec.config.flags import ENGINE_FLAGS
 from blockspec.server.compat_flags import add_compat_arguments, apply_compat_flags
@@ -186,6 +187,10 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
         parser.error(f"--api-server-count must be in [1, 64], got {server.api_server_count}")
     if server.timeout_keep_alive < 1:
         parser.error(f"--timeout-keep-alive must be >= 1, got {server.timeout_keep_alive}")
+    template_parser = CHAT_TEMPLATES.get(engine["chat_template"] or "")
+    if template_parser is not None and server.tool_call_parser != template_parser:
+        notes.append(f"--chat-template {engine['chat_template']} asks the model for tool calls in the format "
+                     f"--tool-call-parser {template_parser} reads; pass it, or requests with tools are not parsed")
     try:
         EngineConfig.from_kwargs(**engine)
     except ValueError as exc:
