@@ -138,7 +138,8 @@ def run_server(args: ServeArgs) -> int:
 
 
 def _port_in_use(host: str, port: int) -> Optional[str]:
-    """Why `host:port` cannot be listened on (as uvicorn would, SO_REUSEADDR), or None when it can; port 0 always can."""
+    """Why `host:port` cannot be listened on (bound as uvicorn binds it, SO_REUSEADDR), or None when it can; port 0
+    always can."""
     if port == 0:
         return None
     try:
