@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from blockspec.chat_templates import chat_template_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -17,6 +19,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
                    chat_template: Optional[str] = None) -> PreTrainedTokenizerBase:
     """The fast tokenizer in `path`; `chat_template` (a shipped template's name or a Jinja file, chat_templates.py)
     replaces its own chat template."""
+    from transformers import AutoTokenizer  # NOTE: here: modules that only detokenise or parse flags skip its import
+
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from blockspec.chat_templates import chat_template_text
 from blockspec.config.deterministic import resolve_deterministic_backend
 from blockspec.config.speculative_flags import accept_distribution, check_schedule_covers, parse_verify_schedule
+
+if TYPE_CHECKING:
+    import torch
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SPECULATIVE_ALGORITHMS = (None, "DFLASH")
@@ -252,6 +253,8 @@ class EngineConfig:
 
     @property
     def resolved_device(self) -> torch.device:
+        import torch  # NOTE: here, not at the top: the CLI's --help builds its flags from this module, without torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)

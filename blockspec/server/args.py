@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from blockspec.chat_templates import CHAT_TEMPLATES
+from blockspec.cli_help import DefaultsHelpFormatter
 from blockspec.config.engine_config import EngineConfig
 from blockspec.config.flags import ENGINE_FLAGS
 from blockspec.server.compat_flags import add_compat_arguments, apply_compat_flags
@@ -90,7 +91,8 @@ _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--api-key", dict(help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")),
     ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                                    help="waiting requests beyond it get 503")),
-    ("--served-model-name", dict(help="model id reported by /v1/models (default: the model path)")),
+    ("--served-model-name", dict(help="model id reported by /v1/models (default: the model directory's name, or the "
+                                      "hub id; requests may name the --model-path too)")),
     ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS,
                          help="info and debug add an access log line per request (default warning)")),
     ("--tool-call-parser", dict(
@@ -142,7 +144,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_serve_parser(prog: str = "blockspec serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI- and SGLang-compatible).")
+    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI- and SGLang-compatible).",
+                                     formatter_class=DefaultsHelpFormatter)
     add_serve_arguments(parser)
     return parser
 

@@ -6,10 +6,13 @@ import hashlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from blockspec.models.config import TargetConfig
-from blockspec.models.draft_config import default_target_layer_ids
+from blockspec.cache_root import default_cache_root
+from blockspec.cli_help import DefaultsHelpFormatter
+
+if TYPE_CHECKING:
+    from blockspec.models.config import TargetConfig
 
 # DFlash paper: loss decay γ per block size (w_k = exp(-(k-1)/γ)); other sizes interpolate.
 PAPER_LOSS_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -93,8 +96,6 @@ class TrainOptions:
         which is the checkpoint that gets shipped)."""
         if self.cache_dir:
             return Path(self.cache_dir)
-        from blockspec.models.smollm2 import default_cache_root
-
         key = f"{Path(self.target_model_path).resolve()}\n{Path(self.data).resolve()}"
         if self.mix_data is not None:  # NOTE: mixing changes which prompt sits at which cache index
             key += f"\n{Path(self.mix_data).resolve()}\n{self.mix_ratio}"
@@ -168,6 +169,9 @@ class TrainOptions:
 
 def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
     """The taps: given ids checked against the target's layers, else z-lab's default spread."""
+    # NOTE: here, not at the top: `train-draft --help` parses flags without torch (the models import it)
+    from blockspec.models.draft_config import default_target_layer_ids
+
     if options.target_layer_ids is None:
         return default_target_layer_ids(target.num_layers, options.num_layers)
     ids = list(options.target_layer_ids)
@@ -184,8 +188,9 @@ def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainOptions("", "", "")
-    req = parser.add_argument_group("required")
-    req.add_argument("--target-model-path", required=True, help="HF-style target directory (Llama-3.x / Qwen3)")
+    req = parser.add_argument_group("target, data and output")
+    req.add_argument("--target-model-path", required=True, help="HF-style target directory (Llama-3.x / Qwen3); "
+                     "required")
     req.add_argument("--data", default="", help="JSON lines: chat `messages`, `text`, `question` or `input_ids` "
                      "(required unless --eval-only)")
     req.add_argument("--out", default="", help="output directory for the z-lab format draft checkpoint "
@@ -278,6 +283,7 @@ def options_from_namespace(ns: argparse.Namespace) -> TrainOptions:
 
 
 def parse_options(argv: Optional[Sequence[str]], prog: str = "blockspec train-draft") -> TrainOptions:
-    parser = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.")
+    parser = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.",
+                                     formatter_class=DefaultsHelpFormatter)
     add_train_arguments(parser)
     return options_from_namespace(parser.parse_args(argv))
