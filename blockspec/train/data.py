@@ -220,20 +220,26 @@ def generate_missing(
     started, tokens = time.perf_counter(), 0
     try:
         bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
+
+        def show_tokens(generated: int) -> None:
+            bar.set_postfix_str(f"{generated} tokens, {generated / (time.perf_counter() - started):.0f} token/s",
+                                refresh=False)
+            bar.update(0)  # NOTE: redraws at most every tqdm mininterval
+
         done: list[Sample] = []
         # NOTE: generate_iter keeps the running batch full (per-chunk generate calls drained it at each chunk's
         # end); the cache gets every `batch_size` finished responses, and what finished before an error
         try:
-            for position, out in engine.generate_iter([prompts[i] for i in todo], params):
+            for position, out in engine.generate_iter([prompts[i] for i in todo], params,
+                                                      show_tokens if progress else None):
                 done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
                 tokens += len(out["output_ids"])
+                bar.update(1)  # NOTE: each response as it finishes; the cache takes them `batch_size` at a time
                 if len(done) >= batch_size:
                     cache.append(done)
-                    bar.update(len(done))
                     done = []
         finally:
             cache.append(done)
-        bar.update(len(done))
         bar.close()
         seconds = time.perf_counter() - started
         logger.info(
