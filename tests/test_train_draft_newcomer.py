@@ -100,3 +100,18 @@ def test_ctrl_c_during_training_saves_a_loadable_checkpoint(target: Path, tmp_pa
     assert info["result"]["interrupted"] is True and info["result"]["steps"] >= 1
     draft, layer_ids, _ = load_trainable_draft(str(out), load_target_config(str(target)))
     assert layer_ids == [0, 2] and all(torch.isfinite(p).all() for p in draft.parameters())
+
+
+def test_generate_iter_reports_tokens_every_step(target: Path) -> None:
+    from blockspec import Engine
+
+    engine = Engine(model_path=str(target), device="cpu", dtype="float32", skip_tokenizer_init=True,
+                    max_total_tokens=1024)
+    counts: list[int] = []
+    try:
+        outputs = [out for _, out in engine.generate_iter([[5, 6, 7], [8, 9]], {"max_new_tokens": 6,
+                                                                                  "ignore_eos": True}, counts.append)]
+    finally:
+        engine.shutdown()
+    assert counts == sorted(counts) and len(counts) >= 6  # NOTE: one count per engine step, as the tokens grow
+    assert counts[-1] == sum(len(out["output_ids"]) for out in outputs) == 12

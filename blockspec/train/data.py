@@ -18,6 +18,7 @@ from tqdm import tqdm
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
+TOKEN_PROGRESS_INTERVAL_S = 1.0  # the response bar's token count is redrawn at most this often
 
 PROMPT_KEYS = ("messages", "text", "question", "input_ids")
 HELDOUT_SPLIT = "heldout"  # records marked `"split": "heldout"` are evaluation prompts, never training data
@@ -221,10 +222,14 @@ def generate_missing(
     try:
         bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
 
+        drawn = started  # NOTE: when the token count was last drawn
+
         def show_tokens(generated: int) -> None:
-            bar.set_postfix_str(f"{generated} tokens, {generated / (time.perf_counter() - started):.0f} token/s",
-                                refresh=False)
-            bar.update(0)  # NOTE: redraws at most every tqdm mininterval
+            nonlocal drawn
+            now = time.perf_counter()
+            if now - drawn >= TOKEN_PROGRESS_INTERVAL_S:
+                drawn = now
+                bar.set_postfix_str(f"{generated} tokens, {generated / (now - started):.0f} token/s")
 
         done: list[Sample] = []
         # NOTE: generate_iter keeps the running batch full (per-chunk generate calls drained it at each chunk's
