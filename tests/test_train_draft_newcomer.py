@@ -115,3 +115,13 @@ def test_generate_iter_reports_tokens_every_step(target: Path) -> None:
         engine.shutdown()
     assert counts == sorted(counts) and len(counts) >= 6  # NOTE: one count per engine step, as the tokens grow
     assert counts[-1] == sum(len(out["output_ids"]) for out in outputs) == 12
+
+
+def test_token_postfix_shows_tokens_and_rate() -> None:
+    from tqdm import tqdm
+
+    from blockspec.train.token_progress import TokenPostfix
+
+    with tqdm(total=4, disable=False) as bar:
+        TokenPostfix(bar, redraw_interval_s=0.0)(120)
+        assert bar.postfix is not None and bar.postfix.startswith("120 tokens, ") and "token/s" in bar.postfix

@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
+from blockspec.train.token_progress import TokenPostfix
 
 logger = logging.getLogger(__name__)
-TOKEN_PROGRESS_INTERVAL_S = 1.0  # the response bar's token count is redrawn at most this often
 
 PROMPT_KEYS = ("messages", "text", "question", "input_ids")
 HELDOUT_SPLIT = "heldout"  # records marked `"split": "heldout"` are evaluation prompts, never training data
@@ -221,22 +221,12 @@ def generate_missing(
     started, tokens = time.perf_counter(), 0
     try:
         bar = tqdm(total=len(todo), desc="generating responses", unit="prompt", disable=not progress)
-
-        drawn = started  # NOTE: when the token count was last drawn
-
-        def show_tokens(generated: int) -> None:
-            nonlocal drawn
-            now = time.perf_counter()
-            if now - drawn >= TOKEN_PROGRESS_INTERVAL_S:
-                drawn = now
-                bar.set_postfix_str(f"{generated} tokens, {generated / (now - started):.0f} token/s")
-
         done: list[Sample] = []
         # NOTE: generate_iter keeps the running batch full (per-chunk generate calls drained it at each chunk's
         # end); the cache gets every `batch_size` finished responses, and what finished before an error
         try:
             for position, out in engine.generate_iter([prompts[i] for i in todo], params,
-                                                      show_tokens if progress else None):
+                                                      TokenPostfix(bar) if progress else None):
                 done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
                 tokens += len(out["output_ids"])
                 bar.update(1)  # NOTE: each response as it finishes; the cache takes them `batch_size` at a time

@@ -6,6 +6,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from blockspec.train.token_progress import TokenPostfix
+
 MAX_EVAL_KV_SLOTS = 65536
 
 
@@ -28,7 +30,7 @@ def measure_acceptance(
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
         outputs: list[dict[str, Any]] = []
         with tqdm(total=len(prompts), desc="evaluating draft", unit="prompt", disable=not progress) as bar:
-            for _, output in engine.generate_iter(prompts, params):
+            for _, output in engine.generate_iter(prompts, params, TokenPostfix(bar) if progress else None):
                 outputs.append(output)
                 bar.update(1)
         state = engine.get_server_info()["internal_states"][0]
