@@ -46,9 +46,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     options, cpu_defaults = parse_options(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cpu_defaults:
-        print("blockspec train-draft: a CPU run: " + " ".join(f"--{name.replace('_', '-')} {value}"
-                                                              for name, value in cpu_defaults.items())
-              + " (CPU defaults; pass any of them to change it)", file=sys.stderr, flush=True)
+        flags = [f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+                 for name, value in cpu_defaults.items()]
+        print(f"blockspec train-draft: a CPU run: {' '.join(flags)} (CPU defaults; pass any of them to change it)",
+              file=sys.stderr, flush=True)
     try:
         summary = _run(options, args)
     except (FileNotFoundError, ValueError) as error:

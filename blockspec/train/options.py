@@ -6,7 +6,7 @@ import hashlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from blockspec.cache_root import default_cache_root
 from blockspec.cli_help import DefaultsHelpFormatter
@@ -187,11 +187,12 @@ def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
 
 
 # NOTE: what a run without these flags uses on a CPU instead of TrainOptions' GPU-sized defaults, whose 2000 steps of
-# 16 sequences of 512-token responses take hours there: a short run on short responses, so that a first try on the demo
-# pair (SmolLM2-135M) ends in a saved, evaluated checkpoint
-CPU_DEFAULTS: dict[str, int] = {
-    "steps": 150, "batch_size": 4, "blocks_per_seq": 8, "max_seq_len": 512, "max_new_tokens": 128,
-    "num_eval_prompts": 4, "eval_max_new_tokens": 64, "gen_batch_size": 16,
+# 16 sequences of 512-token responses take hours there: a short run on short responses, its target features computed
+# once (the target's forward was most of a CPU step), so that a first try on the demo pair (SmolLM2-135M) ends in a
+# saved, evaluated checkpoint within minutes
+CPU_DEFAULTS: dict[str, Union[int, bool]] = {
+    "steps": 100, "batch_size": 4, "blocks_per_seq": 8, "max_seq_len": 512, "max_new_tokens": 128,
+    "num_eval_prompts": 4, "eval_max_new_tokens": 32, "gen_batch_size": 16, "cache_features": True,
 }
 
 
@@ -261,9 +262,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
     train.add_argument("--loss-decay", type=float, default=None,
                        help="γ of the position weights exp(-(k-1)/γ) (default 7 for block 16, as DFlash)")
-    train.add_argument("--cache-features", action="store_true",
+    train.add_argument("--cache-features", action="store_true", default=None,
                        help="keep every sequence's target features in device memory after its first use "
-                            "(tokens x taps x hidden values each; skips the target forward in later epochs)")
+                            "(tokens x taps x hidden values each; skips the target forward in later epochs; default: "
+                            "off on a GPU, on on a CPU)")
     train.add_argument("--compile-draft", action="store_true",
                        help="torch.compile the draft's training forward (dynamic shapes: the context length varies "
                        "by batch); the first steps compile, inside --max-train-minutes")
@@ -306,7 +308,7 @@ def runs_on_cpu(device: str) -> bool:
     return device == "cpu"
 
 
-def options_from_namespace(ns: argparse.Namespace) -> tuple[TrainOptions, dict[str, int]]:
+def options_from_namespace(ns: argparse.Namespace) -> tuple[TrainOptions, dict[str, Union[int, bool]]]:
     """(the options, the CPU_DEFAULTS it took: flags left out of a CPU run); a flag left out of a GPU run keeps
     TrainOptions' default."""
     names = {f.name for f in dataclasses.fields(TrainOptions)}
@@ -318,7 +320,7 @@ def options_from_namespace(ns: argparse.Namespace) -> tuple[TrainOptions, dict[s
 
 
 def parse_options(argv: Optional[Sequence[str]],
-                  prog: str = "blockspec train-draft") -> tuple[TrainOptions, dict[str, int]]:
+                  prog: str = "blockspec train-draft") -> tuple[TrainOptions, dict[str, Union[int, bool]]]:
     """(options, the CPU defaults they took: options_from_namespace)."""
     parser = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.",
                                      formatter_class=DefaultsHelpFormatter)
