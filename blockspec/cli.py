@@ -10,6 +10,7 @@ from blockspec.engine.process_exit import exit_now
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from blockspec.bench.serving import add_bench_arguments
+    from blockspec.cli_help import DefaultsHelpFormatter
     from blockspec.evals.gsm8k import add_gsm8k_arguments
     from blockspec.server.args import add_serve_arguments
 
@@ -17,17 +18,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="{serve,eval,bench,train-draft,generate-prompts}"
     )
-    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI- and SGLang-compatible)")
+    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI- and SGLang-compatible)",
+                                formatter_class=DefaultsHelpFormatter)
     add_serve_arguments(serve)
 
     evals = commands.add_parser("eval", help="accuracy evaluations against a running server")
     eval_kinds = evals.add_subparsers(dest="eval_name", required=True, metavar="{gsm8k}")
-    gsm8k = eval_kinds.add_parser("gsm8k", help="few-shot GSM8K through /v1/chat/completions")
+    gsm8k = eval_kinds.add_parser("gsm8k", help="few-shot GSM8K through /v1/chat/completions",
+                                  formatter_class=DefaultsHelpFormatter)
     add_gsm8k_arguments(gsm8k)
 
     bench = commands.add_parser("bench", help="benchmarks against a running server")
     bench_kinds = bench.add_subparsers(dest="bench_name", required=True, metavar="{serving}")
-    serving = bench_kinds.add_parser("serving", help="throughput, TTFT, TPOT and accept length per concurrency")
+    serving = bench_kinds.add_parser("serving", help="throughput, TTFT, TPOT and accept length per concurrency",
+                                     formatter_class=DefaultsHelpFormatter)
     add_bench_arguments(serving)
     commands.add_parser("train-draft", help="train a DFlash draft for a target (train-draft --help for its flags)")
     commands.add_parser("generate-prompts", help="sample user prompts from a chat target (Magpie-style) for draft "
@@ -46,7 +50,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return generate_prompts_main(args[1:])
     parser, subparsers = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(args)
+    if unknown:  # NOTE: argparse would print the top-level usage; the subcommand's names the flags it takes
+        subparser = subparsers["serve" if ns.command == "serve" else "gsm8k" if ns.command == "eval" else "serving"]
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.command == "serve":
         from blockspec.server.args import serve_args_from_namespace
         from blockspec.server.launch import run_server

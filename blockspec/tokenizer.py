@@ -2,16 +2,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from blockspec.chat_templates import chat_template_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 VALID_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False,
+                   chat_template: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """The fast tokenizer in `path`; `chat_template` (a shipped template's name or a Jinja file, chat_templates.py)
+    replaces its own chat template."""
+    from transformers import AutoTokenizer  # NOTE: here: modules that only detokenise or parse flags skip its import
+
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")
@@ -20,7 +29,10 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
             f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {root}; "
             "pass tokenizer_path or skip_tokenizer_init=True"
         )
-    return AutoTokenizer.from_pretrained(str(root), trust_remote_code=trust_remote_code)
+    if chat_template is None:
+        return AutoTokenizer.from_pretrained(str(root), trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(str(root), trust_remote_code=trust_remote_code,
+                                         chat_template=chat_template_text(chat_template))
 
 
 class ToolsIgnoredError(ValueError):

@@ -17,6 +17,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
 from blockspec.bench.report import LevelResult, RequestResult, summarise, write_outputs
+from blockspec.cache_root import default_cache_root
 from blockspec.evals.client import accept_length_between, auth_headers, first_model_id, get_server_info
 
 Prompt = Union[str, list[int]]
@@ -207,7 +208,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=0, help="requests sent (and ignored) before the first level")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results/serving"))
+    parser.add_argument("--output-dir", type=Path, default=default_cache_root() / "results" / "bench-serving",
+                        help="where the JSON report and plot go ($BLOCKSPEC_CACHE or ~/.cache/blockspec, then "
+                        "results/bench-serving; default: %(default)s)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--disable-tqdm", action="store_true")
 

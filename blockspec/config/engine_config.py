@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
+from blockspec.chat_templates import chat_template_text
 from blockspec.config.deterministic import resolve_deterministic_backend
 from blockspec.config.speculative_flags import accept_distribution, check_schedule_covers, parse_verify_schedule
+
+if TYPE_CHECKING:
+    import torch
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SPECULATIVE_ALGORITHMS = (None, "DFLASH")
@@ -54,6 +56,9 @@ class EngineConfig:
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False  # the radix prefix cache (target + draft KV of shared prefixes) is on by default
     enforce_piecewise_cuda_graph: bool = False
+    # NOTE: wins over every reason to capture piecewise graphs (the flag that asks for them and any default on CUDA):
+    # `piecewise_graphs_on` is the one place that decides
+    disable_piecewise_cuda_graph: bool = False
     # NOTE: None: the chunked-prefill budget up to 8192 (`piecewise_max_tokens`), so the default's extend steps fit a
     # bucket: an extend the graphs cannot take runs eagerly, paying every kernel's host launch
     piecewise_cuda_graph_max_tokens: Optional[int] = None
@@ -75,6 +80,8 @@ class EngineConfig:
     tp_size: int = 1  # tensor-parallel ranks, one process (and GPU) each; rank 0 schedules
     enable_deterministic_inference: bool = False  # batch-invariant kernels: a row's result never depends on the batch
     triton_attention_split_tile_size: Optional[int] = None  # keys per KV lane of the deterministic attention (256)
+    # a shipped template's name (chat_templates.py) or a Jinja file replacing the tokenizer's own chat template
+    chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -100,6 +107,7 @@ class EngineConfig:
             "disable_cuda_graph",
             "disable_overlap_schedule",
             "enforce_piecewise_cuda_graph",
+            "disable_piecewise_cuda_graph",
             "piecewise_eager_attention",
             "enable_mixed_chunk",
             "disable_radix_cache",
@@ -183,6 +191,13 @@ class EngineConfig:
             )
         if self.cuda_graph_backend_prefill == "piecewise":
             self.enforce_piecewise_cuda_graph = True
+        if self.enforce_piecewise_cuda_graph and self.disable_piecewise_cuda_graph:
+            raise ValueError("enforce_piecewise_cuda_graph and disable_piecewise_cuda_graph contradict each other: "
+                             "pass one")
+        if self.chat_template is not None:
+            if not isinstance(self.chat_template, str):
+                raise ValueError(f"chat_template must be a template name or a file, got {self.chat_template!r}")
+            chat_template_text(self.chat_template)  # NOTE: ValueError naming the shipped templates when unknown
         if self.piecewise_cuda_graph_tokens is not None and (
             not self.piecewise_cuda_graph_tokens
             or any(not isinstance(n, int) or n < 1 for n in self.piecewise_cuda_graph_tokens)
@@ -238,12 +253,21 @@ class EngineConfig:
 
     @property
     def resolved_device(self) -> torch.device:
+        import torch  # NOTE: here, not at the top: the CLI's --help builds its flags from this module, without torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but CUDA is not available")
         return device
+
+    def piecewise_graphs_on(self, device: torch.device) -> bool:
+        """Whether extends run in piecewise CUDA graphs on `device`. disable_piecewise_cuda_graph is checked first:
+        it turns them off whatever else asks for them."""
+        if self.disable_piecewise_cuda_graph or self.disable_cuda_graph or device.type != "cuda":
+            return False
+        return self.enforce_piecewise_cuda_graph
 
     @property
     def chunk_budget(self) -> Optional[int]:

@@ -53,6 +53,8 @@ ENGINE_FLAGS: dict[str, Flag] = {
     "disable_radix_cache": Flag("no prefix sharing: every prompt is prefilled in full"),
     "enable_mixed_chunk": Flag("one forward carries prefill chunks with the running decode/verify"),
     "enforce_piecewise_cuda_graph": Flag("piecewise CUDA graphs for prefill/extend"),
+    "disable_piecewise_cuda_graph": Flag("run prefill/extend eagerly: no piecewise CUDA graphs, whatever else asks "
+                                         "for them"),
     "piecewise_eager_attention": Flag(
         "run attention eagerly between the piecewise graphs (default with Triton attention: each token bucket's "
         "whole extend forward, attentions included, is one graph)"),
@@ -83,4 +85,7 @@ ENGINE_FLAGS: dict[str, Flag] = {
         "output equals target-only output at any batch size (Triton attention, tp-size 1; costs step latency)"),
     "triton_attention_split_tile_size": Flag(
         "keys per KV split of the deterministic attention, a multiple of 32 (default 256)"),
+    "chat_template": Flag(
+        "replace the tokenizer's chat template: a shipped one by name (llama3: Llama-3.x with tools; chatml: ChatML "
+        "with Hermes-style tools, for Qwen3, Qwen2.5 and SmolLM2) or a Jinja file (default: the tokenizer's own)"),
 }

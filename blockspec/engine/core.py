@@ -15,6 +15,7 @@ import zmq
 from blockspec.engine import wire
 from blockspec.engine.engine import Engine
 from blockspec.engine.frontend_links import FrontendLinks
+from blockspec.engine.progress_line import ProgressLine
 from blockspec.engine.reports import LoopTimes, engine_info, finish_stat
 from blockspec.engine.server_info import EngineLoad
 from blockspec.engine.tracked import TrackedRequest
@@ -29,10 +30,13 @@ DETAIL_INTERVAL_S = 0.05  # the StepStats fields that cost a read of the engine'
 class EngineCore:
 
     def __init__(
-        self, engine: Engine, to_engine: list[str], from_engine: list[str], parent_pid: Optional[int] = None
+        self, engine: Engine, to_engine: list[str], from_engine: list[str], parent_pid: Optional[int] = None,
+        progress: Optional[ProgressLine] = None,
     ) -> None:
-        """`to_engine[i]` / `from_engine[i]`: the addresses HTTP server process i bound."""
+        """`to_engine[i]` / `from_engine[i]`: the addresses HTTP server process i bound; `progress`: the console's
+        periodic line (the engine process of `blockspec serve` has one)."""
         self.engine = engine
+        self.progress = progress
         self.parent_pid = parent_pid
         self._tracked: dict[str, TrackedRequest] = {}
         # NOTE: the streams of _tracked by kind: ids-only ones take _publish's short path once per step
@@ -74,6 +78,8 @@ class EngineCore:
                         stepped_at = clock()
                         self._publish(finished)
                         times.publish_seconds += clock() - stepped_at
+                        if self.progress is not None:
+                            self.progress.after_step(finished, stepped_at)
                     except Exception as exc:  # keep serving: fail what was in flight, free its KV
                         logger.exception("engine step failed")
                         self._fail_all(f"engine error: {exc}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Any, Iterator, Optional, Sequence, Union, cast
+from typing import Any, Callable, Iterator, Optional, Sequence, Union, cast
 
 import torch
 
@@ -48,8 +48,8 @@ class Engine:
             self.tokenizer = None
             if not self.config.skip_tokenizer_init:
                 self.tokenizer = load_tokenizer(
-                    self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code
-                )
+                    self.config.tokenizer_path or self.config.model_path, self.config.trust_remote_code,
+                    self.config.chat_template)
             self.runner, self.worker = build_workers(self.config, None if self.ranks is None else self.ranks.tp)
             self.worker.init_cuda_graphs()
             if self.runner.forward_mirror is not None:
@@ -170,18 +170,22 @@ class Engine:
         return outputs[0] if single else [outputs[i] for i in range(len(reqs))]
 
     def generate_iter(self, input_ids: list[list[int]], sampling_params: SamplingArg = None,
-                      ) -> Iterator[tuple[int, dict[str, Any]]]:
+                      on_step: Optional[Callable[[int], None]] = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yields (prompt index, `generate`'s output) as each request finishes, keeping the running batch full
         (4 x max_running_requests queued, topped up as requests finish), so a caller of a long run can keep results
-        as they come. NOTE: closing it early leaves its queued requests in the engine."""
+        as they come. `on_step(tokens)`: after every engine step, the output tokens these requests hold so far (a
+        progress bar's hook: requests that run together finish together). NOTE: closing it early leaves its queued
+        requests in the engine."""
         reqs, _ = self.make_requests(input_ids=input_ids, sampling_params=sampling_params)
-        yield from self._run(reqs, 4 * self.config.max_running_requests)
+        yield from self._run(reqs, 4 * self.config.max_running_requests, on_step)
 
-    def _run(self, reqs: list[Req], window: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    def _run(self, reqs: list[Req], window: int,
+             on_step: Optional[Callable[[int], None]] = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """At most `window` unfinished at a time (collect_finished scans the queue each step). NOTE: yields outside
         rank_failures."""
         pending: dict[str, int] = {}
         queued = 0
+        finished_tokens = 0
         while queued < len(reqs) or pending:
             with rank_failures(self.ranks):
                 while queued < len(reqs) and len(pending) < window:
@@ -191,6 +195,9 @@ class Engine:
                 if not self.scheduler.has_work:
                     raise RuntimeError(f"{len(pending)} request(s) left the scheduler unreported (a nested generate?)")
                 finished = [(pending.pop(req.rid), req) for req in self.scheduler.step() if req.rid in pending]
+            if on_step is not None:
+                finished_tokens += sum(len(req.output_ids) for _, req in finished)
+                on_step(finished_tokens + sum(len(reqs[index].output_ids) for index in pending.values()))
             for index, req in finished:
                 yield index, self.output_of(req)
 

@@ -15,6 +15,7 @@ import zmq
 from blockspec.engine import wire
 from blockspec.engine.core import EngineCore
 from blockspec.engine.engine import Engine
+from blockspec.engine.progress_line import ProgressLine
 from blockspec.engine.reports import engine_info
 from blockspec.engine.process_exit import exit_now
 
@@ -75,7 +76,7 @@ def run_engine_process(engine_kwargs: dict[str, Any], to_engine: list[str], from
         push.close(linger=5000)
         context.term()
         sys.exit(1)
-    EngineCore(engine, to_engine, from_engine, parent_pid).run()
+    EngineCore(engine, to_engine, from_engine, parent_pid, ProgressLine(engine)).run()
     engine.shutdown()
     exit_now(0)
 

@@ -27,6 +27,7 @@ def engine_info(engine: Engine) -> wire.EngineInfo:
         decode_slots_per_req=engine.worker.decode_slots_per_req,
         max_running_requests=config.max_running_requests,
         pid=os.getpid(),
+        chat_template=config.chat_template,
         startup=engine.startup.as_dict(),
     )
 

@@ -58,6 +58,7 @@ class EngineInfo(msgspec.Struct):
     decode_slots_per_req: int
     max_running_requests: int
     pid: int
+    chat_template: Optional[str] = None  # EngineConfig.chat_template: the HTTP processes' tokenizers use it too
     startup: dict[str, Any] = msgspec.field(default_factory=dict)  # Engine.startup.as_dict()
 
 

@@ -73,7 +73,9 @@ class GSM8KResult:
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> str:
-        accept = "n/a" if self.server_avg_spec_accept_length is None else f"{self.server_avg_spec_accept_length:.3f}"
+        accept = "n/a" if self.run_avg_spec_accept_length is None else f"{self.run_avg_spec_accept_length:.3f}"
+        if self.server_avg_spec_accept_length is not None:
+            accept += f" (this run; since the server started: {self.server_avg_spec_accept_length:.3f})"
         return (
             f"Accuracy: {self.score:.3f}\nInvalid: {self.num_invalid / max(self.num_examples, 1):.3f}\n"
             f"Errors: {self.num_errors}\nLatency: {self.latency_s:.3f} s\n"

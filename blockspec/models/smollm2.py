@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from blockspec.cache_root import default_cache_root
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -29,11 +31,6 @@ CHATML_TEMPLATE = (
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 SYSTEM_PROMPT = "You are a careful math tutor. Solve the problem step by step, briefly."
 USER_SUFFIX = "\nSolve it step by step and end with \"The answer is N.\" where N is the final number."
-
-
-def default_cache_root() -> Path:
-    env = os.environ.get("BLOCKSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "blockspec"
 
 
 def smollm2_gguf_path() -> Path:

@@ -169,7 +169,7 @@ class ModelRunner:
         """Piecewise graphs for extend batches, in this runner's fixed hidden-capture mode; `aux_consumer` runs inside
         the last segment's graph (see PiecewiseGraphRunner)."""
         config = self.config
-        if not (config.enforce_piecewise_cuda_graph and self.device.type == "cuda" and not config.disable_cuda_graph):
+        if not config.piecewise_graphs_on(self.device):
             return
         max_tokens = self.config.piecewise_max_tokens
         buckets = self.config.piecewise_cuda_graph_tokens or default_buckets(max_tokens)

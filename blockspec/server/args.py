@@ -10,6 +10,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from blockspec.chat_templates import CHAT_TEMPLATES
+from blockspec.cli_help import DefaultsHelpFormatter
 from blockspec.config.engine_config import EngineConfig
 from blockspec.config.flags import ENGINE_FLAGS
 from blockspec.server.compat_flags import add_compat_arguments, apply_compat_flags
@@ -47,6 +49,7 @@ class ServerSettings:
 class ServeArgs:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig keyword arguments
     server: ServerSettings = field(default_factory=ServerSettings)
+    notes: list[str] = field(default_factory=list)  # what accepted SGLang flags do here, printed at start-up
 
 
 def _flag(name: str) -> str:
@@ -92,7 +95,8 @@ _SERVER_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--api-key", dict(help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")),
     ("--max-queued-requests", dict(type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
                                    help="waiting requests beyond it get 503")),
-    ("--served-model-name", dict(help="model id reported by /v1/models (default: the model path)")),
+    ("--served-model-name", dict(help="model id reported by /v1/models (default: the model directory's name, or the "
+                                      "hub id; requests may name the --model-path too)")),
     ("--log-level", dict(default="warning", type=str.lower, choices=LOG_LEVELS,
                          help="info and debug add an access log line per request (default warning)")),
     ("--tool-call-parser", dict(
@@ -153,7 +157,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_serve_parser(prog: str = "blockspec serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI- and SGLang-compatible).")
+    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI- and SGLang-compatible).",
+                                     formatter_class=DefaultsHelpFormatter)
     add_serve_arguments(parser)
     return parser
 
@@ -174,7 +179,7 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
     engine["log_level"] = values["log_level"]
     if engine["dtype"] == "half":
         engine["dtype"] = "float16"
-    apply_compat_flags(values, engine, parser)
+    notes = apply_compat_flags(values, engine, parser)
     if engine["max_prefill_wait_steps"] is None:
         # NOTE: DFlash serving keeps more of the offline engine's throughput with arrivals held one step (fewer, larger
         # extend steps, each of which stalls every running cycle); measured in docs/performance.md
@@ -202,11 +207,15 @@ def serve_args_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentP
         parser.error(f"--api-server-count must be in [1, 64], got {server.api_server_count}")
     if server.timeout_keep_alive < 1:
         parser.error(f"--timeout-keep-alive must be >= 1, got {server.timeout_keep_alive}")
+    template_parser = CHAT_TEMPLATES.get(engine["chat_template"] or "")
+    if template_parser is not None and server.tool_call_parser != template_parser:
+        notes.append(f"--chat-template {engine['chat_template']} asks the model for tool calls in the format "
+                     f"--tool-call-parser {template_parser} reads; pass it, or requests with tools are not parsed")
     try:
         EngineConfig.from_kwargs(**engine)
     except ValueError as exc:
         parser.error(_flagify(str(exc)))
-    return ServeArgs(engine=engine, server=server)
+    return ServeArgs(engine=engine, server=server, notes=notes)
 
 
 def usable_cpu_count() -> Optional[int]:

@@ -148,6 +148,11 @@ class EngineLoop:
         free = self.max_running - self._num_running if self._num_waiting == 0 else 0
         return self._num_waiting + max(0, self._fresh - free)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests of this HTTP process that the engine has not answered in full yet."""
+        return len(self._routes)
+
     def begin_drain(self) -> None:
         """Shutdown has begun: new submissions get EngineStoppedError; what is in flight carries on."""
         self.draining = True

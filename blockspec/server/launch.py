@@ -56,6 +56,9 @@ class DrainingServer(uvicorn.Server):
         if self.frontends is not None:
             self.frontends.terminate()
         self.engine_loop.begin_drain()
+        if self.engine_loop.num_in_flight:
+            logger.warning("shutting down: waiting up to %g s (--shutdown-grace-s) for %d request(s) in flight; "
+                           "Ctrl-C again stops now", self.grace_s, self.engine_loop.num_in_flight)
         deadline = asyncio.get_running_loop().call_later(self.grace_s, self.engine_loop.fail_in_flight, DRAIN_MESSAGE)
         try:
             await super().shutdown(sockets)
@@ -89,7 +92,14 @@ def run_server(args: ServeArgs) -> int:
     """Starts the engine process (and the extra HTTP server processes of --api-server-count), then serves until
     interrupted. Returns the process exit code: 1 when the model cannot be loaded or the engine process dies."""
     logging.basicConfig(level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for note in args.notes:
+        print(f"blockspec: {note}", file=sys.stderr, flush=True)
     count = args.server.api_server_count
+    busy = _port_in_use(args.server.host, args.server.port)
+    if busy is not None:  # NOTE: before loading the model, which can take minutes
+        print(f"blockspec serve: error: cannot listen on {args.server.host}:{args.server.port}: {busy}; stop what "
+              "holds the port or pass another --port", file=sys.stderr)
+        return 1
     addresses = EngineAddresses.create(count)
     engine_loop = EngineLoop(EngineProcess(args.engine, args.server.log_level), addresses=addresses)
     try:
@@ -121,13 +131,34 @@ def run_server(args: ServeArgs) -> int:
             asyncio.run(engine_loop.stop())
             return 1
     print(f"blockspec: {summary_line(engine_loop.info.startup)}", file=sys.stderr, flush=True)
-    print(f"blockspec: serving {args.engine['model_path']} on http://{args.server.host}:{args.server.port}"
+    draft = args.engine.get("speculative_draft_model_path")
+    decoding = f"with DFlash draft {draft}" if args.engine.get("speculative_algorithm") else "without a draft"
+    print(f"blockspec: serving {args.engine['model_path']} {decoding} on http://{args.server.host}:{args.server.port}"
           + (f" ({count} HTTP server processes)" if count > 1 else ""), file=sys.stderr, flush=True)
     _serve(server, sockets)
     if engine_loop.died:
         print("blockspec serve: error: the engine process died", file=sys.stderr)
         return 1
     return 0
+
+
+def _port_in_use(host: str, port: int) -> Optional[str]:
+    """Why `host:port` cannot be listened on (bound as uvicorn binds it, SO_REUSEADDR), or None when it can; port 0
+    always can."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve the host ({exc})"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _serve(server: "DrainingServer", sockets: Optional[list[socket.socket]]) -> None:

@@ -13,6 +13,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from blockspec.engine.wire import FinishStat, StepStats, VerifyLengthStat
+from blockspec.server.metric_aliases import SGLangAliases
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, float("inf"))
@@ -136,6 +137,8 @@ class ServerMetrics:
             "blockspec_radix_cache_tokens", "Radix cache: tokens held in the tree", registry=r
         )
         self._cache_totals = {"cached_tokens_total": 0, "evicted_tokens_total": 0}
+        r.register(SGLangAliases([self.prompt_tokens, self.generation_tokens, self.num_running, self.num_queued,
+                                  self.kv_usage, self.cache_hit_rate, self.avg_accept, self.ttft, self.tpot, self.e2e]))
 
     def set_cache_stats(self, stats: dict[str, Any]) -> None:
         """From `Engine.radix_cache_stats()` (read when /metrics is scraped); engine totals only grow."""

@@ -70,10 +70,11 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 
 def _check_model(state: ServerState, model: Optional[str]) -> None:
-    """As vLLM: a request naming a model this server does not serve gets 404 (no model: the served one)."""
+    """As OpenAI: a request naming a model this server does not serve gets 404 invalid_request_error, code
+    model_not_found (no model: the served one)."""
     if model is not None and model not in (state.model_name, state.info.model_path):
         raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`", "model",
-                       "NotFoundError")
+                       code="model_not_found")
 
 
 @router.get("/v1/models")

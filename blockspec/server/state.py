@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 import uuid
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterable, Callable, Optional, Sequence, TypeVar
@@ -33,15 +34,19 @@ T = TypeVar("T")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, kind: Optional[str] = None) -> None:
+    def __init__(self, status: int, message: str, param: Optional[str] = None, kind: Optional[str] = None,
+                 code: Optional[str] = None) -> None:
+        """`code`: OpenAI's error code when it has one for the case (model_not_found), else the HTTP status."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        code = self.status if self.code is None else self.code
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
 
 
 class ClientGone(Exception):
@@ -90,6 +95,14 @@ class EventStream(StreamingResponse):
                     logger.exception("closing a response stream failed")
 
 
+def served_model_name(flag: Optional[str], model_path: str) -> str:
+    """--served-model-name, else a readable id: a local model directory's name, or the hub id as given."""
+    if flag:
+        return flag
+    path = Path(model_path).expanduser()
+    return path.resolve().name if path.is_dir() else model_path
+
+
 @dataclass
 class ServerState:
     loop: EngineLoop
@@ -106,18 +119,21 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="blockspec-tokenize")
     )
     encoder: Optional[BatchEncoder] = None  # texts → ids, batched (a tokenizer copy of its own)
+    model_name: str = ""  # the id /v1/models reports (served_model_name)
 
     @classmethod
     def build(cls, loop: EngineLoop, settings: ServerSettings) -> "ServerState":
         info = loop.info
         assert info is not None and loop.metrics is not None, "the engine must be launched (or in-process) first"
-        tokenizer = load_tokenizer(info.tokenizer_path, info.trust_remote_code) if info.has_tokenizer else None
+        tokenizer = None
+        if info.has_tokenizer:
+            tokenizer = load_tokenizer(info.tokenizer_path, info.trust_remote_code, info.chat_template)
         encoder = None
         if tokenizer is not None:  # NOTE: copies of their own: one on the event loop, one on the encoder's thread
             loop.texts = OutputTexts(backend_of(load_tokenizer(info.tokenizer_path, info.trust_remote_code)))
             encoder = BatchEncoder(backend_of(load_tokenizer(info.tokenizer_path, info.trust_remote_code)))
         return cls(loop, settings, loop.metrics, tokenizer, info.context_length, info.vocab_size, int(time.time()),
-                   encoder=encoder)
+                   encoder=encoder, model_name=served_model_name(settings.served_model_name, info.model_path))
 
     @property
     def info(self) -> EngineInfo:
@@ -131,9 +147,6 @@ class ServerState:
             info.vocab_size, info.context_length, info.total_slots, info.slots_per_decode, info.has_tokenizer
         )
 
-    @property
-    def model_name(self) -> str:
-        return self.settings.served_model_name or self.info.model_path
 
     # ---- inputs --------------------------------------------------------------------------------
     async def _off_loop(self, fn: Callable[[], T]) -> T:

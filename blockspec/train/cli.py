@@ -30,6 +30,9 @@ def _run(options: TrainOptions, args: list[str]) -> str:
     from blockspec.train.pipeline import run
 
     result = run(options, args)
+    if result.interrupted:
+        return (f"interrupted: saved {options.out} after {result.steps} steps, loss {result.final_loss:.3f} "
+                "(not evaluated; training_info.json records the run)")
     accept = [e["accept_length"] for e in result.evals if "accept_length" in e]
     summary = f"saved {options.out} after {result.steps} steps, loss {result.final_loss:.3f}"
     summary += f", held-out accept length {accept[-1]:.2f}" if accept else ""
@@ -40,13 +43,23 @@ def _run(options: TrainOptions, args: list[str]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    options = parse_options(args)
+    options, cpu_defaults = parse_options(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cpu_defaults:
+        flags = [f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+                 for name, value in cpu_defaults.items()]
+        print(f"blockspec train-draft: a CPU run: {' '.join(flags)} (CPU defaults; pass any of them to change it)",
+              file=sys.stderr, flush=True)
     try:
         summary = _run(options, args)
     except (FileNotFoundError, ValueError) as error:
         print(f"blockspec train-draft: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("blockspec train-draft: interrupted outside the training steps: the responses generated so far stay in "
+              "the response cache (a rerun generates only the rest), a draft saved before stays in --out",
+              file=sys.stderr)
+        return 130
     print(summary)
     return 0
 

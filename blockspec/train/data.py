@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 
 from blockspec.tokenizer import chat_to_ids, load_tokenizer
+from blockspec.train.token_progress import TokenPostfix
 
 logger = logging.getLogger(__name__)
 
@@ -224,16 +225,16 @@ def generate_missing(
         # NOTE: generate_iter keeps the running batch full (per-chunk generate calls drained it at each chunk's
         # end); the cache gets every `batch_size` finished responses, and what finished before an error
         try:
-            for position, out in engine.generate_iter([prompts[i] for i in todo], params):
+            for position, out in engine.generate_iter([prompts[i] for i in todo], params,
+                                                      TokenPostfix(bar) if progress else None):
                 done.append(Sample(todo[position], prompts[todo[position]], out["output_ids"]))
                 tokens += len(out["output_ids"])
+                bar.update(1)  # NOTE: each response as it finishes; the cache takes them `batch_size` at a time
                 if len(done) >= batch_size:
                     cache.append(done)
-                    bar.update(len(done))
                     done = []
         finally:
             cache.append(done)
-        bar.update(len(done))
         bar.close()
         seconds = time.perf_counter() - started
         logger.info(

@@ -49,7 +49,7 @@ def measure_prompt_sets(
     for prompt_set in sets:
         measured = measure_acceptance(
             options.target_model_path, options.out, prompt_set.prompts, options.eval_max_new_tokens, device, dtype,
-            options.ignore_eos, block_size,
+            options.ignore_eos, block_size, options.progress,
         )
         results[prompt_set.name] = {"file": prompt_set.path, "prompts": len(prompt_set.prompts), **measured}
         logger.info(

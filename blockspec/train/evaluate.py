@@ -4,14 +4,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from blockspec.train.token_progress import TokenPostfix
+
 MAX_EVAL_KV_SLOTS = 65536
 
 
 def measure_acceptance(
     target_path: str | Path, draft_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, device: str,
-    dtype: str, ignore_eos: bool = False, block_size: int = 16,
+    dtype: str, ignore_eos: bool = False, block_size: int = 16, progress: bool = False,
 ) -> dict[str, Any]:
-    """Greedy DFlash generation; returns the engine's avg_spec_accept_length (committed tokens per verify)."""
+    """Greedy DFlash generation; returns the engine's avg_spec_accept_length (committed tokens per verify).
+    `progress`: a bar of the prompts answered."""
     from blockspec.engine.engine import Engine
 
     need = sum(len(p) + max_new_tokens + 2 * block_size for p in prompts)
@@ -23,11 +28,14 @@ def measure_acceptance(
     )
     try:
         params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
-        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        outputs: list[dict[str, Any]] = []
+        with tqdm(total=len(prompts), desc="evaluating draft", unit="prompt", disable=not progress) as bar:
+            for _, output in engine.generate_iter(prompts, params, TokenPostfix(bar) if progress else None):
+                outputs.append(output)
+                bar.update(1)
         state = engine.get_server_info()["internal_states"][0]
     finally:
         engine.shutdown()  # NOTE: frees the device memory for the next engine in this process
-    assert isinstance(outputs, list)
     return {
         "accept_length": float(state["avg_spec_accept_length"]),
         "verify_steps": int(state["spec_verify_ct"]),

@@ -6,10 +6,13 @@ import hashlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
-from blockspec.models.config import TargetConfig
-from blockspec.models.draft_config import default_target_layer_ids
+from blockspec.cache_root import default_cache_root
+from blockspec.cli_help import DefaultsHelpFormatter
+
+if TYPE_CHECKING:
+    from blockspec.models.config import TargetConfig
 
 # DFlash paper: loss decay γ per block size (w_k = exp(-(k-1)/γ)); other sizes interpolate.
 PAPER_LOSS_DECAY = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -98,8 +101,6 @@ class TrainOptions:
         which is the checkpoint that gets shipped)."""
         if self.cache_dir:
             return Path(self.cache_dir)
-        from blockspec.models.smollm2 import default_cache_root
-
         key = f"{Path(self.target_model_path).resolve()}\n{Path(self.data).resolve()}"
         if self.mix_data is not None:  # NOTE: mixing changes which prompt sits at which cache index
             key += f"\n{Path(self.mix_data).resolve()}\n{self.mix_ratio}"
@@ -175,6 +176,9 @@ class TrainOptions:
 
 def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
     """The taps: given ids checked against the target's layers, else z-lab's default spread."""
+    # NOTE: here, not at the top: `train-draft --help` parses flags without torch (the models import it)
+    from blockspec.models.draft_config import default_target_layer_ids
+
     if options.target_layer_ids is None:
         return default_target_layer_ids(target.num_layers, options.num_layers)
     ids = list(options.target_layer_ids)
@@ -189,10 +193,26 @@ def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
     return ids
 
 
+# NOTE: what a run without these flags uses on a CPU instead of TrainOptions' GPU-sized defaults, whose 2000 steps of
+# 16 sequences of 512-token responses take hours there: a short run on short responses, its target features computed
+# once (the target's forward was most of a CPU step), so that a first try on the demo pair (SmolLM2-135M) ends in a
+# saved, evaluated checkpoint within minutes
+CPU_DEFAULTS: dict[str, Union[int, bool]] = {
+    "steps": 100, "batch_size": 4, "blocks_per_seq": 8, "max_seq_len": 512, "max_new_tokens": 128,
+    "num_eval_prompts": 4, "eval_max_new_tokens": 32, "gen_batch_size": 16, "cache_features": True,
+}
+
+
+def _machine_default(name: str) -> str:
+    """Help text naming both defaults of a CPU_DEFAULTS flag."""
+    return f"default: {getattr(TrainOptions('', '', ''), name)} on a GPU, {CPU_DEFAULTS[name]} on a CPU"
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainOptions("", "", "")
-    req = parser.add_argument_group("required")
-    req.add_argument("--target-model-path", required=True, help="HF-style target directory (Llama-3.x / Qwen3)")
+    req = parser.add_argument_group("target, data and output")
+    req.add_argument("--target-model-path", required=True, help="HF-style target directory (Llama-3.x / Qwen3); "
+                     "required")
     req.add_argument("--data", default="", help="JSON lines: chat `messages`, `text`, `question` or `input_ids` "
                      "(required unless --eval-only)")
     req.add_argument("--out", default="", help="output directory for the z-lab format draft checkpoint "
@@ -218,7 +238,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     arch.add_argument("--init-from", default=None,
                       help="start from this draft checkpoint's weights (same architecture and taps): continue training")
     gen = parser.add_argument_group("data generation")
-    gen.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="response length cap")
+    gen.add_argument("--max-new-tokens", type=int, help=f"response length cap ({_machine_default('max_new_tokens')})")
     gen.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts of --data")
     gen.add_argument("--ignore-eos", action="store_true", help="generate until --max-new-tokens (base models)")
     gen.add_argument("--system-prompt", default=None, help="system message added to `question` prompts")
@@ -228,8 +248,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="response cache (default: under $BLOCKSPEC_CACHE or ~/.cache/blockspec); resumable",
     )
-    gen.add_argument("--gen-batch-size", type=int, default=defaults.gen_batch_size,
-                     help="finished responses per cache append; the engine runs up to min(this, 256) at once")
+    gen.add_argument("--gen-batch-size", type=int,
+                     help="finished responses per cache append; the engine runs up to min(this, 256) at once "
+                     f"({_machine_default('gen_batch_size')})")
     gen.add_argument("--gen-workers", type=int, default=defaults.gen_workers,
                      help="engine processes generating the missing responses side by side on each device (a small "
                      "target decodes host-bound: several processes keep its GPU busy); each writes its own cache file")
@@ -241,10 +262,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--responses-only", action="store_true",
                      help="generate (and cache) the target's responses, then stop: a later run trains on the cache")
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=defaults.steps)
-    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (per GPU)")
-    train.add_argument("--blocks-per-seq", type=int, default=defaults.blocks_per_seq, help="anchors per sequence")
-    train.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
+    train.add_argument("--steps", type=int, help=f"optimizer steps ({_machine_default('steps')})")
+    train.add_argument("--batch-size", type=int,
+                       help=f"sequences per step (per GPU) ({_machine_default('batch_size')})")
+    train.add_argument("--blocks-per-seq", type=int,
+                       help=f"anchors per sequence ({_machine_default('blocks_per_seq')})")
+    train.add_argument("--max-seq-len", type=int,
+                       help=f"prompt + response tokens trained on ({_machine_default('max_seq_len')})")
     train.add_argument("--lr", type=float, default=defaults.lr)
     train.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio, help="cosine floor / lr")
     train.add_argument("--lr-schedule", choices=("steps", "time"), default=defaults.lr_schedule,
@@ -255,9 +279,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
     train.add_argument("--loss-decay", type=float, default=None,
                        help="γ of the position weights exp(-(k-1)/γ) (default 7 for block 16, as DFlash)")
-    train.add_argument("--cache-features", action="store_true",
+    train.add_argument("--cache-features", action="store_true", default=None,
                        help="keep every sequence's target features in device memory after its first use "
-                            "(tokens x taps x hidden values each; skips the target forward in later epochs)")
+                            "(tokens x taps x hidden values each; skips the target forward in later epochs; default: "
+                            "off on a GPU, on on a CPU)")
     train.add_argument("--compile-draft", action="store_true",
                        help="torch.compile the draft's training forward (dynamic shapes: the context length varies "
                        "by batch); the first steps compile, inside --max-train-minutes")
@@ -267,9 +292,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--seed", type=int, default=defaults.seed)
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--eval-every", type=int, default=0, help="steps between acceptance evals (0: only at the end)")
-    ev.add_argument("--num-eval-prompts", type=int, default=defaults.num_eval_prompts,
-                    help="held-out prompts (the last N of --data unless --eval-data); 0 disables evals")
-    ev.add_argument("--eval-max-new-tokens", type=int, default=defaults.eval_max_new_tokens)
+    ev.add_argument("--num-eval-prompts", type=int,
+                    help="held-out prompts (the last N of --data unless --eval-data; half of --data when it has no "
+                    f"more than N); 0 disables evals ({_machine_default('num_eval_prompts')})")
+    ev.add_argument("--eval-max-new-tokens", type=int,
+                    help=f"response length in evals ({_machine_default('eval_max_new_tokens')})")
     ev.add_argument("--eval-data", default=None, help="prompts for evals (default: held out from --data)")
     ev.add_argument("--eval-prompts", nargs="+", default=None, metavar="FILE",
                     help="prompt sets whose accept length is measured after training, each reported under its file "
@@ -289,12 +316,30 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     dev.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
-def options_from_namespace(ns: argparse.Namespace) -> TrainOptions:
+def runs_on_cpu(device: str) -> bool:
+    """Whether `--device` means the CPU (auto: no CUDA device here)."""
+    if device == "auto":
+        import torch  # NOTE: here: --help parses no device
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def options_from_namespace(ns: argparse.Namespace) -> tuple[TrainOptions, dict[str, Union[int, bool]]]:
+    """(the options, the CPU_DEFAULTS it took: flags left out of a CPU run); a flag left out of a GPU run keeps
+    TrainOptions' default."""
     names = {f.name for f in dataclasses.fields(TrainOptions)}
-    return TrainOptions(**{name: getattr(ns, name) for name in names if hasattr(ns, name)})
+    given = {name: getattr(ns, name) for name in names if hasattr(ns, name) and getattr(ns, name) is not None}
+    machine = {name: value for name, value in CPU_DEFAULTS.items() if name not in given}
+    if machine and runs_on_cpu(ns.device):
+        return TrainOptions(**given, **machine), machine
+    return TrainOptions(**given), {}
 
 
-def parse_options(argv: Optional[Sequence[str]], prog: str = "blockspec train-draft") -> TrainOptions:
-    parser = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.")
+def parse_options(argv: Optional[Sequence[str]],
+                  prog: str = "blockspec train-draft") -> tuple[TrainOptions, dict[str, Union[int, bool]]]:
+    """(options, the CPU defaults they took: options_from_namespace)."""
+    parser = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.",
+                                     formatter_class=DefaultsHelpFormatter)
     add_train_arguments(parser)
     return options_from_namespace(parser.parse_args(argv))

@@ -34,6 +34,11 @@ from blockspec.train.trainer import Dist, TrainResult, Trainer
 logger = logging.getLogger(__name__)
 
 
+def held_out_count(requested: int, available: int) -> int:
+    """The prompts of --data held out for evals: as many as asked while some are left to train on, else half."""
+    return requested if requested < available else available // 2
+
+
 def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int]], list[list[int]], Any]:
     """(training prompts, held-out eval prompts, tokenizer or None); prompts too long to train on are dropped."""
     records = read_prompt_records(options.data, options.num_prompts)
@@ -42,12 +47,12 @@ def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int
     if options.num_eval_prompts and options.eval_data:
         eval_records = read_prompt_records(options.eval_data, options.num_eval_prompts)
     elif options.num_eval_prompts:
-        if options.num_eval_prompts >= len(records):
-            raise ValueError(
-                f"--num-eval-prompts {options.num_eval_prompts} holds out every one of the {len(records)} prompts; "
-                "lower it, pass --eval-data, or use --num-eval-prompts 0"
-            )
-        records, eval_records = records[:-options.num_eval_prompts], records[-options.num_eval_prompts:]
+        held_out = held_out_count(options.num_eval_prompts, len(records))
+        if held_out < options.num_eval_prompts:
+            logger.warning("--num-eval-prompts %d: --data holds only %d prompts; holding out half of them (%d) for "
+                           "evals (pass --eval-data for more)", options.num_eval_prompts, len(records), held_out)
+        if held_out:
+            records, eval_records = records[:-held_out], records[-held_out:]
     if options.mix_data is not None:
         extra = read_prompt_records(options.mix_data)
         reject_heldout(extra, options.mix_data)
@@ -195,10 +200,12 @@ def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainRes
             return {}
         return measure_acceptance(
             options.target_model_path, options.out, eval_prompts, options.eval_max_new_tokens, str(device),
-            dtype_name(dtype), options.ignore_eos, options.block_size,
+            dtype_name(dtype), options.ignore_eos, options.block_size, options.progress,
         )
 
     result = trainer.train(evaluate)
+    if result.interrupted and dist.is_main:
+        save_draft(draft, options.out, config, options.save_dtype, options.max_shard_mb)
     if dist.is_main:
         train_sequences = len(trainer.samples)
         del trainer, features  # NOTE: frees the feature cache before the eval engines allocate their KV pools
@@ -206,7 +213,7 @@ def run(options: TrainOptions, argv: Optional[Sequence[str]] = None) -> TrainRes
         if device.type == "cuda":
             torch.cuda.empty_cache()
         eval_runs = []
-        if p.prompt_sets:
+        if p.prompt_sets and not result.interrupted:
             sets = measure_prompt_sets(options, p.prompt_sets, str(device), dtype_name(dtype), options.block_size)
             eval_runs.append(eval_run_record("after_training", options, sets, str(device), dtype_name(dtype), argv))
         info = {

@@ -49,6 +49,7 @@ class TrainResult:
     seconds_per_step: float
     evals: list[dict[str, Any]] = field(default_factory=list)
     compile_fallback: Optional[dict[str, Any]] = None  # {"step", "error"} where --compile-draft gave way to eager
+    interrupted: bool = False  # Ctrl-C stopped training after `steps` steps (the draft is saved, not evaluated)
 
 
 def schedule_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -227,36 +228,44 @@ class Trainer:
 
     def train(self, evaluate: Optional[Callable[[int], dict[str, Any]]] = None) -> TrainResult:
         """Runs all steps (or until --max-train-minutes); `evaluate(step)` (rank 0) every `eval_every` steps and
-        after the last one."""
+        after the last one. Ctrl-C (KeyboardInterrupt) ends it early: the result then says `interrupted`, and the
+        draft holds the weights of the last finished step (or of one an interrupted optimiser step half updated)."""
         opts = self.options
         train_started = time.perf_counter()
         order = batches(len(self.samples), opts.batch_size, opts.seed, self.dist)
         bar = tqdm(
             total=opts.steps, desc="training draft", unit="step", disable=not (opts.progress and self.dist.is_main)
         )
-        smooth: list[float] = []  # running averages of (loss, accuracy, τ estimate)
+        smooth: list[float] = [math.nan] * 3  # running averages of (loss, accuracy, τ estimate)
         evals: list[dict[str, Any]] = []
         step_seconds = 0.0
-        for step in range(1, opts.steps + 1):
-            if opts.lr_schedule == "time":
-                self.follow_time_schedule(train_started)
-            started = time.perf_counter()
-            current = self.step(next(order))  # NOTE: .item() in step() syncs the device, so this times the step
-            step_seconds += time.perf_counter() - started
-            smooth = list(current) if not smooth else [0.9 * s + 0.1 * c for s, c in zip(smooth, current)]
-            bar.set_postfix(loss=f"{smooth[0]:.3f}", acc=f"{smooth[1]:.3f}", tau=f"{smooth[2]:.2f}",
-                            lr=f"{self.optimizer.param_groups[0]['lr']:.2e}")
-            bar.update(1)
-            last = step == opts.steps or self.out_of_time(train_started)
-            if evaluate is not None and (last or (opts.eval_every and step % opts.eval_every == 0)):
-                if self.dist.is_main:
-                    record = {"step": step, "loss": smooth[0], **evaluate(step)}
-                    evals.append(record)
-                    bar.write(
-                        " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
-                    )
-                self.dist.barrier()
-            if last:
-                break
+        try:
+            for step in range(1, opts.steps + 1):
+                if opts.lr_schedule == "time":
+                    self.follow_time_schedule(train_started)
+                started = time.perf_counter()
+                current = self.step(next(order))  # NOTE: .item() in step() syncs the device, so this times the step
+                step_seconds += time.perf_counter() - started
+                smooth = list(current) if step == 1 else [0.9 * s + 0.1 * c for s, c in zip(smooth, current)]
+                bar.set_postfix(loss=f"{smooth[0]:.3f}", acc=f"{smooth[1]:.3f}", tau=f"{smooth[2]:.2f}",
+                                lr=f"{self.optimizer.param_groups[0]['lr']:.2e}")
+                bar.update(1)
+                last = step == opts.steps or self.out_of_time(train_started)
+                if last:
+                    bar.close()  # NOTE: a bar left open would count the final evaluation's minutes as training
+                if evaluate is not None and (last or (opts.eval_every and step % opts.eval_every == 0)):
+                    if self.dist.is_main:
+                        record = {"step": step, "loss": smooth[0], **evaluate(step)}
+                        evals.append(record)
+                        tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in record.items()))
+                    self.dist.barrier()
+                if last:
+                    break
+        except KeyboardInterrupt:
+            bar.close()
+            log.warning("interrupted after %d step(s): saving the draft as it stands", self.steps_done)
+            return TrainResult(self.steps_done, smooth[0], smooth[1], smooth[2],
+                               step_seconds / max(self.steps_done, 1), evals, self.compile_fallback, interrupted=True)
         bar.close()
         return TrainResult(step, smooth[0], smooth[1], smooth[2], step_seconds / step, evals, self.compile_fallback)
