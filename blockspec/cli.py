@@ -10,7 +10,7 @@ from blockspec.engine.process_exit import exit_now
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from blockspec.bench.serving import add_bench_arguments
-    from blockspec.cli_help import DefaultsHelpFormatter
+    from blockspec.config.cli_help import DefaultsHelpFormatter
     from blockspec.evals.gsm8k import add_gsm8k_arguments
     from blockspec.server.args import add_serve_arguments
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from blockspec.chat_templates import chat_template_text
+from blockspec.config.chat_templates import chat_template_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -17,7 +17,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from tqdm import tqdm
 
 from blockspec.bench.report import LevelResult, RequestResult, summarise, write_outputs
-from blockspec.cache_root import default_cache_root
+from blockspec.config.cache_root import default_cache_root
 from blockspec.evals.client import accept_length_between, auth_headers, first_model_id, get_server_info
 
 Prompt = Union[str, list[int]]

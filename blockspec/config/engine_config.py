@@ -5,13 +5,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from blockspec.chat_templates import chat_template_text
+from blockspec.config.chat_templates import chat_template_text
 from blockspec.config.deterministic import resolve_deterministic_backend
 from blockspec.config.speculative_flags import accept_distribution, check_schedule_covers, parse_verify_schedule
 
 if TYPE_CHECKING:
     import torch
 
+# NOTE: targets whose piecewise graphs (extend, DFlash's aux capture inside them) the GPU suite has run; a newer
+# family (Qwen3-MoE) captures them with --enforce-piecewise-cuda-graph until it has run there too
+PIECEWISE_BY_DEFAULT = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SPECULATIVE_ALGORITHMS = (None, "DFLASH")
 WAIT_POLICIES = ("fixed", "cost")  # --prefill-wait-policy (scheduler/admission.py)
@@ -55,9 +58,10 @@ class EngineConfig:
     # one forward: prefill chunks + the running requests' decode tokens / verify blocks
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False  # the radix prefix cache (target + draft KV of shared prefixes) is on by default
+    # NOTE: piecewise graphs are on by default on CUDA for the architectures in PIECEWISE_BY_DEFAULT (as SGLang
+    # captures them by default where supported); this skips that condition. `piecewise_graphs_on` decides.
     enforce_piecewise_cuda_graph: bool = False
-    # NOTE: wins over every reason to capture piecewise graphs (the flag that asks for them and any default on CUDA):
-    # `piecewise_graphs_on` is the one place that decides
+    # NOTE: wins over every reason to capture piecewise graphs (the flag that asks for them and the default on CUDA)
     disable_piecewise_cuda_graph: bool = False
     # NOTE: None: the chunked-prefill budget up to 8192 (`piecewise_max_tokens`), so the default's extend steps fit a
     # bucket: an extend the graphs cannot take runs eagerly, paying every kernel's host launch
@@ -262,12 +266,13 @@ class EngineConfig:
             raise ValueError("device cuda was asked for but CUDA is not available")
         return device
 
-    def piecewise_graphs_on(self, device: torch.device) -> bool:
-        """Whether extends run in piecewise CUDA graphs on `device`. disable_piecewise_cuda_graph is checked first:
-        it turns them off whatever else asks for them."""
+    def piecewise_graphs_on(self, device: torch.device, architecture: str) -> bool:
+        """Whether extends of a target of `architecture` run in piecewise CUDA graphs on `device`: by default on CUDA
+        for the architectures in PIECEWISE_BY_DEFAULT. disable_piecewise_cuda_graph is checked first (it turns them
+        off whatever else asks for them); enforce_piecewise_cuda_graph skips the architecture condition."""
         if self.disable_piecewise_cuda_graph or self.disable_cuda_graph or device.type != "cuda":
             return False
-        return self.enforce_piecewise_cuda_graph
+        return self.enforce_piecewise_cuda_graph or architecture in PIECEWISE_BY_DEFAULT
 
     @property
     def chunk_budget(self) -> Optional[int]:

@@ -52,7 +52,8 @@ ENGINE_FLAGS: dict[str, Flag] = {
     "disable_overlap_schedule": Flag("greedy decode: commit each step before launching the next"),
     "disable_radix_cache": Flag("no prefix sharing: every prompt is prefilled in full"),
     "enable_mixed_chunk": Flag("one forward carries prefill chunks with the running decode/verify"),
-    "enforce_piecewise_cuda_graph": Flag("piecewise CUDA graphs for prefill/extend"),
+    "enforce_piecewise_cuda_graph": Flag("piecewise CUDA graphs for prefill/extend also where they are not on by "
+                                         "default (on by default on CUDA for Llama and Qwen3 targets)"),
     "disable_piecewise_cuda_graph": Flag("run prefill/extend eagerly: no piecewise CUDA graphs, whatever else asks "
                                          "for them"),
     "piecewise_eager_attention": Flag(

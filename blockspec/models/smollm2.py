@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from blockspec.cache_root import default_cache_root
+from blockspec.config.cache_root import default_cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

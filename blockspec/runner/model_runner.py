@@ -169,7 +169,10 @@ class ModelRunner:
         """Piecewise graphs for extend batches, in this runner's fixed hidden-capture mode; `aux_consumer` runs inside
         the last segment's graph (see PiecewiseGraphRunner)."""
         config = self.config
-        if not config.piecewise_graphs_on(self.device):
+        if not config.piecewise_graphs_on(self.device, self.model_config.architecture):
+            if self.device.type == "cuda" and not (config.disable_piecewise_cuda_graph or config.disable_cuda_graph):
+                logger.info("piecewise CUDA graphs off for %s by default (not yet run by the GPU suite): "
+                            "--enforce-piecewise-cuda-graph captures them", self.model_config.architecture)
             return
         max_tokens = self.config.piecewise_max_tokens
         buckets = self.config.piecewise_cuda_graph_tokens or default_buckets(max_tokens)

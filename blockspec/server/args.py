@@ -10,8 +10,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from blockspec.chat_templates import CHAT_TEMPLATES
-from blockspec.cli_help import DefaultsHelpFormatter
+from blockspec.config.chat_templates import CHAT_TEMPLATES
+from blockspec.config.cli_help import DefaultsHelpFormatter
 from blockspec.config.engine_config import EngineConfig
 from blockspec.config.flags import ENGINE_FLAGS
 from blockspec.server.compat_flags import add_compat_arguments, apply_compat_flags

@@ -81,8 +81,9 @@ def apply_compat_flags(values: dict[str, Any], engine: dict[str, Any], parser: a
                      "radix cache still reuses shared prefixes); only fcfs is valid")
     if values["enable_piecewise_cuda_graph"]:
         engine["enforce_piecewise_cuda_graph"] = True
-        notes.append("--enable-piecewise-cuda-graph: prefill/extend run in piecewise CUDA graphs on a GPU (the same as "
-                     "--enforce-piecewise-cuda-graph; SGLang deprecated the flag because it captures them by default)")
+        notes.append("--enable-piecewise-cuda-graph: prefill/extend run in piecewise CUDA graphs on a GPU, as they do "
+                     "by default for Llama and Qwen3 targets (here the same as --enforce-piecewise-cuda-graph; SGLang "
+                     "deprecated the flag because it captures them by default)")
     if values["log_requests"] and values["log_level"] not in ("debug", "info"):
         values["log_level"] = "info"
         notes.append("--log-requests: one access log line per request (the server logs at info)")

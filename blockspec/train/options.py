@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
-from blockspec.cache_root import default_cache_root
-from blockspec.cli_help import DefaultsHelpFormatter
+from blockspec.config.cache_root import default_cache_root
+from blockspec.config.cli_help import DefaultsHelpFormatter
 
 if TYPE_CHECKING:
     from blockspec.models.config import TargetConfig

@@ -10,10 +10,10 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from blockspec.chat_templates import CHAT_TEMPLATES
+from blockspec.config.chat_templates import CHAT_TEMPLATES
 from blockspec.server.tool_calls import parse_tool_calls
 from blockspec.tokenizer import ToolsIgnoredError, load_tokenizer, render_chat
-from server_support import openai_client
+from tests.support.server_support import openai_client
 
 WEATHER: Any = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

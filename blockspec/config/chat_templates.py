@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TEMPLATE_DIR = Path(__file__).parent / "assets" / "chat_templates"
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "assets" / "chat_templates"
 # NOTE: name -> the --tool-call-parser that reads the calls the template asks for
 CHAT_TEMPLATES = {"chatml": "qwen3", "llama3": "llama3"}
 

@@ -11,7 +11,8 @@ from blockspec.config.engine_config import EngineConfig
 from blockspec.server.args import parse_serve_args
 
 BASE = ["--model-path", "/m"]
-
+CUDA = torch.device("cuda")
+LLAMA = "LlamaForCausalLM"
 
 def test_enable_piecewise_cuda_graph_is_accepted_with_a_note() -> None:
     args = parse_serve_args([*BASE, "--enable-piecewise-cuda-graph"])
@@ -23,9 +24,20 @@ def test_disable_piecewise_cuda_graph_turns_them_off() -> None:
     engine = parse_serve_args([*BASE, "--disable-piecewise-cuda-graph"]).engine
     config = EngineConfig.from_kwargs(**engine)
     assert config.disable_piecewise_cuda_graph is True
-    assert not config.piecewise_graphs_on(torch.device("cuda"))
-    assert EngineConfig("/m", enforce_piecewise_cuda_graph=True).piecewise_graphs_on(torch.device("cuda"))
-    assert not EngineConfig("/m", enforce_piecewise_cuda_graph=True).piecewise_graphs_on(torch.device("cpu"))
+    assert not config.piecewise_graphs_on(CUDA, LLAMA)
+    enforced = EngineConfig("/m", enforce_piecewise_cuda_graph=True)
+    assert enforced.piecewise_graphs_on(CUDA, LLAMA) and not enforced.piecewise_graphs_on(torch.device("cpu"), LLAMA)
+
+
+def test_piecewise_graphs_are_on_by_default_where_supported() -> None:
+    """As SGLang: the default captures them on CUDA for Llama and Qwen3 targets; --disable-piecewise-cuda-graph and
+    --disable-cuda-graph turn them off; a family the GPU suite has not run yet needs --enforce-piecewise-cuda-graph."""
+    default = EngineConfig.from_kwargs(**parse_serve_args(BASE).engine)
+    assert default.piecewise_graphs_on(CUDA, LLAMA) and default.piecewise_graphs_on(CUDA, "Qwen3ForCausalLM")
+    assert not default.piecewise_graphs_on(torch.device("cpu"), LLAMA)
+    assert not EngineConfig("/m", disable_cuda_graph=True).piecewise_graphs_on(CUDA, LLAMA)
+    assert not default.piecewise_graphs_on(CUDA, "Qwen3MoeForCausalLM")
+    assert EngineConfig("/m", enforce_piecewise_cuda_graph=True).piecewise_graphs_on(CUDA, "Qwen3MoeForCausalLM")
 
 
 def test_working_flags() -> None:

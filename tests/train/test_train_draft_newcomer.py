@@ -20,9 +20,9 @@ from blockspec.models.config import load_target_config
 from blockspec.train.checkpoint import load_trainable_draft
 from blockspec.train.options import CPU_DEFAULTS, TrainOptions, parse_options
 from blockspec.train.pipeline import held_out_count
-from tiny_models import save_tiny_model
+from tests.support.tiny_models import save_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_prompts(path: Path, count: int) -> None:

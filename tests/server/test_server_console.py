@@ -17,7 +17,7 @@ import pytest
 from blockspec import Engine
 from blockspec.cli import main
 from blockspec.engine.progress_line import ProgressLine
-from server_support import save_text_model, server_process
+from tests.support.server_support import save_text_model, server_process
 
 LINE = re.compile(r"^blockspec: #running-req \d+, #queue-req \d+, gen throughput \(token/s\) [\d.]+, "
                   r"accept len [\d.]+, token usage [\d.]+$")

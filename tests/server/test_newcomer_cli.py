@@ -19,7 +19,7 @@ from blockspec.server.metrics import ServerMetrics
 from blockspec.server.openai_api import _check_model
 from blockspec.server.state import APIError, served_model_name
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
