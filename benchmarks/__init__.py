@@ -5,7 +5,7 @@ benchmarks/results/ or --out. Run one from the repository root as a module, e.g.
 
 - step_latency, prefill_latency, adaptive_verify, deterministic_cost: Llama-3.1-8B-shape step, prefill, adaptive
   verify and deterministic-mode costs on one GPU (device_timing: their timing and telemetry).
-- serving_vs_engine (+ serving_vs_engine_support, serving_server, serving_workload, serving_profile,
+- serving_vs_engine (+ serving_vs_engine_support, serving_server, serving_workload, serving_tokenizers, serving_profile,
   merge_serving_results), prefix_cache (+ prefix_cache_rows, prefix_cache_workloads), warm_start, host_overhead:
   the HTTP server against the offline engine, the radix prefix cache, start-up and the serving loop's host time.
 - greedy_drift, generation_rate, radix_evict: bf16 DFlash against target-only greedy, offline generation at wide

@@ -2,8 +2,9 @@
 
 Each row keeps where it came from: `source` (its file), `commit` (its run's), `weights` ("dummy" or "real", read
 from its engine's load format where an older file's rows lack it; "unknown" without one); the engines are keyed
-"<file>:<shape>/<mode>" (file names must differ). Rows of the same shape, weights, mode and level (concurrency, or
-Poisson rate) in several files: the later file's row wins (list the files oldest first). The top-level `commit` names
+"<file>:<shape>/<mode>" (file names must differ). Rows of the same shape, weights, mode, client and level
+(concurrency, or Poisson rate) in several files: the later file's row wins (list the files oldest first); rows from
+before issue 49 name no client ("generate_stream": streaming /generate against a waves engine). The top-level `commit` names
 every commit the rows come from. Usage: python -m benchmarks.merge_serving_results OUT.json IN.json [IN.json ...]
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from benchmarks.serving_workload import row_weights
 def merge(paths: list[Path], out: Path) -> dict[str, Any]:
     merged: dict[str, Any] = {"gpu": None, "date": None, "commit": None, "sources": [], "engines": {}, "errors": [],
                               "rows": []}
-    rows: dict[tuple[Any, ...], dict[str, Any]] = {}  # by (shape, weights, mode, level)
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}  # by (shape, weights, mode, client, level)
     if len({path.name for path in paths}) < len(paths):
         raise ValueError(f"two inputs share a file name: {[path.name for path in paths]}")
     for path in paths:
@@ -37,7 +38,7 @@ def merge(paths: list[Path], out: Path) -> dict[str, Any]:
             weights = row.get("weights") or (row_weights(engine) if engine is not None else "unknown")
             row = {**row, "weights": weights, "source": path.name, "commit": data["commit"]}
             level = (str(row["concurrency"]), row.get("rate"))
-            rows[(row["shape"], row["weights"], row["mode"], level)] = row
+            rows[(row["shape"], row["weights"], row["mode"], row.get("client", "generate_stream"), level)] = row
     commits = [source["commit"] for source in merged["sources"]]
     merged["commit"] = "+".join(dict.fromkeys(commits)) or None
     merged["rows"] = list(rows.values())
@@ -51,9 +52,9 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(argv[0])
     merge([Path(p) for p in argv[1:]], out)
-    from plot_serving_vs_engine import plot
+    from benchmarks.plots import plot_serving_vs_engine
 
-    print(f"wrote {out} and {plot(out)}")
+    print(f"wrote {out} and {plot_serving_vs_engine(out)}")
     return 0
 
 

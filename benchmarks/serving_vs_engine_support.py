@@ -1,7 +1,7 @@
-"""Pieces of benchmarks/serving_vs_engine.py: the model shapes (config.json files for dummy weights), engine flags
-as `blockspec serve` flags, the offline-engine phase (its own process: `python -m
-benchmarks.serving_vs_engine_support engine SPEC OUT`) with its closed-loop and wave levels, the server process, and
-the client levels (closed loop from blockspec.bench.serving, Poisson arrivals)."""
+"""Pieces of benchmarks/serving_vs_engine.py: the model shapes (config.json files for dummy weights), the
+offline-engine phase (its own process: `python -m benchmarks.serving_vs_engine_support engine SPEC OUT`) with its
+continuous levels, the server process, and the client levels (closed loop from blockspec.bench.serving, Poisson
+arrivals; /generate answered whole or streaming chat)."""
 from __future__ import annotations
 
 import argparse
@@ -13,10 +13,11 @@ import random
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import httpx
 
 from benchmarks.serving_server import ROOT, ServerProcess, child_env, free_port, log_tail
 from blockspec.evals.client import (
@@ -27,7 +28,7 @@ from blockspec.bench.core_clock import CoreClock
 from blockspec.bench.processes import http_server_pids, process_cpu_s, run_in_processes
 from blockspec.bench.provenance import commit_id
 from blockspec.bench.report import RequestResult, percentile
-from blockspec.bench.serving import one_request, open_session, run_level
+from blockspec.bench.serving import Prompt, one_request, open_session, run_level
 
 SMOLLM2_DRAFT = ROOT / "blockspec" / "assets" / "smollm2-135m-dflash-b16"
 SMOLLM2 = dict(
@@ -48,7 +49,8 @@ TINY_DRAFT = dict(
     dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 2]},
 )
 __all__ = ["ROOT", "ServerProcess", "free_port", "log_tail", "materialise", "measure_level", "run_clients",
-           "run_engine_phase", "client_namespace", "Shape", "SHAPES", "DEFAULT_ACCEPT"]
+           "run_engine_phase", "client_namespace", "flush_server_cache", "Shape", "SHAPES", "DEFAULT_ACCEPT",
+           "CLIENTS"]
 DEFAULT_ACCEPT = {"llama8b": 4.0, "smollm2": 3.2, "tiny": 2.0}
 SHAPES = tuple(DEFAULT_ACCEPT)
 
@@ -85,46 +87,38 @@ def materialise(name: str, root: Path, model_dir: Optional[Path], draft_dir: Opt
     return Shape(name, target, draft_dir or draft, vocab)
 
 
-# NOTE: the offline engine's side of a closed-loop level, the same prompts without HTTP.
-#
-# - `closed_loop_tok_s`: what the server's clients do, minus the server: `concurrency` requests in flight, and the next
-#   prompt queued in the step its predecessor finishes (a client sends its next request once its last one is answered).
-#   The rows' `engine_tok_s` for a closed-loop level.
-# - `waves_tok_s`: the level's prompts in waves of `concurrency` (each wave a `generate` call that waits for its last
-#   request). Before 2026-12-03 this was the rows' comparison; kept as `engine_waves_tok_s`. With real acceptance a
-#   wave's last requests decode at a shrinking batch, so it understates DFlash (the demo pair at 64 clients: server ÷
-#   waves 1.29).
+# NOTE: the offline engine's side of a closed-loop level of C clients (`engine_baseline: "continuous"`): an engine
+# with the server's flags and max_running_requests min(C, the server's), given all N prompts of the level in one
+# `Engine.generate` call: C run, the rest wait, and each that finishes is replaced in the next step (continuous
+# batching, what a saturated server should reach). Until issue 49 the levels ran in waves of C prompts, each wave
+# ending in a shrinking batch, which understated the engine.
 Sync = Callable[[], None]
 
 
-def closed_loop_tok_s(engine: Any, prompts: list[list[int]], concurrency: int, params: dict[str, Any],
-                      sync: Sync) -> float:
-    """Output tokens per second with `concurrency` requests kept in flight over `prompts` (greedy, fixed lengths)."""
-    reqs, _ = engine.make_requests(input_ids=prompts, sampling_params=params)
-    queued, in_flight, tokens = deque(reqs), set(), 0
-    start = time.perf_counter()
-    while queued or in_flight:
-        while queued and len(in_flight) < concurrency:
-            req = queued.popleft()
-            engine.scheduler.add_request(req)
-            in_flight.add(req.rid)
-        for req in engine.scheduler.step():
-            if req.rid in in_flight:
-                in_flight.discard(req.rid)
-                tokens += len(req.output_ids)
-    sync()
-    return tokens / (time.perf_counter() - start)
-
-
-def waves_tok_s(engine: Any, prompts: list[list[int]], concurrency: int, params: dict[str, Any], sync: Sync) -> float:
-    """Output tokens per second over `prompts` in waves of `concurrency`, each run to its end before the next."""
-    start, tokens = time.perf_counter(), 0
-    for first in range(0, len(prompts), concurrency):
-        wave = engine.generate(input_ids=prompts[first:first + concurrency], sampling_params=params)
-        assert isinstance(wave, list)
-        tokens += sum(len(out["output_ids"]) for out in wave)
-    sync()
-    return tokens / (time.perf_counter() - start)
+def continuous_level(make_engine: Callable[..., Any], engine_kwargs: dict[str, Any], running: int,
+                     prompts: list[list[int]], warmup: list[list[int]], params: dict[str, Any],
+                     warmup_new_tokens: int, sync: Sync) -> dict[str, Any]:
+    """One level on a fresh engine of `running` running requests: an untimed warm-up (batch sizes this engine has not
+    run may compile kernels), the prefix cache emptied (the server's is before each level too), then all `prompts`
+    in one `generate` call, timed. Its output tok/s, wall time and accept length."""
+    engine = make_engine(**{**engine_kwargs, "max_running_requests": running})
+    try:
+        if warmup:
+            engine.generate(input_ids=warmup, sampling_params=dict(params, max_new_tokens=warmup_new_tokens))
+        engine.flush_cache()
+        before = engine.get_server_info()
+        start = time.perf_counter()
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        sync()
+        wall = time.perf_counter() - start
+        after = engine.get_server_info()
+    finally:
+        engine.shutdown()
+    assert isinstance(outputs, list)
+    tokens = sum(len(out["output_ids"]) for out in outputs)
+    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "requests": len(prompts),
+            "max_running_requests": running, "accept_length": accept_length_between(before, after),
+            "forward_counts": after["internal_states"][0].get("forward_counts")}
 
 
 def run_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
@@ -162,6 +156,7 @@ def cached_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float, cac
 
 
 def engine_main(spec_path: Path, out_path: Path) -> None:
+    """The engine phase: `continuous_level` for each (concurrency, prompt count) of the spec's levels."""
     import torch
 
     from blockspec import Engine
@@ -169,50 +164,38 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     prompts: list[list[int]] = spec["prompts"]
     params = {"temperature": 0.0, "max_new_tokens": spec["max_new_tokens"], "ignore_eos": True}
-    engine = Engine(**spec["engine"])
-    cuda = engine.runner.device.type == "cuda"
-    if spec["warmup"] > 0:
-        engine.generate(input_ids=prompts[: spec["warmup"]],
-                        sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
-    before = engine.get_server_info()
-    start = time.perf_counter()
-    outputs = engine.generate(input_ids=prompts, sampling_params=params)
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    after = engine.get_server_info()
-    assert isinstance(outputs, list)
-    tokens = sum(len(out["output_ids"]) for out in outputs)
-    by_concurrency: dict[str, float] = {}
-    by_waves: dict[str, float] = {}
+    device = str(spec["engine"].get("device", "auto"))
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    levels: dict[str, dict[str, Any]] = {}
     with CoreClock(os.getpid()) as clock:
         for concurrency, count in spec["levels"]:
-            level_prompts = prompts[:count]
-            # NOTE: one untimed wave first: batch sizes the full-batch warm-up never ran may compile kernels.
-            engine.generate(input_ids=level_prompts[:concurrency],
-                            sampling_params=dict(params, max_new_tokens=spec["warmup_new_tokens"]))
-            by_concurrency[str(concurrency)] = closed_loop_tok_s(engine, level_prompts, concurrency, params, sync)
-            by_waves[str(concurrency)] = waves_tok_s(engine, level_prompts, concurrency, params, sync)
+            running = min(concurrency, spec["max_running_requests"])
+            levels[str(concurrency)] = continuous_level(
+                Engine, spec["engine"], running, prompts[:count], prompts[: min(spec["warmup"], running)], params,
+                spec["warmup_new_tokens"], sync)
     result = {
-        "engine_core_mhz": clock.mean_mhz,
-        "engine_tok_s": tokens / wall, "engine_wall_s": wall, "engine_output_tokens": tokens,
-        "engine_tok_s_by_concurrency": by_concurrency, "engine_waves_tok_s_by_concurrency": by_waves,
-        "engine_accept_length": accept_length_between(before, after),
-        "engine_forward_counts": after["internal_states"][0].get("forward_counts"),
-        "gpu": torch.cuda.get_device_name(engine.runner.device) if cuda else "cpu",
+        "engine_core_mhz": clock.mean_mhz, "engine_baseline": "continuous", "engine_levels": levels,
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
     }
-    engine.shutdown()
     out_path.write_text(json.dumps(result))
 
 
-def client_namespace(base_url: str, max_new_tokens: int, timeout: float) -> argparse.Namespace:
-    """What blockspec.bench.serving's client reads: /generate with input_ids, streamed, greedy, ignore_eos."""
-    return argparse.Namespace(backend="sglang", base_url=base_url, api_key=None, model=None, timeout=timeout,
-                              disable_tqdm=True, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+CLIENTS = ("generate", "chat_stream")  # a row's `client`
 
 
-async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: float,
+def client_namespace(base_url: str, max_new_tokens: int, timeout: float, client: str = "generate",
+                     stream: bool = True) -> argparse.Namespace:
+    """What blockspec.bench.serving's client reads, greedy, ignore_eos: `client` "generate" is /generate with
+    input_ids (streamed unless `stream` is False), "chat_stream" streaming /v1/chat/completions with messages."""
+    if client not in CLIENTS:
+        raise ValueError(f"unknown client {client!r}; one of {', '.join(CLIENTS)}")
+    return argparse.Namespace(backend="chat" if client == "chat_stream" else "sglang", stream=stream,
+                              base_url=base_url, api_key=None, model=None, timeout=timeout, disable_tqdm=True,
+                              max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def run_poisson(ns: argparse.Namespace, prompts: list[Prompt], rate: float,
                       seed: int) -> tuple[list[RequestResult], float]:
     """Requests sent at exponential gaps (mean 1/rate s), none waiting on another; (results, first send to last end)."""
     rng = random.Random(seed)
@@ -226,26 +209,26 @@ async def run_poisson(ns: argparse.Namespace, prompts: list[list[int]], rate: fl
         return list(results), time.perf_counter() - start
 
 
-def _clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
+def _clients(ns: argparse.Namespace, prompts: list[Prompt], concurrency: Optional[int], rate: float,
              seed: int) -> tuple[list[RequestResult], float]:
     if concurrency is None:
         return asyncio.run(run_poisson(ns, prompts, rate, seed))
     return asyncio.run(run_level(ns, prompts, concurrency))
 
 
-def _clients_in_this_process(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
+def _clients_in_this_process(ns: argparse.Namespace, prompts: list[Prompt], concurrency: Optional[int], rate: float,
                              seed: int) -> tuple[list[RequestResult], float, float]:
     cpu = time.process_time()
     results, wall = _clients(ns, prompts, concurrency, rate, seed)
     return results, wall, time.process_time() - cpu
 
 
-def _clients_results(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float,
+def _clients_results(ns: argparse.Namespace, prompts: list[Prompt], concurrency: Optional[int], rate: float,
                      seed: int) -> list[RequestResult]:
     return _clients(ns, prompts, concurrency, rate, seed)[0]
 
 
-def run_clients(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
+def run_clients(ns: argparse.Namespace, prompts: list[Prompt], concurrency: Optional[int], rate: float, seed: int,
                 procs: int, spawn: bool = False) -> tuple[list[RequestResult], float, float]:
     """The clients spread over `procs` processes (blockspec.bench.processes): process i takes prompts i::n and its
     share of the clients (or rate/n: merged Poisson streams are one Poisson stream); the duration runs from the first
@@ -274,7 +257,16 @@ def cpu_s(pids: list[int]) -> Optional[float]:
     return None if not times or None in times else sum(t for t in times if t is not None)
 
 
-def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency: Optional[int], rate: float, seed: int,
+def flush_server_cache(base_url: str, timeout: float = 30.0) -> None:
+    """Empties the server's radix cache (/flush_cache; refused while requests finish: asked again)."""
+    deadline = time.monotonic() + timeout
+    while httpx.post(base_url + "/flush_cache", timeout=timeout).status_code != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server's cache was not flushed in {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def measure_level(ns: argparse.Namespace, prompts: list[Prompt], concurrency: Optional[int], rate: float, seed: int,
                   procs: int = 1, spawn: bool = False) -> dict[str, Any]:
     """One closed-loop level (`concurrency` clients) or, with concurrency None, one Poisson run at `rate` req/s."""
     before, metrics_before = get_server_info(ns.base_url), metrics_text(ns.base_url)
@@ -289,6 +281,7 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
               histogram_mean_between(metrics_before, metrics_after, f"blockspec_request_{phase}_time_seconds")
               for phase in ("receive", "queue", "prefill")}
     ok = [r for r in results if r.ok]
+    streamed = ns.backend != "sglang" or ns.stream
     ttfts = [r.ttft for r in ok]
     gaps = [g for r in ok for g in r.chunk_gaps]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -298,16 +291,21 @@ def measure_level(ns: argparse.Namespace, prompts: list[list[int]], concurrency:
         "concurrency": "poisson" if concurrency is None else concurrency, "rate": rate if concurrency is None else None,
         "server_tok_s": sum(r.output_tokens for r in ok) / duration, "request_throughput": len(ok) / duration,
         "completed": len(ok), "failed": len(errors), "duration_s": duration,
-        "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+        # NOTE: a non-streamed answer has no first token or chunks of its own: TTFT and ITL None (its whole latency
+        # is e2e_p50_ms; the server's own TTFT is engine_ttft_mean_ms)
+        "streamed": streamed,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1e3 if streamed else None,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1e3 if streamed else None,
         # NOTE: the server's own TTFT (submitted to the engine → first token committed) against the client's: the
         # difference is HTTP intake before the submit plus delivery of the first chunk.
-        "ttft_mean_ms": sum(ttfts) / len(ttfts) * 1e3 if ttfts else None,
+        "ttft_mean_ms": sum(ttfts) / len(ttfts) * 1e3 if ttfts and streamed else None,
         "engine_ttft_mean_ms": None if engine_ttft is None else engine_ttft * 1e3,
         # NOTE: the engine TTFT's phases: server submit -> scheduler, waiting queue, first prefill step -> first token
         **{key: None if value is None else value * 1e3 for key, value in phases.items()},
         **steps_between(before, after, duration),
         **forwards_between(before, after),
-        "itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
+        "itl_p50_ms": percentile(gaps, 50) * 1e3 if streamed else None,
+        "itl_p99_ms": percentile(gaps, 99) * 1e3 if streamed else None,
         "tpot_p50_ms": percentile(tpots, 50) * 1e3, "tpot_p99_ms": percentile(tpots, 99) * 1e3,
         "e2e_p50_ms": percentile([r.latency for r in ok], 50) * 1e3,
         "mean_in_flight": sum(r.latency for r in ok) / duration,  # NOTE: Little's law over the run's own requests

@@ -1,5 +1,9 @@
 """Serving benchmark: for each concurrency level, stream `num_prompts` requests and measure throughput, TTFT,
-TPOT and the speculative accept length (from /server_info before and after the level)."""
+TPOT and the speculative accept length (from /server_info before and after the level).
+
+The client speaks three ways (`backend`): "sglang" (/generate; streamed unless the namespace's `stream` is False:
+then one JSON answer per request, no first-token time), "openai" (/v1/completions, streamed) and "chat"
+(/v1/chat/completions, streamed; each prompt a list of chat messages)."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +24,8 @@ from blockspec.bench.report import LevelResult, RequestResult, summarise, write_
 from blockspec.config.cache_root import default_cache_root
 from blockspec.evals.client import accept_length_between, auth_headers, first_model_id, get_server_info
 
-Prompt = Union[str, list[int]]
+ChatMessages = list[dict[str, str]]
+Prompt = Union[str, list[int], ChatMessages]
 MAX_CHUNK_BYTES = 1 << 24  # one SSE line (a /generate chunk carries the cumulative text and ids)
 # NOTE: what one streamed request can fail with; msgspec.DecodeError is a ValueError, aiohttp's LineTooLong an
 # HttpProcessingError (no ClientError)
@@ -42,6 +47,11 @@ def load_prompts(ns: argparse.Namespace, vocab_size: int) -> list[Prompt]:
 
 
 def _payload(ns: argparse.Namespace, prompt: Prompt, max_new: int) -> tuple[str, dict[str, Any]]:
+    if ns.backend == "chat":
+        return "/v1/chat/completions", {
+            "model": ns.model, "messages": prompt, "max_tokens": max_new, "temperature": ns.temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ns.ignore_eos,
+        }
     if ns.backend == "openai":
         body: dict[str, Any] = {
             "model": ns.model, "prompt": prompt, "max_tokens": max_new, "temperature": ns.temperature,
@@ -50,7 +60,12 @@ def _payload(ns: argparse.Namespace, prompt: Prompt, max_new: int) -> tuple[str,
         return "/v1/completions", body
     key = "text" if isinstance(prompt, str) else "input_ids"
     params = {"max_new_tokens": max_new, "temperature": ns.temperature, "ignore_eos": ns.ignore_eos}
-    return "/generate", {key: prompt, "sampling_params": params, "stream": True}
+    return "/generate", {key: prompt, "sampling_params": params, "stream": ns.stream}
+
+
+def _has_new_text(chunk: dict[str, Any]) -> bool:
+    """Whether an OpenAI stream chunk carries output text (completions' `text`, chat's `delta.content`)."""
+    return any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk.get("choices", []))
 
 
 class _Meta(msgspec.Struct):
@@ -96,12 +111,20 @@ async def one_request(
         async with session.post(path.lstrip("/"), json=body) as response:
             if response.status != 200:
                 return RequestResult(False, error=f"HTTP {response.status}: {(await response.read())[:200]!r}")
+            if body.get("stream") is False:
+                answer = NATIVE_CHUNK.decode(await response.read())
+                if answer.error is not None or answer.meta_info is None:
+                    return RequestResult(False, error=str(answer.error or "an answer without meta_info"))
+                end = time.perf_counter()
+                # NOTE: a non-streamed answer has no first token of its own: its TTFT is the whole latency
+                return RequestResult(True, end - start, end - start, answer.meta_info.prompt_tokens,
+                                     answer.meta_info.completion_tokens)
             async for raw in response.content:
                 line = raw.rstrip(b"\r\n")
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 now = time.perf_counter()
-                if ns.backend == "openai":
+                if ns.backend in ("openai", "chat"):
                     chunk = msgspec.json.decode(line[6:])
                     if "error" in chunk:
                         return RequestResult(False, error=str(chunk["error"]))
@@ -110,7 +133,7 @@ async def one_request(
                             chunk["usage"]["prompt_tokens"],
                             chunk["usage"]["completion_tokens"],
                         )
-                    if not any(c.get("text") for c in chunk.get("choices", [])):
+                    if not _has_new_text(chunk):
                         continue
                 else:
                     native = NATIVE_CHUNK.decode(line[6:])
@@ -193,6 +216,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=("sglang", "openai"), default="sglang", help="/generate or /v1/completions"
     )
+    parser.set_defaults(stream=True)  # NOTE: this command always streams (the client can also ask once per request)
     parser.add_argument("--model", help="model id for the openai backend (default: the first of /v1/models)")
     parser.add_argument("--concurrency", type=_concurrency_list, default=[1, 4, 16, 64], help="e.g. 1,4,16,64")
     parser.add_argument("--num-prompts", type=int, default=200, help="requests per concurrency level")

