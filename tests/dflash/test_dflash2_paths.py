@@ -53,8 +53,10 @@ def test_greedy_equals_target(pair: dict[str, Any], flags: dict[str, Any], cycli
     reqs = run_until_done(engine, reqs)
     assert [req.output_ids for req in reqs] == expected
     lengths = [n for req in reqs for n in req.spec_accept_lengths]
-    full_blocks = not cycling and "speculative_adaptive_verify" not in flags
-    assert sum(lengths) > (1.5 if full_blocks else 1.0) * len(lengths), lengths
+    if "speculative_adaptive_verify" not in flags:
+        # NOTE: adaptive verify picks lengths from CPU-timed cycles: on a loaded CPU it may rightly pick plain decode
+        # steps (length 1) throughout, so only its output is checked
+        assert sum(lengths) > (1.0 if cycling else 1.5) * len(lengths), lengths
     info = engine.get_server_info()
     if flags.get("enable_mixed_chunk"):
         assert info["internal_states"][0]["num_mixed_steps"] > 0
