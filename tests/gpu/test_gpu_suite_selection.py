@@ -9,7 +9,10 @@ TESTS = Path(__file__).resolve().parents[1]
 USES_CUDA = re.compile(r"cuda\.is_available\(|device=.cuda.|torch\.device\(.cuda|import .*\bDEVICE\b")
 MARKED = re.compile(r"mark\.(gpu|cuda)\b")
 # NOTE: files that name a CUDA device without running on one
-CPU_ONLY = {"test_flashinfer_plumbing.py": "a torch stand-in of FlashInfer; names a cuda device only to check errors"}
+CPU_ONLY = {
+    "test_flashinfer_plumbing.py": "a torch stand-in of FlashInfer; names a cuda device only to check errors",
+    "test_sglang_flags.py": "names a cuda device only to ask the config whether piecewise graphs would be on",
+}
 
 
 def test_every_cuda_capable_test_file_is_in_the_gpu_suite() -> None:
