@@ -1,4 +1,5 @@
-"""Issue #50 part 4: DFlash2 against DFlash on the H200. Writes benchmarks/results/dflash2_<date>_<commit>.json with
+"""Issue #50 part 4: DFlash2 against DFlash on the H200. Writes dflash2_<date>_<commit>.json into the --out
+directory (default benchmarks/results) with
 
   rows     the greedy cycle time (draft propose + target verify + acceptance, one CUDA graph, nothing committed) of
            a DFlash2 draft and of a DFlash draft of the same shape on Llama-3.1-8B shapes (random bf16 weights,
@@ -15,7 +16,6 @@ on the CPU (its numbers mean nothing; it checks the script)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import shutil
@@ -27,20 +27,19 @@ from typing import Any, Optional
 
 import torch
 
+from benchmarks.device_timing import cuda_ms
+from benchmarks.draft_v2 import Scale, ServerSettings, demo_prompts, eval_flags, measure_one_client
+from benchmarks.draft_v2_data import DataPaths, target_dir
+from benchmarks.draft_v2_report import GENERAL_SET, GSM8K_SET, set_accepts, speedups
+from benchmarks.results import add_commit_argument, add_out_argument, resolved_commit, write_json
+from benchmarks.serving_vs_engine_support import TINY, TINY_DRAFT
+from benchmarks.step_latency import DRAFT, LLAMA_8B, prefill
 from blockspec import Engine
-from blockspec.bench.provenance import commit_id
+from blockspec.bench.provenance import gpu_name, today
 from blockspec.models.smollm2 import DEMO_DRAFT_DIR
 from blockspec.train.cli import main as train_draft
 from blockspec.train.info import read_info
-from device_timing import cuda_ms
-from draft_v2 import Scale, eval_flags
-from draft_v2_data import DataPaths, target_dir
-from draft_v2_report import GENERAL_SET, GSM8K_SET
-from draft_v2_server import ServerSettings, demo_prompts, measure_one_client, speedups
-from serving_vs_engine_support import TINY, TINY_DRAFT
-from step_latency import DRAFT, LLAMA_8B, prefill
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPE = "llama-3.1-8b/5-layer-draft"
 
 
@@ -136,8 +135,7 @@ def heldout_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[d
                             "--eval-only", *eval_flags(paths, Scale(eval_prompts_max=args.eval_prompts_max))])
         if code != 0:
             raise RuntimeError(f"train-draft --eval-only on {path} exited with {code}")
-        sets = read_info(copy)["eval_runs"][-1]["sets"]
-        accepts[name] = {key: sets[key]["accept_length"] if key in sets else None for key in (GSM8K_SET, GENERAL_SET)}
+        accepts[name] = set_accepts(read_info(copy))
     prompts, warmup = demo_prompts(model_dir, settings)
     server = [measure_one_client("target_only", model_dir, None, settings, prompts, warmup, args.state)]
     server += [measure_one_client(name, model_dir, Path(path), settings, prompts, warmup, args.state)
@@ -164,24 +162,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--heldout-draft", nargs="+", default=None, metavar="NAME=PATH",
                         help="demo drafts to compare (default: v6=the shipped draft)")
     parser.add_argument("--eval-prompts-max", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=None)
+    add_out_argument(parser)
+    add_commit_argument(parser)
     parser.add_argument("--smoke", action="store_true", help="the cycle part on tiny shapes on the CPU (fp32, eager)")
     args = parser.parse_args(argv)
     if args.part != "cycle" and args.state is None:
         parser.error("--part heldout/all needs --state (benchmarks/draft_v2.py --stage data's directory)")
-    commit = commit_id()
-    out = args.out or ROOT / "benchmarks" / "results" / f"dflash2_{datetime.date.today():%Y-%m-%d}_{commit}.json"
+    commit = resolved_commit(args)
+    # NOTE: --out is a directory (as for every benchmark: scripts/device.sh bench passes $OUT); a run of the other
+    # part under the same --out on the same day and commit adds to the same file
+    out = args.out / f"dflash2_{today()}_{commit}.json"
     result: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
-    result.update(commit=commit, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    result.update(commit=commit, gpu=gpu_name(), date=today())
     if args.part in ("cycle", "all"):
         result["rows"] = cycle_rows(args)
         result["cycle_ratio_dflash2_over_dflash"] = cycle_ratios(result["rows"])
     if args.part in ("heldout", "all"):
         result["heldout"], result["server_rows"] = heldout_rows(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}", flush=True)
+    print(f"wrote {write_json(out, result)}", flush=True)
     return 0
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from benchmarks.adaptive_verify import prefill
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
@@ -144,18 +145,6 @@ def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.d
                          "floor_ms": floor_ms, "over_floor": ms / floor_ms})
             print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def prefill(engine: Engine, bs: int, context: int, vocab: int) -> list:
-    reqs, _ = engine.make_requests(
-        input_ids=[torch.randint(10, vocab - 10, (context,)).tolist() for _ in range(bs)],
-        sampling_params={"temperature": 0, "max_new_tokens": 1_000_000, "ignore_eos": True},
-    )
-    for req in reqs:
-        engine.scheduler.add_request(req)
-    while any(r.pending_len != 1 for r in reqs):
-        engine.step()
-    return reqs
 
 
 def param_bytes(params: Any) -> int:
