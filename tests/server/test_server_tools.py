@@ -113,3 +113,17 @@ def test_bad_tools_are_400_naming_the_field(server: BackgroundServer, body: dict
 def test_completions_refuse_tools(server: BackgroundServer) -> None:
     response = httpx.post(server.base_url + "/v1/completions", timeout=60, json={"prompt": "x", "tools": [WEATHER]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
+def test_auto_parses_a_call_the_model_writes(client: openai.OpenAI) -> None:
+    # NOTE: the regex makes the tiny random model write a Hermes-style call unforced by tool_choice; `auto` must read
+    # it back as a tool call (content before it stays content), exactly as for a model that chose to call
+    written = 'Let me look\\.<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Oslo"\\}\\}\n</tool_call>'
+    reply = client.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER], tool_choice="auto",
+                                           max_tokens=64, temperature=0, extra_body={"regex": written})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
