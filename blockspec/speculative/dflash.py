@@ -38,6 +38,7 @@ from blockspec.sample.sampling_faults import SamplingFault, choice_faults, fail_
 from blockspec.speculative.cycle_timing import measure_cycle_times
 from blockspec.speculative.host_proposals import host_proposals
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
+from blockspec.speculative.tree_cycle import TreeCycle
 from blockspec.speculative.verify_length import (
     AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, VerifyLengthPolicy, default_verify_lengths,
     full_block,
@@ -80,13 +81,25 @@ class DFlashWorker(TargetWorker):
                 config.speculative_simulate_accept_len, config.speculative_simulate_accept_profile, block_size,
                 runner.device, config.random_seed,
             )
+        # NOTE: DDTree (speculative_tree_budget > 0): every greedy cycle verifies a draft tree instead of the chain
+        self.tree: Optional[TreeCycle] = None
+        if config.tree_budget > 0:
+            self.tree = TreeCycle(runner, draft, draft_pool, self._draft_hidden, block_size, config.tree_budget,
+                                  self.capture)
         self.acceptance = AcceptanceStats(block_size - 1)
         self.verify_policy: VerifyLengthPolicy = self._initial_policy()
         self._cycle_fns: dict[int, CycleFn] = {}
 
     @property
     def decode_slots_per_req(self) -> int:
-        return self.block_size
+        return self.block_size if self.tree is None else self.tree.slots_per_req
+
+    @property
+    def host_sampling_refusal(self) -> Optional[str]:
+        if self.tree is None:
+            return None
+        return ("the DDTree cycle (speculative_tree_budget) accepts greedy requests only (temperature 0, no "
+                "penalties, logprobs or grammar); serve sampled requests without a tree budget")
 
     @property
     def is_speculative(self) -> bool:
@@ -97,6 +110,9 @@ class DFlashWorker(TargetWorker):
         """The fixed schedule, the full block (adaptive off or impossible), or — until init_cuda_graphs has timed the
         cycles — the full block standing in for adaptive verify."""
         config, b = self.runner.config, self.block_size
+        if self.tree is not None:
+            return full_block(b, f"DDTree: every cycle drafts the full block and verifies a tree of "
+                                 f"{self.tree.budget} nodes")
         if config.speculative_num_draft_tokens_per_bs is not None:
             schedule = parse_verify_schedule(config.speculative_num_draft_tokens_per_bs)
             return FixedVerifyLength(schedule, b, "fixed schedule (speculative_num_draft_tokens_per_bs)")
@@ -120,7 +136,7 @@ class DFlashWorker(TargetWorker):
     @property
     def adaptive_wanted(self) -> bool:
         config = self.runner.config
-        return config.speculative_num_draft_tokens_per_bs is None and (
+        return self.tree is None and config.speculative_num_draft_tokens_per_bs is None and (
             config.speculative_adaptive_verify == "on"
             or (config.speculative_adaptive_verify is None and self.cycles_timed_live)
         )
@@ -237,7 +253,11 @@ class DFlashWorker(TargetWorker):
     def cycle_fn(self, num_draft_tokens: int) -> CycleFn:
         """The whole greedy cycle of this verify length as one function of its input batch (graph-capturable)."""
         if num_draft_tokens not in self._cycle_fns:
-            self._cycle_fns[num_draft_tokens] = lambda batch: self._greedy_cycle(batch, num_draft_tokens)
+            if self.tree is not None:
+                assert num_draft_tokens == self.block_size, "a tree cycle drafts and walks the full block"
+                self._cycle_fns[num_draft_tokens] = self.tree
+            else:
+                self._cycle_fns[num_draft_tokens] = lambda batch: self._greedy_cycle(batch, num_draft_tokens)
         return self._cycle_fns[num_draft_tokens]
 
     def _full_draft_batch(self, batch: ForwardBatch, num_draft_tokens: int) -> ForwardBatch:
@@ -435,6 +455,8 @@ class DFlashWorker(TargetWorker):
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
         if self.can_run_ahead(reqs):  # NOTE: without a carry the cycle keeps the order of reqs (none is finished)
             return [tokens or [] for tokens in self.finish(self.launch(reqs))]
+        if self.tree is not None:  # NOTE: admission refuses host-sampled requests (host_sampling_refusal)
+            raise RuntimeError("a DDTree cycle runs greedy batches on the device-row cycle only")
         proposals, draft_probs = self._proposals(reqs, self.choose_verify_length(len(reqs)))
         return self._accept(reqs, proposals, draft_probs, self.verify(reqs, proposals))
 

@@ -54,6 +54,11 @@ class Worker(Protocol):
     def is_speculative(self) -> bool: ...
 
     @property
+    def host_sampling_refusal(self) -> Optional[str]:
+        """Why requests that sample on the host (Req.samples_on_host) cannot be served (None: they can)."""
+        ...
+
+    @property
     def draft_attention(self) -> Optional[AttentionBackend]:
         """The draft's attention backend (start-up warms its kernels); None without a draft."""
         ...

@@ -37,6 +37,10 @@ class TargetWorker:
         return False
 
     @property
+    def host_sampling_refusal(self) -> Optional[str]:
+        return None  # NOTE: every request can be served
+
+    @property
     def uniform_lengths(self) -> tuple[int, ...]:
         return (self.decode_slots_per_req,)
 

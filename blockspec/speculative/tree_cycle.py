@@ -1,0 +1,89 @@
+"""The greedy DDTree cycle: the DFlash draft's block → a draft tree of B nodes → one tree-masked target verify over
+[root, nodes] → the greedy walk → the walked rows' KV compacted into the block's first slots, on the device in one
+function of the cycle's input batch (graph-capturable: no host read).
+
+Slots and positions: a request's tree row i (root 0, nodes 1..B, parents first) is written at the slot of block
+position kv_len + i (the scheduler reserves max(block, B + 1) slots) and runs at position kv_len + depth(i). After the
+walk the target K/V of the walked row at depth d moves to the slot of position kv_len + d and the draft K/V of
+position kv_len + d is materialised from that row's aux hidden states, so the next cycle sees exactly what a chain
+cycle that accepted the same tokens leaves behind. Rows past the walk are garbage in slots past the committed length,
+rewritten before anything reads them (as the chain's rejected rows).
+
+Output per request, the chain cycle's layout at n = block size: [accepted | walked tokens d_1..d_{B-1} (the first
+`accepted` valid) | the target's token at the walked rows of depth 0..B-1], so committing it and deriving the next
+cycle's rows (next_cycle_rows) are the chain's."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from blockspec.batch import ForwardBatch, ForwardMode, uniform_batch
+from blockspec.kv.pool import KVPool
+from blockspec.models.dflash_draft import DFlashDraftModel
+from blockspec.runner.model_runner import ModelRunner
+from blockspec.speculative.tree_build import build_tree
+from blockspec.speculative.tree_walk import greedy_tree_walk
+
+DraftHidden = Callable[[ForwardBatch], torch.Tensor]
+
+
+class TreeCycle:
+    """The greedy cycle of a draft tree of `budget` nodes over draft blocks of `block_size` rows."""
+
+    def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, draft_pool: KVPool, draft_hidden: DraftHidden,
+                 block_size: int, budget: int, capture: tuple[int, ...]) -> None:
+        if draft.config.dflash2 is not None:
+            # NOTE: a DFlash2 draft proposes through its candidate selector, which scores a row's candidate together
+            # with the one before it; a tree of the rows' independent marginals would ignore that pairwise score.
+            raise ValueError("speculative_tree_budget (DDTree) needs a DFlash draft: a DFlash2 draft's candidate "
+                             "selector scores consecutive rows together, which the tree build does not model")
+        vocab = runner.target_config.vocab_size
+        if budget > vocab:
+            raise ValueError(f"speculative_tree_budget {budget} exceeds the vocabulary ({vocab} tokens)")
+        self.runner = runner
+        self.draft = draft
+        self.draft_pool = draft_pool
+        self.draft_hidden = draft_hidden
+        self.block_size = block_size
+        self.budget = budget
+        self.capture = capture
+
+    @property
+    def slots_per_req(self) -> int:
+        """KV slots a cycle writes past kv_len: the draft block's and the tree's rows."""
+        return max(self.block_size, self.budget + 1)
+
+    def __call__(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """`batch`: the draft's full-block rows [bonus, mask x (b-1) | req→token row | kv_len + b]. Returns the
+        [bs, 2b] int64 rows described in the module docstring."""
+        bs, b, budget = batch.batch_size, self.block_size, self.budget
+        runner = self.runner
+        hidden = self.draft_hidden(batch)
+        anchors = batch.input_ids.view(bs, b)[:, 0]
+        tree = build_tree(self.draft.row_log_probs(hidden, anchors, runner.model.lm_head), budget)
+        starts = batch.seq_lens - b  # kv_len per request
+        rows = torch.cat([anchors[:, None], tree.tokens, batch.req_rows[:, None], (starts + budget + 1)[:, None]], 1)
+        extra = budget + 1 - b
+        verify = uniform_batch(
+            ForwardMode.VERIFY, rows, batch.req_to_token, [s + extra for s in batch.seq_lens_cpu], self.capture,
+            None if batch.max_seq_len_hint is None else batch.max_seq_len_hint + max(extra, 0),
+        )
+        verify = dataclasses.replace(verify, positions=(starts[:, None] + tree.depths).reshape(-1),
+                                     tree_mask=tree.ancestors, argmax_only=True)
+        output = runner.model(verify, runner.attention)
+        assert output.aux_hidden is not None
+        target = output.logits.view(bs, budget + 1)
+        accepted, path = greedy_tree_walk(tree, target, b - 1)
+        # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself)
+        table_rows = batch.req_rows[:, None]
+        destinations = starts[:, None] + torch.arange(b, device=rows.device)
+        dest_slots = batch.req_to_token[table_rows, destinations].reshape(-1)
+        runner.kv_pool.move(batch.req_to_token[table_rows, starts[:, None] + path].reshape(-1), dest_slots)
+        walked_rows = path.clamp(max=budget)
+        aux = output.aux_hidden.view(bs, budget + 1, -1).gather(
+            1, walked_rows[:, :, None].expand(-1, -1, output.aux_hidden.shape[-1]))
+        self.draft.materialise_context(aux.reshape(bs * b, -1), destinations.reshape(-1), dest_slots, self.draft_pool)
+        tokens = torch.cat([anchors[:, None], tree.tokens], 1).gather(1, walked_rows)
+        return (torch.cat([accepted, tokens[:, 1:], target.gather(1, walked_rows)], dim=1),)
