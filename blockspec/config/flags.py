@@ -82,7 +82,8 @@ ENGINE_FLAGS: dict[str, Flag] = {
         "cycle runs in CUDA graphs; on without graphs times eager cycles)", choices=("on", "off"), fold_case=str.lower),
     "speculative_tree_budget": Flag(
         "DDTree: each cycle verifies a tree of B draft nodes, the B most likely prefixes of the draft block's "
-        "per-position distributions, in one target forward (greedy requests only); 0: the chain (default)"),
+        "per-position distributions, in one target forward (no penalties, logprobs or grammars); 0: the chain "
+        "(default)"),
     "speculative_num_draft_tokens_per_bs": Flag(
         "fixed verify length per batch size instead, e.g. 1-16:10,17-64:4 (1 = plain target decode)"),
     "load_format": Flag("dummy: random weights (default %(default)s)", choices=("auto", "dummy")),

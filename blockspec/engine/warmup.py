@@ -106,8 +106,6 @@ def _warmup_requests(runner: ModelRunner, worker: Worker, scheduler: Scheduler, 
     max_new = 2 * worker.decode_slots_per_req + 2  # NOTE: >= 2 decode steps, so the overlap path runs
     greedy = {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}
     sampled = {"temperature": 0.8, "seed": 1, "max_new_tokens": max_new, "ignore_eos": True}
-    if worker.host_sampling_refusal is not None:  # NOTE: a DDTree engine serves greedy requests only
-        sampled = greedy
     return build_requests(prompts, [greedy, sampled, greedy], [f"warmup-{tag}-{i}" for i in range(len(prompts))],
                           scheduler.limits)
 

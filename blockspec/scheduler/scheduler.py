@@ -76,7 +76,7 @@ class Scheduler:
     def limits(self) -> RequestLimits:
         return RequestLimits(self.vocab_size, self.context_length, self.allocator.total_slots,
                              self.steps.slots_per_decode, self.tokenizer is not None,
-                             self.steps.worker.host_sampling_refusal)
+                             self.steps.worker.extras_refusal)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

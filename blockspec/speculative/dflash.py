@@ -33,8 +33,10 @@ from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sample.acceptance import greedy_accept_counts, rejection_accept
 from blockspec.sample.penalties import penalized
-from blockspec.sample.sampling import append_logprobs
-from blockspec.sample.sampling_faults import SamplingFault, choice_faults, fail_request, raise_first
+from blockspec.sample.sampling import append_logprobs, sampling_probs
+from blockspec.sample.sampling_faults import (
+    SamplingFault, choice_faults, distribution_faults, fail_request, raise_first,
+)
 from blockspec.speculative.cycle_timing import measure_cycle_times
 from blockspec.speculative.host_proposals import host_proposals
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
@@ -95,11 +97,11 @@ class DFlashWorker(TargetWorker):
         return self.block_size if self.tree is None else self.tree.slots_per_req
 
     @property
-    def host_sampling_refusal(self) -> Optional[str]:
+    def extras_refusal(self) -> Optional[str]:
         if self.tree is None:
             return None
-        return ("the DDTree cycle (speculative_tree_budget) accepts greedy requests only (temperature 0, no "
-                "penalties, logprobs or grammar); serve sampled requests without a tree budget")
+        return ("the DDTree cycle (speculative_tree_budget) serves greedy and sampled requests without penalties, "
+                "logprobs or a grammar; serve those without a tree budget")
 
     @property
     def is_speculative(self) -> bool:
@@ -455,10 +457,41 @@ class DFlashWorker(TargetWorker):
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
         if self.can_run_ahead(reqs):  # NOTE: without a carry the cycle keeps the order of reqs (none is finished)
             return [tokens or [] for tokens in self.finish(self.launch(reqs))]
-        if self.tree is not None:  # NOTE: admission refuses host-sampled requests (host_sampling_refusal)
-            raise RuntimeError("a DDTree cycle runs greedy batches on the device-row cycle only")
+        if self.tree is not None:
+            return self._tree_decode(reqs, self.tree)
         proposals, draft_probs = self._proposals(reqs, self.choose_verify_length(len(reqs)))
         return self._accept(reqs, proposals, draft_probs, self.verify(reqs, proposals))
+
+    def _tree_decode(self, reqs: Sequence[Req], tree: TreeCycle) -> list[list[int]]:
+        """One DDTree cycle of a batch with sampled requests (admission refused penalties, logprobs and grammars):
+        the target's token at every tree row is its argmax (greedy rows) or a draw from the request's sampling
+        distribution, and the walk follows those tokens, so the committed tokens are distributed as the target's own
+        sampling (each walked row's token is one draw from the target given the tokens before it)."""
+        b = self.block_size
+        batch = self.block_rows(reqs, b).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
+        verified = tree.verify(batch, argmax_only=False)
+        logits = verified.logits.view(len(reqs), tree.budget + 1, -1)
+        tokens = greedy_tokens(verified.logits).view(len(reqs), tree.budget + 1)
+        for i, req in enumerate(reqs):
+            if req.params.is_greedy:
+                continue
+            probs = sampling_probs(logits[i], req.params)
+            faults = [fault for fault in distribution_faults(probs) if fault is not None]
+            if faults:  # NOTE: the request alone fails (sampling_faults.py); its rows keep the argmax
+                fail_request(req, faults[0])
+                continue
+            tokens[i] = torch.multinomial(probs, 1, generator=req.generator).view(-1)
+        rows = tree.walk(batch, verified, tokens).tolist()
+        committed: list[list[int]] = []
+        for req, row in zip(reqs, rows):
+            accepted = row[0]
+            if req.finished:
+                committed.append([])
+                continue
+            req.kv_len += accepted + 1
+            committed.append(row[1:1 + accepted] + [row[b + accepted]])
+        self.observe_cycle(b, [row[0] for row in rows], len(reqs), None)
+        return committed
 
     def _accept(
         self, reqs: Sequence[Req], proposals_device: torch.Tensor, draft_probs: dict[int, torch.Tensor],

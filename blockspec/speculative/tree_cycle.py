@@ -1,6 +1,7 @@
-"""The greedy DDTree cycle: the DFlash draft's block → a draft tree of B nodes → one tree-masked target verify over
-[root, nodes] → the greedy walk → the walked rows' KV compacted into the block's first slots, on the device in one
-function of the cycle's input batch (graph-capturable: no host read).
+"""The DDTree cycle: the DFlash draft's block → a draft tree of B nodes → one tree-masked target verify over
+[root, nodes] → the walk → the walked rows' KV compacted into the block's first slots. Greedy, it is one function of
+the cycle's input batch on the device (graph-capturable: no host read); sampled, the target's token at every tree row
+is drawn between the verify and the walk (DFlashWorker's synchronous step).
 
 Slots and positions: a request's tree row i (root 0, nodes 1..B, parents first) is written at the slot of block
 position kv_len + i (the scheduler reserves max(block, B + 1) slots) and runs at position kv_len + depth(i). After the
@@ -15,6 +16,7 @@ cycle's rows (next_cycle_rows) are the chain's."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,10 +25,22 @@ from blockspec.batch import ForwardBatch, ForwardMode, uniform_batch
 from blockspec.kv.pool import KVPool
 from blockspec.models.dflash_draft import DFlashDraftModel
 from blockspec.runner.model_runner import ModelRunner
-from blockspec.speculative.tree_build import build_tree
+from blockspec.speculative.tree_build import DraftTree, build_tree
 from blockspec.speculative.tree_walk import greedy_tree_walk
 
 DraftHidden = Callable[[ForwardBatch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class VerifiedTree:
+    """A tree verify's results: the tree, each block's root token and kv_len [bs], and the target's outputs per tree
+    row (logits or argmax, see TreeCycle.verify; aux hidden states)."""
+
+    tree: DraftTree
+    anchors: torch.Tensor
+    starts: torch.Tensor
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor
 
 
 class TreeCycle:
@@ -56,8 +70,14 @@ class TreeCycle:
         return max(self.block_size, self.budget + 1)
 
     def __call__(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
-        """`batch`: the draft's full-block rows [bonus, mask x (b-1) | req→token row | kv_len + b]. Returns the
-        [bs, 2b] int64 rows described in the module docstring."""
+        """The greedy cycle. `batch`: the draft's full-block rows [bonus, mask x (b-1) | req→token row | kv_len + b].
+        Returns the [bs, 2b] int64 rows described in the module docstring."""
+        verified = self.verify(batch, argmax_only=True)
+        return (self.walk(batch, verified, verified.logits.view(batch.batch_size, self.budget + 1)),)
+
+    def verify(self, batch: ForwardBatch, argmax_only: bool) -> VerifiedTree:
+        """The draft over the full block, its tree, and the target's tree-masked forward over [root, nodes] (logits
+        [bs·(B + 1), V] float32 per tree row, or their argmax with `argmax_only`)."""
         bs, b, budget = batch.batch_size, self.block_size, self.budget
         runner = self.runner
         hidden = self.draft_hidden(batch)
@@ -71,19 +91,27 @@ class TreeCycle:
             None if batch.max_seq_len_hint is None else batch.max_seq_len_hint + max(extra, 0),
         )
         verify = dataclasses.replace(verify, positions=(starts[:, None] + tree.depths).reshape(-1),
-                                     tree_mask=tree.ancestors, argmax_only=True)
+                                     tree_mask=tree.ancestors, argmax_only=argmax_only)
         output = runner.model(verify, runner.attention)
         assert output.aux_hidden is not None
-        target = output.logits.view(bs, budget + 1)
-        accepted, path = greedy_tree_walk(tree, target, b - 1)
+        return VerifiedTree(tree, anchors, starts, output.logits, output.aux_hidden)
+
+    def walk(self, batch: ForwardBatch, verified: VerifiedTree, target_tokens: torch.Tensor) -> torch.Tensor:
+        """The walk along the target's token at every tree row `target_tokens` [bs, B + 1] (its argmax, or a draw
+        from the request's sampling distribution: the walk then commits tokens distributed as the target's own
+        sampling), then the compaction; returns the [bs, 2b] rows of the module docstring."""
+        bs, b, budget = batch.batch_size, self.block_size, self.budget
+        starts, aux_hidden = verified.starts, verified.aux_hidden
+        accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
         # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself)
         table_rows = batch.req_rows[:, None]
-        destinations = starts[:, None] + torch.arange(b, device=rows.device)
+        destinations = starts[:, None] + torch.arange(b, device=starts.device)
         dest_slots = batch.req_to_token[table_rows, destinations].reshape(-1)
-        runner.kv_pool.move(batch.req_to_token[table_rows, starts[:, None] + path].reshape(-1), dest_slots)
+        self.runner.kv_pool.move(batch.req_to_token[table_rows, starts[:, None] + path].reshape(-1), dest_slots)
         walked_rows = path.clamp(max=budget)
-        aux = output.aux_hidden.view(bs, budget + 1, -1).gather(
-            1, walked_rows[:, :, None].expand(-1, -1, output.aux_hidden.shape[-1]))
-        self.draft.materialise_context(aux.reshape(bs * b, -1), destinations.reshape(-1), dest_slots, self.draft_pool)
-        tokens = torch.cat([anchors[:, None], tree.tokens], 1).gather(1, walked_rows)
-        return (torch.cat([accepted, tokens[:, 1:], target.gather(1, walked_rows)], dim=1),)
+        width = aux_hidden.shape[-1]
+        aux = aux_hidden.view(bs, budget + 1, width).gather(1, walked_rows[:, :, None].expand(-1, -1, width))
+        self.draft.materialise_context(aux.reshape(bs * b, width), destinations.reshape(-1), dest_slots,
+                                       self.draft_pool)
+        tokens = torch.cat([verified.anchors[:, None], verified.tree.tokens], 1).gather(1, walked_rows)
+        return torch.cat([accepted, tokens[:, 1:], target_tokens.gather(1, walked_rows)], dim=1)

@@ -54,8 +54,8 @@ class Worker(Protocol):
     def is_speculative(self) -> bool: ...
 
     @property
-    def host_sampling_refusal(self) -> Optional[str]:
-        """Why requests that sample on the host (Req.samples_on_host) cannot be served (None: they can)."""
+    def extras_refusal(self) -> Optional[str]:
+        """Why requests with penalties, logprobs or a grammar cannot be served (None: they can)."""
         ...
 
     @property

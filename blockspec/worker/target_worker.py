@@ -37,7 +37,7 @@ class TargetWorker:
         return False
 
     @property
-    def host_sampling_refusal(self) -> Optional[str]:
+    def extras_refusal(self) -> Optional[str]:
         return None  # NOTE: every request can be served
 
     @property

@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from blockspec.request import SamplingParams
+from blockspec.sample.sampling import sampling_probs
 from tests.support.ddtree_reference import greedy_walk, heap_tree
 from tests.support.draft_training import cpu_engine, full_block_cycles, save_trained_target
 
@@ -129,11 +131,70 @@ def test_a_tree_raises_acceptance_over_the_chain(pair: dict[str, Any]) -> None:
     assert accept[32] > accept[0]
 
 
-def test_sampled_requests_are_refused_clearly(pair: dict[str, Any]) -> None:
+def test_penalties_logprobs_and_grammars_are_refused_clearly(pair: dict[str, Any]) -> None:
     engine = cpu_engine(pair["root"], True, speculative_tree_budget=8)
-    for params in ({"temperature": 0.7}, {"temperature": 0, "frequency_penalty": 0.5}):
-        with pytest.raises(ValueError, match="DDTree cycle .* greedy requests only"):
+    for params in ({"temperature": 0.7, "frequency_penalty": 0.5}, {"temperature": 0, "presence_penalty": 1.0}):
+        with pytest.raises(ValueError, match="DDTree cycle .* without penalties, logprobs or a grammar"):
             engine.generate(input_ids=[[5, 6, 7]], sampling_params={**params, "max_new_tokens": 4})
+    with pytest.raises(ValueError, match="DDTree cycle"):
+        engine.generate(input_ids=[[5, 6, 7]], sampling_params={"temperature": 0, "max_new_tokens": 4},
+                        return_logprob=True)
+
+
+def exact_sequences(target: PreTrainedModel, prompt: list[int], params: SamplingParams, length: int,
+                    min_mass: float = 1e-6) -> dict[tuple[int, ...], float]:
+    """P(output = s) of every output sequence s of `length` tokens under the target's own sampling with `params`
+    (HF forwards over every prefix of probability > min_mass; the mass below it is dropped)."""
+    sequences: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(sequences)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + list(p) for p in prefixes])
+            logits = torch.cat([target(chunk).logits[:, -1].float() for chunk in ids.split(256)])
+        probs = sampling_probs(logits, params) * torch.tensor([sequences[p] for p in prefixes])[:, None]
+        rows, tokens = torch.nonzero(probs > min_mass, as_tuple=True)
+        sequences = {prefixes[r] + (t,): float(probs[r, t]) for r, t in zip(rows.tolist(), tokens.tolist())}
+    return sequences
+
+
+def tv_distance(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    counts: dict[tuple[int, ...], int] = {}
+    for sample in samples:
+        counts[sample] = counts.get(sample, 0) + 1
+    keys = set(counts) | set(exact)
+    return 0.5 * sum(abs(counts.get(k, 0) / len(samples) - exact.get(k, 0.0)) for k in keys)
+
+
+def projected(distribution: dict[tuple[int, ...], float], positions: tuple[int, ...]) -> dict[tuple[int, ...], float]:
+    marginal: dict[tuple[int, ...], float] = {}
+    for sequence, mass in distribution.items():
+        key = tuple(sequence[k] for k in positions)
+        marginal[key] = marginal.get(key, 0.0) + mass
+    return marginal
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0, "top_k": 3}, {"temperature": 0.6, "top_k": 4, "top_p": 0.9}])
+def test_sampled_output_is_distributed_as_the_targets(pair: dict[str, Any], params: dict[str, Any]) -> None:
+    """The tree engine's sampled outputs (6 tokens, 2000 seeds) against the target's exact sampling distribution
+    (every sequence enumerated; top-k keeps it small): the TV distance of each position's token and of each pair of
+    neighbours is within the spread of 2000 exact draws (its mean + 5 standard deviations over 30 draws)."""
+    prompt, runs, length = PROMPTS[1], 2000, 6
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=16)
+    outputs = engine.generate(input_ids=[prompt] * runs, sampling_params=[
+        {**params, "seed": seed, "max_new_tokens": length, "ignore_eos": True} for seed in range(runs)])
+    histogram = engine.scheduler.spec.as_dict()["spec_accept_length_histogram"]
+    assert sum(histogram[2:]) > 0.1 * sum(histogram)  # NOTE: walks past the root are common
+    exact = exact_sequences(pair["target"], prompt, SamplingParams.from_dict(params), length)
+    assert sum(exact.values()) > 0.999
+    keys, weights = list(exact), torch.tensor(list(exact.values()))
+    generator = torch.Generator().manual_seed(0)
+    draws = [[keys[i] for i in torch.multinomial(weights, runs, True, generator=generator).tolist()] for _ in range(30)]
+    samples = [tuple(o["output_ids"]) for o in outputs]
+    for positions in [(k,) for k in range(length)] + [(k, k + 1) for k in range(length - 1)]:
+        marginal = projected(exact, positions)
+        floor = torch.tensor([tv_distance([tuple(d[k] for k in positions) for d in draw], marginal) for draw in draws])
+        tv = tv_distance([tuple(sample[k] for k in positions) for sample in samples], marginal)
+        assert tv < float(floor.mean() + 5 * floor.std()), (positions, tv, floor.mean(), floor.std())
 
 
 @pytest.mark.parametrize("flags,message", [
