@@ -97,6 +97,10 @@ class DFlashWorker(TargetWorker):
         return self.block_size if self.tree is None else self.tree.slots_per_req
 
     @property
+    def tree_verify_rows(self) -> Optional[int]:
+        return None if self.tree is None else self.tree.budget + 1
+
+    @property
     def extras_refusal(self) -> Optional[str]:
         if self.tree is None:
             return None
@@ -201,9 +205,10 @@ class DFlashWorker(TargetWorker):
         self.runner.capture_piecewise(aux_consumer=self._materialise_draft_kv)
         graphs, b = self.runner.graphs, self.block_size
         target, draft = self.runner.attention, self.draft_attention
-        for n in self.verify_lengths:
-            graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, [target], self.capture)
-        graphs.capture(GraphKind.DRAFT, self._draft_proposals, ForwardMode.DRAFT, b, [draft])
+        if self.tree is None:  # NOTE: a DDTree engine's sampled cycles run eagerly: it has no chain to verify
+            for n in self.verify_lengths:
+                graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, [target], self.capture)
+            graphs.capture(GraphKind.DRAFT, self._draft_proposals, ForwardMode.DRAFT, b, [draft])
         # NOTE: all-greedy batches replay one graph per cycle: propose → verify → both argmaxes. A backend that
         # plans on the host (FlashInfer) cannot plan the verify half from inside it, so it keeps the two graphs.
         if graph_planner(draft) is None and graph_planner(target) is None:

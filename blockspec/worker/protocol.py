@@ -54,6 +54,11 @@ class Worker(Protocol):
     def is_speculative(self) -> bool: ...
 
     @property
+    def tree_verify_rows(self) -> Optional[int]:
+        """Tokens per request of its tree verifies (DDTree: root + B nodes); None when it verifies no trees."""
+        ...
+
+    @property
     def extras_refusal(self) -> Optional[str]:
         """Why requests with penalties, logprobs or a grammar cannot be served (None: they can)."""
         ...

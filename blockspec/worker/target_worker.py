@@ -37,6 +37,10 @@ class TargetWorker:
         return False
 
     @property
+    def tree_verify_rows(self) -> Optional[int]:
+        return None  # NOTE: no draft tree
+
+    @property
     def extras_refusal(self) -> Optional[str]:
         return None  # NOTE: every request can be served
 

@@ -232,3 +232,21 @@ def test_dflash2_drafts_are_refused_clearly(tmp_path: Path) -> None:
     save_published(build_dflash2_draft(target, [0, 2], 8), tmp_path / "draft")
     with pytest.raises(ValueError, match="DFlash2 draft's candidate selector"):
         cpu_engine(tmp_path, True, speculative_tree_budget=8)
+
+
+def test_warm_up_launches_the_tree_verify_variants(pair: dict[str, Any]) -> None:
+    """Start-up's kernel warm-up compiles the Triton TREE variants of the verify (root + B rows) and the draft's
+    block variants, then the engine still serves the same tokens (Triton's interpreter on CPU)."""
+    from blockspec.batch import ForwardMode
+    from blockspec.engine.attention_variants import workload_variants
+    from blockspec.engine.warmup import attention_workloads, warm_kernels
+
+    engine = cpu_engine(pair["root"], True, attention_backend="triton", speculative_tree_budget=4,
+                        max_running_requests=2, cuda_graph_bs=[1, 2])
+    workloads = attention_workloads(engine.runner, engine.worker)
+    shapes = [(w.mode, w.min_q, w.max_q, w.tree) for w in workloads]
+    assert shapes[1:] == [(ForwardMode.VERIFY, 5, 5, True), (ForwardMode.DRAFT, 8, 8, False)]
+    reference = engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)["output_ids"]
+    report = warm_kernels(engine.runner, engine.worker, engine.new_scheduler)
+    assert report.attention_variants == sum(len(workload_variants(w)) for w in workloads) > 0
+    assert engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)["output_ids"] == reference
