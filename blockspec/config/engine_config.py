@@ -278,13 +278,12 @@ class EngineConfig:
             "enable_mixed_chunk": self.enable_mixed_chunk,
             "speculative_simulate_accept_len / _profile": self.speculative_simulate_accept_len is not None
             or self.speculative_simulate_accept_profile is not None,
-            "speculative_adaptive_verify on": self.speculative_adaptive_verify == "on",
             "speculative_num_draft_tokens_per_bs": self.speculative_num_draft_tokens_per_bs is not None,
             "tp_size > 1": self.tp_size > 1,
         }
         # NOTE: FlashInfer's paged wrappers take no per-query ancestor mask, the batch-invariant kernels none
-        # either; mixed steps verify chains inside an extend forward; simulated acceptance and verify lengths
-        # describe chains; the tree cycle has not been mirrored to other tensor-parallel ranks.
+        # either; mixed steps verify chains inside an extend forward; simulated acceptance and a fixed verify-length
+        # schedule describe chains; the tree cycle has not been mirrored to other tensor-parallel ranks.
         for name, refused in refusals.items():
             if refused:
                 raise ValueError(f"speculative_tree_budget (DDTree) cannot be combined with {name}")

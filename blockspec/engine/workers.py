@@ -35,8 +35,8 @@ def build_dflash_worker(config: EngineConfig, tp: Optional[TensorParallel] = Non
     target_config = load_target_config(config.model_path)
     draft_config = load_draft_config(config.speculative_draft_model_path, target_config)
     block_size = config.speculative_num_draft_tokens or draft_config.block_size
-    # NOTE: a DDTree cycle writes max(block, B + 1) slots past kv_len (speculative/tree_cycle.py)
-    cycle_slots = max(block_size, config.tree_budget + 1)
+    # NOTE: a DDTree cycle's rows are block + B wide (speculative/tree_cycle.py)
+    cycle_slots = block_size + config.tree_budget
     device = config.resolved_device
     dtype = pick_dtype(config, device)
     draft_kv_heads = draft_config.num_kv_heads if tp is None else tp.local_kv_heads(draft_config.num_kv_heads)

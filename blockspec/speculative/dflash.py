@@ -46,7 +46,7 @@ from blockspec.speculative.verify_length import (
     full_block,
 )
 from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
-from blockspec.worker.protocol import SpeculativeState, VerifyLengthChoice
+from blockspec.worker.protocol import SpeculativeState, TreeShape, VerifyLengthChoice
 from blockspec.worker.target_worker import TargetWorker
 
 CycleFn = Callable[[ForwardBatch], tuple[torch.Tensor]]
@@ -83,22 +83,26 @@ class DFlashWorker(TargetWorker):
                 config.speculative_simulate_accept_len, config.speculative_simulate_accept_profile, block_size,
                 runner.device, config.random_seed,
             )
-        # NOTE: DDTree (speculative_tree_budget > 0): every greedy cycle verifies a draft tree instead of the chain
+        # NOTE: DDTree (speculative_tree_budget > 0): the tree cycle is one more verify length (b + B) for the policy
         self.tree: Optional[TreeCycle] = None
         if config.tree_budget > 0:
             self.tree = TreeCycle(runner, draft, draft_pool, self._draft_hidden, block_size, config.tree_budget,
                                   self.capture)
-        self.acceptance = AcceptanceStats(block_size - 1)
+        self.acceptance = self._new_acceptance()
         self.verify_policy: VerifyLengthPolicy = self._initial_policy()
         self._cycle_fns: dict[int, CycleFn] = {}
 
     @property
     def decode_slots_per_req(self) -> int:
-        return self.block_size if self.tree is None else self.tree.slots_per_req
+        return self.block_size if self.tree is None else self.tree.cycle_length
 
     @property
-    def tree_verify_rows(self) -> Optional[int]:
-        return None if self.tree is None else self.tree.budget + 1
+    def tree_shape(self) -> Optional[TreeShape]:
+        tree = self.tree
+        return None if tree is None else TreeShape(tree.cycle_length, tree.budget + 1, self.block_size)
+
+    def _new_acceptance(self) -> AcceptanceStats:
+        return AcceptanceStats(self.block_size - 1, tree_length=None if self.tree is None else self.tree.cycle_length)
 
     @property
     def extras_refusal(self) -> Optional[str]:
@@ -116,9 +120,11 @@ class DFlashWorker(TargetWorker):
         """The fixed schedule, the full block (adaptive off or impossible), or — until init_cuda_graphs has timed the
         cycles — the full block standing in for adaptive verify."""
         config, b = self.runner.config, self.block_size
-        if self.tree is not None:
-            return full_block(b, f"DDTree: every cycle drafts the full block and verifies a tree of "
-                                 f"{self.tree.budget} nodes")
+        if self.tree is not None:  # NOTE: config refuses a fixed schedule with a tree
+            reason = (f"DDTree: every cycle verifies a tree of {self.tree.budget} nodes" if not self.adaptive_wanted
+                      else "adaptive verify (chain lengths and the tree): cycle times not measured yet")
+            length = self.tree.cycle_length
+            return FixedVerifyLength([(1, 1 << 30, length)], b, reason, tree_length=length)
         if config.speculative_num_draft_tokens_per_bs is not None:
             schedule = parse_verify_schedule(config.speculative_num_draft_tokens_per_bs)
             return FixedVerifyLength(schedule, b, "fixed schedule (speculative_num_draft_tokens_per_bs)")
@@ -142,7 +148,7 @@ class DFlashWorker(TargetWorker):
     @property
     def adaptive_wanted(self) -> bool:
         config = self.runner.config
-        return self.tree is None and config.speculative_num_draft_tokens_per_bs is None and (
+        return config.speculative_num_draft_tokens_per_bs is None and (
             config.speculative_adaptive_verify == "on"
             or (config.speculative_adaptive_verify is None and self.cycles_timed_live)
         )
@@ -150,7 +156,10 @@ class DFlashWorker(TargetWorker):
     @property
     def verify_lengths(self) -> tuple[int, ...]:
         """Verify lengths graphs are captured for."""
-        return default_verify_lengths(self.block_size) if self.adaptive_wanted else self.verify_policy.lengths
+        if not self.adaptive_wanted:
+            return self.verify_policy.lengths
+        tree = () if self.tree is None else (self.tree.cycle_length,)
+        return default_verify_lengths(self.block_size) + tree
 
     def calibrate_verify_lengths(self) -> None:
         """Times every (batch size, verify length) cycle and switches to adaptive verify (when wanted)."""
@@ -164,14 +173,19 @@ class DFlashWorker(TargetWorker):
     def verify_length_info(self) -> dict[str, Any]:
         """For get_server_info: the verify length in use per batch size and why, and the acceptance it assumed."""
         survival = self.acceptance.survival()
-        return {**self.verify_policy.describe(self.acceptance), "block_size": self.block_size,
+        info = {**self.verify_policy.describe(self.acceptance), "block_size": self.block_size,
                 "position_accept_rates": [round(r, 4) for r in self.acceptance.rates()],
                 "expected_tokens_full_block": round(1.0 + sum(survival), 4)}
+        if self.tree is not None:  # NOTE: the verify length block + budget stands for the tree cycle
+            length = self.tree.cycle_length
+            info["tree"] = {"budget": self.tree.budget, "verify_length": length,
+                            "expected_tokens": round(self.acceptance.expected_tokens(length), 4)}
+        return info
 
     def forget_live_state(self) -> None:
         """Forgets the acceptance and verify-length choices learnt so far (e.g. from the start-up warm-up's random
         prompts); the start-up cycle times stay."""
-        self.acceptance = AcceptanceStats(self.block_size - 1)
+        self.acceptance = self._new_acceptance()
         self.verify_policy.reset_live()
 
     @property
@@ -181,7 +195,8 @@ class DFlashWorker(TargetWorker):
     @contextlib.contextmanager
     def pinned_verify_length(self, num_draft_tokens: int) -> Iterator[None]:
         policy = self.verify_policy
-        self.verify_policy = FixedVerifyLength([(1, 1 << 30, num_draft_tokens)], self.block_size, "warm-up")
+        tree = None if self.tree is None else self.tree.cycle_length
+        self.verify_policy = FixedVerifyLength([(1, 1 << 30, num_draft_tokens)], self.block_size, "warm-up", tree)
         try:
             yield
         finally:
@@ -205,16 +220,21 @@ class DFlashWorker(TargetWorker):
         self.runner.capture_piecewise(aux_consumer=self._materialise_draft_kv)
         graphs, b = self.runner.graphs, self.block_size
         target, draft = self.runner.attention, self.draft_attention
-        if self.tree is None:  # NOTE: a DDTree engine's sampled cycles run eagerly: it has no chain to verify
-            for n in self.verify_lengths:
-                graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, [target], self.capture)
-            graphs.capture(GraphKind.DRAFT, self._draft_proposals, ForwardMode.DRAFT, b, [draft])
+        # NOTE: sampled cycles of a tree run eagerly (DFlashWorker._tree_decode); chain lengths verify in graphs
+        for n in self.chain_lengths:
+            graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, [target], self.capture)
+        graphs.capture(GraphKind.DRAFT, self._draft_proposals, ForwardMode.DRAFT, b, [draft])
         # NOTE: all-greedy batches replay one graph per cycle: propose → verify → both argmaxes. A backend that
         # plans on the host (FlashInfer) cannot plan the verify half from inside it, so it keeps the two graphs.
         if graph_planner(draft) is None and graph_planner(target) is None:
             for n in self.verify_lengths:
                 graphs.capture(GraphKind.GREEDY_CYCLE, self.cycle_fn(n), ForwardMode.DRAFT, n, [target, draft])
         self.calibrate_verify_lengths()
+
+    @property
+    def chain_lengths(self) -> tuple[int, ...]:
+        """The verify lengths of chain cycles (all but the tree's)."""
+        return tuple(n for n in self.verify_lengths if self.tree is None or n != self.tree.cycle_length)
 
     def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:
         if kind is GraphKind.VERIFY:
@@ -260,8 +280,7 @@ class DFlashWorker(TargetWorker):
     def cycle_fn(self, num_draft_tokens: int) -> CycleFn:
         """The whole greedy cycle of this verify length as one function of its input batch (graph-capturable)."""
         if num_draft_tokens not in self._cycle_fns:
-            if self.tree is not None:
-                assert num_draft_tokens == self.block_size, "a tree cycle drafts and walks the full block"
+            if self.tree is not None and num_draft_tokens == self.tree.cycle_length:
                 self._cycle_fns[num_draft_tokens] = self.tree
             else:
                 self._cycle_fns[num_draft_tokens] = lambda batch: self._greedy_cycle(batch, num_draft_tokens)
@@ -334,7 +353,8 @@ class DFlashWorker(TargetWorker):
         graphs, n, device = self.runner.graphs, num_draft_tokens, self.runner.device
         rows = torch.zeros((batch_size, n + 2), dtype=torch.int64)
         rows[:, n], rows[:, n + 1] = self.runner.req_to_token.dummy_row, n
-        if graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE):
+        tree = self.tree is not None and n == self.tree.cycle_length
+        if graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE) or tree:
             (tokens,) = graphs.run(
                 GraphKind.GREEDY_CYCLE, DeviceRows(ForwardMode.DRAFT, rows.to(device)), self.cycle_fn(n)
             )
@@ -462,9 +482,10 @@ class DFlashWorker(TargetWorker):
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
         if self.can_run_ahead(reqs):  # NOTE: without a carry the cycle keeps the order of reqs (none is finished)
             return [tokens or [] for tokens in self.finish(self.launch(reqs))]
-        if self.tree is not None:
+        n = self.choose_verify_length(len(reqs))
+        if self.tree is not None and n == self.tree.cycle_length:
             return self._tree_decode(reqs, self.tree)
-        proposals, draft_probs = self._proposals(reqs, self.choose_verify_length(len(reqs)))
+        proposals, draft_probs = self._proposals(reqs, n)
         return self._accept(reqs, proposals, draft_probs, self.verify(reqs, proposals))
 
     def _tree_decode(self, reqs: Sequence[Req], tree: TreeCycle) -> list[list[int]]:
@@ -472,8 +493,8 @@ class DFlashWorker(TargetWorker):
         the target's token at every tree row is its argmax (greedy rows) or a draw from the request's sampling
         distribution, and the walk follows those tokens, so the committed tokens are distributed as the target's own
         sampling (each walked row's token is one draw from the target given the tokens before it)."""
-        b = self.block_size
-        batch = self.block_rows(reqs, b).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
+        b, n = self.block_size, tree.cycle_length
+        batch = self.block_rows(reqs, n).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
         verified = tree.verify(batch, argmax_only=False)
         logits = verified.logits.view(len(reqs), tree.budget + 1, -1)
         tokens = greedy_tokens(verified.logits).view(len(reqs), tree.budget + 1)
@@ -494,8 +515,8 @@ class DFlashWorker(TargetWorker):
                 committed.append([])
                 continue
             req.kv_len += accepted + 1
-            committed.append(row[1:1 + accepted] + [row[b + accepted]])
-        self.observe_cycle(b, [row[0] for row in rows], len(reqs), None)
+            committed.append(row[1:1 + accepted] + [row[n + accepted]])
+        self.observe_cycle(n, [row[0] for row in rows], len(reqs), None)
         return committed
 
     def _accept(

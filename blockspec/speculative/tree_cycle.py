@@ -3,16 +3,19 @@
 the cycle's input batch on the device (graph-capturable: no host read); sampled, the target's token at every tree row
 is drawn between the verify and the walk (DFlashWorker's synchronous step).
 
-Slots and positions: a request's tree row i (root 0, nodes 1..B, parents first) is written at the slot of block
-position kv_len + i (the scheduler reserves max(block, B + 1) slots) and runs at position kv_len + depth(i). After the
-walk the target K/V of the walked row at depth d moves to the slot of position kv_len + d and the draft K/V of
-position kv_len + d is materialised from that row's aux hidden states, so the next cycle sees exactly what a chain
-cycle that accepted the same tokens leaves behind. Rows past the walk are garbage in slots past the committed length,
-rewritten before anything reads them (as the chain's rejected rows).
+The cycle's input rows are a chain cycle's at verify length b + B (b the draft block, B the budget): [bonus, mask x
+(b + B - 1) | req→token row | kv_len + b + B], so the verify-length policy, the overlap schedule's next_cycle_rows and
+the slot reservation treat the tree as one more verify length (speculative/verify_length.py). Slots and positions: a
+request's tree row i (root 0, nodes 1..B, parents first) is written at the slot of position kv_len + i and runs at
+position kv_len + depth(i); the draft block takes the slots of kv_len .. kv_len + b - 1. After the walk the target
+K/V of the walked row at depth d moves to the slot of position kv_len + d and the draft K/V of position kv_len + d is
+materialised from that row's aux hidden states, so the next cycle sees exactly what a chain cycle that accepted the
+same tokens leaves behind. Rows past the walk are garbage in slots past the committed length, rewritten before
+anything reads them (as the chain's rejected rows).
 
-Output per request, the chain cycle's layout at n = block size: [accepted | walked tokens d_1..d_{B-1} (the first
-`accepted` valid) | the target's token at the walked rows of depth 0..B-1], so committing it and deriving the next
-cycle's rows (next_cycle_rows) are the chain's."""
+Output per request, the chain cycle's layout at n = b + B: [accepted | walked tokens d_1..d_{b-1} (the first
+`accepted` valid), B zeros | the target's token at the walked rows of depth 0..b-1, B zeros], so committing it and
+deriving the next cycle's rows are the chain's."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,13 +68,13 @@ class TreeCycle:
         self.capture = capture
 
     @property
-    def slots_per_req(self) -> int:
-        """KV slots a cycle writes past kv_len: the draft block's and the tree's rows."""
-        return max(self.block_size, self.budget + 1)
+    def cycle_length(self) -> int:
+        """The verify length that stands for this tree cycle: its input rows carry b + B tokens per request."""
+        return self.block_size + self.budget
 
     def __call__(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
-        """The greedy cycle. `batch`: the draft's full-block rows [bonus, mask x (b-1) | req→token row | kv_len + b].
-        Returns the [bs, 2b] int64 rows described in the module docstring."""
+        """The greedy cycle of a batch of `cycle_length` rows per request (module docstring); returns [bs, 2(b + B)]
+        int64 rows."""
         verified = self.verify(batch, argmax_only=True)
         return (self.walk(batch, verified, verified.logits.view(batch.batch_size, self.budget + 1)),)
 
@@ -80,16 +83,17 @@ class TreeCycle:
         [bs·(B + 1), V] float32 per tree row, or their argmax with `argmax_only`)."""
         bs, b, budget = batch.batch_size, self.block_size, self.budget
         runner = self.runner
-        hidden = self.draft_hidden(batch)
-        anchors = batch.input_ids.view(bs, b)[:, 0]
+        starts = batch.seq_lens - self.cycle_length  # kv_len per request
+        inputs = batch.input_ids.view(bs, self.cycle_length)
+        anchors = inputs[:, 0]
+        draft_rows = torch.cat([inputs[:, :b], batch.req_rows[:, None], (starts + b)[:, None]], 1)
+        draft_batch = uniform_batch(ForwardMode.DRAFT, draft_rows, batch.req_to_token,
+                                    [s - budget for s in batch.seq_lens_cpu], (), batch.max_seq_len_hint)
+        hidden = self.draft_hidden(draft_batch)
         tree = build_tree(self.draft.row_log_probs(hidden, anchors, runner.model.lm_head), budget)
-        starts = batch.seq_lens - b  # kv_len per request
         rows = torch.cat([anchors[:, None], tree.tokens, batch.req_rows[:, None], (starts + budget + 1)[:, None]], 1)
-        extra = budget + 1 - b
-        verify = uniform_batch(
-            ForwardMode.VERIFY, rows, batch.req_to_token, [s + extra for s in batch.seq_lens_cpu], self.capture,
-            None if batch.max_seq_len_hint is None else batch.max_seq_len_hint + max(extra, 0),
-        )
+        verify = uniform_batch(ForwardMode.VERIFY, rows, batch.req_to_token,
+                               [s - b + 1 for s in batch.seq_lens_cpu], self.capture, batch.max_seq_len_hint)
         verify = dataclasses.replace(verify, positions=(starts[:, None] + tree.depths).reshape(-1),
                                      tree_mask=tree.ancestors, argmax_only=argmax_only)
         output = runner.model(verify, runner.attention)
@@ -99,7 +103,7 @@ class TreeCycle:
     def walk(self, batch: ForwardBatch, verified: VerifiedTree, target_tokens: torch.Tensor) -> torch.Tensor:
         """The walk along the target's token at every tree row `target_tokens` [bs, B + 1] (its argmax, or a draw
         from the request's sampling distribution: the walk then commits tokens distributed as the target's own
-        sampling), then the compaction; returns the [bs, 2b] rows of the module docstring."""
+        sampling), then the compaction; returns the [bs, 2(b + B)] rows of the module docstring."""
         bs, b, budget = batch.batch_size, self.block_size, self.budget
         starts, aux_hidden = verified.starts, verified.aux_hidden
         accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
@@ -114,4 +118,5 @@ class TreeCycle:
         self.draft.materialise_context(aux.reshape(bs * b, width), destinations.reshape(-1), dest_slots,
                                        self.draft_pool)
         tokens = torch.cat([verified.anchors[:, None], verified.tree.tokens], 1).gather(1, walked_rows)
-        return torch.cat([accepted, tokens[:, 1:], target_tokens.gather(1, walked_rows)], dim=1)
+        padding = torch.zeros((bs, budget), dtype=torch.int64, device=starts.device)
+        return torch.cat([accepted, tokens[:, 1:], padding, target_tokens.gather(1, walked_rows), padding], dim=1)

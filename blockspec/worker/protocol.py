@@ -33,6 +33,16 @@ class VerifyLengthChoice:
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """A DDTree worker's tree cycle: the verify length standing for it among `uniform_lengths` (block + budget: its
+    input rows are that wide), the tokens per request of its tree verify (root + budget) and of its draft (block)."""
+
+    cycle_length: int
+    verify_rows: int
+    draft_rows: int
+
+
+@dataclass(frozen=True)
 class SpeculativeState:
     """A speculative worker's live state, as the engine reports it (get_server_info, the engine process's stats)."""
 
@@ -54,8 +64,8 @@ class Worker(Protocol):
     def is_speculative(self) -> bool: ...
 
     @property
-    def tree_verify_rows(self) -> Optional[int]:
-        """Tokens per request of its tree verifies (DDTree: root + B nodes); None when it verifies no trees."""
+    def tree_shape(self) -> Optional["TreeShape"]:
+        """Its DDTree cycle's shapes; None when it verifies no trees."""
         ...
 
     @property

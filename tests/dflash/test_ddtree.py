@@ -203,8 +203,8 @@ def test_sampled_output_is_distributed_as_the_targets(pair: dict[str, Any], para
           attention_backend="flashinfer"), "flashinfer"),
     (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_tree_budget=8,
           enable_mixed_chunk=True), "enable_mixed_chunk"),
-    (dict(speculative_algorithm="DDTREE", speculative_draft_model_path="d", speculative_adaptive_verify="on"),
-     "adaptive_verify"),
+    (dict(speculative_algorithm="DDTREE", speculative_draft_model_path="d", speculative_num_draft_tokens_per_bs="1-64:4"),
+     "speculative_num_draft_tokens_per_bs"),
     (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_tree_budget=-1),
      "non-negative"),
 ])
@@ -250,3 +250,65 @@ def test_warm_up_launches_the_tree_verify_variants(pair: dict[str, Any]) -> None
     report = warm_kernels(engine.runner, engine.worker, engine.new_scheduler)
     assert report.attention_variants == sum(len(workload_variants(w)) for w in workloads) > 0
     assert engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)["output_ids"] == reference
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_switching_between_tree_and_chain_lengths_stays_lossless(pair: dict[str, Any], page_size: int) -> None:
+    """The tree is one more verify length (block + B): a policy that switches every cycle between it, the full block,
+    shorter chains and plain decode (overlap schedule on: next rows derived on the device) keeps greedy output."""
+    from tests.support.verify_cycling import CyclingVerifyLength
+
+    prompts = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33)]
+    expected = [o["output_ids"] for o in cpu_engine(pair["root"], False, page_size=page_size).generate(
+        input_ids=prompts, sampling_params=GREEDY)]
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=12, page_size=page_size)
+    tree = engine.worker.tree_shape.cycle_length
+    assert tree == 8 + 12 and engine.worker.decode_slots_per_req == tree
+    policy = CyclingVerifyLength([tree, 8, 1, tree, tree, 4, 1, 1, tree, 8])
+    engine.worker.verify_policy = policy
+    assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    assert set(policy.used) == {tree, 8, 4, 1}
+    info = engine.get_server_info()
+    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+
+
+def test_tree_acceptance_is_counted_apart_from_the_chains() -> None:
+    from blockspec.speculative.verify_length import AcceptanceStats
+
+    stats = AcceptanceStats(7, tree_length=20)
+    prior = stats.expected_tokens(20)
+    assert prior == pytest.approx(stats.expected_tokens(8))  # NOTE: the chain's full block until trees are seen
+    rates = stats.rates()
+    stats.observe(20, [6, 7, 5, 6] * 50)
+    assert stats.rates() == rates  # the chain's per-position rates are untouched
+    assert stats.expected_tokens(20) == pytest.approx(7.0, abs=0.1)
+
+
+def test_the_policy_verifies_a_tree_only_where_it_pays() -> None:
+    """Batch 1: the tree commits more tokens for little more time; batch 64: its verify of B + 1 rows costs more than
+    its extra tokens bring, so the chain's full block wins (B = 0 there)."""
+    from blockspec.speculative.verify_length import AcceptanceStats, AdaptiveVerifyLength, CycleTimes
+
+    stats = AcceptanceStats(7, tree_length=40)
+    for _ in range(100):
+        stats.observe(8, [3, 4, 2, 5])
+        stats.observe(40, [5, 6, 4, 6])
+    times = {(1, 1): 1.0, (1, 4): 1.1, (1, 8): 1.2, (1, 40): 1.3,
+             (64, 1): 2.0, (64, 4): 3.0, (64, 8): 3.4, (64, 40): 12.0}
+    policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(times))
+    assert policy.choose(1, stats).num_draft_tokens == 40
+    assert policy.choose(64, stats).num_draft_tokens == 8
+
+
+def test_adaptive_verify_times_the_tree_and_stays_lossless(pair: dict[str, Any]) -> None:
+    prompts = [[5 + i for i in range(n)] for n in (1, 3, 7, 12)]
+    expected = [o["output_ids"] for o in cpu_engine(pair["root"], False).generate(input_ids=prompts,
+                                                                                 sampling_params=GREEDY)]
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=8, speculative_adaptive_verify="on",
+                        cuda_graph_bs=[1, 4], max_running_requests=4)
+    worker = engine.worker
+    assert worker.verify_lengths == (1, 4, 6, 8, 16)
+    assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    table = worker.verify_length_info()["cost_model"]["4"]
+    assert [option["num_draft_tokens"] for option in table] == [1, 4, 6, 8, 16]
+    assert worker.verify_length_info()["tree"]["verify_length"] == 16

@@ -33,7 +33,7 @@ def test_tree_cycle_graph_equals_eager(tiny: Path) -> None:
     runner.graphs.enabled = False
     eager = worker.greedy_cycle_tokens(reqs)
     runner.graphs.enabled = True
-    assert graphed == eager and len(graphed[0]) == 2 * worker.block_size
+    assert graphed == eager and len(graphed[0]) == 2 * worker.decode_slots_per_req
     for req in reqs:
         engine.scheduler.abort(req.rid)
     engine.step()
