@@ -70,7 +70,8 @@ ENGINE_FLAGS: dict[str, Flag] = {
     "tp_size": Flag("tensor-parallel ranks (one process and GPU each; default %(default)s)"),
     "speculative_algorithm": Flag(
         "DFLASH, or DDTREE: DFLASH verifying a draft tree (--speculative-tree-budget, default "
-        f"{DEFAULT_TREE_BUDGET} nodes) (default: none, target only)", choices=("DFLASH", "DDTREE"), fold_case=str.upper),
+        f"{DEFAULT_TREE_BUDGET} nodes) (default: none, target only)", choices=("DFLASH", "DDTREE"),
+        fold_case=str.upper),
     "speculative_draft_model_path": Flag("z-lab format DFlash draft directory or hub id (default: none)"),
     "speculative_num_draft_tokens": Flag("block size (default: the draft's block_size)"),
     "speculative_simulate_accept_len": Flag("benchmarking only: force the accept length"),

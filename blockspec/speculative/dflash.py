@@ -409,12 +409,8 @@ class DFlashWorker(TargetWorker):
         rows = cycle.wait()
         self.observe_cycle(n, [row[0] for row in rows], len(rows), cycle.elapsed_ms())
 
-        def accepted_and_bonus(row: list[int]) -> list[int]:
-            # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
-            accepted = row[0]
-            return row[1:1 + accepted] + [row[n + accepted]]
-
-        return cycle.commit(accepted_and_bonus)
+        # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
+        return cycle.commit(lambda row: accepted_and_bonus(row, n))
 
     def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[int]]:
         """Public benchmark and test API: one greedy cycle for `reqs` (slots to kv_len + B given), nothing committed.
@@ -493,7 +489,7 @@ class DFlashWorker(TargetWorker):
         the target's token at every tree row is its argmax (greedy rows) or a draw from the request's sampling
         distribution, and the walk follows those tokens, so the committed tokens are distributed as the target's own
         sampling (each walked row's token is one draw from the target given the tokens before it)."""
-        b, n = self.block_size, tree.cycle_length
+        n = tree.cycle_length
         batch = self.block_rows(reqs, n).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
         verified = tree.verify(batch, argmax_only=False)
         logits = verified.logits.view(len(reqs), tree.budget + 1, -1)
@@ -510,12 +506,11 @@ class DFlashWorker(TargetWorker):
         rows = tree.walk(batch, verified, tokens).tolist()
         committed: list[list[int]] = []
         for req, row in zip(reqs, rows):
-            accepted = row[0]
             if req.finished:
                 committed.append([])
                 continue
-            req.kv_len += accepted + 1
-            committed.append(row[1:1 + accepted] + [row[n + accepted]])
+            req.kv_len += row[0] + 1
+            committed.append(accepted_and_bonus(row, n))
         self.observe_cycle(n, [row[0] for row in rows], len(reqs), None)
         return committed
 
@@ -601,6 +596,13 @@ class DFlashWorker(TargetWorker):
         block_logits = output.logits[num_chunks:].view(len(decode_reqs), n, -1)
         return first, self._accept(decode_reqs, proposals, draft_probs, block_logits)
 
+
+
+def accepted_and_bonus(row: list[int], num_draft_tokens: int) -> list[int]:
+    """A cycle's committed tokens from its output row [accepted | proposals (n-1) | target (n)]: the accepted
+    proposals and the target's token after them."""
+    accepted = row[0]
+    return row[1:1 + accepted] + [row[num_draft_tokens + accepted]]
 
 
 def _pinned(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
