@@ -153,13 +153,11 @@ class DFlashDraftModel(nn.Module):
             tokens = greedy_tokens(self.logits(flat, lm_head))
         return tokens.view(rows.shape[0], rows.shape[1])
 
-    def row_log_probs(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
-        """[bs, B-1, V] float32 log-probabilities of the block rows 1..B-1 (each row's own marginal: the rows of a
-        DFlash block do not condition on each other's tokens), for a draft tree (speculative/tree_build.py).
-        Graph-capturable."""
+    def row_logits(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        """[bs, B-1, V] float32 logits of the block rows 1..B-1 (each row's own marginal: the rows of a DFlash block
+        do not condition on each other's tokens), for a draft tree (speculative/tree_build.py). Graph-capturable."""
         rows = proposal_hidden(hidden, anchors)
-        logits = self.logits(rows.reshape(-1, rows.shape[-1]), lm_head)
-        return logits.log_softmax(-1).view(rows.shape[0], rows.shape[1], -1)
+        return self.logits(rows.reshape(-1, rows.shape[-1]), lm_head).view(rows.shape[0], rows.shape[1], -1)
 
     def proposal_tensors(
         self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear

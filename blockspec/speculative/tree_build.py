@@ -30,17 +30,21 @@ class DraftTree:
         return int(self.tokens.shape[1])
 
 
-def build_tree(log_probs: torch.Tensor, budget: int) -> DraftTree:
-    """The tree of the `budget` most likely prefixes of the per-position draft log-probabilities `log_probs`
-    [bs, L, V] (float, finite). Graph-capturable: device ops only, shapes fixed by (bs, L, budget).
+def build_tree(logits: torch.Tensor, budget: int) -> DraftTree:
+    """The tree of the `budget` most likely prefixes of the per-position draft distributions softmax(`logits`)
+    ([bs, L, V], finite; log-probabilities are logits too). Graph-capturable: device ops only, shapes fixed by
+    (bs, L, budget).
 
     NOTE: ties are broken towards shallower prefixes (a stable sort over depth-major candidates), so a child that
     ties its parent (q = 1) never enters without it: the tree stays ancestor-closed whatever the values."""
-    bs, depth_count, vocab = log_probs.shape
+    bs, depth_count, vocab = logits.shape
     if not 1 <= budget <= vocab:
         raise ValueError(f"a draft tree needs 1 <= budget <= vocabulary size ({vocab}), got {budget}")
-    device = log_probs.device
-    top_scores, top_tokens = log_probs.float().topk(budget, dim=-1)  # [bs, L, B], each row descending
+    device = logits.device
+    logits = logits.float()
+    top_logits, top_tokens = logits.topk(budget, dim=-1)  # [bs, L, B], each row descending
+    # NOTE: log q_d(u) = logit - logsumexp over the row: no second [bs, L, V] tensor for a log-softmax
+    top_scores = top_logits - logits.logsumexp(-1, keepdim=True)
     scores, tokens, parent_slots = [top_scores[:, 0]], [top_tokens[:, 0]], [torch.zeros_like(top_tokens[:, 0])]
     for depth in range(1, depth_count):
         candidates = (scores[-1][:, :, None] + top_scores[:, depth, None, :]).reshape(bs, budget * budget)

@@ -90,7 +90,7 @@ class TreeCycle:
         draft_batch = uniform_batch(ForwardMode.DRAFT, draft_rows, batch.req_to_token,
                                     [s - budget for s in batch.seq_lens_cpu], (), batch.max_seq_len_hint)
         hidden = self.draft_hidden(draft_batch)
-        tree = build_tree(self.draft.row_log_probs(hidden, anchors, runner.model.lm_head), budget)
+        tree = build_tree(self.draft.row_logits(hidden, anchors, runner.model.lm_head), budget)
         rows = torch.cat([anchors[:, None], tree.tokens, batch.req_rows[:, None], (starts + budget + 1)[:, None]], 1)
         verify = uniform_batch(ForwardMode.VERIFY, rows, batch.req_to_token,
                                [s - b + 1 for s in batch.seq_lens_cpu], self.capture, batch.max_seq_len_hint)
