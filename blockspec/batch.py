@@ -36,6 +36,10 @@ class ForwardBatch:
     max_seq_len_hint: Optional[int] = None  # upper bound of seq_lens, fixed for a captured graph
     float_logits: bool = True  # False: logits stay in the model dtype (callers that only take the argmax)
     argmax_only: bool = False  # the forward returns each logits row's argmax [rows] int64 in place of its logits
+    # NOTE: a tree verify (DDTree, speculative/tree_build.py): [bs, q, q] bool, query row i of a request sees its
+    # new row j only where set (j is i's ancestor or i itself) besides the whole context; positions follow the tree
+    # depths, KV slots the rows. None: the mode's own mask.
+    tree_mask: Optional[torch.Tensor] = None
     extend_starts: Optional[torch.Tensor] = None  # [bs] int64 first token row per request (built batches)
     extend_lens: Optional[torch.Tensor] = None  # [bs] int64 device copy of extend_lens_cpu (built batches)
     attn_meta: Any = field(default=None, repr=False)  # set by backend.plan(batch)

@@ -76,6 +76,8 @@ class BatchInvariantAttentionBackend(PagedBackendBase):
         return max_seq_len > settings.lane_keys and programs * settings.lanes <= settings.max_split_programs
 
     def plan(self, batch: ForwardBatch) -> BatchInvariantMeta:
+        if batch.tree_mask is not None:  # NOTE: EngineConfig refuses the combination first
+            raise ValueError("the batch-invariant attention cannot run a tree verify (speculative_tree_budget)")
         q_starts, q_lens, max_q = query_layout(batch)
         max_seq = batch.max_seq_len_hint if batch.max_seq_len_hint is not None else max(batch.seq_lens_cpu)
         return BatchInvariantMeta(q_starts, q_lens, max_q, self.splits_lanes(batch.batch_size, max_q, max_seq))

@@ -19,6 +19,7 @@ class TorchAttentionMeta:
     query_positions: torch.Tensor  # [bs, max_q]
     key_valid: torch.Tensor  # [bs, 1, 1, max_kv]
     key_positions: torch.Tensor  # [max_kv]
+    tree_mask: Optional[torch.Tensor] = None  # [bs, 1, max_q, max_kv] of a tree verify (ForwardBatch.tree_mask)
     # NOTE: built by the first layer of each kind (causal, window) and shared by the others: on the CPU the mask of
     # an extend batch (bs x max_q x max_kv) cost more than a third of the forward when each layer rebuilt it.
     masks: dict[tuple[bool, Optional[int]], torch.Tensor] = field(default_factory=dict)
@@ -53,7 +54,21 @@ class TorchAttentionBackend:
             start += n
         query_rows = query_rows.to(device)
         query_positions = torch.where(query_rows >= 0, batch.positions[query_rows.clamp(min=0)], 0)
-        return TorchAttentionMeta(kv_slots, query_rows, query_positions, key_valid[:, None, None, :], key_positions)
+        tree = None if batch.tree_mask is None else self._tree_mask(batch, key_valid, key_positions)
+        return TorchAttentionMeta(
+            kv_slots, query_rows, query_positions, key_valid[:, None, None, :], key_positions, tree
+        )
+
+    @staticmethod
+    def _tree_mask(batch: ForwardBatch, key_valid: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """[bs, 1, q, max_kv]: every context key, and among the new rows (keys from seq_len - q on) the ones the
+        tree mask lets each query see."""
+        assert batch.tree_mask is not None and batch.uniform_q_len is not None
+        q = batch.uniform_q_len
+        tree_key = key_positions[None, :] - (batch.seq_lens - q)[:, None]  # [bs, max_kv]: the key's new row
+        index = tree_key.clamp(0, q - 1)[:, None, :].expand(-1, q, -1)
+        sees = batch.tree_mask.gather(2, index)  # [bs, q, max_kv]
+        return (key_valid[:, None, :] & ((tree_key < 0)[:, None, :] | sees))[:, None]
 
     def _mask(self, meta: TorchAttentionMeta, causal: bool, window: Optional[int]) -> torch.Tensor:
         mask = meta.masks.get((causal, window))
@@ -88,7 +103,10 @@ class TorchAttentionBackend:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
         causal = layer_is_causal(batch.mode, self.draft_layer_causal, layer_id)
-        mask = self._mask(meta, causal, layer_window(self.sliding_windows, layer_id))
+        window = layer_window(self.sliding_windows, layer_id)
+        if meta.tree_mask is not None and window is not None:
+            raise ValueError("a tree verify (speculative_tree_budget) cannot run sliding-window attention layers")
+        mask = meta.tree_mask if meta.tree_mask is not None else self._mask(meta, causal, window)
         attended = F.scaled_dot_product_attention(
             queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=mask, scale=self.scale
         )

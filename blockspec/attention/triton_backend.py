@@ -173,13 +173,19 @@ class TritonAttentionBackend(PagedBackendBase):
         table = batch.req_to_token
         tiles = meta.tiles
         grid = (triton.cdiv(meta.max_q_len * group, tiles.block_m), batch.batch_size * self.num_kv_heads, splits)
+        tree = batch.tree_mask
+        if tree is not None and window is not None:
+            raise ValueError("a tree verify (speculative_tree_budget) cannot run sliding-window attention layers")
+        # NOTE: without a tree the kernel never reads the mask pointer (TREE is a constexpr); q stands in for it
+        tree_mask = q if tree is None else tree.contiguous().view(torch.uint8)
         self.kernels.attention[grid](
             q, k_cache, v_cache, out, part_acc, part_max, part_sum,
-            table, batch.req_rows, meta.q_starts, meta.q_lens, batch.seq_lens,
+            table, batch.req_rows, meta.q_starts, meta.q_lens, batch.seq_lens, tree_mask,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             out.stride(0), out.stride(1), self.num_heads * splits, splits, 1,
+            0 if tree is None else tree.stride(0), 0 if tree is None else tree.stride(1),
             self.scale * LOG2E, window or 0, NUM_KV_HEADS=self.num_kv_heads, GROUP=group, NUM_SPLITS=splits,
-            **self.tile_options(q, tiles, batch.mode, layer_id, self.kernels.attention),
+            TREE=tree is not None, **self.tile_options(q, tiles, batch.mode, layer_id, self.kernels.attention),
         )
         if splits > 1:
             heads_per_program = min(

@@ -80,14 +80,14 @@ INDEX_POINTERS = ("req_rows_ptr", "q_starts_ptr", "q_lens_ptr", "seq_lens_ptr")
 @triton.jit(do_not_specialize_on_alignment=INDEX_POINTERS)
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    req_to_token_ptr, req_rows_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr,
+    req_to_token_ptr, req_rows_ptr, q_starts_ptr, q_lens_ptr, seq_lens_ptr, tree_mask_ptr,
     stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
-    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split,
+    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, stride_tree_req, stride_tree_row,
     qk_scale_log2, window,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TREE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Scores are kept in log2 units (qk_scale_log2 = softmax scale * log2 e) so every exponential is an exp2; with
     NUM_SPLITS > 1 each program stores its rows' (acc, max, sum) partials for merge_splits_kernel. With
@@ -105,10 +105,12 @@ def paged_attention_kernel(
         return
     attend_program(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, kv_head, pid_m, pid_split, q_len,
-        stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
-        stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, qk_scale_log2, window,
+        req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, tree_mask_ptr, req, kv_head, pid_m, pid_split,
+        q_len, stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
+        stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, stride_tree_req, stride_tree_row,
+        qk_scale_log2, window,
         GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL, USE_WINDOW, DOT_PRECISION, MASK_EDGES_ONLY, 0,
+        TREE,
     )
 
 
@@ -139,23 +141,24 @@ def tiled_extend_attention_kernel(
         pid_split = tl.program_id(2)
     attend_program(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, tl.program_id(1), pid_m, pid_split, q_len,
-        stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
-        stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, 1, qk_scale_log2, window,
+        req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, q_ptr, req, tl.program_id(1), pid_m, pid_split,
+        q_len, stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
+        stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, 1, 0, 0, qk_scale_log2, window,
         GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, NUM_SPLITS, CAUSAL, USE_WINDOW, DOT_PRECISION, MASK_EDGES_ONLY,
-        MIN_SPLIT_KEYS,
+        MIN_SPLIT_KEYS, False,
     )
 
 
 @triton.jit
 def attend_program(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, req, kv_head, pid_m, pid_split, q_len,
-    stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
-    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, qk_scale_log2, window,
+    req_to_token_ptr, req_rows_ptr, q_starts_ptr, seq_lens_ptr, tree_mask_ptr, req, kv_head, pid_m, pid_split,
+    q_len, stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_table_row,
+    stride_o_tok, stride_o_head, stride_p_tok, stride_p_head, stride_p_split, stride_tree_req, stride_tree_row,
+    qk_scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_EDGES_ONLY: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, TREE: tl.constexpr,
 ):
     """One program's work: query-row block pid_m of request `req` (it exists: pid_m * BLOCK_M < q_len * GROUP) for
     KV head `kv_head`, over the keys of split pid_split: 1/NUM_SPLITS of the program's key span, but at least
@@ -185,6 +188,9 @@ def attend_program(
         seen_by_all = tl.minimum(hi, first_q_pos + 1)
     if USE_WINDOW:
         seen_by_all = lo
+    tree_start = seq_len - q_len  # NOTE: the first new row's key (TREE only)
+    if TREE:
+        seen_by_all = tl.minimum(seen_by_all, tree_start)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -206,6 +212,12 @@ def attend_program(
                 scores = _mask_scores(scores, row_valid, col_valid, q_pos, cols, window, CAUSAL, USE_WINDOW)
         else:
             scores = _mask_scores(scores, row_valid, col_valid, q_pos, cols, window, CAUSAL, USE_WINDOW)
+        if TREE:
+            if start + BLOCK_N > tree_start:
+                in_tree = col_valid & (cols >= tree_start)
+                tree_offsets = req * stride_tree_req + token[:, None] * stride_tree_row + (cols - tree_start)[None, :]
+                sees = tl.load(tree_mask_ptr + tree_offsets, mask=row_valid[:, None] & in_tree[None, :], other=0)
+                scores = tl.where((sees != 0) | (cols < tree_start)[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         probs = tl.exp2(scores - safe_max[:, None])

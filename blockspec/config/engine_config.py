@@ -16,7 +16,10 @@ if TYPE_CHECKING:
 # family (Qwen3-MoE) captures them with --enforce-piecewise-cuda-graph until it has run there too
 PIECEWISE_BY_DEFAULT = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
-SPECULATIVE_ALGORITHMS = (None, "DFLASH")
+SPECULATIVE_ALGORITHMS = (None, "DFLASH", "DDTREE")
+# NOTE: SGLang's `--speculative-algorithm DDTREE` is DFLASH with a draft tree of this many nodes unless
+# --speculative-tree-budget says otherwise (speculative/tree_build.py)
+DEFAULT_TREE_BUDGET = 32
 WAIT_POLICIES = ("fixed", "cost")  # --prefill-wait-policy (scheduler/admission.py)
 DEFAULT_CUDA_GRAPH_BS = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
 
@@ -81,6 +84,9 @@ class EngineConfig:
     speculative_simulate_accept_profile: Optional[str] = None  # benchmarking only: "geometric:M" or a histogram JSON
     speculative_adaptive_verify: Optional[str] = None  # on | off; unset: on when the DFlash cycle runs in CUDA graphs
     speculative_num_draft_tokens_per_bs: Optional[str] = None  # fixed verify lengths by batch size: "1-16:10,17-64:4"
+    # NOTE: DDTree: verify a tree of this many draft nodes (the most likely prefixes of the draft's per-position
+    # marginals) instead of the chain; 0 or None: the chain. Set to DEFAULT_TREE_BUDGET by speculative_algorithm DDTREE
+    speculative_tree_budget: Optional[int] = None
     tp_size: int = 1  # tensor-parallel ranks, one process (and GPU) each; rank 0 schedules
     enable_deterministic_inference: bool = False  # batch-invariant kernels: a row's result never depends on the batch
     triton_attention_split_tile_size: Optional[int] = None  # keys per KV lane of the deterministic attention (256)
@@ -184,9 +190,17 @@ class EngineConfig:
         if isinstance(self.speculative_algorithm, str):
             self.speculative_algorithm = self.speculative_algorithm.upper()
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(f"speculative_algorithm must be DFLASH or unset, got {self.speculative_algorithm!r}")
+            raise ValueError(
+                f"speculative_algorithm must be DFLASH, DDTREE or unset, got {self.speculative_algorithm!r}"
+            )
         if self.speculative_algorithm and not self.speculative_draft_model_path:
-            raise ValueError("speculative_draft_model_path is required with speculative_algorithm DFLASH")
+            raise ValueError(
+                f"speculative_draft_model_path is required with speculative_algorithm {self.speculative_algorithm}"
+            )
+        if self.speculative_algorithm == "DDTREE":  # NOTE: an alias, like cuda_graph_backend_prefill's piecewise
+            self.speculative_algorithm = "DFLASH"
+            if self.speculative_tree_budget is None:
+                self.speculative_tree_budget = DEFAULT_TREE_BUDGET
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("speculative_num_draft_tokens must be >= 2")
         if self.cuda_graph_backend_prefill not in (None, "piecewise", "none"):
@@ -214,6 +228,7 @@ class EngineConfig:
         if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:
             raise ValueError("speculative_simulate_accept_len must be >= 1 (tokens committed per verify)")
         self._validate_verify_flags()
+        self._validate_tree_flags()
         self.attention_backend = resolve_deterministic_backend(
             self.enable_deterministic_inference, self.attention_backend, self.tp_size,
             self.triton_attention_split_tile_size)
@@ -247,6 +262,36 @@ class EngineConfig:
             if self.speculative_simulate_accept_len is not None:
                 raise ValueError("pass one of speculative_simulate_accept_len and speculative_simulate_accept_profile")
             accept_distribution(self.speculative_simulate_accept_profile, 2)
+
+    def _validate_tree_flags(self) -> None:
+        budget = self.speculative_tree_budget
+        if budget is None or budget == 0:
+            return
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ValueError(f"speculative_tree_budget must be a non-negative integer, got {budget!r}")
+        if self.speculative_algorithm != "DFLASH":
+            raise ValueError("speculative_tree_budget needs a DFlash draft: speculative_algorithm DFLASH (or DDTREE) "
+                             "and speculative_draft_model_path")
+        refusals = {
+            "attention_backend flashinfer": self.attention_backend == "flashinfer",
+            "enable_deterministic_inference": self.enable_deterministic_inference,
+            "enable_mixed_chunk": self.enable_mixed_chunk,
+            "speculative_simulate_accept_len / _profile": self.speculative_simulate_accept_len is not None
+            or self.speculative_simulate_accept_profile is not None,
+            "speculative_num_draft_tokens_per_bs": self.speculative_num_draft_tokens_per_bs is not None,
+            "tp_size > 1": self.tp_size > 1,
+        }
+        # NOTE: FlashInfer's paged wrappers take no per-query ancestor mask, the batch-invariant kernels none
+        # either; mixed steps verify chains inside an extend forward; simulated acceptance and a fixed verify-length
+        # schedule describe chains; the tree cycle has not been mirrored to other tensor-parallel ranks.
+        for name, refused in refusals.items():
+            if refused:
+                raise ValueError(f"speculative_tree_budget (DDTree) cannot be combined with {name}")
+
+    @property
+    def tree_budget(self) -> int:
+        """Draft tree nodes a DFlash cycle verifies (0: the chain)."""
+        return self.speculative_tree_budget or 0
 
     @property
     def resolved_host_threads(self) -> Optional[int]:

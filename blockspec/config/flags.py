@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from blockspec.config.engine_config import ATTENTION_BACKENDS, WAIT_POLICIES
+from blockspec.config.engine_config import ATTENTION_BACKENDS, DEFAULT_TREE_BUDGET, WAIT_POLICIES
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,10 @@ ENGINE_FLAGS: dict[str, Flag] = {
     "piecewise_cuda_graph_tokens": Flag("explicit token buckets for piecewise graphs"),
     "cuda_graph_backend_prefill": Flag("piecewise = --enforce-piecewise-cuda-graph", choices=("piecewise", "none")),
     "tp_size": Flag("tensor-parallel ranks (one process and GPU each; default %(default)s)"),
-    "speculative_algorithm": Flag("DFLASH (default: none, target only)", choices=("DFLASH",), fold_case=str.upper),
+    "speculative_algorithm": Flag(
+        "DFLASH, or DDTREE: DFLASH verifying a draft tree (--speculative-tree-budget, default "
+        f"{DEFAULT_TREE_BUDGET} nodes) (default: none, target only)", choices=("DFLASH", "DDTREE"),
+        fold_case=str.upper),
     "speculative_draft_model_path": Flag("z-lab format DFlash draft directory or hub id (default: none)"),
     "speculative_num_draft_tokens": Flag("block size (default: the draft's block_size)"),
     "speculative_simulate_accept_len": Flag("benchmarking only: force the accept length"),
@@ -78,6 +81,10 @@ ENGINE_FLAGS: dict[str, Flag] = {
     "speculative_adaptive_verify": Flag(
         "verify length per batch size from measured cycle times and live acceptance (default: on when the DFlash "
         "cycle runs in CUDA graphs; on without graphs times eager cycles)", choices=("on", "off"), fold_case=str.lower),
+    "speculative_tree_budget": Flag(
+        "DDTree: each cycle verifies a tree of B draft nodes, the B most likely prefixes of the draft block's "
+        "per-position distributions, in one target forward (no penalties, logprobs or grammars); 0: the chain "
+        "(default)"),
     "speculative_num_draft_tokens_per_bs": Flag(
         "fixed verify length per batch size instead, e.g. 1-16:10,17-64:4 (1 = plain target decode)"),
     "load_format": Flag("dummy: random weights (default %(default)s)", choices=("auto", "dummy")),

@@ -35,6 +35,7 @@ class AttentionWorkload:
     max_q: int
     max_batch_size: int
     max_seq_len: int
+    tree: bool = False  # a DDTree verify: the kernel's TREE variants (ForwardBatch.tree_mask)
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,13 @@ class AttentionVariant:
     tiles: KernelTiles
     splits: int
     layer_id: int  # the first layer of its (causal, window) class
+    tree: bool = False
 
     def describe(self) -> str:
         t = self.tiles
         edges = ", edge masks" if t.mask_edges_only else ""
-        return (f"{self.mode.value} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}{edges}, "
+        tree = ", tree" if self.tree else ""
+        return (f"{self.mode.value}{tree} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}{edges}, "
                 f"{self.splits} split(s), layer {self.layer_id}")
 
 
@@ -120,7 +123,8 @@ def layer_classes(backend: PagedBackendBase, mode: ForwardMode) -> list[int]:
 def workload_variants(workload: AttentionWorkload) -> list[AttentionVariant]:
     launches = sorted(reachable_launches(workload), key=lambda launch: (repr(launch[0]), launch[1]))
     layers = layer_classes(workload.backend, workload.mode)
-    return [AttentionVariant(workload.mode, tiles, splits, layer) for tiles, splits in launches for layer in layers]
+    return [AttentionVariant(workload.mode, tiles, splits, layer, workload.tree) for tiles, splits in launches
+            for layer in layers]
 
 
 def launch_variant(backend: TritonAttentionBackend, variant: AttentionVariant, req_to_token: torch.Tensor,
@@ -138,6 +142,7 @@ def launch_variant(backend: TritonAttentionBackend, variant: AttentionVariant, r
         mode=variant.mode, input_ids=one * 0, positions=one * 0, out_cache_loc=one * 0,
         req_rows=one * dummy_row, seq_lens=one, seq_lens_cpu=[1], extend_lens_cpu=[1], logits_rows=one * 0,
         req_to_token=req_to_token, uniform_q_len=None if variant.mode is ForwardMode.EXTEND else 1,
+        tree_mask=torch.ones((1, 1, 1), dtype=torch.bool, device=device) if variant.tree else None,
     )
     batch.attn_meta = TritonAttentionMeta(
         torch.zeros(1, dtype=index_dtype, device=device), torch.ones(1, dtype=index_dtype, device=device), 1,

@@ -43,22 +43,28 @@ def attention_workloads(runner: ModelRunner, worker: Worker) -> list[AttentionWo
     max_batch_size = max([config.max_running_requests, *config.cuda_graph_bs])
     max_seq_len = runner.max_positions
     max_extend = min(config.chunk_budget or runner.context_length, runner.context_length)
-    uniform_q = worker.decode_slots_per_req
-    # NOTE: adaptive verify runs verifies of every captured length n (eagerly above the largest graph batch).
-    shortest_q = min(worker.uniform_lengths)
+    tree = worker.tree_shape
+    # NOTE: adaptive verify runs verifies of every captured length n (eagerly above the largest graph batch); a tree
+    # cycle's length stands for its tree verify (tree.verify_rows) and its draft block (tree.draft_rows)
+    chain = [n for n in worker.uniform_lengths if tree is None or n != tree.cycle_length]
+    draft_q = max(chain) if tree is None else tree.draft_rows
     workloads: list[AttentionWorkload] = []
     if isinstance(runner.attention, TritonAttentionBackend):
         uniform_mode = ForwardMode.VERIFY if worker.is_speculative else ForwardMode.DECODE
         workloads.append(
             AttentionWorkload(runner.attention, ForwardMode.EXTEND, 1, max_extend, max_batch_size, max_seq_len)
         )
-        workloads.append(
-            AttentionWorkload(runner.attention, uniform_mode, shortest_q, uniform_q, max_batch_size, max_seq_len)
-        )
+        if chain:
+            workloads.append(
+                AttentionWorkload(runner.attention, uniform_mode, min(chain), max(chain), max_batch_size, max_seq_len)
+            )
+        if tree is not None:
+            workloads.append(AttentionWorkload(runner.attention, ForwardMode.VERIFY, tree.verify_rows,
+                                               tree.verify_rows, max_batch_size, max_seq_len, tree=True))
     if isinstance(worker.draft_attention, TritonAttentionBackend):
         workloads.append(
             AttentionWorkload(
-                worker.draft_attention, ForwardMode.DRAFT, uniform_q, uniform_q, max_batch_size, max_seq_len
+                worker.draft_attention, ForwardMode.DRAFT, draft_q, draft_q, max_batch_size, max_seq_len
             )
         )
     return workloads

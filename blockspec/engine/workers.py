@@ -35,13 +35,15 @@ def build_dflash_worker(config: EngineConfig, tp: Optional[TensorParallel] = Non
     target_config = load_target_config(config.model_path)
     draft_config = load_draft_config(config.speculative_draft_model_path, target_config)
     block_size = config.speculative_num_draft_tokens or draft_config.block_size
+    # NOTE: a DDTree cycle's rows are block + B wide (speculative/tree_cycle.py)
+    cycle_slots = block_size + config.tree_budget
     device = config.resolved_device
     dtype = pick_dtype(config, device)
     draft_kv_heads = draft_config.num_kv_heads if tp is None else tp.local_kv_heads(draft_config.num_kv_heads)
     draft_bytes = KVPool.bytes_per_slot(draft_config.num_layers, draft_kv_heads, draft_config.head_dim, dtype)
     runner = ModelRunner(
         # NOTE: overlap reserves 2 blocks ahead
-        config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=2 * block_size,
+        config, extra_kv_bytes_per_slot=draft_bytes, extra_positions=2 * cycle_slots,
         hidden_capture_layer_ids=tuple(draft_config.target_layer_ids), tp=tp,
     )
     started = time.perf_counter()

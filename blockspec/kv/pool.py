@@ -42,5 +42,11 @@ class KVPool:
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.layer_store(layer_id, slots).write(k, v)
 
+    def move(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copies every layer's K/V at slots `sources` to slots `destinations` (all sources are read before any
+        destination is written, so the two may overlap). Graph-capturable."""
+        for cache in (*self.k, *self.v):
+            cache[destinations] = cache[sources]
+
     def layer_store(self, layer_id: int, slots: torch.Tensor) -> LayerKVStore:
         return LayerKVStore(self.k[layer_id], self.v[layer_id], slots)

@@ -153,6 +153,12 @@ class DFlashDraftModel(nn.Module):
             tokens = greedy_tokens(self.logits(flat, lm_head))
         return tokens.view(rows.shape[0], rows.shape[1])
 
+    def row_logits(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        """[bs, B-1, V] float32 logits of the block rows 1..B-1 (each row's own marginal: the rows of a DFlash block
+        do not condition on each other's tokens), for a draft tree (speculative/tree_build.py). Graph-capturable."""
+        rows = proposal_hidden(hidden, anchors)
+        return self.logits(rows.reshape(-1, rows.shape[-1]), lm_head).view(rows.shape[0], rows.shape[1], -1)
+
     def proposal_tensors(
         self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear
     ) -> tuple[torch.Tensor, ...]:

@@ -33,17 +33,20 @@ from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sample.acceptance import greedy_accept_counts, rejection_accept
 from blockspec.sample.penalties import penalized
-from blockspec.sample.sampling import append_logprobs
-from blockspec.sample.sampling_faults import SamplingFault, choice_faults, fail_request, raise_first
+from blockspec.sample.sampling import append_logprobs, sampling_probs
+from blockspec.sample.sampling_faults import (
+    SamplingFault, choice_faults, distribution_faults, fail_request, raise_first,
+)
 from blockspec.speculative.cycle_timing import measure_cycle_times
 from blockspec.speculative.host_proposals import host_proposals
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
+from blockspec.speculative.tree_cycle import TreeCycle
 from blockspec.speculative.verify_length import (
     AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, VerifyLengthPolicy, default_verify_lengths,
     full_block,
 )
 from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
-from blockspec.worker.protocol import SpeculativeState, VerifyLengthChoice
+from blockspec.worker.protocol import SpeculativeState, TreeShape, VerifyLengthChoice
 from blockspec.worker.target_worker import TargetWorker
 
 CycleFn = Callable[[ForwardBatch], tuple[torch.Tensor]]
@@ -80,13 +83,33 @@ class DFlashWorker(TargetWorker):
                 config.speculative_simulate_accept_len, config.speculative_simulate_accept_profile, block_size,
                 runner.device, config.random_seed,
             )
-        self.acceptance = AcceptanceStats(block_size - 1)
+        # NOTE: DDTree (speculative_tree_budget > 0): the tree cycle is one more verify length (b + B) for the policy
+        self.tree: Optional[TreeCycle] = None
+        if config.tree_budget > 0:
+            self.tree = TreeCycle(runner, draft, draft_pool, self._draft_hidden, block_size, config.tree_budget,
+                                  self.capture)
+        self.acceptance = self._new_acceptance()
         self.verify_policy: VerifyLengthPolicy = self._initial_policy()
         self._cycle_fns: dict[int, CycleFn] = {}
 
     @property
     def decode_slots_per_req(self) -> int:
-        return self.block_size
+        return self.block_size if self.tree is None else self.tree.cycle_length
+
+    @property
+    def tree_shape(self) -> Optional[TreeShape]:
+        tree = self.tree
+        return None if tree is None else TreeShape(tree.cycle_length, tree.budget + 1, self.block_size)
+
+    def _new_acceptance(self) -> AcceptanceStats:
+        return AcceptanceStats(self.block_size - 1, tree_length=None if self.tree is None else self.tree.cycle_length)
+
+    @property
+    def extras_refusal(self) -> Optional[str]:
+        if self.tree is None:
+            return None
+        return ("the DDTree cycle (speculative_tree_budget) serves greedy and sampled requests without penalties, "
+                "logprobs or a grammar; serve those without a tree budget")
 
     @property
     def is_speculative(self) -> bool:
@@ -97,6 +120,11 @@ class DFlashWorker(TargetWorker):
         """The fixed schedule, the full block (adaptive off or impossible), or — until init_cuda_graphs has timed the
         cycles — the full block standing in for adaptive verify."""
         config, b = self.runner.config, self.block_size
+        if self.tree is not None:  # NOTE: config refuses a fixed schedule with a tree
+            reason = (f"DDTree: every cycle verifies a tree of {self.tree.budget} nodes" if not self.adaptive_wanted
+                      else "adaptive verify (chain lengths and the tree): cycle times not measured yet")
+            length = self.tree.cycle_length
+            return FixedVerifyLength([(1, 1 << 30, length)], b, reason, tree_length=length)
         if config.speculative_num_draft_tokens_per_bs is not None:
             schedule = parse_verify_schedule(config.speculative_num_draft_tokens_per_bs)
             return FixedVerifyLength(schedule, b, "fixed schedule (speculative_num_draft_tokens_per_bs)")
@@ -128,7 +156,10 @@ class DFlashWorker(TargetWorker):
     @property
     def verify_lengths(self) -> tuple[int, ...]:
         """Verify lengths graphs are captured for."""
-        return default_verify_lengths(self.block_size) if self.adaptive_wanted else self.verify_policy.lengths
+        if not self.adaptive_wanted:
+            return self.verify_policy.lengths
+        tree = () if self.tree is None else (self.tree.cycle_length,)
+        return default_verify_lengths(self.block_size) + tree
 
     def calibrate_verify_lengths(self) -> None:
         """Times every (batch size, verify length) cycle and switches to adaptive verify (when wanted)."""
@@ -142,14 +173,19 @@ class DFlashWorker(TargetWorker):
     def verify_length_info(self) -> dict[str, Any]:
         """For get_server_info: the verify length in use per batch size and why, and the acceptance it assumed."""
         survival = self.acceptance.survival()
-        return {**self.verify_policy.describe(self.acceptance), "block_size": self.block_size,
+        info = {**self.verify_policy.describe(self.acceptance), "block_size": self.block_size,
                 "position_accept_rates": [round(r, 4) for r in self.acceptance.rates()],
                 "expected_tokens_full_block": round(1.0 + sum(survival), 4)}
+        if self.tree is not None:  # NOTE: the verify length block + budget stands for the tree cycle
+            length = self.tree.cycle_length
+            info["tree"] = {"budget": self.tree.budget, "verify_length": length,
+                            "expected_tokens": round(self.acceptance.expected_tokens(length), 4)}
+        return info
 
     def forget_live_state(self) -> None:
         """Forgets the acceptance and verify-length choices learnt so far (e.g. from the start-up warm-up's random
         prompts); the start-up cycle times stay."""
-        self.acceptance = AcceptanceStats(self.block_size - 1)
+        self.acceptance = self._new_acceptance()
         self.verify_policy.reset_live()
 
     @property
@@ -159,7 +195,8 @@ class DFlashWorker(TargetWorker):
     @contextlib.contextmanager
     def pinned_verify_length(self, num_draft_tokens: int) -> Iterator[None]:
         policy = self.verify_policy
-        self.verify_policy = FixedVerifyLength([(1, 1 << 30, num_draft_tokens)], self.block_size, "warm-up")
+        tree = None if self.tree is None else self.tree.cycle_length
+        self.verify_policy = FixedVerifyLength([(1, 1 << 30, num_draft_tokens)], self.block_size, "warm-up", tree)
         try:
             yield
         finally:
@@ -183,7 +220,8 @@ class DFlashWorker(TargetWorker):
         self.runner.capture_piecewise(aux_consumer=self._materialise_draft_kv)
         graphs, b = self.runner.graphs, self.block_size
         target, draft = self.runner.attention, self.draft_attention
-        for n in self.verify_lengths:
+        # NOTE: sampled cycles of a tree run eagerly (DFlashWorker._tree_decode); chain lengths verify in graphs
+        for n in self.chain_lengths:
             graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, [target], self.capture)
         graphs.capture(GraphKind.DRAFT, self._draft_proposals, ForwardMode.DRAFT, b, [draft])
         # NOTE: all-greedy batches replay one graph per cycle: propose → verify → both argmaxes. A backend that
@@ -192,6 +230,11 @@ class DFlashWorker(TargetWorker):
             for n in self.verify_lengths:
                 graphs.capture(GraphKind.GREEDY_CYCLE, self.cycle_fn(n), ForwardMode.DRAFT, n, [target, draft])
         self.calibrate_verify_lengths()
+
+    @property
+    def chain_lengths(self) -> tuple[int, ...]:
+        """The verify lengths of chain cycles (all but the tree's)."""
+        return tuple(n for n in self.verify_lengths if self.tree is None or n != self.tree.cycle_length)
 
     def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:
         if kind is GraphKind.VERIFY:
@@ -237,7 +280,10 @@ class DFlashWorker(TargetWorker):
     def cycle_fn(self, num_draft_tokens: int) -> CycleFn:
         """The whole greedy cycle of this verify length as one function of its input batch (graph-capturable)."""
         if num_draft_tokens not in self._cycle_fns:
-            self._cycle_fns[num_draft_tokens] = lambda batch: self._greedy_cycle(batch, num_draft_tokens)
+            if self.tree is not None and num_draft_tokens == self.tree.cycle_length:
+                self._cycle_fns[num_draft_tokens] = self.tree
+            else:
+                self._cycle_fns[num_draft_tokens] = lambda batch: self._greedy_cycle(batch, num_draft_tokens)
         return self._cycle_fns[num_draft_tokens]
 
     def _full_draft_batch(self, batch: ForwardBatch, num_draft_tokens: int) -> ForwardBatch:
@@ -307,7 +353,8 @@ class DFlashWorker(TargetWorker):
         graphs, n, device = self.runner.graphs, num_draft_tokens, self.runner.device
         rows = torch.zeros((batch_size, n + 2), dtype=torch.int64)
         rows[:, n], rows[:, n + 1] = self.runner.req_to_token.dummy_row, n
-        if graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE):
+        tree = self.tree is not None and n == self.tree.cycle_length
+        if graphs.runs_from_device_rows(GraphKind.GREEDY_CYCLE) or tree:
             (tokens,) = graphs.run(
                 GraphKind.GREEDY_CYCLE, DeviceRows(ForwardMode.DRAFT, rows.to(device)), self.cycle_fn(n)
             )
@@ -362,12 +409,8 @@ class DFlashWorker(TargetWorker):
         rows = cycle.wait()
         self.observe_cycle(n, [row[0] for row in rows], len(rows), cycle.elapsed_ms())
 
-        def accepted_and_bonus(row: list[int]) -> list[int]:
-            # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
-            accepted = row[0]
-            return row[1:1 + accepted] + [row[n + accepted]]
-
-        return cycle.commit(accepted_and_bonus)
+        # NOTE: block tokens 0..accepted now have valid target KV (and draft KV, written in _verify_forward).
+        return cycle.commit(lambda row: accepted_and_bonus(row, n))
 
     def greedy_cycle_tokens(self, reqs: Sequence[Req]) -> list[list[int]]:
         """Public benchmark and test API: one greedy cycle for `reqs` (slots to kv_len + B given), nothing committed.
@@ -435,8 +478,41 @@ class DFlashWorker(TargetWorker):
         """One spec cycle; the scheduler has given each request slots for positions kv_len .. kv_len+B-1."""
         if self.can_run_ahead(reqs):  # NOTE: without a carry the cycle keeps the order of reqs (none is finished)
             return [tokens or [] for tokens in self.finish(self.launch(reqs))]
-        proposals, draft_probs = self._proposals(reqs, self.choose_verify_length(len(reqs)))
+        n = self.choose_verify_length(len(reqs))
+        if self.tree is not None and n == self.tree.cycle_length:
+            return self._tree_decode(reqs, self.tree)
+        proposals, draft_probs = self._proposals(reqs, n)
         return self._accept(reqs, proposals, draft_probs, self.verify(reqs, proposals))
+
+    def _tree_decode(self, reqs: Sequence[Req], tree: TreeCycle) -> list[list[int]]:
+        """One DDTree cycle of a batch with sampled requests (admission refused penalties, logprobs and grammars):
+        the target's token at every tree row is its argmax (greedy rows) or a draw from the request's sampling
+        distribution, and the walk follows those tokens, so the committed tokens are distributed as the target's own
+        sampling (each walked row's token is one draw from the target given the tokens before it)."""
+        n = tree.cycle_length
+        batch = self.block_rows(reqs, n).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
+        verified = tree.verify(batch, argmax_only=False)
+        logits = verified.logits.view(len(reqs), tree.budget + 1, -1)
+        tokens = greedy_tokens(verified.logits).view(len(reqs), tree.budget + 1)
+        for i, req in enumerate(reqs):
+            if req.params.is_greedy:
+                continue
+            probs = sampling_probs(logits[i], req.params)
+            faults = [fault for fault in distribution_faults(probs) if fault is not None]
+            if faults:  # NOTE: the request alone fails (sampling_faults.py); its rows keep the argmax
+                fail_request(req, faults[0])
+                continue
+            tokens[i] = torch.multinomial(probs, 1, generator=req.generator).view(-1)
+        rows = tree.walk(batch, verified, tokens).tolist()
+        committed: list[list[int]] = []
+        for req, row in zip(reqs, rows):
+            if req.finished:
+                committed.append([])
+                continue
+            req.kv_len += row[0] + 1
+            committed.append(accepted_and_bonus(row, n))
+        self.observe_cycle(n, [row[0] for row in rows], len(reqs), None)
+        return committed
 
     def _accept(
         self, reqs: Sequence[Req], proposals_device: torch.Tensor, draft_probs: dict[int, torch.Tensor],
@@ -520,6 +596,13 @@ class DFlashWorker(TargetWorker):
         block_logits = output.logits[num_chunks:].view(len(decode_reqs), n, -1)
         return first, self._accept(decode_reqs, proposals, draft_probs, block_logits)
 
+
+
+def accepted_and_bonus(row: list[int], num_draft_tokens: int) -> list[int]:
+    """A cycle's committed tokens from its output row [accepted | proposals (n-1) | target (n)]: the accepted
+    proposals and the target's token after them."""
+    accepted = row[0]
+    return row[1:1 + accepted] + [row[num_draft_tokens + accepted]]
 
 
 def _pinned(rows: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""How many block tokens a DFlash cycle verifies, per batch size: the verify length n (1 ≤ n ≤ B).
+"""How many block tokens a DFlash cycle verifies, per batch size: the verify length n (1 ≤ n ≤ B), or a DDTree
+tree (speculative_tree_budget T: the verify length B + T stands for the tree cycle, whose input rows are that wide).
 
 A cycle of verify length n verifies [bonus, d_1..d_{n-1}] (n - 1 proposals, the first of the draft's full block) and
 commits accepted + 1 tokens, accepted ≤ n - 1; n = 1 is a plain target decode step (the draft does not run, the
@@ -7,7 +8,9 @@ bonus token's draft KV is still written, so speculation resumes losslessly in th
   adaptive verify is off).
 - `AdaptiveVerifyLength`: the cost model. Expected committed tokens of a cycle, 1 + E[min(accepted, n - 1)], from the
   live per-position acceptance rates (`AcceptanceStats`), over the cycle time of (batch size, n) (`CycleTimes`:
-  measured when graphs are captured, then refined by live cycles); the n with the most tokens per second wins.
+  measured when graphs are captured, then refined by live cycles); the n with the most tokens per second wins. A tree
+  cycle is one more candidate: its expected tokens are the live mean of its committed tokens (the chain's full block
+  until measured), its cycle time measured like the others, so a tree runs only at the batch sizes where it pays.
 """
 from __future__ import annotations
 
@@ -36,8 +39,12 @@ class AcceptanceStats:
     deepest measured one instead of an optimistic constant)."""
 
     def __init__(self, max_proposals: int, half_life: float = 4096.0, prior_rate: float = 0.8,
-                 prior_weight: float = 2.0) -> None:
+                 prior_weight: float = 2.0, tree_length: Optional[int] = None) -> None:
         self.max_proposals = max_proposals
+        # NOTE: the verify length that stands for a DDTree cycle (None: none); its cycles are counted apart
+        self.tree_length = tree_length
+        self.tree_cycles = 0.0
+        self.tree_committed = 0.0
         self.decay = 0.5 ** (1.0 / half_life)
         self.prior_rate = prior_rate
         self.prior_weight = prior_weight
@@ -47,8 +54,13 @@ class AcceptanceStats:
         self._survival: Optional[list[float]] = None
 
     def observe(self, num_draft_tokens: int, accepted: Sequence[int]) -> None:
-        """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted."""
+        """One cycle of verify length `num_draft_tokens`; `accepted[i]`: proposals row i accepted (tree cycles: the
+        nodes its walk accepted)."""
         fade = self.decay ** len(accepted)
+        if num_draft_tokens == self.tree_length:
+            self.tree_cycles = self.tree_cycles * fade + len(accepted)
+            self.tree_committed = self.tree_committed * fade + sum(accepted) + len(accepted)
+            return
         at_least = [0] * (self.max_proposals + 2)
         for a in accepted:
             at_least[a] += 1
@@ -82,8 +94,12 @@ class AcceptanceStats:
         return self._survival
 
     def expected_tokens(self, num_draft_tokens: int) -> float:
-        """Tokens a cycle of this verify length commits on average: 1 + E[min(accepted, n - 1)]."""
-        return 1.0 + sum(self._cached_survival()[: num_draft_tokens - 1])
+        """Tokens a cycle of this verify length commits on average: 1 + E[min(accepted, n - 1)]; for the tree's
+        length the live mean over tree cycles, with the chain's full block as a prior of `prior_weight` cycles."""
+        chain = 1.0 + sum(self._cached_survival()[: min(num_draft_tokens, self.max_proposals + 1) - 1])
+        if num_draft_tokens != self.tree_length:
+            return chain
+        return (self.tree_committed + self.prior_weight * chain) / (self.tree_cycles + self.prior_weight)
 
 
 class CycleTimes:
@@ -180,8 +196,8 @@ class Option(NamedTuple):
 class FixedVerifyLength:
     """Verify length from a schedule by batch size (adaptive verify off: the full block B everywhere)."""
 
-    def __init__(self, schedule: Schedule, block_size: int, reason: str) -> None:
-        bad = [n for _, _, n in schedule if n > block_size]
+    def __init__(self, schedule: Schedule, block_size: int, reason: str, tree_length: Optional[int] = None) -> None:
+        bad = [n for _, _, n in schedule if n > block_size and n != tree_length]
         if bad:
             raise ValueError(
                 f"speculative_num_draft_tokens_per_bs: verify length {bad[0]} exceeds the block size {block_size}"

@@ -33,6 +33,16 @@ class VerifyLengthChoice:
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """A DDTree worker's tree cycle: the verify length standing for it among `uniform_lengths` (block + budget: its
+    input rows are that wide), the tokens per request of its tree verify (root + budget) and of its draft (block)."""
+
+    cycle_length: int
+    verify_rows: int
+    draft_rows: int
+
+
+@dataclass(frozen=True)
 class SpeculativeState:
     """A speculative worker's live state, as the engine reports it (get_server_info, the engine process's stats)."""
 
@@ -52,6 +62,16 @@ class Worker(Protocol):
 
     @property
     def is_speculative(self) -> bool: ...
+
+    @property
+    def tree_shape(self) -> Optional["TreeShape"]:
+        """Its DDTree cycle's shapes; None when it verifies no trees."""
+        ...
+
+    @property
+    def extras_refusal(self) -> Optional[str]:
+        """Why requests with penalties, logprobs or a grammar cannot be served (None: they can)."""
+        ...
 
     @property
     def draft_attention(self) -> Optional[AttentionBackend]:

@@ -17,7 +17,7 @@ from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sample.sampling import append_logprobs, sample_next_tokens
 from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
-from blockspec.worker.protocol import SpeculativeState
+from blockspec.worker.protocol import SpeculativeState, TreeShape
 
 
 class TargetWorker:
@@ -35,6 +35,14 @@ class TargetWorker:
     @property
     def is_speculative(self) -> bool:
         return False
+
+    @property
+    def tree_shape(self) -> Optional[TreeShape]:
+        return None  # NOTE: no draft tree
+
+    @property
+    def extras_refusal(self) -> Optional[str]:
+        return None  # NOTE: every request can be served
 
     @property
     def uniform_lengths(self) -> tuple[int, ...]:

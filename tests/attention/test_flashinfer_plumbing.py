@@ -242,6 +242,7 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
     if speculative:
         worker = DFlashWorker.__new__(DFlashWorker)  # NOTE: only what init_cuda_graphs reads, without a draft model
         worker.runner, worker.draft_attention, worker.block_size, worker.capture = runner, draft, 4, (0,)
+        worker.tree = None
         monkeypatch.setattr(DFlashWorker, "verify_lengths", property(lambda self: (4,)))
         monkeypatch.setattr(DFlashWorker, "calibrate_verify_lengths", lambda self: None)
         monkeypatch.setattr(DFlashWorker, "_verify_forward", lambda self, batch: run_attention(target, batch))

@@ -1,0 +1,176 @@
+"""Issue #52: DDTree (a draft tree of B nodes verified in one target forward, speculative_tree_budget) against the
+DFlash chain. Writes tree_verify_<date>_<commit>.json into the --out directory (default benchmarks/results) with
+
+  rows  {shape, workload, bs, budget, accept_length, tok_s, chain_tok_s}: greedy offline-engine generation of `bs`
+        prompts of the workload at a time (graphs and the overlap schedule as served), tokens/s = output tokens over
+        the wall time of the measured round (after a warm-up round on other prompts), accept_length = committed
+        tokens per verify; chain_tok_s is the same (workload, bs) at budget 0 (the chain; its own row has both);
+        `policy`: chain, tree (every cycle a tree) or, with --adaptive, adaptive (adaptive verify choosing per batch
+        size between the chain lengths and the tree: the issue's "never below 0.97x the chain")
+
+Workloads: `gsm8k` (GSM8K test questions in the demo's chat template, --gsm8k, default the evals' data path) and
+`code` (code-completion prefixes written below, as raw text). The pair: the demo pair by default (SmolLM2-135M-Instruct
+converted from its GGUF + the shipped DFlash draft), or --target / --draft. `--smoke` runs tiny random weights on the
+CPU (its numbers mean nothing; it checks the script)."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from benchmarks.results import add_commit_argument, add_out_argument, resolved_commit, write_json
+from benchmarks.serving_vs_engine_support import TINY, TINY_DRAFT
+from blockspec import Engine
+from blockspec.bench.provenance import gpu_name, today
+
+# NOTE: code-completion prompts: the model continues each prefix (the issue's second workload)
+CODE_PREFIXES = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "def is_prime(n: int) -> bool:\n",
+    "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def binary_search(values, target):\n    low, high = 0, len(values) - 1\n",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "def word_count(text):\n    counts = {}\n",
+    "def flatten(nested):\n    \"\"\"Flatten a list of lists.\"\"\"\n    result = []\n",
+    "def gcd(a, b):\n",
+    "def reverse_words(sentence: str) -> str:\n",
+    "def transpose(matrix):\n",
+    "def read_lines(path):\n    with open(path) as f:\n",
+]
+
+
+def workload_prompts(name: str, args: argparse.Namespace, model_dir: Path, count: int) -> list[list[int]]:
+    """`count` prompts (token ids) of a workload, cycling through the set when it is shorter."""
+    if args.smoke:
+        return [[5 + (i * 7 + j) % 400 for j in range(8 + i % 5)] for i in range(count)]
+    from blockspec.tokenizer import chat_to_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    if name == "gsm8k":
+        from blockspec.evals.gsm8k import default_data_path, load_lines
+        from blockspec.models.smollm2 import build_messages
+
+        rows = load_lines(args.gsm8k or default_data_path())
+        prompts = [chat_to_ids(tokenizer, build_messages(row["question"])) for row in rows[:count]]
+    else:
+        prompts = [list(tokenizer.encode(prefix, add_special_tokens=False)) for prefix in CODE_PREFIXES]
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def engine_flags(args: argparse.Namespace, target: Path, draft: Path, budget: int, policy: str) -> dict[str, Any]:
+    flags: dict[str, Any] = dict(
+        model_path=str(target), speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft),
+        speculative_tree_budget=budget, skip_tokenizer_init=True, max_running_requests=max(args.batch_sizes),
+        cuda_graph_bs=sorted(set(args.batch_sizes)),
+        # NOTE: the chain verifies the full block every cycle, as the tree drafts it (adaptive verify would pick
+        # shorter chains per batch size: compare against it with --chain-adaptive)
+        speculative_adaptive_verify="on" if policy == "adaptive" or (args.chain_adaptive and policy == "chain")
+        else "off",
+    )
+    if args.smoke:
+        flags.update(device="cpu", dtype="float32", load_format="dummy", max_total_tokens=4096)
+    return flags
+
+
+def measure(engine: Engine, prompts: list[list[int]], warmup: list[list[int]], max_new: int) -> dict[str, float]:
+    """tok_s and accept length of generating `prompts` together (after `warmup`), greedy to max_new tokens."""
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    engine.generate(input_ids=warmup, sampling_params=params)
+    before = engine.scheduler.spec.as_dict()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = engine.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - start
+    after = engine.scheduler.spec.as_dict()
+    tokens = sum(len(o["output_ids"]) for o in outputs)
+    verifies = after["spec_verify_ct"] - before["spec_verify_ct"]
+    committed = after["avg_spec_accept_length"] * after["spec_verify_ct"] - \
+        before["avg_spec_accept_length"] * before["spec_verify_ct"]
+    return {"tok_s": tokens / seconds, "accept_length": committed / verifies if verifies else 0.0}
+
+
+def pair_dirs(args: argparse.Namespace, root: Path) -> tuple[Path, Path, str]:
+    """(target dir, draft dir, shape name)."""
+    if args.smoke:
+        (root / "target").mkdir()
+        (root / "target" / "config.json").write_text(json.dumps(TINY))
+        (root / "draft").mkdir()
+        (root / "draft" / "config.json").write_text(json.dumps({**TINY_DRAFT, "block_size": 8}))
+        return root / "target", root / "draft", "smoke"
+    if args.target is not None:
+        assert args.draft is not None, "--target needs --draft"
+        return args.target, args.draft, args.shape or args.target.name
+    from blockspec.models.smollm2 import DEMO_DRAFT_DIR, ensure_smollm2_dir
+
+    return ensure_smollm2_dir(), args.draft or DEMO_DRAFT_DIR, "smollm2-135m/demo-draft"
+
+
+def tree_rows(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft, shape = pair_dirs(args, Path(tmp))
+        # NOTE: the chain first: every row names its speed
+        variants = [(0, "chain")] + [(b, "tree") for b in sorted(set(args.budgets)) if b > 0]
+        variants += [(b, "adaptive") for b in sorted(set(args.budgets)) if b > 0 and args.adaptive]
+        for budget, policy in variants:
+            engine = Engine(**engine_flags(args, target, draft, budget, policy))
+            for workload in args.workloads:
+                for bs in args.batch_sizes:
+                    prompts = workload_prompts(workload, args, target, 2 * bs * args.rounds)
+                    measured = measure(engine, prompts[bs * args.rounds:], prompts[:bs], args.max_new_tokens)
+                    chain = next((r["tok_s"] for r in rows if (r["workload"], r["bs"], r["policy"]) ==
+                                  (workload, bs, "chain")), measured["tok_s"])
+                    row = {"shape": shape, "workload": workload, "bs": bs, "budget": budget, "policy": policy,
+                           "accept_length": round(measured["accept_length"], 4), "tok_s": round(measured["tok_s"], 2),
+                           "chain_tok_s": round(chain, 2), "max_new_tokens": args.max_new_tokens}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    result["rows"] = rows
+                    write_json(out, result)  # NOTE: a run cut short keeps what it measured
+            engine.shutdown()
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64], help="tree budgets (0, the chain, "
+                                                                                    "always runs)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--workloads", nargs="+", choices=["gsm8k", "code"], default=["gsm8k", "code"])
+    parser.add_argument("--rounds", type=int, default=2, help="prompts per request slot in the measured round")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--target", type=Path, default=None, help="target model directory (default: the demo's)")
+    parser.add_argument("--draft", type=Path, default=None, help="DFlash draft directory (default: the demo's)")
+    parser.add_argument("--shape", default=None, help="the rows' shape name with --target")
+    parser.add_argument("--gsm8k", type=Path, default=None, help="GSM8K test JSONL (default: the evals' path)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also rows of adaptive verify with each budget (the tree a candidate per batch size)")
+    parser.add_argument("--chain-adaptive", action="store_true",
+                        help="the chain with adaptive verify (default: the full block, as the tree drafts it)")
+    add_out_argument(parser)
+    add_commit_argument(parser)
+    parser.add_argument("--smoke", action="store_true", help="tiny random weights on the CPU")
+    args = parser.parse_args(argv)
+    commit = resolved_commit(args)
+    out = args.out / f"tree_verify_{today()}_{commit}.json"
+    result: dict[str, Any] = {"commit": commit, "gpu": gpu_name(), "date": today(), "rows": []}
+    tree_rows(args, out, result)
+    print(f"wrote {write_json(out, result)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

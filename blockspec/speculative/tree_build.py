@@ -1,0 +1,79 @@
+"""DDTree's draft tree, built on the device: the B most likely continuations of a DFlash draft block.
+
+A DFlash draft gives, in one forward, an independent distribution q_d for every block position d = 1..L. A prefix
+u_1..u_d scores Σ log q_j(u_j); DDTree (Ringel & Romano) verifies the B prefixes of the highest scores. They are
+ancestor-closed (a prefix never scores above its parent), so they form a tree under the root (the bonus token).
+
+No heap and no host read (the build lives inside the greedy-cycle CUDA graph): since q_d does not depend on the
+prefix, the top-B prefixes of length d are the top-B of {s + log q_d(u)} over the top-B prefixes s of length d - 1
+and the top-B tokens u of q_d (a prefix outside the top-B of its length has B better ones, and so do all its
+extensions by the same token). The tree is the top-B over all lengths of those per-length candidates."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A batch of draft trees of B nodes each, as tree rows: row 0 the root (the bonus token), rows 1..B the nodes
+    by descending score, so a parent always precedes its children. Fixed shapes per (batch size, B)."""
+
+    tokens: torch.Tensor  # [bs, B] int64: the token of tree row i + 1
+    parents: torch.Tensor  # [bs, B + 1] int64: the tree row of each row's parent (the root's: 0, itself)
+    depths: torch.Tensor  # [bs, B + 1] int64: tokens between a row and the root (root 0)
+    ancestors: torch.Tensor  # [bs, B + 1, B + 1] bool: [i, j] when row j is row i itself or one of its ancestors
+
+    @property
+    def budget(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def build_tree(logits: torch.Tensor, budget: int) -> DraftTree:
+    """The tree of the `budget` most likely prefixes of the per-position draft distributions softmax(`logits`)
+    ([bs, L, V], finite; log-probabilities are logits too). Graph-capturable: device ops only, shapes fixed by
+    (bs, L, budget).
+
+    NOTE: ties are broken towards shallower prefixes (a stable sort over depth-major candidates), so a child that
+    ties its parent (q = 1) never enters without it: the tree stays ancestor-closed whatever the values."""
+    bs, depth_count, vocab = logits.shape
+    if not 1 <= budget <= vocab:
+        raise ValueError(f"a draft tree needs 1 <= budget <= vocabulary size ({vocab}), got {budget}")
+    device = logits.device
+    logits = logits.float()
+    top_logits, top_tokens = logits.topk(budget, dim=-1)  # [bs, L, B], each row descending
+    # NOTE: log q_d(u) = logit - logsumexp over the row: no second [bs, L, V] tensor for a log-softmax
+    top_scores = top_logits - logits.logsumexp(-1, keepdim=True)
+    scores, tokens, parent_slots = [top_scores[:, 0]], [top_tokens[:, 0]], [torch.zeros_like(top_tokens[:, 0])]
+    for depth in range(1, depth_count):
+        candidates = (scores[-1][:, :, None] + top_scores[:, depth, None, :]).reshape(bs, budget * budget)
+        best, index = candidates.topk(budget, dim=-1)
+        scores.append(best)
+        parent_slots.append(index // budget)
+        tokens.append(top_tokens[:, depth].gather(1, index % budget))
+    all_scores = torch.stack(scores, 1).reshape(bs, -1)  # [bs, L·B] depth-major: candidate (d, s) at d·B + s
+    order = all_scores.sort(dim=-1, descending=True, stable=True).indices[:, :budget]  # [bs, B]
+    rank = torch.zeros_like(all_scores, dtype=torch.int64)
+    rank.scatter_(1, order, torch.arange(1, budget + 1, device=device).expand(bs, budget))  # tree row per candidate
+    node_depth = order // budget  # depth - 1
+    node_tokens = torch.stack(tokens, 1).reshape(bs, -1).gather(1, order)
+    node_parent_slot = torch.stack(parent_slots, 1).reshape(bs, -1).gather(1, order)
+    parent_candidate = ((node_depth - 1).clamp(min=0) * budget + node_parent_slot)
+    node_parents = torch.where(node_depth > 0, rank.gather(1, parent_candidate), torch.zeros_like(order))
+    zero = torch.zeros((bs, 1), dtype=torch.int64, device=device)
+    parents = torch.cat([zero, node_parents], dim=1)
+    depths = torch.cat([zero, node_depth + 1], dim=1)
+    return DraftTree(node_tokens, parents, depths, ancestor_mask(parents, depth_count))
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[bs, R, R] bool from parent rows [bs, R] (root row 0, its own parent): row i sees itself and, after
+    `max_depth` rounds of `sees(i) = {i} ∪ sees(parent(i))`, every ancestor."""
+    bs, rows = parents.shape
+    itself = torch.eye(rows, dtype=torch.bool, device=parents.device).expand(bs, rows, rows)
+    sees = itself
+    index = parents[:, :, None].expand(bs, rows, rows)
+    for _ in range(max_depth):
+        sees = itself | sees.gather(1, index)
+    return sees

@@ -1,0 +1,122 @@
+"""The DDTree cycle: the DFlash draft's block → a draft tree of B nodes → one tree-masked target verify over
+[root, nodes] → the walk → the walked rows' KV compacted into the block's first slots. Greedy, it is one function of
+the cycle's input batch on the device (graph-capturable: no host read); sampled, the target's token at every tree row
+is drawn between the verify and the walk (DFlashWorker's synchronous step).
+
+The cycle's input rows are a chain cycle's at verify length b + B (b the draft block, B the budget): [bonus, mask x
+(b + B - 1) | req→token row | kv_len + b + B], so the verify-length policy, the overlap schedule's next_cycle_rows and
+the slot reservation treat the tree as one more verify length (speculative/verify_length.py). Slots and positions: a
+request's tree row i (root 0, nodes 1..B, parents first) is written at the slot of position kv_len + i and runs at
+position kv_len + depth(i); the draft block takes the slots of kv_len .. kv_len + b - 1. After the walk the target
+K/V of the walked row at depth d moves to the slot of position kv_len + d and the draft K/V of position kv_len + d is
+materialised from that row's aux hidden states, so the next cycle sees exactly what a chain cycle that accepted the
+same tokens leaves behind. Rows past the walk are garbage in slots past the committed length, rewritten before
+anything reads them (as the chain's rejected rows).
+
+Output per request, the chain cycle's layout at n = b + B: [accepted | walked tokens d_1..d_{b-1} (the first
+`accepted` valid), B zeros | the target's token at the walked rows of depth 0..b-1, B zeros], so committing it and
+deriving the next cycle's rows are the chain's."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from blockspec.batch import ForwardBatch, ForwardMode, uniform_batch
+from blockspec.kv.pool import KVPool
+from blockspec.models.dflash_draft import DFlashDraftModel
+from blockspec.runner.model_runner import ModelRunner
+from blockspec.speculative.tree_build import DraftTree, build_tree
+from blockspec.speculative.tree_walk import greedy_tree_walk
+
+DraftHidden = Callable[[ForwardBatch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class VerifiedTree:
+    """A tree verify's results: the tree, each block's root token and kv_len [bs], and the target's outputs per tree
+    row (logits or argmax, see TreeCycle.verify; aux hidden states)."""
+
+    tree: DraftTree
+    anchors: torch.Tensor
+    starts: torch.Tensor
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor
+
+
+class TreeCycle:
+    """The greedy cycle of a draft tree of `budget` nodes over draft blocks of `block_size` rows."""
+
+    def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, draft_pool: KVPool, draft_hidden: DraftHidden,
+                 block_size: int, budget: int, capture: tuple[int, ...]) -> None:
+        if draft.config.dflash2 is not None:
+            # NOTE: a DFlash2 draft proposes through its candidate selector, which scores a row's candidate together
+            # with the one before it; a tree of the rows' independent marginals would ignore that pairwise score.
+            raise ValueError("speculative_tree_budget (DDTree) needs a DFlash draft: a DFlash2 draft's candidate "
+                             "selector scores consecutive rows together, which the tree build does not model")
+        vocab = runner.target_config.vocab_size
+        if budget > vocab:
+            raise ValueError(f"speculative_tree_budget {budget} exceeds the vocabulary ({vocab} tokens)")
+        self.runner = runner
+        self.draft = draft
+        self.draft_pool = draft_pool
+        self.draft_hidden = draft_hidden
+        self.block_size = block_size
+        self.budget = budget
+        self.capture = capture
+
+    @property
+    def cycle_length(self) -> int:
+        """The verify length that stands for this tree cycle: its input rows carry b + B tokens per request."""
+        return self.block_size + self.budget
+
+    def __call__(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """The greedy cycle of a batch of `cycle_length` rows per request (module docstring); returns [bs, 2(b + B)]
+        int64 rows."""
+        verified = self.verify(batch, argmax_only=True)
+        return (self.walk(batch, verified, verified.logits.view(batch.batch_size, self.budget + 1)),)
+
+    def verify(self, batch: ForwardBatch, argmax_only: bool) -> VerifiedTree:
+        """The draft over the full block, its tree, and the target's tree-masked forward over [root, nodes] (logits
+        [bs·(B + 1), V] float32 per tree row, or their argmax with `argmax_only`)."""
+        bs, b, budget = batch.batch_size, self.block_size, self.budget
+        runner = self.runner
+        starts = batch.seq_lens - self.cycle_length  # kv_len per request
+        inputs = batch.input_ids.view(bs, self.cycle_length)
+        anchors = inputs[:, 0]
+        draft_rows = torch.cat([inputs[:, :b], batch.req_rows[:, None], (starts + b)[:, None]], 1)
+        draft_batch = uniform_batch(ForwardMode.DRAFT, draft_rows, batch.req_to_token,
+                                    [s - budget for s in batch.seq_lens_cpu], (), batch.max_seq_len_hint)
+        hidden = self.draft_hidden(draft_batch)
+        tree = build_tree(self.draft.row_logits(hidden, anchors, runner.model.lm_head), budget)
+        rows = torch.cat([anchors[:, None], tree.tokens, batch.req_rows[:, None], (starts + budget + 1)[:, None]], 1)
+        verify = uniform_batch(ForwardMode.VERIFY, rows, batch.req_to_token,
+                               [s - b + 1 for s in batch.seq_lens_cpu], self.capture, batch.max_seq_len_hint)
+        verify = dataclasses.replace(verify, positions=(starts[:, None] + tree.depths).reshape(-1),
+                                     tree_mask=tree.ancestors, argmax_only=argmax_only)
+        output = runner.model(verify, runner.attention)
+        assert output.aux_hidden is not None
+        return VerifiedTree(tree, anchors, starts, output.logits, output.aux_hidden)
+
+    def walk(self, batch: ForwardBatch, verified: VerifiedTree, target_tokens: torch.Tensor) -> torch.Tensor:
+        """The walk along the target's token at every tree row `target_tokens` [bs, B + 1] (its argmax, or a draw
+        from the request's sampling distribution: the walk then commits tokens distributed as the target's own
+        sampling), then the compaction; returns the [bs, 2(b + B)] rows of the module docstring."""
+        bs, b, budget = batch.batch_size, self.block_size, self.budget
+        starts, aux_hidden = verified.starts, verified.aux_hidden
+        accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
+        # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself)
+        table_rows = batch.req_rows[:, None]
+        destinations = starts[:, None] + torch.arange(b, device=starts.device)
+        dest_slots = batch.req_to_token[table_rows, destinations].reshape(-1)
+        self.runner.kv_pool.move(batch.req_to_token[table_rows, starts[:, None] + path].reshape(-1), dest_slots)
+        walked_rows = path.clamp(max=budget)
+        width = aux_hidden.shape[-1]
+        aux = aux_hidden.view(bs, budget + 1, width).gather(1, walked_rows[:, :, None].expand(-1, -1, width))
+        self.draft.materialise_context(aux.reshape(bs * b, width), destinations.reshape(-1), dest_slots,
+                                       self.draft_pool)
+        tokens = torch.cat([verified.anchors[:, None], verified.tree.tokens], 1).gather(1, walked_rows)
+        padding = torch.zeros((bs, budget), dtype=torch.int64, device=starts.device)
+        return torch.cat([accepted, tokens[:, 1:], padding, target_tokens.gather(1, walked_rows), padding], dim=1)

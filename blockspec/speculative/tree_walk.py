@@ -1,0 +1,30 @@
+"""Greedy acceptance over a verified draft tree (DDTree): from the root, step to the child whose token is the
+target's argmax at the current row while there is one; the first unmatched argmax is the bonus token. On the device,
+graph-capturable: no host read and no loop over the walk's length."""
+from __future__ import annotations
+
+import torch
+
+from blockspec.speculative.tree_build import DraftTree
+
+
+def greedy_tree_walk(tree: DraftTree, target_tokens: torch.Tensor, path_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [bs, 1], path [bs, path_len + 1]) from the target's token at every tree row `target_tokens`
+    [bs, B + 1]: `accepted` nodes were walked; path[:, d] is the tree row walked at depth d for d <= accepted (row 0,
+    the root, at depth 0) and d itself past it, so that moving block row path[d] to block row d compacts the walk
+    and leaves the rows after it in place.
+
+    NOTE: a row is on the walk when it and all its ancestors match the target's token at their parents; siblings hold
+    distinct tokens, so at most one child of a row matches and those rows form one path from the root."""
+    bs, rows = target_tokens.shape
+    node_tokens = torch.cat([target_tokens[:, :1], tree.tokens], dim=1)  # NOTE: the root's entry matches by fiat
+    matched = node_tokens == target_tokens.gather(1, tree.parents)
+    matched[:, 0] = True
+    on_walk = ~(tree.ancestors & ~matched[:, None, :]).any(-1)  # [bs, B + 1]
+    accepted = (tree.depths * on_walk).amax(1, keepdim=True)
+    depth_index = torch.arange(path_len + 1, device=target_tokens.device)
+    at_depth = on_walk[:, :, None] & (tree.depths[:, :, None] == depth_index)  # [bs, B + 1, path_len + 1]
+    row_index = torch.arange(rows, device=target_tokens.device)[None, :, None]
+    walked = (at_depth * row_index).sum(1)
+    path = torch.where(depth_index <= accepted, walked, depth_index.expand(bs, -1))
+    return accepted, path

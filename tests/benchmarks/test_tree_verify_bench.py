@@ -1,0 +1,23 @@
+"""benchmarks/tree_verify.py on tiny random weights (CPU): it writes its result into the --out directory with the
+issue's rows, the chain's speed beside every tree row."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import tree_verify
+
+
+def test_smoke_writes_the_rows(tmp_path: Path) -> None:
+    assert tree_verify.main(["--smoke", "--budgets", "4", "--batch-sizes", "1", "2", "--workloads", "code",
+                             "--rounds", "1", "--max-new-tokens", "12", "--adaptive", "--out", str(tmp_path),
+                             "--commit", "abc1234"]) == 0
+    (path,) = tmp_path.glob("tree_verify_*_abc1234.json")
+    result = json.loads(path.read_text())
+    assert {(row["policy"], row["budget"], row["bs"]) for row in result["rows"]} == {
+        (policy, budget, bs) for policy, budget in [("chain", 0), ("tree", 4), ("adaptive", 4)] for bs in (1, 2)}
+    chain = {row["bs"]: row["tok_s"] for row in result["rows"] if row["policy"] == "chain"}
+    for row in result["rows"]:
+        assert {"shape", "workload", "bs", "budget", "accept_length", "tok_s", "chain_tok_s"} <= set(row)
+        assert row["tok_s"] > 0 and row["accept_length"] >= 1 and row["chain_tok_s"] == chain[row["bs"]]
+    assert result["commit"] == "abc1234" and result["gpu"] and result["date"]

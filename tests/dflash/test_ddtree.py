@@ -1,0 +1,315 @@
+"""DDTree (speculative_tree_budget): greedy output equals target-only output, and every cycle's accepted path equals a
+reference written here on z-lab's `DFlashDraftModel` and the HF target (the paper's Algorithm 1 with a heap, then
+the greedy walk, each node's target token from a plain forward over its whole prefix). The reference's chain mode
+reproduces `dflash_generate`'s acceptance lengths, which checks the reference itself. CPU, fp32."""
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from blockspec.request import SamplingParams
+from blockspec.sample.sampling import sampling_probs
+from tests.support.ddtree_reference import greedy_walk, heap_tree
+from tests.support.draft_training import cpu_engine, full_block_cycles, save_trained_target
+
+dflash_model = pytest.importorskip("dflash.model")
+dflash_model._cuda_time = time.perf_counter  # NOTE: the reference times with cuda.synchronize; CPU needs a clock
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3, 40, 41], [60, 61, 62, 63, 64, 65], [22] * 12]
+MAX_NEW = 40
+GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("ddtree")
+    target = save_trained_target(root)
+    draft = dflash_model.DFlashDraftModel.from_pretrained(root / "draft").eval()
+    return {"root": root, "target": target, "draft": draft}
+
+
+def reference_cycles(
+    draft: torch.nn.Module, target: PreTrainedModel, prompt: list[int], budget: int | None
+) -> tuple[list[int], list[int]]:
+    """(output tokens, committed tokens per cycle) of DDTree with `budget` nodes (None: the chain of the draft's
+    argmax per position), greedy, run to MAX_NEW tokens, without KV caches: every forward recomputes its prefix."""
+    block = draft.block_size
+    head = dflash_model._output_head(target)
+    scale = float(dflash_model._draft_value(draft.config, "input_embedding_scale", 1.0))
+
+    @lru_cache(maxsize=None)
+    def target_token(ids: tuple[int, ...]) -> int:
+        return int(target(torch.tensor([ids])).logits[0, -1].argmax())
+
+    with torch.inference_mode():
+        first = target_token(tuple(prompt))
+        ids, lengths = list(prompt) + [first], []
+        while len(ids) - len(prompt) < MAX_NEW:
+            # NOTE: the draft's context: the target's features of every token before the bonus (the last one)
+            hidden_states = target(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states
+            context = dflash_model.extract_context_feature(hidden_states, draft.target_layer_ids)
+            noise = dflash_model._raw_input_embeddings(target, torch.tensor([[ids[-1]] + [draft.mask_token_id] *
+                                                                             (block - 1)]), scale)
+            rows = draft(target_hidden=context, noise_embedding=noise,
+                         position_ids=torch.arange(len(ids) - 1 + block)[None])[:, 1:]
+            log_probs = draft.compute_logits(rows, head)[0].float().log_softmax(-1)
+            if budget is None:
+                chain = log_probs.argmax(-1).tolist()
+                prefixes = [tuple(chain[:d]) for d in range(1, block)]
+            else:
+                prefixes = heap_tree(log_probs, budget)
+            walked, bonus = greedy_walk(prefixes, {p: target_token(tuple(ids) + p) for p in [()] + prefixes})
+            ids += walked + [bonus]
+            lengths.append(len(walked) + 1)
+    return ids[len(prompt):], lengths
+
+
+def blockspec_cycles(root: Path, **flags: Any) -> tuple[list[list[int]], list[list[int]]]:
+    engine = cpu_engine(root, True, **flags)
+    reqs, _ = engine.make_requests(input_ids=PROMPTS, sampling_params=GREEDY)
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    while engine.scheduler.has_work:
+        engine.step()
+    info = engine.get_server_info()
+    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+    return [r.output_ids for r in reqs], [r.spec_accept_lengths for r in reqs]
+
+
+def test_reference_chain_mode_reproduces_dflash_generate(pair: dict[str, Any]) -> None:
+    for prompt in PROMPTS[:3]:
+        stats = dflash_model.dflash_generate(pair["draft"], pair["target"], torch.tensor([prompt]), MAX_NEW, None,
+                                             temperature=0.0, return_stats=True)
+        expected = full_block_cycles(list(stats.acceptance_lengths), MAX_NEW, pair["draft"].block_size)
+        output, lengths = reference_cycles(pair["draft"], pair["target"], prompt, None)
+        assert lengths[:len(expected)] == expected
+        assert output[:MAX_NEW] == stats.output_ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("budget,page_size", [(4, 4), (24, 1), (24, 4)])
+def test_accepted_paths_equal_the_reference(pair: dict[str, Any], budget: int, page_size: int) -> None:
+    outputs, lengths = blockspec_cycles(pair["root"], speculative_tree_budget=budget, page_size=page_size)
+    for prompt, output, cycle_lengths in zip(PROMPTS, outputs, lengths):
+        ref_output, ref_lengths = reference_cycles(pair["draft"], pair["target"], prompt, budget)
+        assert output == ref_output[:MAX_NEW]
+        # NOTE: the last cycle may be cut by max_new_tokens; every cycle before it committed its whole walk
+        assert cycle_lengths[:-1] == ref_lengths[:len(cycle_lengths) - 1]
+    if budget > 4:  # the comparison must cover walks through branches deeper than one node
+        assert max(n for cycle_lengths in lengths for n in cycle_lengths) >= 4
+
+
+@pytest.mark.parametrize("flags", [
+    dict(speculative_tree_budget=16, page_size=4),
+    dict(speculative_tree_budget=40, page_size=1, disable_overlap_schedule=True),
+    dict(speculative_tree_budget=3, page_size=16, speculative_num_draft_tokens=6),
+    dict(speculative_algorithm="DDTREE", page_size=4),
+])
+def test_greedy_output_equals_target_only(pair: dict[str, Any], flags: dict[str, Any]) -> None:
+    prompts = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33, 5, 9, 26)]
+    expected = [o["output_ids"] for o in cpu_engine(pair["root"], False).generate(input_ids=prompts,
+                                                                                 sampling_params=GREEDY)]
+    engine = cpu_engine(pair["root"], True, **flags)
+    assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    spec = engine.scheduler.spec.as_dict()
+    assert spec["avg_spec_accept_length"] > 1.5
+    info = engine.get_server_info()
+    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+
+
+def test_a_tree_raises_acceptance_over_the_chain(pair: dict[str, Any]) -> None:
+    accept = {}
+    for budget in (0, 32):
+        engine = cpu_engine(pair["root"], True, speculative_tree_budget=budget)
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        accept[budget] = engine.scheduler.spec.as_dict()["avg_spec_accept_length"]
+    assert accept[32] > accept[0]
+
+
+def test_penalties_logprobs_and_grammars_are_refused_clearly(pair: dict[str, Any]) -> None:
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=8)
+    for params in ({"temperature": 0.7, "frequency_penalty": 0.5}, {"temperature": 0, "presence_penalty": 1.0}):
+        with pytest.raises(ValueError, match="DDTree cycle .* without penalties, logprobs or a grammar"):
+            engine.generate(input_ids=[[5, 6, 7]], sampling_params={**params, "max_new_tokens": 4})
+    with pytest.raises(ValueError, match="DDTree cycle"):
+        engine.generate(input_ids=[[5, 6, 7]], sampling_params={"temperature": 0, "max_new_tokens": 4},
+                        return_logprob=True)
+
+
+def exact_sequences(target: PreTrainedModel, prompt: list[int], params: SamplingParams, length: int,
+                    min_mass: float = 1e-6) -> dict[tuple[int, ...], float]:
+    """P(output = s) of every output sequence s of `length` tokens under the target's own sampling with `params`
+    (HF forwards over every prefix of probability > min_mass; the mass below it is dropped)."""
+    sequences: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(sequences)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + list(p) for p in prefixes])
+            logits = torch.cat([target(chunk).logits[:, -1].float() for chunk in ids.split(256)])
+        probs = sampling_probs(logits, params) * torch.tensor([sequences[p] for p in prefixes])[:, None]
+        rows, tokens = torch.nonzero(probs > min_mass, as_tuple=True)
+        sequences = {prefixes[r] + (t,): float(probs[r, t]) for r, t in zip(rows.tolist(), tokens.tolist())}
+    return sequences
+
+
+def tv_distance(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    counts: dict[tuple[int, ...], int] = {}
+    for sample in samples:
+        counts[sample] = counts.get(sample, 0) + 1
+    keys = set(counts) | set(exact)
+    return 0.5 * sum(abs(counts.get(k, 0) / len(samples) - exact.get(k, 0.0)) for k in keys)
+
+
+def projected(distribution: dict[tuple[int, ...], float], positions: tuple[int, ...]) -> dict[tuple[int, ...], float]:
+    marginal: dict[tuple[int, ...], float] = {}
+    for sequence, mass in distribution.items():
+        key = tuple(sequence[k] for k in positions)
+        marginal[key] = marginal.get(key, 0.0) + mass
+    return marginal
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0, "top_k": 3}, {"temperature": 0.6, "top_k": 4, "top_p": 0.9}])
+def test_sampled_output_is_distributed_as_the_targets(pair: dict[str, Any], params: dict[str, Any]) -> None:
+    """The tree engine's sampled outputs (6 tokens, 2000 seeds) against the target's exact sampling distribution
+    (every sequence enumerated; top-k keeps it small): the TV distance of each position's token and of each pair of
+    neighbours is within the spread of 2000 exact draws (its mean + 5 standard deviations over 30 draws)."""
+    prompt, runs, length = PROMPTS[1], 2000, 6
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=16)
+    outputs = engine.generate(input_ids=[prompt] * runs, sampling_params=[
+        {**params, "seed": seed, "max_new_tokens": length, "ignore_eos": True} for seed in range(runs)])
+    histogram = engine.scheduler.spec.as_dict()["spec_accept_length_histogram"]
+    assert sum(histogram[2:]) > 0.1 * sum(histogram)  # NOTE: walks past the root are common
+    exact = exact_sequences(pair["target"], prompt, SamplingParams.from_dict(params), length)
+    assert sum(exact.values()) > 0.999
+    keys, weights = list(exact), torch.tensor(list(exact.values()))
+    generator = torch.Generator().manual_seed(0)
+    draws = [[keys[i] for i in torch.multinomial(weights, runs, True, generator=generator).tolist()] for _ in range(30)]
+    samples = [tuple(o["output_ids"]) for o in outputs]
+    for positions in [(k,) for k in range(length)] + [(k, k + 1) for k in range(length - 1)]:
+        marginal = projected(exact, positions)
+        floor = torch.tensor([tv_distance([tuple(d[k] for k in positions) for d in draw], marginal) for draw in draws])
+        tv = tv_distance([tuple(sample[k] for k in positions) for sample in samples], marginal)
+        assert tv < float(floor.mean() + 5 * floor.std()), (positions, tv, floor.mean(), floor.std())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(speculative_tree_budget=8), "needs a DFlash draft"),
+    (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_tree_budget=8,
+          attention_backend="flashinfer"), "flashinfer"),
+    (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_tree_budget=8,
+          enable_mixed_chunk=True), "enable_mixed_chunk"),
+    (dict(speculative_algorithm="DDTREE", speculative_draft_model_path="d",
+          speculative_num_draft_tokens_per_bs="1-64:4"),
+     "speculative_num_draft_tokens_per_bs"),
+    (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_tree_budget=-1),
+     "non-negative"),
+])
+def test_invalid_combinations_fail_clearly(flags: dict[str, Any], message: str) -> None:
+    from blockspec.config.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model_path="m", **flags)
+
+
+def test_ddtree_alias_sets_the_default_budget() -> None:
+    from blockspec.config.engine_config import DEFAULT_TREE_BUDGET, EngineConfig
+
+    config = EngineConfig(model_path="m", speculative_algorithm="ddtree", speculative_draft_model_path="d")
+    assert (config.speculative_algorithm, config.tree_budget) == ("DFLASH", DEFAULT_TREE_BUDGET)
+    assert EngineConfig(model_path="m", speculative_algorithm="DDTREE", speculative_draft_model_path="d",
+                        speculative_tree_budget=0).tree_budget == 0
+
+
+def test_dflash2_drafts_are_refused_clearly(tmp_path: Path) -> None:
+    from tests.support.dflash2_drafts import build_dflash2_draft, save_published
+    from tests.support.tiny_models import save_tiny_model
+
+    target = save_tiny_model("llama", tmp_path / "target")
+    save_published(build_dflash2_draft(target, [0, 2], 8), tmp_path / "draft")
+    with pytest.raises(ValueError, match="DFlash2 draft's candidate selector"):
+        cpu_engine(tmp_path, True, speculative_tree_budget=8)
+
+
+def test_warm_up_launches_the_tree_verify_variants(pair: dict[str, Any]) -> None:
+    """Start-up's kernel warm-up compiles the Triton TREE variants of the verify (root + B rows) and the draft's
+    block variants, then the engine still serves the same tokens (Triton's interpreter on CPU)."""
+    from blockspec.batch import ForwardMode
+    from blockspec.engine.attention_variants import workload_variants
+    from blockspec.engine.warmup import attention_workloads, warm_kernels
+
+    engine = cpu_engine(pair["root"], True, attention_backend="triton", speculative_tree_budget=4,
+                        max_running_requests=2, cuda_graph_bs=[1, 2])
+    workloads = attention_workloads(engine.runner, engine.worker)
+    shapes = [(w.mode, w.min_q, w.max_q, w.tree) for w in workloads]
+    assert shapes[1:] == [(ForwardMode.VERIFY, 5, 5, True), (ForwardMode.DRAFT, 8, 8, False)]
+    reference = engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)["output_ids"]
+    report = warm_kernels(engine.runner, engine.worker, engine.new_scheduler)
+    assert report.attention_variants == sum(len(workload_variants(w)) for w in workloads) > 0
+    assert engine.generate(input_ids=[5, 6, 7, 8, 9], sampling_params=GREEDY)["output_ids"] == reference
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_switching_between_tree_and_chain_lengths_stays_lossless(pair: dict[str, Any], page_size: int) -> None:
+    """The tree is one more verify length (block + B): a policy that switches every cycle between it, the full block,
+    shorter chains and plain decode (overlap schedule on: next rows derived on the device) keeps greedy output."""
+    from tests.support.verify_cycling import CyclingVerifyLength
+
+    prompts = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33)]
+    expected = [o["output_ids"] for o in cpu_engine(pair["root"], False, page_size=page_size).generate(
+        input_ids=prompts, sampling_params=GREEDY)]
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=12, page_size=page_size)
+    tree = engine.worker.tree_shape.cycle_length
+    assert tree == 8 + 12 and engine.worker.decode_slots_per_req == tree
+    policy = CyclingVerifyLength([tree, 8, 1, tree, tree, 4, 1, 1, tree, 8])
+    engine.worker.verify_policy = policy
+    assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    assert set(policy.used) == {tree, 8, 4, 1}
+    info = engine.get_server_info()
+    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+
+
+def test_tree_acceptance_is_counted_apart_from_the_chains() -> None:
+    from blockspec.speculative.verify_length import AcceptanceStats
+
+    stats = AcceptanceStats(7, tree_length=20)
+    prior = stats.expected_tokens(20)
+    assert prior == pytest.approx(stats.expected_tokens(8))  # NOTE: the chain's full block until trees are seen
+    rates = stats.rates()
+    stats.observe(20, [6, 7, 5, 6] * 50)
+    assert stats.rates() == rates  # the chain's per-position rates are untouched
+    assert stats.expected_tokens(20) == pytest.approx(7.0, abs=0.1)
+
+
+def test_the_policy_verifies_a_tree_only_where_it_pays() -> None:
+    """Batch 1: the tree commits more tokens for little more time; batch 64: its verify of B + 1 rows costs more than
+    its extra tokens bring, so the chain's full block wins (B = 0 there)."""
+    from blockspec.speculative.verify_length import AcceptanceStats, AdaptiveVerifyLength, CycleTimes
+
+    stats = AcceptanceStats(7, tree_length=40)
+    for _ in range(100):
+        stats.observe(8, [3, 4, 2, 5])
+        stats.observe(40, [5, 6, 4, 6])
+    times = {(1, 1): 1.0, (1, 4): 1.1, (1, 8): 1.2, (1, 40): 1.3,
+             (64, 1): 2.0, (64, 4): 3.0, (64, 8): 3.4, (64, 40): 12.0}
+    policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(times))
+    assert policy.choose(1, stats).num_draft_tokens == 40
+    assert policy.choose(64, stats).num_draft_tokens == 8
+
+
+def test_adaptive_verify_times_the_tree_and_stays_lossless(pair: dict[str, Any]) -> None:
+    prompts = [[5 + i for i in range(n)] for n in (1, 3, 7, 12)]
+    expected = [o["output_ids"] for o in cpu_engine(pair["root"], False).generate(input_ids=prompts,
+                                                                                 sampling_params=GREEDY)]
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=8, speculative_adaptive_verify="on",
+                        cuda_graph_bs=[1, 4], max_running_requests=4)
+    worker = engine.worker
+    assert worker.verify_lengths == (1, 4, 6, 8, 16)
+    assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)] == expected
+    table = worker.verify_length_info()["cost_model"]["4"]
+    assert [option["num_draft_tokens"] for option in table] == [1, 4, 6, 8, 16]
+    assert worker.verify_length_info()["tree"]["verify_length"] == 16
