@@ -4,8 +4,9 @@
 captured body (`_run_into_shared`, the forward on the static batch) once and records the call; a replay runs that
 same call again and copies its outputs into the captured output tensors. As with a real graph:
 - what the body computed on the host stays as it was at capture: the static batch is built with the capture-time
-  host values (seq_lens_cpu = [q] x bs, max_seq_len_hint, the host planner's metadata), while device inputs (the
-  static rows, the req→token table, the KV pools) are read afresh;
+  host values (seq_lens_cpu = [q] x bs, max_seq_len_hint, the capture's planner metadata, whose buffers a host
+  planner rewrites before each replay), while device inputs (the static rows, the req→token table, the KV pools)
+  are read afresh;
 - outputs live in one pool: every replay first overwrites the outputs of every captured graph (NaN, or -1 for
   integers) before writing its own, so an output read after another graph's replay reads garbage, as it may on a
   GPU, where the next replay of any graph reuses that memory.
