@@ -113,14 +113,10 @@ def test_sampled_constrained_output_always_matches(pair: dict[str, Any], engines
     prompts = prompt_ids(pair["tokenizer"]) * 3
     params = [{"temperature": 1.0, "top_p": 0.95, "seed": seed, "max_new_tokens": MAX_NEW, kind: source}
               for seed in range(len(prompts))]
-    assert engines[True].flush_cache()
     outs = engines[True].generate(input_ids=prompts, sampling_params=params)
     for out in outs:
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
         assert matches(kind, source, out["text"]), (case, out["text"])
-    # NOTE: reproducible for the same work, so both runs start from an empty prefix cache (a cached prompt prefix
-    # changes the prefill's shapes and so its rounding; on CUDA that flipped a near-tie draw)
-    assert engines[True].flush_cache()
     again = engines[True].generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]  # seeded: reproducible
 
