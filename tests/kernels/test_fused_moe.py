@@ -56,6 +56,7 @@ def test_sort_groups_pairs_by_expert_in_padded_blocks(tokens: int, experts: int,
     (33, 32, 16, 4, 2),  # more rows than one 16-row block per expert
     (20, 64, 80, 16, 4),  # several column tiles of the intermediate size
     (50, 32, 16, 8, 3),  # more pairs than one 128-pair chunk of the sort
+    (8, 48, 24, 128, 8),  # Qwen3-30B-A3B's routing (128 experts, top 8): more blocks than one chunk of the count
 ])
 def test_fused_experts_equal_reference(dtype: torch.dtype, tokens: int, hidden: int, intermediate: int,
                                        experts: int, top_k: int) -> None:

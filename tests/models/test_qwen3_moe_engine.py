@@ -14,6 +14,7 @@ import torch
 from blockspec import Engine
 from blockspec.request import Req
 from tests.support.draft_training import cpu_engine, full_block_cycles, save_trained_target
+from tests.support.engine_runs import run_prompts
 from tests.support.engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 from tests.support.radix_testing import assert_flushes_to_empty, engine_for, run_waves, signature
 from tests.support.tp_testing import assert_same_outputs, cpu_flags, generate, tp_engine
@@ -30,7 +31,8 @@ BLOCK = 8  # the trained draft's block (draft_training.save_trained_target)
 
 @pytest.fixture(scope="module")
 def moe_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """root/target: the tiny Qwen3-MoE (layer 2 dense), root/draft: trained 200 steps on its continuations."""
+    """root/target: the tiny Qwen3-MoE (layer 2 dense), root/draft: trained on its continuations
+    (draft_training.DRAFT_RECIPES)."""
     root = tmp_path_factory.mktemp("moe_pair")
     return {"root": root, "target": save_trained_target(root, kind="qwen3_moe")}
 
@@ -62,6 +64,13 @@ def test_dflash_greedy_matches_reference_cycle_by_cycle(moe_pair: dict[str, Any]
         longest = max([longest, *req.spec_accept_lengths])
     assert longest >= 3  # the comparison covers multi-token acceptance, not only rejections
     assert_engine_idle(engine)
+
+
+def test_trained_draft_accepts_several_tokens_per_cycle(moe_pair: dict[str, Any]) -> None:
+    """The GPU file's DFlash run (tests/gpu/test_qwen3_moe_gpu.py: its prompts, full verify blocks) on CPU: the
+    draft's average accept length clears the same bar, so a draft too weak for it fails here, without a GPU."""
+    _, engine = run_prompts(moe_pair["root"], True, device="cpu", speculative_adaptive_verify="off")
+    assert engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"] > 1.5
 
 
 @pytest.mark.parametrize("flags", [

@@ -1,6 +1,7 @@
 """Trains a tiny DFlash draft on a tiny target's own greedy continuations (test helper, CPU, seconds)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,12 +27,14 @@ def target_continuations(target: PreTrainedModel, num_seqs: int, prompt_len: int
 def train_tiny_draft(
     draft: torch.nn.Module, target: PreTrainedModel, steps: int = 300, anchors_per_step: int = 8, seed: int = 0, lr: float = 3e-3,
     extra_loss: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    num_sequences: int = 24,
 ) -> torch.nn.Module:
-    """DFlash recipe in miniature: random anchors, block = [anchor token, mask...], loss on the next B-1 tokens
-    through the frozen target lm_head, exponentially decaying weights by block position; plus, per block,
-    `extra_loss(draft rows 1..B-1 [B-1, H], the anchor token, the labels [B-1])` when given."""
+    """DFlash recipe in miniature: random anchors in `num_sequences` greedy continuations of the target, block =
+    [anchor token, mask...], loss on the next B-1 tokens through the frozen target lm_head, exponentially decaying
+    weights by block position; plus, per block, `extra_loss(draft rows 1..B-1 [B-1, H], the anchor token, the labels
+    [B-1])` when given."""
     torch.manual_seed(seed)
-    seqs = target_continuations(target, 24, 6, 58, seed)
+    seqs = target_continuations(target, num_sequences, 6, 58, seed)
     with torch.no_grad():
         hidden = target(seqs, output_hidden_states=True).hidden_states
         features = torch.cat([hidden[i + 1] for i in draft.target_layer_ids], dim=-1)
@@ -76,20 +79,37 @@ def full_block_cycles(lengths: list[int], max_new_tokens: int, block: int) -> li
     return kept
 
 
+@dataclass(frozen=True)
+class DraftRecipe:
+    """How long save_trained_target trains a target kind's draft: optimizer steps, target continuations sampled."""
+
+    steps: int
+    num_sequences: int
+
+
+DENSE_RECIPE = DraftRecipe(steps=200, num_sequences=24)
+# NOTE: the tiny MoE target's greedy continuations are harder to predict than the dense targets' (its experts, scaled
+# up in tiny_models.build_tiny_model, move the residual stream more): on the dense recipe its draft accepts too few
+# tokens per cycle for the tests' multi-token checks, so it trains longer on more continuations (seconds per fixture).
+DRAFT_RECIPES = {"qwen3_moe": DraftRecipe(steps=1200, num_sequences=96)}
+
+
 def save_trained_pair(root: Path) -> Path:
-    """root/target (tiny Llama) and root/draft (2-layer, block 8, taps [0, 2], trained 200 steps); returns root."""
+    """root/target (tiny Llama) and root/draft (2-layer, block 8, taps [0, 2], trained on DENSE_RECIPE); returns
+    root."""
     save_trained_target(root)
     return root
 
 
 def save_trained_target(root: Path, kind: str = "llama") -> PreTrainedModel:
-    """save_trained_pair (the target a tiny model of `kind`, tests/support/tiny_models.py), returning the target model
-    (the HF oracle)."""
+    """save_trained_pair (the target a tiny model of `kind`, tests/support/tiny_models.py, its draft trained on the
+    kind's DRAFT_RECIPES entry), returning the target model (the HF oracle)."""
     from tests.support.tiny_models import save_tiny_draft, save_tiny_model
 
     target = save_tiny_model(kind, root / "target", residual_scale=0.3)
     draft = save_tiny_draft(root / "draft", target, [0, 2], 8, num_layers=2, seed=4)
-    train_tiny_draft(draft, target, steps=200)
+    recipe = DRAFT_RECIPES.get(kind, DENSE_RECIPE)
+    train_tiny_draft(draft, target, steps=recipe.steps, num_sequences=recipe.num_sequences)
     draft.save_pretrained(root / "draft")
     return target
 

@@ -1,4 +1,4 @@
-"""Shared by the GPU test files: one engine run over fixed prompts (greedy, run to length)."""
+"""Shared by the GPU test files (and CPU checks of theirs): one engine run over fixed prompts (greedy, to length)."""
 from __future__ import annotations
 
 from pathlib import Path
