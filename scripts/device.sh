@@ -5,6 +5,7 @@
 # Here (this machine):
 #   wheels            the pinned wheel set the GPU machine lacks, into .whl (git-ignored; ≈ 33 MB)
 #   slim on|off|status  keep the shipped draft and the draft-training prompts out of what travels (never commit slim)
+#   parent REV        the package and benchmark scripts of commit REV in .ab/parent, for `ab` there (carry .ab)
 #   plan              wheels + slim + the SmolLM2 GGUF in parts, then prints the calls of a full GPU session: the
 #                     GPU suite in GPU_SHARDS (default 2) shards, one per call beside the GGUF parts, the seed check
 #                     in the last (device time: ≈ 2 start + 2 × 6 + 1 + 4 min)
@@ -16,6 +17,9 @@
 #   seed              the seed's serve command on the demo pair, FlashInfer and Triton (benchmarks/seed_gpu.py;
 #                     needs every GGUF part stashed and blockspec/assets/smollm2-135m-dflash-b16 carried)
 #   bench MODULE ARGS python3 -m benchmarks.MODULE ARGS --out $OUT (the rest of the line is its arguments)
+#   ab ROUNDS ARGS    a same-run A/B of benchmarks/step_latency.py ARGS: the carried parent, then this tree, ROUNDS
+#                     times, then its --ab-summary (e.g. `ab 2 --batch-sizes 1 32 --contexts 512 --graphs-only
+#                     --skip-reference`; #48's check against the commit before the house change)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_lib.sh
@@ -75,11 +79,12 @@ print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))")
     timeout "${SEED_S:-540}" python3 -m benchmarks.seed_gpu --model-dir "$model" --out "$out" || status=1
 }
 
-[ $# -ge 1 ] || { sed -n '2,21p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,22p' "$0"; exit 2; }
 case $1 in
     wheels) download_wheels; exit ;;
     slim) slim "${2:-status}"; exit ;;
     plan) plan; exit ;;
+    parent) export_parent "${2:?parent REV}"; exit ;;
 esac
 device_env || exit 1
 while [ $# -gt 0 ]; do
@@ -92,7 +97,11 @@ while [ $# -gt 0 ]; do
             [ $# -ge 2 ] || { echo "bench MODULE [ARGS...]" >&2; exit 2; }
             python3 -m "benchmarks.$2" "${@:3}" --out "$out" || status=1
             break ;;
-        *) echo "unknown command $1 (gpu-test, stash, seed, bench; here: wheels, slim, plan)" >&2; exit 2 ;;
+        ab)
+            [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "ab ROUNDS [step_latency ARGS...]" >&2; exit 2; }
+            ab_step_latency "${@:2}" || status=1
+            break ;;
+        *) echo "unknown command $1 (gpu-test, stash, seed, bench, ab; here: wheels, slim, plan, parent)" >&2; exit 2 ;;
     esac
     shift
 done

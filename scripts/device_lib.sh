@@ -82,6 +82,23 @@ split_gguf() {
     echo "$index"
 }
 
+# export_parent REV: the package and the benchmark scripts of commit REV in $ab_parent (git-ignored; carry it), for a
+# same-run A/B against REV (`ab` there). The shipped draft stays out (no step-latency run reads it).
+ab_parent=.ab/parent
+export_parent() {
+    local rev=$1 scripts
+    git rev-parse -q --verify "$rev^{commit}" > /dev/null || { echo "no commit $rev" >&2; return 1; }
+    rm -rf "$ab_parent"
+    mkdir -p "$ab_parent"
+    mapfile -t scripts < <(git ls-tree --name-only "$rev" benchmarks/ | grep '\.py$')
+    git archive "$rev" blockspec "${scripts[@]}" | tar -x -C "$ab_parent"
+    rm -rf "$ab_parent/${slim_paths[0]}"
+    git rev-parse --short "$rev" > "$ab_parent/COMMIT"
+    grep -qx "/${ab_parent%%/*}/" "$(git rev-parse --git-path info/exclude)" \
+        || echo "/${ab_parent%%/*}/" >> "$(git rev-parse --git-path info/exclude)"
+    echo "$ab_parent: $(cat "$ab_parent/COMMIT"), $(du -sh "$ab_parent" | cut -f1) (carry ${ab_parent%%/*})"
+}
+
 # ---- there (the GPU machine) -----------------------------------------------------------------------------------
 # device_env: $out (= $OUT, else ./device-out), the carried wheels installed into /tmp/site (once per warm machine)
 # and put on PYTHONPATH/PATH, the GPU named. A `blockspec serve` left by an earlier call is stopped first (it holds
@@ -128,4 +145,23 @@ assemble_gguf() {
         return 1
     fi
     mv "$state/$gguf_name.tmp" "$state/$gguf_name"
+}
+
+# ab_step_latency ROUNDS ARGS...: benchmarks/step_latency.py ARGS at the exported parent and at this tree, alternating
+# for ROUNDS rounds (parent first), then its --ab-summary over the rounds: step_latency_ab_<date>_<new>_vs_<parent>.json.
+ab_step_latency() {
+    local rounds=$1 round parent_commit parent_run results
+    shift
+    results=$(realpath "$out")  # NOTE: the parent side runs from its own folder
+    [ -f "$ab_parent/COMMIT" ] || { echo "carry ${ab_parent%%/*} (scripts/device.sh parent REV makes it)" >&2; return 1; }
+    parent_commit=$(cat "$ab_parent/COMMIT")
+    # NOTE: before #48 the benchmarks were scripts (python3 benchmarks/NAME.py), since then a package (python3 -m)
+    parent_run=(python3 benchmarks/step_latency.py)
+    [ -f "$ab_parent/benchmarks/__init__.py" ] && parent_run=(python3 -m benchmarks.step_latency)
+    for (( round = 1; round <= rounds; round++ )); do
+        (cd "$ab_parent" && PYTHONPATH=/tmp/site:$PWD BLOCKSPEC_COMMIT=$parent_commit \
+            "${parent_run[@]}" "$@" --tag "ab_parent_$round" --out "$results") || return 1
+        python3 -m benchmarks.step_latency "$@" --tag "ab_new_$round" --out "$results" || return 1
+    done
+    python3 -m benchmarks.step_latency --ab-summary "$results"/step_latency_*_ab_*.json
 }
