@@ -20,7 +20,17 @@ from blockspec.layers.pdl import pdl_enabled, pdl_launch  # noqa: E402
 
 MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async")
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
-# NOTE: per kernel: (module, name, pointer and float argument types (others are i32), constexpr values).
+PAGED_ATTENTION_TYPES = {
+    "q_ptr": BF16, "k_cache_ptr": BF16, "v_cache_ptr": BF16, "out_ptr": BF16, "part_acc_ptr": F32,
+    "part_max_ptr": F32, "part_sum_ptr": F32, "req_to_token_ptr": I32, "req_rows_ptr": I64, "q_starts_ptr": I32,
+    "q_lens_ptr": I32, "seq_lens_ptr": I32, "tree_mask_ptr": "*u8", "qk_scale_log2": "fp32",
+}
+PAGED_ATTENTION_CONSTEXPRS = {
+    "NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64, "NUM_SPLITS": 2,
+    "CAUSAL": True, "USE_WINDOW": False, "DOT_PRECISION": "tf32", "MASK_EDGES_ONLY": True,
+}
+# NOTE: per kernel: (module, name, pointer and float argument types (others are i32), constexpr values). Every
+# constexpr parameter must be given (one left out would compile as an i32 argument).
 KERNEL_SPECS = {
     "rmsnorm": ("blockspec.layers.triton_ops", "_rmsnorm_kernel",
                 {"x_ptr": BF16, "residual_ptr": BF16, "weight_ptr": BF16, "out_ptr": BF16, "eps": "fp32"},
@@ -36,14 +46,10 @@ KERNEL_SPECS = {
                      {"x_ptr": BF16, "best_val_ptr": F32, "best_idx_ptr": I32}, {"BLOCK": 4096}),
     "pick_argmax": ("blockspec.layers.triton_ops", "_pick_argmax_kernel",
                     {"best_val_ptr": F32, "best_idx_ptr": I32, "out_ptr": I64}, {"BLOCK_CHUNKS": 32}),
-    "paged_attention": ("blockspec.attention.triton_kernels", "paged_attention_kernel",
-                        {"q_ptr": BF16, "k_cache_ptr": BF16, "v_cache_ptr": BF16, "out_ptr": BF16,
-                         "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32, "req_to_token_ptr": I32,
-                         "req_rows_ptr": I64, "q_starts_ptr": I32, "q_lens_ptr": I32, "seq_lens_ptr": I32,
-                         "qk_scale_log2": "fp32"},
-                        {"NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64,
-                         "NUM_SPLITS": 2, "CAUSAL": True, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
-                         "MASK_EDGES_ONLY": True}),
+    "paged_attention": ("blockspec.attention.triton_kernels", "paged_attention_kernel", PAGED_ATTENTION_TYPES,
+                        {**PAGED_ATTENTION_CONSTEXPRS, "TREE": False}),
+    "paged_attention_tree": ("blockspec.attention.triton_kernels", "paged_attention_kernel", PAGED_ATTENTION_TYPES,
+                             {**PAGED_ATTENTION_CONSTEXPRS, "TREE": True}),  # DDTree's tree-masked verify
     "merge_splits": ("blockspec.attention.triton_kernels", "merge_splits_kernel",
                      {"out_ptr": BF16, "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32},
                      {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 4, "BLOCK_H": 8}),
