@@ -2,7 +2,8 @@
 then the serve command with the flags its tools paragraph adds and its tools example.
 
 The only edits: the `source .../activate` placeholder points at this interpreter's environment, `~/.cache/blockspec`
-at this machine's cache root, and port 30000 at a free port (CI may have something on 30000)."""
+at this machine's cache root, port 30000 at a free port (CI may have something on 30000), and one line appended to
+the client example prints its last reply for the test to read."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,8 @@ from tests.support.server_support import REPO, free_port
 README = REPO / "README.md"
 DEMO_CACHE_SPELLING = "~/.cache/blockspec"
 README_PORT = "30000"
+REPLY_MARK = "README-REPLY:"
+REPORT_LAST_REPLY = f"\nimport json\nprint({REPLY_MARK!r} + json.dumps(reply.choices[0].message.content))\n"
 
 
 def fenced_blocks(text: str, language: str) -> list[str]:
@@ -111,10 +114,12 @@ def test_readme_serve_curl_and_openai_examples_run_as_written(cache_root: Path) 
                                           check=True).stdout)
         assert reply["object"] == "chat.completion" and reply["model"] == "smollm2"
         assert reply["choices"][0]["message"]["content"]
-        printed = run_python(client_example).splitlines()
-        assert "CompletionUsage(" in printed[0]       # the chat reply and its usage
-        assert printed[1].strip()                     # the streamed reply
-        assert isinstance(json.loads(printed[2])["answer"], int)  # the json_schema reply
+        # NOTE: replies may span lines (the streamed one samples), so the example's last reply is read back through
+        # a line appended after it, not from its printed lines
+        printed = run_python(client_example + REPORT_LAST_REPLY)
+        assert "CompletionUsage(" in printed  # the chat reply's usage
+        last_reply = json.loads(printed.rsplit(REPLY_MARK, 1)[1])
+        assert isinstance(json.loads(last_reply)["answer"], int)  # the json_schema reply
     banner = proc.stdout.read()  # type: ignore[union-attr]
     assert "with DFlash draft" in banner and f"on http://127.0.0.1:{port}" in banner
 
