@@ -498,9 +498,10 @@ class DFlashWorker(TargetWorker):
             if req.params.is_greedy:
                 continue
             probs = sampling_probs(logits[i], req.params)
-            faults = [fault for fault in distribution_faults(probs) if fault is not None]
-            if faults:  # NOTE: the request alone fails (sampling_faults.py); its rows keep the argmax
-                fail_request(req, faults[0])
+            try:
+                raise_first(distribution_faults(probs))
+            except SamplingFault as fault:  # NOTE: the request alone fails (sampling_faults.py); rows keep the argmax
+                fail_request(req, str(fault))
                 continue
             tokens[i] = torch.multinomial(probs, 1, generator=req.generator).view(-1)
         rows = tree.walk(batch, verified, tokens).tolist()
