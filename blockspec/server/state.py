@@ -57,9 +57,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# NOTE: JSON leaves U+0085, U+2028 and U+2029 unescaped, but line readers built on str.splitlines (httpx's
+# iter_lines, Python's universal newlines) end a line there and would cut the event in two. In UTF-8 JSON these bytes
+# occur only inside strings, where the \u escape means the same character.
+_LINE_BREAKING = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def sse(payload: Any) -> bytes:
-    """One server-sent event: `payload` as JSON (UTF-8, no escapes), or a bare string such as [DONE]."""
+    """One server-sent event: `payload` as JSON (UTF-8; the only escapes beyond JSON's are the Unicode line
+    separators above), or a bare string such as [DONE]."""
     data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
+    for raw, escaped in _LINE_BREAKING:
+        if raw in data:
+            data = data.replace(raw, escaped)
     return b"data: " + data + b"\n\n"
 
 

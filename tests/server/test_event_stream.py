@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 from typing import Any, AsyncIterator
 
-from blockspec.server.state import EventStream
+import httpx
+
+from blockspec.server.state import EventStream, sse
 
 
 def test_a_cancelled_stream_closes_its_generator_at_once() -> None:
@@ -75,3 +78,16 @@ def test_a_stream_closed_before_its_deltas_still_aborts_its_requests() -> None:
         return aborted
 
     assert asyncio.run(main()) == ["r0", "r1", "r0", "r1"]
+
+
+def test_unicode_line_separators_in_a_payload_stay_inside_one_event_line() -> None:
+    """Generated text may hold U+0085, U+2028 or U+2029; readers built on str.splitlines (httpx's iter_lines) end a
+    line there, so an unescaped one cut the event in two (the /generate stream's JSONDecodeError in the shutdown test).
+    """
+    text = "a\u2028b\x85c\u2029d é \u4e2d"
+    event = sse({"text": text, "nested": [{"t": text}]})
+    lines = httpx._decoders.LineDecoder().decode(event.decode())
+    assert lines == [lines[0], ""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: "):]) == {"text": text, "nested": [{"t": text}]}
+    assert "é \u4e2d" in lines[0]  # NOTE: other non-ASCII text stays raw UTF-8
+    assert sse("[DONE]") == b"data: [DONE]\n\n"
