@@ -7,11 +7,12 @@
 #   slim on|off|status  keep the shipped draft and the draft-training prompts out of what travels (never commit slim)
 #   parent REV        the package and benchmark scripts of commit REV in .ab/parent, for `ab` there (carry .ab)
 #   plan              wheels + slim + the SmolLM2 GGUF in parts, then prints the calls of a full GPU session: the
-#                     GPU suite in GPU_SHARDS (default 2) shards, one per call beside the GGUF parts, the seed check
-#                     in the last (device time: ≈ 2 start + 2 × 6 + 1 + 4 min)
+#                     whole GPU suite in the first call (GPU_SHARDS, default 1: a shard per call), the GGUF parts
+#                     beside it and in the next calls, the seed check in the last (device time: ≈ 4 start + 9 + 1 + 4)
 # There (the GPU machine; BLOCKSPEC_COMMIT=<short hash> names the results, the copy there has no git history):
-#   gpu-test [K/N]    every test marked gpu or cuda (`pytest -m "gpu or cuda" tests`, TEST_S seconds, default 540),
-#                     or the K-th of N shards of it (scripts/gpu_shard.py: the suite outlasts one 10-minute call);
+#   gpu-test [K/N]    every test marked gpu or cuda (`pytest -m "gpu or cuda" tests`, TEST_S seconds, default 520,
+#                     GPU_WORKERS pytest-xdist processes on the one GPU, default 3: one process took 15.5 min on the
+#                     H100), or the K-th of N shards of it (scripts/gpu_shard.py);
 #                     the log is $OUT/gpu_suite_<date>_<commit>[_shardKofN].log (commit it to benchmarks/results/)
 #   stash             keeps the GGUF parts this call carried on the warm machine (.device-state/demo)
 #   seed              the seed's serve command on the demo pair, FlashInfer and Triton (benchmarks/seed_gpu.py;
@@ -34,7 +35,7 @@ plan() {
     source=$(python3 -c 'from blockspec.models.smollm2 import smollm2_gguf_path; print(smollm2_gguf_path())') || return 1
     parts=$(split_gguf "$source" "$(du -cb .whl | tail -1 | cut -f1)") || return 1
     echo "tree $(( $(tree_bytes) / 1048576 )) MiB (slim), .whl $(du -sh .whl | cut -f1), GGUF in $parts parts; calls:"
-    local shards=${GPU_SHARDS:-2} calls head what
+    local shards=${GPU_SHARDS:-1} calls head what
     head=$(git rev-parse --short HEAD)
     calls=$(( parts > shards ? parts : shards ))
     for (( index = 0; index < calls; index++ )); do
@@ -44,7 +45,11 @@ plan() {
             carry+=$(printf '%s/part%02d' "$gguf_parts" "$index")
             what="stash"
         fi
-        [ "$index" -lt "$shards" ] && what="$what gpu-test $(( index + 1 ))/$shards"
+        if [ "$shards" -eq 1 ]; then
+            [ "$index" -eq 0 ] && what="$what gpu-test"
+        elif [ "$index" -lt "$shards" ]; then
+            what="$what gpu-test $(( index + 1 ))/$shards"
+        fi
         echo "  carry [${carry%, }]: BLOCKSPEC_COMMIT=$head scripts/device.sh ${what# }"
     done
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
@@ -60,11 +65,23 @@ gpu_test() {
         name="${name}_shard${shard%/*}of${shard#*/}"
     fi
     log="$out/$name.log"
-    timeout "${TEST_S:-540}" python3 -m pytest -v -p no:cacheprovider -m "gpu or cuda" -rfEs --durations=15 \
-        "${targets[@]}" > "$log" 2>&1
+    # NOTE: GPU_WORKERS pytest-xdist processes share the one GPU, a test file each at a time (--dist loadfile keeps a
+    # file's module fixtures, the trained tiny drafts, in one process). They can share it because every test engine
+    # sizes its KV pool by max_total_tokens: one sized by --mem-fraction-static would take most of the card and the
+    # next worker's engine would fail with "leaves no memory for the KV cache".
+    local workers=${GPU_WORKERS:-3} parallel=()
+    if [ "$workers" -gt 1 ]; then
+        if python3 -c "import xdist" 2> /dev/null; then
+            parallel=(-n "$workers" --dist loadfile)
+        else
+            echo "pytest-xdist is missing: the suite runs in one process" | tee "$log.note"
+        fi
+    fi
+    timeout "${TEST_S:-520}" python3 -m pytest -v -p no:cacheprovider -m "gpu or cuda" -rfEs --durations=25 \
+        "${parallel[@]}" "${targets[@]}" > "$log" 2>&1
     local rc=$?
-    [ "$rc" -eq 124 ] && echo "TIMED OUT after ${TEST_S:-540} s: the log names the tests that ran" | tee -a "$log"
-    grep -E "^(FAILED|ERROR) " "$log" | head -40
+    [ "$rc" -eq 124 ] && echo "TIMED OUT after ${TEST_S:-520} s: the log names the tests that ran" | tee -a "$log"
+    grep -E "^(\[gw[0-9]+\] )?(FAILED|ERROR) " "$log" | head -40
     tail -"${TAIL:-25}" "$log"
     [ "$rc" -eq 0 ] || status=1
 }
