@@ -27,7 +27,7 @@ from blockspec.request import Req, build_requests
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler.admission import ArrivalBatching
 from blockspec.scheduler.scheduler import Scheduler
-from blockspec.worker.protocol import Worker
+from blockspec.worker.protocol import Worker, chain_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def attention_workloads(runner: ModelRunner, worker: Worker) -> list[AttentionWo
     tree = worker.tree_shape
     # NOTE: adaptive verify runs verifies of every captured length n (eagerly above the largest graph batch); a tree
     # cycle's length stands for its tree verify (tree.verify_rows) and its draft block (tree.draft_rows)
-    chain = [n for n in worker.uniform_lengths if tree is None or n != tree.cycle_length]
+    chain = chain_lengths(worker.uniform_lengths, tree)
     draft_q = max(chain) if tree is None else tree.draft_rows
     workloads: list[AttentionWorkload] = []
     if isinstance(runner.attention, TritonAttentionBackend):

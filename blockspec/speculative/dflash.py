@@ -46,7 +46,7 @@ from blockspec.speculative.verify_length import (
     full_block,
 )
 from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
-from blockspec.worker.protocol import SpeculativeState, TreeShape, VerifyLengthChoice
+from blockspec.worker.protocol import SpeculativeState, TreeShape, VerifyLengthChoice, chain_lengths
 from blockspec.worker.target_worker import TargetWorker
 
 CycleFn = Callable[[ForwardBatch], tuple[torch.Tensor]]
@@ -234,7 +234,7 @@ class DFlashWorker(TargetWorker):
     @property
     def chain_lengths(self) -> tuple[int, ...]:
         """The verify lengths of chain cycles (all but the tree's)."""
-        return tuple(n for n in self.verify_lengths if self.tree is None or n != self.tree.cycle_length)
+        return chain_lengths(self.verify_lengths, self.tree_shape)
 
     def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:
         if kind is GraphKind.VERIFY:

@@ -42,6 +42,11 @@ class TreeShape:
     draft_rows: int
 
 
+def chain_lengths(uniform_lengths: Sequence[int], tree: Optional[TreeShape]) -> tuple[int, ...]:
+    """The verify lengths of chain cycles among a worker's `uniform_lengths`: all but the tree cycle's."""
+    return tuple(n for n in uniform_lengths if tree is None or n != tree.cycle_length)
+
+
 @dataclass(frozen=True)
 class SpeculativeState:
     """A speculative worker's live state, as the engine reports it (get_server_info, the engine process's stats)."""

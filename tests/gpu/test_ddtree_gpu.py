@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from tests.support.engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
-from tests.support.engine_testing import overlapped_run_checking_syncs, prefilled  # noqa: E402
+from tests.support.engine_testing import (  # noqa: E402
+    graphed_and_eager_cycle, overlapped_run_checking_syncs, ready_for_one_cycle,
+)
 
 TREE_EVERY_CYCLE = {"speculative_adaptive_verify": "off"}
 
@@ -30,19 +32,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_tree_cycle_graph_equals_eager(tiny: Path) -> None:
     _, engine = run_prompts(tiny, True, device="cuda", speculative_tree_budget=24, **TREE_EVERY_CYCLE)
-    worker, runner = engine.worker, engine.runner
-    assert runner.graphs.captured(GraphKind.GREEDY_CYCLE, worker.block_size)
-    reqs = prefilled(engine, PROMPTS[:3], GREEDY)
-    for req in reqs:
-        runner.allocator.grow(req, req.kv_len + worker.decode_slots_per_req, runner.req_to_token)
-    graphed = worker.greedy_cycle_tokens(reqs)
-    runner.graphs.enabled = False
-    eager = worker.greedy_cycle_tokens(reqs)
-    runner.graphs.enabled = True
+    worker = engine.worker
+    assert engine.runner.graphs.captured(GraphKind.GREEDY_CYCLE, worker.block_size)
+    with ready_for_one_cycle(engine, PROMPTS[:3], GREEDY) as reqs:
+        graphed, eager = graphed_and_eager_cycle(engine, reqs)
     assert graphed == eager and len(graphed[0]) == 2 * worker.decode_slots_per_req
-    for req in reqs:
-        engine.scheduler.abort(req.rid)
-    engine.step()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -120,24 +120,15 @@ def test_dflash_with_piecewise_is_lossless(tiny: Path, page_size: int) -> None:
 
 def test_greedy_cycle_graph_equals_eager(tiny: Path) -> None:
     """One cycle graph (padded batch 3 → 4) gives the eager cycle's draft and target argmaxes."""
-    from tests.support.engine_testing import prefilled
+    from tests.support.engine_testing import graphed_and_eager_cycle, ready_for_one_cycle
 
     engine = Engine(model_path=str(tiny / "target"), dtype="float32", max_total_tokens=4096, skip_tokenizer_init=True,
                     cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="DFLASH",
                     speculative_draft_model_path=str(tiny / "draft"))
-    worker, runner = engine.worker, engine.runner
-    assert runner.graphs.captured(GraphKind.GREEDY_CYCLE)
-    reqs = prefilled(engine, PROMPTS[:3], GREEDY)
-    for req in reqs:
-        runner.allocator.grow(req, req.kv_len + worker.block_size, runner.req_to_token)
-    graphed = worker.greedy_cycle_tokens(reqs)
-    runner.graphs.enabled = False
-    eager = worker.greedy_cycle_tokens(reqs)
-    runner.graphs.enabled = True
+    assert engine.runner.graphs.captured(GraphKind.GREEDY_CYCLE)
+    with ready_for_one_cycle(engine, PROMPTS[:3], GREEDY) as reqs:
+        graphed, eager = graphed_and_eager_cycle(engine, reqs)
     assert graphed == eager
-    for req in reqs:
-        engine.scheduler.abort(req.rid)
-    engine.step()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

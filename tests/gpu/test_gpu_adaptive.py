@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from blockspec import Engine  # noqa: E402
 from blockspec.runner.graph_kind import GraphKind  # noqa: E402
 from tests.support.engine_runs import GREEDY, PROMPTS, run_prompts  # noqa: E402
-from tests.support.engine_testing import prefilled  # noqa: E402
+from tests.support.engine_testing import graphed_and_eager_cycle, prefilled, ready_for_one_cycle  # noqa: E402
 from tests.support.verify_cycling import CyclingVerifyLength  # noqa: E402
 
 LENGTHS = (1, 4, 6, 8)  # default_verify_lengths(8): the tiny pair's block is 8
@@ -37,21 +37,15 @@ def test_each_verify_length_graph_equals_eager(tiny: Path) -> None:
     worker, runner = engine.worker, engine.runner
     assert all(runner.graphs.captured(GraphKind.GREEDY_CYCLE, n) and runner.graphs.captured(GraphKind.VERIFY, n)
                for n in LENGTHS)
-    reqs = prefilled(engine, PROMPTS[:3], GREEDY)
-    for req in reqs:
-        runner.allocator.grow(req, req.kv_len + worker.block_size, runner.req_to_token)
     adaptive = worker.verify_policy
-    for n in LENGTHS:
-        worker.verify_policy = CyclingVerifyLength([n])
-        graphed = worker.greedy_cycle_tokens(reqs)
-        runner.graphs.enabled = False
-        eager = worker.greedy_cycle_tokens(reqs)
-        runner.graphs.enabled = True
-        assert graphed == eager and len(graphed[0]) == 2 * n
-    worker.verify_policy = adaptive
-    for req in reqs:
-        engine.scheduler.abort(req.rid)
-    engine.step()
+    with ready_for_one_cycle(engine, PROMPTS[:3], GREEDY) as reqs:
+        try:
+            for n in LENGTHS:
+                worker.verify_policy = CyclingVerifyLength([n])
+                graphed, eager = graphed_and_eager_cycle(engine, reqs)
+                assert graphed == eager and len(graphed[0]) == 2 * n
+        finally:
+            worker.verify_policy = adaptive
 
 
 @pytest.mark.parametrize("overlap", [True, False])

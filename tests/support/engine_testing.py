@@ -1,8 +1,9 @@
 """Helpers shared by the engine tests (HF greedy oracle, idle checks, stepping the scheduler)."""
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -87,6 +88,35 @@ def prefilled(engine: Engine, prompts: list[list[int]], sampling_params: dict) -
     finally:
         steps.overlap = overlap
     return reqs
+
+
+@contextlib.contextmanager
+def ready_for_one_cycle(engine: Engine, prompts: list[list[int]], sampling_params: dict) -> Iterator[list[Req]]:
+    """`prefilled` requests given KV slots for one more cycle (kv_len + the worker's decode slots per request); on
+    leaving they are aborted and a step frees their slots."""
+    reqs = prefilled(engine, prompts, sampling_params)
+    runner = engine.runner
+    for req in reqs:
+        runner.allocator.grow(req, req.kv_len + engine.worker.decode_slots_per_req, runner.req_to_token)
+    try:
+        yield reqs
+    finally:
+        for req in reqs:
+            engine.scheduler.abort(req.rid)
+        engine.step()
+
+
+def graphed_and_eager_cycle(engine: Engine, reqs: Sequence[Req]) -> tuple[list[list[int]], list[list[int]]]:
+    """One greedy cycle of `reqs` replayed from its captured graph, then the same cycle eagerly (nothing committed):
+    DFlashWorker.greedy_cycle_tokens both times."""
+    worker, graphs = engine.worker, engine.runner.graphs
+    graphed = worker.greedy_cycle_tokens(reqs)  # type: ignore[attr-defined]
+    graphs.enabled = False
+    try:
+        eager = worker.greedy_cycle_tokens(reqs)  # type: ignore[attr-defined]
+    finally:
+        graphs.enabled = True
+    return graphed, eager
 
 
 def overlapped_run_checking_syncs(engine: Engine, prompts: list[list[int]], sampling_params: dict) -> tuple[list[Req], int]:
