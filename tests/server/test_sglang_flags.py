@@ -30,14 +30,17 @@ def test_disable_piecewise_cuda_graph_turns_them_off() -> None:
 
 
 def test_piecewise_graphs_are_on_by_default_where_supported() -> None:
-    """As SGLang: the default captures them on CUDA for Llama and Qwen3 targets; --disable-piecewise-cuda-graph and
-    --disable-cuda-graph turn them off; a family the GPU suite has not run yet needs --enforce-piecewise-cuda-graph."""
+    """As SGLang: the default captures them on CUDA for Llama, Qwen3 and Qwen3-MoE targets (every family served);
+    --disable-piecewise-cuda-graph and --disable-cuda-graph turn them off; a family the GPU suite has not run yet
+    needs --enforce-piecewise-cuda-graph."""
     default = EngineConfig.from_kwargs(**parse_serve_args(BASE).engine)
-    assert default.piecewise_graphs_on(CUDA, LLAMA) and default.piecewise_graphs_on(CUDA, "Qwen3ForCausalLM")
+    for family in (LLAMA, "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert default.piecewise_graphs_on(CUDA, family)
+        assert not EngineConfig("/m", disable_piecewise_cuda_graph=True).piecewise_graphs_on(CUDA, family)
     assert not default.piecewise_graphs_on(torch.device("cpu"), LLAMA)
     assert not EngineConfig("/m", disable_cuda_graph=True).piecewise_graphs_on(CUDA, LLAMA)
-    assert not default.piecewise_graphs_on(CUDA, "Qwen3MoeForCausalLM")
-    assert EngineConfig("/m", enforce_piecewise_cuda_graph=True).piecewise_graphs_on(CUDA, "Qwen3MoeForCausalLM")
+    assert not default.piecewise_graphs_on(CUDA, "MistralForCausalLM")
+    assert EngineConfig("/m", enforce_piecewise_cuda_graph=True).piecewise_graphs_on(CUDA, "MistralForCausalLM")
 
 
 def test_working_flags() -> None:
