@@ -31,7 +31,7 @@ from benchmarks.device_timing import cuda_ms
 from benchmarks.draft_v2 import Scale, ServerSettings, demo_prompts, eval_flags, measure_one_client
 from benchmarks.draft_v2_data import DataPaths, target_dir
 from benchmarks.draft_v2_report import GENERAL_SET, GSM8K_SET, set_accepts, speedups
-from benchmarks.results import add_commit_argument, add_out_argument, resolved_commit, write_json
+from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
 from benchmarks.serving_vs_engine_support import TINY, TINY_DRAFT
 from benchmarks.step_latency import DRAFT, LLAMA_8B, prefill
 from blockspec import Engine
@@ -179,7 +179,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["cycle_ratio_dflash2_over_dflash"] = cycle_ratios(result["rows"])
     if args.part in ("heldout", "all"):
         result["heldout"], result["server_rows"] = heldout_rows(args)
-    print(f"wrote {write_json(out, result)}", flush=True)
+    print(f"wrote {write_json(out, result)}; {plot_result(out)}", flush=True)
     return 0
 
 

@@ -25,6 +25,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -32,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarks.adaptive_verify import prefill
+from benchmarks.results import add_out_argument, plot_result, write_json
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
@@ -236,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--parts", nargs="+", choices=("layer", "step", "serving"), default=["layer", "step"])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.shape == "tiny":
@@ -248,23 +250,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     report: dict[str, Any] = {**identity, "shape": args.shape, "config": config, "bandwidth_bytes_per_s": bandwidth,
                               "args": vars(args), "rows": [], "serving": []}
     path = args.out / f"moe_{identity['date']}_{identity['commit']}.json"
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        path.write_text(json.dumps(report, indent=1, default=str))
-
-    root = args.out / f"moe_shapes_{args.shape}"
-    target_dir, draft_dir = write_configs(root, args.shape)
-    if "layer" in args.parts:
-        report["rows"] += layer_rows(config, args, device, dtype, bandwidth)
-        save()
-    if "step" in args.parts:
-        report["rows"] += step_rows(config, target_dir, draft_dir, args, device, bandwidth)
-        save()
-    if "serving" in args.parts:
-        report["serving"], report["serving_exit_status"] = serving_rows(target_dir, draft_dir, args)
-        save()
-    print(f"wrote {path}")
+    # NOTE: the shapes' config.json files (dummy weights) live only as long as the run, not beside the results
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, draft_dir = write_configs(Path(tmp), args.shape)
+        if "layer" in args.parts:
+            report["rows"] += layer_rows(config, args, device, dtype, bandwidth)
+            write_json(path, report)
+        if "step" in args.parts:
+            report["rows"] += step_rows(config, target_dir, draft_dir, args, device, bandwidth)
+            write_json(path, report)
+        if "serving" in args.parts:
+            report["serving"], report["serving_exit_status"] = serving_rows(target_dir, draft_dir, args)
+            write_json(path, report)
+    print(f"wrote {write_json(path, report)}; {plot_result(path)}")
     return 0
 
 

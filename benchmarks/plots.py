@@ -43,6 +43,12 @@ def concurrency_ticks(axes: Any, rows: list[dict[str, Any]]) -> None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
 
 
+def batch_size_ticks(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """x ticks at the batch sizes of `rows` (their "bs")."""
+    sizes = sorted({r["bs"] for r in rows})
+    ax.set_xticks(sizes, [str(bs) for bs in sizes])
+
+
 def save_titled(fig: Any, report: dict[str, Any], json_path: Path, prefix: str = "") -> Path:
     """Titles the figure with the report's GPU, date and commit, saves it beside the JSON and closes it."""
     fig.suptitle(f"{prefix}{report['gpu']} · {report['date']} · commit {report['commit']}", fontsize=10)
@@ -393,6 +399,81 @@ def plot_radix_evict(report: dict[str, Any], json_path: Path) -> Path:
     return save_titled(fig, report, json_path, "radix eviction · ")
 
 
+def plot_tree_verify(report: dict[str, Any], json_path: Path) -> Path:
+    """Per workload: each policy's tokens/s over the chain's at the same batch size (the 0.97 floor dotted), and the
+    accept lengths."""
+    rows = report["rows"]
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 8), squeeze=False)
+    variants = sorted({(r["policy"], r["budget"]) for r in rows}, key=lambda v: (v[0] != "chain", v[0], v[1]))
+    for j, workload in enumerate(workloads):
+        speed, accept = axes[0][j], axes[1][j]
+        for policy, budget in variants:
+            sel = sorted((r for r in rows if (r["workload"], r["policy"], r["budget"]) == (workload, policy, budget)),
+                         key=lambda r: r["bs"])
+            if not sel:
+                continue
+            label = "chain" if policy == "chain" else f"{policy}, B = {budget}"
+            style = "s-" if policy == "chain" else ("^-" if policy == "adaptive" else "o--")
+            sizes = [r["bs"] for r in sel]
+            speed.plot(sizes, [r["tok_s"] / r["chain_tok_s"] for r in sel], style, label=label)
+            accept.plot(sizes, [r["accept_length"] for r in sel], style, label=label)
+        speed.axhline(0.97, color="grey", linestyle=":", linewidth=1)
+        batch_size_ticks(speed, rows)
+        batch_size_ticks(accept, rows)
+        finish_axis(speed, "batch size", "tokens/s ÷ the chain's", f"{workload}: speed against the chain", 10)
+        finish_axis(accept, "batch size", "accept length (tokens a verify)", f"{workload}: accept length", 10)
+    return save_titled(fig, report, json_path, "DDTree tree verify · ")
+
+
+def plot_moe(report: dict[str, Any], json_path: Path) -> Path:
+    """The MoE layer's time against its touched-expert floor, and the engine's tokens/s per step mode."""
+    rows = report["rows"]
+    fig, (layer, step) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode, style in (("layer_decode", "o-"), ("layer_verify", "s-")):
+        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["bs"])
+        if sel:
+            sizes = [r["bs"] for r in sel]
+            line = layer.plot(sizes, [r["step_ms"] for r in sel], style, label=mode.replace("_", " "))[0]
+            layer.plot(sizes, [r["floor_ms"] for r in sel], ":", color=line.get_color(), label=f"{mode} floor")
+    layer.set_yscale("log")
+    batch_size_ticks(layer, rows)
+    finish_axis(layer, "batch size (verify: blocks)", "ms (CUDA graph replay)", "one MoE layer", 10)
+    for mode, style in (("target_decode", "s-"), ("dflash_cycle", "o--"), ("dflash_adaptive", "^-")):
+        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["bs"])
+        if sel:
+            step.plot([r["bs"] for r in sel], [r["tokens_per_step"] / r["step_ms"] * 1e3 for r in sel], style,
+                      label=mode.replace("_", " "))
+    step.set_yscale("log")
+    batch_size_ticks(step, rows)
+    finish_axis(step, "batch size", "tokens/s (all requests)", f"engine steps, context {report['args']['context']}", 10)
+    return save_titled(fig, report, json_path, f"MoE {report['shape']} · ")
+
+
+def plot_dflash2(report: dict[str, Any], json_path: Path) -> Path:
+    """DFlash2's greedy cycle against DFlash's per batch size and the demo drafts' held-out accept lengths: a panel
+    each, for the parts the result holds (`--part cycle` / `heldout`)."""
+    rows, heldout = report.get("rows", []), report.get("heldout", [])
+    panels = len([part for part in (rows, heldout) if part])
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(6 * max(panels, 1), 4.5), squeeze=False)
+    if rows:
+        cycle = axes[0][0]
+        for arch, style in (("dflash", "s-"), ("dflash2", "o-")):
+            sel = sorted((r for r in rows if r["draft_arch"] == arch), key=lambda r: r["bs"])
+            cycle.plot([r["bs"] for r in sel], [r["cycle_ms"] for r in sel], style, label=arch)
+        batch_size_ticks(cycle, rows)
+        finish_axis(cycle, "batch size", "greedy cycle ms", rows[0]["shape"], 10)
+    if heldout:
+        bars, names, width = axes[0][panels - 1], [r["draft"] for r in heldout], 0.4
+        for offset, key in ((-width / 2, "gsm8k_accept"), (width / 2, "general_accept")):
+            bars.bar([i + offset for i in range(len(names))], [r[key] or 0 for r in heldout], width, label=key)
+        bars.set_xticks(range(len(names)), names)
+        bars.set_ylabel("held-out accept length (0: not measured)")
+        bars.set_title("demo drafts", fontsize=10)
+        bars.legend(fontsize=7)
+    return save_titled(fig, report, json_path, "DFlash2 vs DFlash · ")
+
+
 # NOTE: longest prefix first: step_latency_ab_* is not a step_latency_* result
 PLOTTERS: dict[str, Callable[[Path], Path]] = {
     "step_latency_ab": _from_file(plot_step_latency_ab),
@@ -406,6 +487,9 @@ PLOTTERS: dict[str, Callable[[Path], Path]] = {
     "draft_v2": plot_draft_v2,
     "generation_rate": _from_file(plot_generation_rate),
     "radix_evict": _from_file(plot_radix_evict),
+    "tree_verify": _from_file(plot_tree_verify),
+    "moe": _from_file(plot_moe),
+    "dflash2": _from_file(plot_dflash2),
 }
 
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks.results import add_commit_argument, add_out_argument, resolved_commit, write_json
+from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
 from benchmarks.serving_vs_engine_support import TINY, TINY_DRAFT
 from blockspec import Engine
 from blockspec.bench.provenance import gpu_name, today
@@ -168,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = args.out / f"tree_verify_{today()}_{commit}.json"
     result: dict[str, Any] = {"commit": commit, "gpu": gpu_name(), "date": today(), "rows": []}
     tree_rows(args, out, result)
-    print(f"wrote {write_json(out, result)}", flush=True)
+    print(f"wrote {write_json(out, result)}; {plot_result(out)}", flush=True)
     return 0
 
 

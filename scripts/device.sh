@@ -17,7 +17,8 @@
 #   stash             keeps the GGUF parts this call carried on the warm machine (.device-state/demo)
 #   seed              the seed's serve command on the demo pair, FlashInfer and Triton (benchmarks/seed_gpu.py;
 #                     needs every GGUF part stashed and blockspec/assets/smollm2-135m-dflash-b16 carried)
-#   bench MODULE ARGS python3 -m benchmarks.MODULE ARGS --out $OUT (the rest of the line is its arguments)
+#   bench MODULE ARGS python3 -m benchmarks.MODULE ARGS --out $OUT (the rest of the line is its arguments; an
+#                     argument DEMO_DIR becomes the demo target converted from the stashed GGUF parts)
 #   ab ROUNDS ARGS    a same-run A/B of benchmarks/step_latency.py ARGS: the carried parent, then this tree, ROUNDS
 #                     times, then its --ab-summary (e.g. `ab 2 --batch-sizes 1 32 --contexts 512 --graphs-only
 #                     --skip-reference`; #48's check against the commit before the house change)
@@ -86,14 +87,30 @@ gpu_test() {
     [ "$rc" -eq 0 ] || status=1
 }
 
+demo_dir() {
+    # The demo target converted from the stashed GGUF parts (once per warm machine); prints its directory.
+    assemble_gguf "$state" >&2 || return 1
+    python3 -c "from pathlib import Path; from blockspec.models.smollm2 import ensure_smollm2_dir
+print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))"
+}
+
 seed() {
     local model
-    assemble_gguf "$state" || return 1
     [ -f blockspec/assets/smollm2-135m-dflash-b16/config.json ] \
         || { echo "carry blockspec/assets/smollm2-135m-dflash-b16 (the shipped draft) with this call" >&2; return 1; }
-    model=$(python3 -c "from pathlib import Path; from blockspec.models.smollm2 import ensure_smollm2_dir
-print(ensure_smollm2_dir(Path('$state'), gguf_file=Path('$state/$gguf_name')))") || return 1
+    model=$(demo_dir) || return 1
     timeout "${SEED_S:-540}" python3 -m benchmarks.seed_gpu --model-dir "$model" --out "$out" || status=1
+}
+
+bench() {
+    # $1 MODULE, then its arguments; an argument DEMO_DIR stands for the converted demo target (demo_dir)
+    local module=$1 arg args=()
+    shift
+    for arg in "$@"; do
+        if [ "$arg" = DEMO_DIR ]; then arg=$(demo_dir) || return 1; fi
+        args+=("$arg")
+    done
+    python3 -m "benchmarks.$module" "${args[@]}" --out "$out"
 }
 
 [ $# -ge 1 ] || { sed -n '2,22p' "$0"; exit 2; }
@@ -112,7 +129,7 @@ while [ $# -gt 0 ]; do
         seed) seed || status=1 ;;
         bench)
             [ $# -ge 2 ] || { echo "bench MODULE [ARGS...]" >&2; exit 2; }
-            python3 -m "benchmarks.$2" "${@:3}" --out "$out" || status=1
+            bench "${@:2}" || status=1
             break ;;
         ab)
             [[ ${2:-} =~ ^[0-9]+$ ]] || { echo "ab ROUNDS [step_latency ARGS...]" >&2; exit 2; }

@@ -29,3 +29,15 @@ def test_kinds_are_tried_longest_first_and_unknown_names_refused(tmp_path: Path)
     assert kinds.index("step_latency_ab") < kinds.index("step_latency")
     with pytest.raises(SystemExit, match="no plot for this kind"):
         plot_file(tmp_path / "unknown_2026-12-04.json")
+
+
+def test_dflash2_draws_the_cycle_and_the_heldout_drafts(tmp_path: Path) -> None:
+    rows = [{"shape": "s", "bs": bs, "draft_arch": arch, "cycle_ms": 1.0 + bs / 64}
+            for arch in ("dflash", "dflash2") for bs in (1, 16)]
+    heldout = [{"draft": "v6", "gsm8k_accept": 4.2, "general_accept": 2.9, "server_c1_speedup": 2.1},
+               {"draft": "v7", "gsm8k_accept": None, "general_accept": 3.0, "server_c1_speedup": None}]
+    for name, report in (("dflash2_2026-12-05_a.json", {**IDENTITY, "rows": rows, "heldout": heldout}),
+                         ("dflash2_2026-12-05_b.json", {**IDENTITY, "heldout": heldout})):
+        path = tmp_path / name
+        path.write_text(json.dumps(report))
+        assert plot_file(path).is_file()

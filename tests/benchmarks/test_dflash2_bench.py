@@ -12,6 +12,7 @@ def test_cycle_smoke_writes_the_rows(tmp_path: Path) -> None:
     assert dflash2.main(["--part", "cycle", "--smoke", "--context", "32", "--batch-sizes", "1", "--repeat", "1",
                          "--out", str(tmp_path), "--commit", "abc1234"]) == 0
     (path,) = tmp_path.glob("dflash2_*_abc1234.json")
+    assert path.with_suffix(".png").is_file()
     result = json.loads(path.read_text())
     assert {row["draft_arch"] for row in result["rows"]} == {"dflash", "dflash2"}
     for row in result["rows"]:

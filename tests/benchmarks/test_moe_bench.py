@@ -13,6 +13,8 @@ def test_tiny_shape_writes_the_rows(tmp_path: Path) -> None:
     assert moe.main(["--shape", "tiny", "--dtype", "float32", "--batch-sizes", "1", "3", "--context", "12",
                      "--repeat", "2", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("moe_*.json")
+    # NOTE: the plot beside it; the shapes' config files lived in a temporary directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.with_suffix(".png").name]
     report = json.loads(path.read_text())
     rows = report["rows"]
     modes = ["layer_decode", "layer_verify", "target_decode", "dflash_cycle", "dflash_adaptive"]

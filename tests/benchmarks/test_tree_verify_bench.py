@@ -13,6 +13,7 @@ def test_smoke_writes_the_rows(tmp_path: Path) -> None:
                              "--rounds", "1", "--max-new-tokens", "12", "--adaptive", "--out", str(tmp_path),
                              "--commit", "abc1234"]) == 0
     (path,) = tmp_path.glob("tree_verify_*_abc1234.json")
+    assert path.with_suffix(".png").is_file()
     result = json.loads(path.read_text())
     assert {(row["policy"], row["budget"], row["bs"]) for row in result["rows"]} == {
         (policy, budget, bs) for policy, budget in [("chain", 0), ("tree", 4), ("adaptive", 4)] for bs in (1, 2)}
