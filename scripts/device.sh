@@ -54,6 +54,12 @@ plan() {
         echo "  carry [${carry%, }]: BLOCKSPEC_COMMIT=$head scripts/device.sh ${what# }"
     done
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
+    echo "then the issues' measurements on the warm machine, one call each (benchmarks/<module>.py says more):"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --adaptive" \
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer step"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench dflash2 --part cycle"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine ... (its docstring's three calls)"
     echo "then here: scripts/device.sh slim off"
 }
 
