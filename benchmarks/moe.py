@@ -262,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "serving" in args.parts:
             report["serving"], report["serving_exit_status"] = serving_rows(target_dir, draft_dir, args)
             write_json(path, report)
-    print(f"wrote {write_json(path, report)}; {plot_result(path)}")
+    print(f"wrote {path}; {plot_result(path)}")  # NOTE: each part above wrote it (--parts names at least one)
     return 0
 
 

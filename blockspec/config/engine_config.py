@@ -12,10 +12,9 @@ from blockspec.config.speculative_flags import accept_distribution, check_schedu
 if TYPE_CHECKING:
     import torch
 
-# NOTE: targets whose piecewise graphs (extend, DFlash's aux capture inside them) the GPU suite has run; a newer
-# family (Qwen3-MoE) captures them with --enforce-piecewise-cuda-graph until it has run there too
-# NOTE: the target families whose piecewise graphs the GPU suite has run (Qwen3-MoE since e7c3ed1 on the H100: the
-# DFlash cycle lossless with them); a family added later joins once its GPU tests pass with them
+# NOTE: the target families whose piecewise graphs (extend, DFlash's aux capture inside them) the GPU suite has run
+# (Qwen3-MoE since e7c3ed1 on the H100: the DFlash cycle lossless with them); a family added later captures them
+# with --enforce-piecewise-cuda-graph until its GPU tests pass with them
 PIECEWISE_BY_DEFAULT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 SPECULATIVE_ALGORITHMS = (None, "DFLASH", "DDTREE")

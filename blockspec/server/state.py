@@ -68,8 +68,7 @@ def sse(payload: Any) -> bytes:
     separators above), or a bare string such as [DONE]."""
     data = payload.encode() if isinstance(payload, str) else msgspec.json.encode(payload)
     for raw, escaped in _LINE_BREAKING:
-        if raw in data:
-            data = data.replace(raw, escaped)
+        data = data.replace(raw, escaped)  # NOTE: returns `data` itself, uncopied, when `raw` is absent
     return b"data: " + data + b"\n\n"
 
 
