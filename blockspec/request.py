@@ -316,16 +316,11 @@ class RequestLimits:
     total_slots: int
     slots_per_decode: int
     has_tokenizer: bool
-    extras_refusal: Optional[str] = None  # why requests with penalties, logprobs or a grammar are refused
 
     def check(self, req: Req) -> None:
         """Raises ValueError for a request that can never be served."""
         if req.prompt_len == 0:
             raise ValueError("the prompt is empty")
-        if self.extras_refusal is not None and (
-            req.wants_logprobs or req.params.has_penalties or req.params.grammar_spec is not None
-        ):
-            raise ValueError(self.extras_refusal)
         bad = [t for t in req.all_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")

@@ -5,7 +5,8 @@ constrained distribution), so a constrained request's output always matches its 
 Under DFlash a verify block's row j is the distribution of block token j+1: it is masked with the matcher advanced
 along the proposals d_1..d_j, then the matcher rolls back, so committed output equals constrained target-only
 decoding. The draft's proposals are constrained the same way (row by row, each after the ones before it): that only
-changes what is proposed, never what is committed.
+changes what is proposed, never what is committed. Under DDTree every tree row is masked with the matcher advanced
+along its path from the root (a depth-first visit with rollbacks); the tree itself is built from the unmasked draft.
 
 NOTE: a request's matcher always stands at its committed output: the scheduler advances it on every committed token;
 the workers only advance it tentatively and roll back before they return.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
@@ -112,6 +112,36 @@ class RequestGrammar:
                 break
             advanced += 1
         matcher.rollback(advanced)
+        out = logits.float().clone()
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=min(self.vocab_size, out.shape[-1]))
+        return out
+
+    def masked_tree(self, logits: torch.Tensor, row_tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """float32 copy of a draft tree's rows `logits` [R, V] (row 0 the root, the last committed token; a row's
+        parent `parents[r]` comes before it) with row r restricted to what the grammar allows after the committed
+        output + the tokens `row_tokens` of r's path below the root. Rows under a token the grammar rejects, or past
+        its end, stay unmasked: a walk steps to a child only on the token drawn from its parent's masked row, so it
+        never reaches them."""
+        import xgrammar as xgr
+
+        matcher, rows = self.matcher, logits.shape[0]
+        bitmask = self._bitmask(rows)
+        children: list[list[int]] = [[] for _ in range(rows)]
+        for row in range(1, rows):
+            children[parents[row]].append(row)
+        pending = [0]  # NOTE: depth first; -1 rolls the matcher back past the token a visited child accepted
+        while pending:
+            row = pending.pop()
+            if row < 0:
+                matcher.rollback(1)
+                continue
+            if row > 0 and not matcher.accept_token(int(row_tokens[row])):
+                continue
+            if row > 0:
+                pending.append(-1)
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, row)
+                pending.extend(children[row])
         out = logits.float().clone()
         xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=min(self.vocab_size, out.shape[-1]))
         return out

@@ -75,8 +75,7 @@ class Scheduler:
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.vocab_size, self.context_length, self.allocator.total_slots,
-                             self.steps.slots_per_decode, self.tokenizer is not None,
-                             self.steps.worker.extras_refusal)
+                             self.steps.slots_per_decode, self.tokenizer is not None)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

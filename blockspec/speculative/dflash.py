@@ -33,14 +33,13 @@ from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sample.acceptance import greedy_accept_counts, rejection_accept
 from blockspec.sample.penalties import penalized
-from blockspec.sample.sampling import append_logprobs, sampling_probs
-from blockspec.sample.sampling_faults import (
-    SamplingFault, choice_faults, distribution_faults, fail_request, raise_first,
-)
+from blockspec.sample.sampling import append_logprobs
+from blockspec.sample.sampling_faults import SamplingFault, choice_faults, fail_request, raise_first
 from blockspec.speculative.cycle_timing import measure_cycle_times
 from blockspec.speculative.host_proposals import host_proposals
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
 from blockspec.speculative.tree_cycle import TreeCycle
+from blockspec.speculative.tree_sampling import TreeTokens, needs_tree_tokens, tree_row_tokens
 from blockspec.speculative.verify_length import (
     AcceptanceStats, AdaptiveVerifyLength, CycleTimes, FixedVerifyLength, VerifyLengthPolicy, default_verify_lengths,
     full_block,
@@ -103,13 +102,6 @@ class DFlashWorker(TargetWorker):
 
     def _new_acceptance(self) -> AcceptanceStats:
         return AcceptanceStats(self.block_size - 1, tree_length=None if self.tree is None else self.tree.cycle_length)
-
-    @property
-    def extras_refusal(self) -> Optional[str]:
-        if self.tree is None:
-            return None
-        return ("the DDTree cycle (speculative_tree_budget) serves greedy and sampled requests without penalties, "
-                "logprobs or a grammar; serve those without a tree budget")
 
     @property
     def is_speculative(self) -> bool:
@@ -485,33 +477,37 @@ class DFlashWorker(TargetWorker):
         return self._accept(reqs, proposals, draft_probs, self.verify(reqs, proposals))
 
     def _tree_decode(self, reqs: Sequence[Req], tree: TreeCycle) -> list[list[int]]:
-        """One DDTree cycle of a batch with sampled requests (admission refused penalties, logprobs and grammars):
-        the target's token at every tree row is its argmax (greedy rows) or a draw from the request's sampling
-        distribution, and the walk follows those tokens, so the committed tokens are distributed as the target's own
-        sampling (each walked row's token is one draw from the target given the tokens before it)."""
-        n = tree.cycle_length
+        """One DDTree cycle on the host's schedule: the target's token at every tree row is its argmax, or for a
+        request that samples, penalises or follows a grammar its own choice given the row's path (tree_sampling.py);
+        the walk follows those tokens. A request whose walk reaches a row it cannot choose from fails alone."""
+        n, rows_per_tree = tree.cycle_length, tree.budget + 1
         batch = self.block_rows(reqs, n).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
         verified = tree.verify(batch, argmax_only=False)
-        logits = verified.logits.view(len(reqs), tree.budget + 1, -1)
-        tokens = greedy_tokens(verified.logits).view(len(reqs), tree.budget + 1)
+        logits = verified.logits.view(len(reqs), rows_per_tree, -1)
+        tokens = greedy_tokens(verified.logits).view(len(reqs), rows_per_tree)
+        drawn: dict[int, TreeTokens] = {}
+        shape = verified.tree
+        row_tokens = torch.cat([verified.anchors[:, None], shape.tokens], 1)
         for i, req in enumerate(reqs):
-            if req.params.is_greedy:
-                continue
-            probs = sampling_probs(logits[i], req.params)
-            try:
-                raise_first(distribution_faults(probs))
-            except SamplingFault as fault:  # NOTE: the request alone fails (sampling_faults.py); rows keep the argmax
-                fail_request(req, str(fault))
-                continue
-            tokens[i] = torch.multinomial(probs, 1, generator=req.generator).view(-1)
-        rows = tree.walk(batch, verified, tokens).tolist()
+            if needs_tree_tokens(req):
+                drawn[i] = tree_row_tokens(req, logits[i], row_tokens[i], shape.parents[i], shape.depths[i],
+                                           shape.ancestors[i])
+                tokens[i] = drawn[i].tokens
+        walked, path = tree.walk(batch, verified, tokens)
+        rows, paths = walked.tolist(), path.tolist()
         committed: list[list[int]] = []
-        for req, row in zip(reqs, rows):
+        for i, (req, row) in enumerate(zip(reqs, rows)):
+            walked_rows = paths[i][:row[0] + 1]
+            fault = drawn[i].fault_at(walked_rows[-1]) if i in drawn else None
+            if fault is not None:  # NOTE: sampling_faults.py: the request alone fails, nothing of it is committed
+                fail_request(req, fault)
             if req.finished:
                 committed.append([])
                 continue
             req.kv_len += row[0] + 1
             committed.append(accepted_and_bonus(row, n))
+            if req.wants_logprobs:  # NOTE: walked row d is the target's distribution of committed token d
+                append_logprobs(req, logits[i, walked_rows], committed[-1])
         self.observe_cycle(n, [row[0] for row in rows], len(reqs), None)
         return committed
 

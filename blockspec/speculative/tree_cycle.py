@@ -1,7 +1,8 @@
 """The DDTree cycle: the DFlash draft's block → a draft tree of B nodes → one tree-masked target verify over
 [root, nodes] → the walk → the walked rows' KV compacted into the block's first slots. Greedy, it is one function of
-the cycle's input batch on the device (graph-capturable: no host read); sampled, the target's token at every tree row
-is drawn between the verify and the walk (DFlashWorker's synchronous step).
+the cycle's input batch on the device (graph-capturable: no host read); for requests that sample, penalise or follow
+a grammar the target's token at every tree row is chosen between the verify and the walk (tree_sampling.py,
+DFlashWorker's synchronous step).
 
 The cycle's input rows are a chain cycle's at verify length b + B (b the draft block, B the budget): [bonus, mask x
 (b + B - 1) | req→token row | kv_len + b + B], so the verify-length policy, the overlap schedule's next_cycle_rows and
@@ -76,7 +77,8 @@ class TreeCycle:
         """The greedy cycle of a batch of `cycle_length` rows per request (module docstring); returns [bs, 2(b + B)]
         int64 rows."""
         verified = self.verify(batch, argmax_only=True)
-        return (self.walk(batch, verified, verified.logits.view(batch.batch_size, self.budget + 1)),)
+        rows, _ = self.walk(batch, verified, verified.logits.view(batch.batch_size, self.budget + 1))
+        return (rows,)
 
     def verify(self, batch: ForwardBatch, argmax_only: bool) -> VerifiedTree:
         """The draft over the full block, its tree, and the target's tree-masked forward over [root, nodes] (logits
@@ -100,10 +102,11 @@ class TreeCycle:
         assert output.aux_hidden is not None
         return VerifiedTree(tree, anchors, starts, output.logits, output.aux_hidden)
 
-    def walk(self, batch: ForwardBatch, verified: VerifiedTree, target_tokens: torch.Tensor) -> torch.Tensor:
-        """The walk along the target's token at every tree row `target_tokens` [bs, B + 1] (its argmax, or a draw
-        from the request's sampling distribution: the walk then commits tokens distributed as the target's own
-        sampling), then the compaction; returns the [bs, 2(b + B)] rows of the module docstring."""
+    def walk(self, batch: ForwardBatch, verified: VerifiedTree, target_tokens: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The walk along the target's token at every tree row `target_tokens` [bs, B + 1] (its argmax, or the
+        request's own choice: tree_sampling.py), then the compaction; returns the [bs, 2(b + B)] rows of the module
+        docstring and the walked path [bs, b] (greedy_tree_walk: its first `accepted` + 1 entries are tree rows)."""
         bs, b, budget = batch.batch_size, self.block_size, self.budget
         starts, aux_hidden = verified.starts, verified.aux_hidden
         accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
@@ -119,4 +122,5 @@ class TreeCycle:
                                        self.draft_pool)
         tokens = torch.cat([verified.anchors[:, None], verified.tree.tokens], 1).gather(1, walked_rows)
         padding = torch.zeros((bs, budget), dtype=torch.int64, device=starts.device)
-        return torch.cat([accepted, tokens[:, 1:], padding, target_tokens.gather(1, walked_rows), padding], dim=1)
+        rows = torch.cat([accepted, tokens[:, 1:], padding, target_tokens.gather(1, walked_rows), padding], dim=1)
+        return rows, walked_rows

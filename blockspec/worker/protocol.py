@@ -74,11 +74,6 @@ class Worker(Protocol):
         ...
 
     @property
-    def extras_refusal(self) -> Optional[str]:
-        """Why requests with penalties, logprobs or a grammar cannot be served (None: they can)."""
-        ...
-
-    @property
     def draft_attention(self) -> Optional[AttentionBackend]:
         """The draft's attention backend (start-up warms its kernels); None without a draft."""
         ...

@@ -41,10 +41,6 @@ class TargetWorker:
         return None  # NOTE: no draft tree
 
     @property
-    def extras_refusal(self) -> Optional[str]:
-        return None  # NOTE: every request can be served
-
-    @property
     def uniform_lengths(self) -> tuple[int, ...]:
         return (self.decode_slots_per_req,)
 

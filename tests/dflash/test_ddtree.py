@@ -4,6 +4,7 @@ the greedy walk, each node's target token from a plain forward over its whole pr
 reproduces `dflash_generate`'s acceptance lengths, which checks the reference itself. CPU, fp32."""
 from __future__ import annotations
 
+import itertools
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -16,7 +17,14 @@ from transformers import PreTrainedModel
 from blockspec.request import SamplingParams
 from blockspec.sample.sampling import sampling_probs
 from tests.support.ddtree_reference import greedy_walk, heap_tree
-from tests.support.draft_training import cpu_engine, full_block_cycles, save_trained_target
+from tests.sampling.test_logprobs import check_against_hf
+from tests.sampling.test_penalties import CASES as PENALTY_CASES
+from tests.sampling.test_penalties import hf_penalised_greedy
+from tests.sampling.test_grammar import CASES as GRAMMAR_CASES
+from tests.sampling.test_grammar import matches as grammar_matches
+from tests.sampling.test_grammar import prompt_ids as grammar_prompt_ids
+from tests.support.draft_training import cpu_engine, full_block_cycles
+from tests.support.grammar_models import constrained_greedy, constrained_string_distribution
 
 dflash_model = pytest.importorskip("dflash.model")
 dflash_model._cuda_time = time.perf_counter  # NOTE: the reference times with cuda.synchronize; CPU needs a clock
@@ -27,11 +35,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("ddtree")
-    target = save_trained_target(root)
-    draft = dflash_model.DFlashDraftModel.from_pretrained(root / "draft").eval()
-    return {"root": root, "target": target, "draft": draft}
+def pair(trained_pair: dict[str, Any]) -> dict[str, Any]:
+    draft = dflash_model.DFlashDraftModel.from_pretrained(trained_pair["root"] / "draft").eval()
+    return {**trained_pair, "draft": draft}
 
 
 def reference_cycles(
@@ -131,14 +137,151 @@ def test_a_tree_raises_acceptance_over_the_chain(pair: dict[str, Any]) -> None:
     assert accept[32] > accept[0]
 
 
-def test_penalties_logprobs_and_grammars_are_refused_clearly(pair: dict[str, Any]) -> None:
+def walks_past_the_root(engine: Any) -> bool:
+    histogram = engine.scheduler.spec.as_dict()["spec_accept_length_histogram"]
+    return sum(histogram[2:]) > 0
+
+
+@pytest.mark.parametrize("case", list(PENALTY_CASES))
+def test_penalised_greedy_equals_a_plain_penalised_loop(pair: dict[str, Any], case: str) -> None:
+    """Each tree row is penalised as of its path from the root (counts over the path's tokens, min_new_tokens by
+    depth), so the output equals a plain HF greedy loop that applies the same penalties."""
+    params = {"temperature": 0, "max_new_tokens": 20, **PENALTY_CASES[case]}
     engine = cpu_engine(pair["root"], True, speculative_tree_budget=8)
-    for params in ({"temperature": 0.7, "frequency_penalty": 0.5}, {"temperature": 0, "presence_penalty": 1.0}):
-        with pytest.raises(ValueError, match="DDTree cycle .* without penalties, logprobs or a grammar"):
-            engine.generate(input_ids=[[5, 6, 7]], sampling_params={**params, "max_new_tokens": 4})
-    with pytest.raises(ValueError, match="DDTree cycle"):
-        engine.generate(input_ids=[[5, 6, 7]], sampling_params={"temperature": 0, "max_new_tokens": 4},
-                        return_logprob=True)
+    eos = set(engine.scheduler.eos_token_ids)
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out["output_ids"] == hf_penalised_greedy(pair["target"], prompt, params, eos), case
+    # NOTE: the bias makes token 17 the target's choice nearly everywhere; the draft never learnt it
+    assert walks_past_the_root(engine) or case == "bias"
+
+
+def test_logprobs_are_the_walked_rows(pair: dict[str, Any]) -> None:
+    """Greedy and seeded sampled requests with logprobs: each committed token's log-probability and top-k are HF's
+    over the same sequence (the walked tree rows' logits), and asking for them changes no token."""
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=8)
+    sampled = {"temperature": 0.7, "top_k": 20, "seed": 3, "max_new_tokens": 24, "ignore_eos": True}
+    for params in (GREEDY, sampled):
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True, top_logprobs_num=3)
+        for prompt, out in zip(PROMPTS, outs):
+            check_against_hf(pair["target"], prompt, out)
+        plain = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    assert walks_past_the_root(engine)
+
+
+def test_a_row_with_nothing_to_choose_fails_only_if_walked(pair: dict[str, Any]) -> None:
+    """min_new_tokens with every token a stop leaves no token at depths short of it: the walk reaches such a row on
+    the first cycle, so that request fails alone (clear error) and the other request of the batch is untouched."""
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=8)
+    vocab = engine.scheduler.vocab_size
+    impossible = {**GREEDY, "min_new_tokens": 50, "stop_token_ids": list(range(vocab))}
+    alone = engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"]
+    outs = engine.generate(input_ids=PROMPTS[:2], sampling_params=[impossible, GREEDY])
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort", outs[0]["meta_info"]
+    assert "no token is allowed" in outs[0]["meta_info"]["finish_reason"]["message"]
+    assert outs[1]["output_ids"] == alone
+
+
+def test_tree_rows_are_penalised_as_their_paths() -> None:
+    """A tree row's penalties (frequency, presence, repetition, bias, min_new_tokens) are those of a verify block's
+    last row along the row's path from the root: the output as of the path's tokens, min_new_tokens by depth."""
+    from blockspec.request import Req
+    from blockspec.sample.penalties import penalized, penalized_tree
+    from blockspec.speculative.tree_build import ancestor_mask
+
+    params = SamplingParams.from_dict({"frequency_penalty": 0.7, "presence_penalty": 0.3, "repetition_penalty": 1.3,
+                                       "logit_bias": {"4": 1.5}, "min_new_tokens": 5})
+    req = Req([1, 2, 3], params)
+    req.all_ids += [5, 6, 5]  # NOTE: the output so far; its last token is the tree's root
+    req.min_tokens_blocked_ids = {9}
+    parents = torch.tensor([0, 0, 0, 1, 1, 3, 2, 5])
+    row_tokens = torch.tensor([5, 6, 7, 6, 8, 6, 9, 2])
+    depths = torch.tensor([0, 1, 1, 2, 2, 3, 2, 4])
+    logits = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    rows = penalized_tree(logits, req, row_tokens, ancestor_mask(parents[None], 4)[0], depths)
+    for row in range(8):
+        path = [row]
+        while path[0] != 0:
+            path.insert(0, int(parents[path[0]]))
+        chain = penalized(logits[path], req, row_tokens[path[1:]].tolist())
+        torch.testing.assert_close(rows[row], chain[-1], msg=f"row {row}, path {path}")
+    assert torch.isinf(rows[1, 9]) and not torch.isinf(rows[3, 9])  # NOTE: 3 output tokens + depth 1 < 5; + 2 not
+
+
+def test_tree_rows_are_masked_as_their_paths(qwen_vocab_pair: dict[str, Any]) -> None:
+    """A tree row's grammar mask is that of a verify block's last row along the row's path (the matcher advanced over
+    its tokens, then rolled back); rows under a token the grammar rejects stay unmasked, and the matcher ends where it
+    began."""
+    from blockspec.request import GrammarSpec
+    from blockspec.sample.grammar import GrammarCompiler
+    from tests.support.grammar_models import QWEN_EOS
+
+    tokenizer = qwen_vocab_pair["tokenizer"]
+    vocab = qwen_vocab_pair["target"].config.vocab_size
+    grammar = GrammarCompiler(tokenizer, vocab, [QWEN_EOS]).start(GrammarSpec("regex", "[a-z]{2,5} [0-9]{1,3}!"))
+
+    def allowed_after(path_tokens: list[int]) -> list[int]:
+        row = grammar.masked(torch.zeros(len(path_tokens) + 1, vocab), path_tokens)[-1]
+        return torch.nonzero(torch.isfinite(row))[:, 0].tolist()
+
+    # NOTE: each row of depth < 3 gets two children the grammar allows and one it never allows (a capital letter);
+    # a row under that one gets a child too, which must stay unmasked
+    generator = torch.Generator().manual_seed(1)
+    rejected, letter = int(tokenizer.encode("Z")[0]), int(tokenizer.encode("a")[0])
+    parents, row_tokens, paths = [0], [0], [[]]
+    for row in itertools.count():
+        if row == len(parents):
+            break
+        path = paths[row]
+        if len(path) == 3:
+            continue
+        if rejected in path:
+            children = [letter]
+        else:
+            allowed = allowed_after(path)
+            children = [allowed[int(i)] for i in torch.randint(len(allowed), (2,), generator=generator)] + [rejected]
+        for token in dict.fromkeys(children):
+            parents.append(row)
+            row_tokens.append(token)
+            paths.append(path + [token])
+    logits = torch.randn(len(parents), vocab, generator=generator)
+    matcher_before = grammar.masked(torch.zeros(1, vocab))
+    rows = grammar.masked_tree(logits, row_tokens, parents)
+    for row, path in enumerate(paths):
+        chain = grammar.masked(logits[[0] * len(path) + [row]], path)  # NOTE: its last row is this row's
+        torch.testing.assert_close(rows[row], chain[-1], msg=f"row {row}, path {path}")
+        if rejected in path:
+            torch.testing.assert_close(rows[row], logits[row])
+    assert any(not torch.isfinite(rows[row]).all() for row, path in enumerate(paths) if len(path) == 3)
+    torch.testing.assert_close(grammar.masked(torch.zeros(1, vocab)), matcher_before)
+
+
+@pytest.mark.parametrize("case", ["pattern regex", "enum schema", "ebnf"])
+def test_constrained_greedy_equals_a_constrained_target_loop(qwen_vocab_pair: dict[str, Any], case: str) -> None:
+    kind, source = GRAMMAR_CASES[case]
+    tokenizer, target = qwen_vocab_pair["tokenizer"], qwen_vocab_pair["target"]
+    prompts = grammar_prompt_ids(tokenizer)
+    engine = cpu_engine(Path(qwen_vocab_pair["root"]), True, skip_tokenizer_init=False, speculative_tree_budget=8)
+    outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 40, kind: source})
+    for prompt, out in zip(prompts, outs):
+        assert out["output_ids"] == constrained_greedy(target, tokenizer, prompt, kind, source, 40), case
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            assert grammar_matches(kind, source, out["text"]), (case, out["text"])
+    engine.shutdown()
+
+
+def test_sampled_constrained_distribution_is_the_masked_target(qwen_vocab_pair: dict[str, Any]) -> None:
+    regex, samples = "(yes|no|maybe)", 400
+    prompt = grammar_prompt_ids(qwen_vocab_pair["tokenizer"])[0]
+    exact = constrained_string_distribution(qwen_vocab_pair["target"], qwen_vocab_pair["tokenizer"], prompt, regex)
+    engine = cpu_engine(Path(qwen_vocab_pair["root"]), True, skip_tokenizer_init=False, speculative_tree_budget=8)
+    outs = engine.generate(input_ids=[prompt] * samples, sampling_params=[
+        {"temperature": 1.0, "seed": seed, "max_new_tokens": 8, "regex": regex} for seed in range(samples)])
+    counts = {text: sum(o["text"] == text for o in outs) / samples for text in exact}
+    total_variation = 0.5 * sum(abs(counts[text] - p) for text, p in exact.items())
+    assert total_variation < 0.07, (counts, exact)
+    engine.shutdown()
 
 
 def exact_sequences(target: PreTrainedModel, prompt: list[int], params: SamplingParams, length: int,

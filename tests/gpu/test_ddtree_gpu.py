@@ -60,3 +60,21 @@ def test_overlapped_tree_step_never_waits_on_the_device(tiny: Path) -> None:
     reqs, checked = overlapped_run_checking_syncs(engine, PROMPTS[:8], GREEDY)
     assert checked > 5 and [r.output_ids for r in reqs] == target_only[:8]
     assert engine.scheduler.spec.as_dict()["avg_spec_accept_length"] > 1.5
+
+
+def test_penalties_and_logprobs_on_the_tree_equal_target_only(tiny: Path) -> None:
+    """Requests the host chooses for (penalties, logprobs) take the tree's synchronous step on CUDA: each tree row
+    penalised as of its path; the same tokens and log-probabilities as target-only decoding."""
+    params = {**GREEDY, "frequency_penalty": 0.8, "presence_penalty": 0.5, "repetition_penalty": 1.2}
+    outs = {}
+    for name, flags in (("target", {}), ("tree", dict(speculative_tree_budget=16, **TREE_EVERY_CYCLE))):
+        _, engine = run_prompts(tiny, name == "tree", device="cuda", **flags)
+        outs[name] = engine.generate(input_ids=PROMPTS[:4], sampling_params=params, return_logprob=True,
+                                     top_logprobs_num=2)
+        engine.shutdown()
+    for target, tree in zip(outs["target"], outs["tree"]):
+        assert tree["output_ids"] == target["output_ids"]
+        got = torch.tensor([lp for lp, _, _ in tree["meta_info"]["output_token_logprobs"]])
+        want = torch.tensor([lp for lp, _, _ in target["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    assert max(o["meta_info"]["spec_accept_length"] for o in outs["tree"]) > 1.5

@@ -1,7 +1,8 @@
 """One request with a degenerate sampling value never fails the others in its batch (issue 47): a plainly degenerate
 value is normalised at the door (a temperature below GREEDY_TEMPERATURE is greedy; top_p so small that it rounds to 0
 keeps the top token), and a row that still has nothing to sample from ends its own request with a clear error while
-the rest of the batch finishes with exactly the tokens it gets alone. Target-only and DFlash, overlap on and off."""
+the rest of the batch finishes with exactly the tokens it gets alone. Target-only, DFlash and DDTree (a draft tree of
+8 nodes), overlap on and off."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,16 +44,18 @@ DEGENERATE: dict[str, tuple[dict[str, Any], str]] = {
 
 
 @pytest.fixture
-def engine_for(qwen_vocab_pair: dict[str, Any], make_engine: Callable[..., Engine]) -> Callable[[bool, bool], Engine]:
-    """(DFlash, overlap schedule) → a fresh engine on the tiny target with a tokenizer (grammars need one); fresh per
+def engine_for(qwen_vocab_pair: dict[str, Any], make_engine: Callable[..., Engine]) -> Callable[[str, bool], Engine]:
+    """(mode, overlap schedule) → a fresh engine on the tiny target with a tokenizer (grammars need one); fresh per
     test so that a batch one case broke cannot fail the next."""
     root = Path(qwen_vocab_pair["root"])
 
-    def build(spec: bool, overlap: bool) -> Engine:
+    def build(mode: str, overlap: bool) -> Engine:
         flags: dict[str, Any] = dict(page_size=4, max_total_tokens=4096, chunked_prefill_size=8,
                                      skip_tokenizer_init=False, disable_overlap_schedule=not overlap)
-        if spec:
+        if mode != "target":
             flags.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
+        if mode == "ddtree":
+            flags.update(speculative_tree_budget=8)
         return make_engine(root / "target", **flags)
 
     return build
@@ -70,10 +73,10 @@ def submit(engine: Engine, prompt: str, params: dict[str, Any]) -> Req:
 
 @pytest.mark.parametrize("case", list(DEGENERATE))
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
-@pytest.mark.parametrize("spec", [False, True], ids=["target", "dflash"])
-def test_degenerate_request_never_fails_the_batch(engine_for: Callable[[bool, bool], Engine], spec: bool,
+@pytest.mark.parametrize("mode", ["target", "dflash", "ddtree"])
+def test_degenerate_request_never_fails_the_batch(engine_for: Callable[[str, bool], Engine], mode: str,
                                                    overlap: bool, case: str) -> None:
-    engine = engine_for(spec, overlap)
+    engine = engine_for(mode, overlap)
     params, outcome = DEGENERATE[case]
     others_alone = [solo(engine, prompt, p) for prompt, p in zip(PROMPTS, OTHERS)]
     # NOTE: one faulty request arrives with the others (their prefill), another while they decode
