@@ -10,8 +10,14 @@ DFlash chain. Writes tree_verify_<date>_<commit>.json into the --out directory (
 
 Workloads: `gsm8k` (GSM8K test questions in the demo's chat template, --gsm8k, default the evals' data path) and
 `code` (code-completion prefixes written below, as raw text). The pair: the demo pair by default (SmolLM2-135M-Instruct
-converted from its GGUF + the shipped DFlash draft), or --target / --draft. `--smoke` runs tiny random weights on the
-CPU (its numbers mean nothing; it checks the script)."""
+converted from its GGUF + the shipped DFlash draft), or --target / --draft.
+
+`--dummy-shape llama8b` measures the cost side on Llama-3.1-8B shapes with dummy weights, where no draft accepts
+anything: every cycle commits a simulated accept length (geometric draws: --simulate-accept-profile for chain cycles,
+--simulate-tree-accept-profile for tree cycles, the tree's gain over the chain stated, not measured), so the rows show
+whether a tree's wider verify pays at each batch size for that gain and whether adaptive verify picks the chain where
+it does not (the issue's "never below 0.97x the chain"; compare with --chain-adaptive). Its workload is `random`
+(token ids). `--smoke` runs tiny random weights on the CPU (its numbers mean nothing; it checks the script)."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +57,9 @@ def workload_prompts(name: str, args: argparse.Namespace, model_dir: Path, count
     """`count` prompts (token ids) of a workload, cycling through the set when it is shorter."""
     if args.smoke:
         return [[5 + (i * 7 + j) % 400 for j in range(8 + i % 5)] for i in range(count)]
+    if name == "random":
+        generator = torch.Generator().manual_seed(count)
+        return torch.randint(10, 32000, (count, args.random_prompt_len), generator=generator).tolist()
     from blockspec.tokenizer import chat_to_ids, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
@@ -77,6 +86,12 @@ def engine_flags(args: argparse.Namespace, target: Path, draft: Path, budget: in
     )
     if args.smoke:
         flags.update(device="cpu", dtype="float32", load_format="dummy", max_total_tokens=4096)
+    if args.dummy_shape is not None:
+        flags.update(load_format="dummy")
+    if args.simulate_accept_profile is not None:
+        flags.update(speculative_simulate_accept_profile=args.simulate_accept_profile)
+        if budget > 0:
+            flags.update(speculative_simulate_tree_accept_profile=args.simulate_tree_accept_profile)
     return flags
 
 
@@ -106,6 +121,12 @@ def pair_dirs(args: argparse.Namespace, root: Path) -> tuple[Path, Path, str]:
         (root / "draft").mkdir()
         (root / "draft" / "config.json").write_text(json.dumps({**TINY_DRAFT, "block_size": 8}))
         return root / "target", root / "draft", "smoke"
+    if args.dummy_shape is not None:
+        from benchmarks.serving_vs_engine_support import materialise
+
+        shape = materialise(args.dummy_shape, root, None, None)
+        assert shape.draft is not None
+        return shape.target, shape.draft, f"{args.dummy_shape}/dummy"
     if args.target is not None:
         assert args.draft is not None, "--target needs --draft"
         return args.target, args.draft, args.shape or args.target.name
@@ -132,6 +153,9 @@ def tree_rows(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> li
                     row = {"shape": shape, "workload": workload, "bs": bs, "budget": budget, "policy": policy,
                            "accept_length": round(measured["accept_length"], 4), "tok_s": round(measured["tok_s"], 2),
                            "chain_tok_s": round(chain, 2), "max_new_tokens": args.max_new_tokens}
+                    if args.simulate_accept_profile is not None:
+                        row.update(simulated_chain=args.simulate_accept_profile,
+                                   simulated_tree=args.simulate_tree_accept_profile if budget > 0 else None)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     result["rows"] = rows
@@ -149,7 +173,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64], help="tree budgets (0, the chain, "
                                                                                     "always runs)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--workloads", nargs="+", choices=["gsm8k", "code"], default=["gsm8k", "code"])
+    parser.add_argument("--workloads", nargs="+", choices=["gsm8k", "code", "random"], default=None,
+                        help="default: gsm8k and code; random with --dummy-shape")
     parser.add_argument("--rounds", type=int, default=2, help="prompts per request slot in the measured round")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--target", type=Path, default=None, help="target model directory (default: the demo's)")
@@ -163,7 +188,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_out_argument(parser)
     add_commit_argument(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny random weights on the CPU")
+    parser.add_argument("--dummy-shape", choices=["llama8b"], default=None,
+                        help="dummy weights of this shape with simulated acceptance (module docstring)")
+    parser.add_argument("--simulate-accept-profile", default=None,
+                        help="chain cycles' simulated acceptance (default with --dummy-shape: geometric:4)")
+    parser.add_argument("--simulate-tree-accept-profile", default=None,
+                        help="tree cycles' simulated acceptance (default with --dummy-shape: geometric:5)")
+    parser.add_argument("--random-prompt-len", type=int, default=128, help="tokens per prompt of the random workload")
     args = parser.parse_args(argv)
+    if args.dummy_shape is not None:
+        args.simulate_accept_profile = args.simulate_accept_profile or "geometric:4"
+        args.simulate_tree_accept_profile = args.simulate_tree_accept_profile or "geometric:5"
+    if (args.simulate_accept_profile is None) != (args.simulate_tree_accept_profile is None):
+        parser.error("--simulate-accept-profile and --simulate-tree-accept-profile go together")
+    if args.workloads is None:
+        args.workloads = ["random"] if args.dummy_shape is not None else ["gsm8k", "code"]
     commit = resolved_commit(args)
     out = args.out / f"tree_verify_{today()}_{commit}.json"
     result: dict[str, Any] = {"commit": commit, "gpu": gpu_name(), "date": today(), "rows": []}

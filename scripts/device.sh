@@ -57,6 +57,8 @@ plan() {
     echo "then the issues' measurements on the warm machine, one call each (benchmarks/<module>.py says more):"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --adaptive" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --dummy-shape llama8b --adaptive" \
+         "--chain-adaptive --budgets 16 32 --batch-sizes 1 4 16 64"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer step"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench dflash2 --part cycle"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine ... (its docstring's three calls)"

@@ -83,6 +83,9 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     speculative_simulate_accept_len: Optional[float] = None  # benchmarking only: forces the accept length
     speculative_simulate_accept_profile: Optional[str] = None  # benchmarking only: "geometric:M" or a histogram JSON
+    # NOTE: benchmarking DDTree: a tree cycle's simulated acceptance (the chain's flags set the chain cycles')
+    speculative_simulate_tree_accept_len: Optional[float] = None
+    speculative_simulate_tree_accept_profile: Optional[str] = None
     speculative_adaptive_verify: Optional[str] = None  # on | off; unset: on when the DFlash cycle runs in CUDA graphs
     speculative_num_draft_tokens_per_bs: Optional[str] = None  # fixed verify lengths by batch size: "1-16:10,17-64:4"
     # NOTE: DDTree: verify a tree of this many draft nodes (the most likely prefixes of the draft's per-position
@@ -129,11 +132,11 @@ class EngineConfig:
         for name in ("device", "dtype", "attention_backend", "log_level", "load_format"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
-        for name in ("speculative_simulate_accept_profile", "speculative_adaptive_verify",
-                     "speculative_num_draft_tokens_per_bs"):
+        for name in ("speculative_simulate_accept_profile", "speculative_simulate_tree_accept_profile",
+                     "speculative_adaptive_verify", "speculative_num_draft_tokens_per_bs"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
-        for name in ("mem_fraction_static", "speculative_simulate_accept_len"):
+        for name in ("mem_fraction_static", "speculative_simulate_accept_len", "speculative_simulate_tree_accept_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -226,8 +229,9 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.speculative_simulate_accept_len is not None and self.speculative_simulate_accept_len < 1:
-            raise ValueError("speculative_simulate_accept_len must be >= 1 (tokens committed per verify)")
+        for name in ("speculative_simulate_accept_len", "speculative_simulate_tree_accept_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (tokens committed per verify)")
         self._validate_verify_flags()
         self._validate_tree_flags()
         self.attention_backend = resolve_deterministic_backend(
@@ -259,14 +263,19 @@ class EngineConfig:
                 )
             schedule = parse_verify_schedule(self.speculative_num_draft_tokens_per_bs)
             check_schedule_covers(schedule, self.max_running_requests)
-        if self.speculative_simulate_accept_profile is not None:
-            if self.speculative_simulate_accept_len is not None:
-                raise ValueError("pass one of speculative_simulate_accept_len and speculative_simulate_accept_profile")
-            accept_distribution(self.speculative_simulate_accept_profile, 2)
+        for kind in ("", "tree_"):
+            length, profile = f"speculative_simulate_{kind}accept_len", f"speculative_simulate_{kind}accept_profile"
+            if getattr(self, profile) is not None:
+                if getattr(self, length) is not None:
+                    raise ValueError(f"pass one of {length} and {profile}")
+                accept_distribution(getattr(self, profile), 2)
 
     def _validate_tree_flags(self) -> None:
         budget = self.speculative_tree_budget
         if budget is None or budget == 0:
+            if self.simulates_tree_acceptance:
+                raise ValueError("speculative_simulate_tree_accept_len / _profile need a draft tree "
+                                 "(speculative_tree_budget > 0 or speculative_algorithm DDTREE)")
             return
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"speculative_tree_budget must be a non-negative integer, got {budget!r}")
@@ -277,17 +286,28 @@ class EngineConfig:
             "attention_backend flashinfer": self.attention_backend == "flashinfer",
             "enable_deterministic_inference": self.enable_deterministic_inference,
             "enable_mixed_chunk": self.enable_mixed_chunk,
-            "speculative_simulate_accept_len / _profile": self.speculative_simulate_accept_len is not None
-            or self.speculative_simulate_accept_profile is not None,
             "speculative_num_draft_tokens_per_bs": self.speculative_num_draft_tokens_per_bs is not None,
             "tp_size > 1": self.tp_size > 1,
         }
-        # NOTE: FlashInfer's paged wrappers take no per-query ancestor mask, the batch-invariant kernels none
-        # either; mixed steps verify chains inside an extend forward; simulated acceptance and a fixed verify-length
-        # schedule describe chains; the tree cycle has not been mirrored to other tensor-parallel ranks.
+        # NOTE: the tree cycle is one CUDA graph (draft, tree build, tree-masked verify, walk), and FlashInfer plans
+        # its wrappers on the host, outside any graph; the batch-invariant kernels take no tree mask; mixed steps
+        # verify chains inside an extend forward; a fixed verify-length schedule describes chains; the tree cycle
+        # has not been mirrored to other tensor-parallel ranks.
         for name, refused in refusals.items():
             if refused:
                 raise ValueError(f"speculative_tree_budget (DDTree) cannot be combined with {name}")
+        chain_simulated = self.speculative_simulate_accept_len is not None or \
+            self.speculative_simulate_accept_profile is not None
+        if chain_simulated != self.simulates_tree_acceptance:
+            raise ValueError("simulated acceptance with a draft tree needs both the chain's "
+                             "(speculative_simulate_accept_len or _profile) and the tree's "
+                             "(speculative_simulate_tree_accept_len or _profile): adaptive verify weighs one against "
+                             "the other")
+
+    @property
+    def simulates_tree_acceptance(self) -> bool:
+        return self.speculative_simulate_tree_accept_len is not None or \
+            self.speculative_simulate_tree_accept_profile is not None
 
     @property
     def tree_budget(self) -> int:

@@ -78,13 +78,16 @@ ENGINE_FLAGS: dict[str, Flag] = {
     "speculative_simulate_accept_profile": Flag(
         "benchmarking only: draw each verify's accept length from geometric:MEAN or an accept-length histogram JSON "
         "(the /server_info layout)"),
+    "speculative_simulate_tree_accept_len": Flag(
+        "benchmarking DDTree only: force a tree cycle's accept length (with the chain's simulated acceptance)"),
+    "speculative_simulate_tree_accept_profile": Flag(
+        "benchmarking DDTree only: draw a tree cycle's accept length from geometric:MEAN or a histogram JSON"),
     "speculative_adaptive_verify": Flag(
         "verify length per batch size from measured cycle times and live acceptance (default: on when the DFlash "
         "cycle runs in CUDA graphs; on without graphs times eager cycles)", choices=("on", "off"), fold_case=str.lower),
     "speculative_tree_budget": Flag(
         "DDTree: each cycle verifies a tree of B draft nodes, the B most likely prefixes of the draft block's "
-        "per-position distributions, in one target forward (no penalties, logprobs or grammars); 0: the chain "
-        "(default)"),
+        "per-position distributions, in one target forward; 0: the chain (default)"),
     "speculative_num_draft_tokens_per_bs": Flag(
         "fixed verify length per batch size instead, e.g. 1-16:10,17-64:4 (1 = plain target decode)"),
     "load_format": Flag("dummy: random weights (default %(default)s)", choices=("auto", "dummy")),

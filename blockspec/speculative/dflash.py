@@ -85,8 +85,14 @@ class DFlashWorker(TargetWorker):
         # NOTE: DDTree (speculative_tree_budget > 0): the tree cycle is one more verify length (b + B) for the policy
         self.tree: Optional[TreeCycle] = None
         if config.tree_budget > 0:
+            simulated_tree = None
+            if config.simulates_tree_acceptance:
+                simulated_tree = SimulatedAcceptance(
+                    config.speculative_simulate_tree_accept_len, config.speculative_simulate_tree_accept_profile,
+                    block_size, runner.device, config.random_seed + 1,
+                )
             self.tree = TreeCycle(runner, draft, draft_pool, self._draft_hidden, block_size, config.tree_budget,
-                                  self.capture)
+                                  self.capture, simulated_tree)
         self.acceptance = self._new_acceptance()
         self.verify_policy: VerifyLengthPolicy = self._initial_policy()
         self._cycle_fns: dict[int, CycleFn] = {}

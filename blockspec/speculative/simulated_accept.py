@@ -8,6 +8,8 @@ flattered by a constant:
 - a JSON file: an accept-length histogram, `[count of verifies that committed c tokens for c = 0, 1, 2, ...]` or an
   object with that list under "spec_accept_length_histogram" (the layout of /server_info), measured with full blocks.
 A verify of length n accepts min(drawn, n - 1): the full block's proposals are drawn first, as a real draft's are.
+DDTree cycles draw from their own `--speculative-simulate-tree-accept-len` / `-profile` (tree_walk.simulated_tree_walk),
+so adaptive verify weighs a stated tree acceptance against the chain's with measured cycle times.
 """
 from __future__ import annotations
 

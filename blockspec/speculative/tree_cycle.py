@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -30,7 +30,8 @@ from blockspec.kv.pool import KVPool
 from blockspec.models.dflash_draft import DFlashDraftModel
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.speculative.tree_build import DraftTree, build_tree
-from blockspec.speculative.tree_walk import greedy_tree_walk
+from blockspec.speculative.simulated_accept import SimulatedAcceptance
+from blockspec.speculative.tree_walk import greedy_tree_walk, simulated_tree_walk
 
 DraftHidden = Callable[[ForwardBatch], torch.Tensor]
 
@@ -51,7 +52,8 @@ class TreeCycle:
     """The greedy cycle of a draft tree of `budget` nodes over draft blocks of `block_size` rows."""
 
     def __init__(self, runner: ModelRunner, draft: DFlashDraftModel, draft_pool: KVPool, draft_hidden: DraftHidden,
-                 block_size: int, budget: int, capture: tuple[int, ...]) -> None:
+                 block_size: int, budget: int, capture: tuple[int, ...],
+                 simulated: Optional[SimulatedAcceptance] = None) -> None:
         if draft.config.dflash2 is not None:
             # NOTE: a DFlash2 draft proposes through its candidate selector, which scores a row's candidate together
             # with the one before it; a tree of the rows' independent marginals would ignore that pairwise score.
@@ -67,6 +69,7 @@ class TreeCycle:
         self.block_size = block_size
         self.budget = budget
         self.capture = capture
+        self.simulated = simulated  # NOTE: benchmarking: the walk's length drawn, not verified (simulated_accept.py)
 
     @property
     def cycle_length(self) -> int:
@@ -109,7 +112,11 @@ class TreeCycle:
         docstring and the walked path [bs, b] (greedy_tree_walk: its first `accepted` + 1 entries are tree rows)."""
         bs, b, budget = batch.batch_size, self.block_size, self.budget
         starts, aux_hidden = verified.starts, verified.aux_hidden
-        accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
+        if self.simulated is None:
+            accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
+        else:
+            drawn = self.simulated.accepted(bs, min(b, budget + 1), starts.device)
+            accepted, path = simulated_tree_walk(drawn, b - 1)
         # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself)
         table_rows = batch.req_rows[:, None]
         destinations = starts[:, None] + torch.arange(b, device=starts.device)

@@ -28,3 +28,12 @@ def greedy_tree_walk(tree: DraftTree, target_tokens: torch.Tensor, path_len: int
     walked = (at_depth * row_index).sum(1)
     path = torch.where(depth_index <= accepted, walked, depth_index.expand(bs, -1))
     return accepted, path
+
+
+def simulated_tree_walk(drawn: torch.Tensor, path_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted, path) as greedy_tree_walk returns them for a simulated acceptance (benchmarks: `drawn` [bs, 1]
+    accepted nodes, at most the tree's rows − 1): the walk takes tree rows 0..accepted as if they were its path, so
+    the compaction, the draft KV and the committed tokens cost what a verified walk of that length costs whatever
+    shape the (dummy-weight) draft's tree has. The committed tokens are not the model's."""
+    depth_index = torch.arange(path_len + 1, device=drawn.device)
+    return drawn.clamp(max=path_len), depth_index.expand(drawn.shape[0], -1).contiguous()

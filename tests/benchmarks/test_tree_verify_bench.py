@@ -22,3 +22,15 @@ def test_smoke_writes_the_rows(tmp_path: Path) -> None:
         assert {"shape", "workload", "bs", "budget", "accept_length", "tok_s", "chain_tok_s"} <= set(row)
         assert row["tok_s"] > 0 and row["accept_length"] >= 1 and row["chain_tok_s"] == chain[row["bs"]]
     assert result["commit"] == "abc1234" and result["gpu"] and result["date"]
+
+
+def test_smoke_with_simulated_acceptance(tmp_path: Path) -> None:
+    """The dummy-shape mode's engine flags on the tiny shape: chain and tree cycles commit their simulated lengths."""
+    assert tree_verify.main(["--smoke", "--budgets", "4", "--batch-sizes", "2", "--workloads", "code", "--rounds", "1",
+                             "--max-new-tokens", "16", "--simulate-accept-profile", "geometric:1",
+                             "--simulate-tree-accept-profile", "geometric:100", "--out", str(tmp_path),
+                             "--commit", "abc1234"]) == 0
+    (path,) = tmp_path.glob("tree_verify_*_abc1234.json")
+    rows = {row["policy"]: row for row in json.loads(path.read_text())["rows"]}
+    assert rows["chain"]["accept_length"] == 1.0 and rows["chain"]["simulated_chain"] == "geometric:1"
+    assert rows["tree"]["accept_length"] > 2.5 and rows["tree"]["simulated_tree"] == "geometric:100"

@@ -351,6 +351,17 @@ def test_sampled_output_is_distributed_as_the_targets(pair: dict[str, Any], para
      "speculative_num_draft_tokens_per_bs"),
     (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_tree_budget=-1),
      "non-negative"),
+    (dict(speculative_algorithm="DDTREE", speculative_draft_model_path="d", speculative_simulate_accept_len=3),
+     "needs both the chain's"),
+    (dict(speculative_algorithm="DDTREE", speculative_draft_model_path="d", speculative_simulate_tree_accept_len=3),
+     "needs both the chain's"),
+    (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_simulate_accept_len=3,
+          speculative_simulate_tree_accept_len=3), "need a draft tree"),
+    (dict(speculative_algorithm="DDTREE", speculative_draft_model_path="d", speculative_simulate_accept_len=3,
+          speculative_simulate_tree_accept_len=4, speculative_simulate_tree_accept_profile="geometric:4"),
+     "pass one of speculative_simulate_tree_accept_len and"),
+    (dict(speculative_algorithm="DDTREE", speculative_draft_model_path="d", speculative_simulate_accept_len=3,
+          speculative_simulate_tree_accept_len=0.5), "speculative_simulate_tree_accept_len must be >= 1"),
 ])
 def test_invalid_combinations_fail_clearly(flags: dict[str, Any], message: str) -> None:
     from blockspec.config.engine_config import EngineConfig
@@ -414,6 +425,36 @@ def test_switching_between_tree_and_chain_lengths_stays_lossless(pair: dict[str,
     assert set(policy.used) == {tree, 8, 4, 1}
     info = engine.get_server_info()
     assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+
+
+def test_simulated_tree_acceptance_commits_the_stated_lengths(pair: dict[str, Any]) -> None:
+    """Benchmarks on dummy weights: tree cycles commit the tree's simulated accept length, chain cycles the chain's,
+    under a policy that switches between them (the overlap schedule's device-derived rows included)."""
+    from tests.support.verify_cycling import CyclingVerifyLength
+
+    engine = cpu_engine(pair["root"], True, speculative_tree_budget=12, speculative_simulate_accept_len=3,
+                        speculative_simulate_tree_accept_len=6)
+    tree = engine.worker.tree_shape.cycle_length
+    policy = CyclingVerifyLength([tree, 8, tree, tree, 4])
+    engine.worker.verify_policy = policy
+    reqs, _ = engine.make_requests(input_ids=PROMPTS, sampling_params=GREEDY)
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    while engine.scheduler.has_work:
+        engine.step()
+    lengths = {length for req in reqs for length in req.spec_accept_lengths[:-1]}  # NOTE: the last one is truncated
+    assert lengths == {3, 6}, lengths
+    assert set(policy.used) == {tree, 8, 4}
+    info = engine.get_server_info()
+    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
+
+
+def test_a_simulated_walk_takes_the_first_rows() -> None:
+    from blockspec.speculative.tree_walk import simulated_tree_walk
+
+    accepted, path = simulated_tree_walk(torch.tensor([[0], [3], [9]]), 7)
+    assert accepted.tolist() == [[0], [3], [7]]
+    assert path.tolist() == [list(range(8))] * 3
 
 
 def test_tree_acceptance_is_counted_apart_from_the_chains() -> None:
