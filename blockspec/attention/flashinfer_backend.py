@@ -169,8 +169,9 @@ class FlashInferAttentionBackend(PagedBackendBase):
     # ---- planning (host side) --------------------------------------------------------------------
     def plan_wrappers(self, wrappers: dict[LayerKey, Wrapper], batch: ForwardBatch) -> None:
         if batch.tree_mask is not None:  # NOTE: EngineConfig refuses the combination first
-            raise ValueError("FlashInfer attention cannot run a tree verify (speculative_tree_budget): its paged "
-                             "wrappers take no per-query ancestor mask; use the Triton backend")
+            raise ValueError("FlashInfer attention cannot run a tree verify (speculative_tree_budget): the tree's "
+                             "mask is built inside the cycle's CUDA graph and FlashInfer plans on the host; use the "
+                             "Triton backend")
         kv_indptr = cumulative(batch.seq_lens_cpu)
         indices = kv_indices(batch, int(kv_indptr[-1]))
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
