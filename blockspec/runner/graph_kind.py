@@ -11,6 +11,10 @@ class GraphKind(enum.Enum):
     VERIFY = "target-verify"  # DFlash verify: B block tokens per request (+ the draft KV materialise)
     DRAFT = "draft"  # DFlash propose: the draft over [bonus, mask x (B-1)]
     GREEDY_CYCLE = "greedy-cycle"  # a whole greedy DFlash cycle: propose → verify → both argmaxes → acceptance
+    # NOTE: DDTree's host step (requests the host chooses for), eager only: two uniform forwards so that
+    # tensor-parallel ranks mirror them; the host's choice of each tree row's token comes in between
+    TREE_VERIFY = "tree-verify"  # draft → tree → tree-masked verify: the target's logits per tree row
+    TREE_WALK = "tree-walk"  # the walk along the host's tokens (the rows' input ids) → compaction
 
 
 def tokens_per_request(inputs: GraphInputs) -> int:

@@ -241,6 +241,8 @@ class DFlashWorker(TargetWorker):
             return self._draft_proposals
         if kind is GraphKind.GREEDY_CYCLE:
             return self.cycle_fn(tokens_per_req)
+        if kind in (GraphKind.TREE_VERIFY, GraphKind.TREE_WALK) and self.tree is not None:
+            return self.tree.host_verify if kind is GraphKind.TREE_VERIFY else self.tree.host_walk
         return super().uniform_forward_fn(kind, tokens_per_req)
 
     def _verify_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
@@ -485,12 +487,15 @@ class DFlashWorker(TargetWorker):
     def _tree_decode(self, reqs: Sequence[Req], tree: TreeCycle) -> list[list[int]]:
         """One DDTree cycle on the host's schedule: the target's token at every tree row is its argmax, or for a
         request that samples, penalises or follows a grammar its own choice given the row's path (tree_sampling.py);
-        the walk follows those tokens. A request whose walk reaches a row it cannot choose from fails alone."""
+        the walk follows those tokens. A request whose walk reaches a row it cannot choose from fails alone. Two
+        uniform forwards (TREE_VERIFY, TREE_WALK), so tensor-parallel ranks mirror both."""
         n, rows_per_tree = tree.cycle_length, tree.budget + 1
-        batch = self.block_rows(reqs, n).to_batch(self.runner.req_to_token.table, self.runner.max_positions)
-        verified = tree.verify(batch, argmax_only=False)
-        logits = verified.logits.view(len(reqs), rows_per_tree, -1)
-        tokens = greedy_tokens(verified.logits).view(len(reqs), rows_per_tree)
+        graphs, device = self.runner.graphs, self.runner.device
+        (flat_logits,) = graphs.run(GraphKind.TREE_VERIFY, self.block_rows(reqs, n), tree.host_verify)
+        assert flat_logits is not None and tree.pending is not None
+        verified = tree.pending
+        logits = flat_logits.view(len(reqs), rows_per_tree, -1)
+        tokens = greedy_tokens(flat_logits).view(len(reqs), rows_per_tree)
         drawn: dict[int, TreeTokens] = {}
         shape = verified.tree
         row_tokens = torch.cat([verified.anchors[:, None], shape.tokens], 1)
@@ -499,7 +504,11 @@ class DFlashWorker(TargetWorker):
                 drawn[i] = tree_row_tokens(req, logits[i], row_tokens[i], shape.parents[i], shape.depths[i],
                                            shape.ancestors[i])
                 tokens[i] = drawn[i].tokens
-        walked, path = tree.walk(batch, verified, tokens)
+        meta = to_device(int64_tensor(itertools.chain.from_iterable(
+            (req.pool_row, req.kv_len + n) for req in reqs)).view(len(reqs), 2), device)  # type: ignore[misc]
+        walk_rows = DeviceRows(ForwardMode.VERIFY, torch.cat([tokens, meta], dim=1))
+        walked, path = graphs.run(GraphKind.TREE_WALK, walk_rows, tree.host_walk)
+        assert walked is not None and path is not None
         rows, paths = walked.tolist(), path.tolist()
         committed: list[list[int]] = []
         for i, (req, row) in enumerate(zip(reqs, rows)):

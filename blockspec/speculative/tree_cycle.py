@@ -70,6 +70,8 @@ class TreeCycle:
         self.budget = budget
         self.capture = capture
         self.simulated = simulated  # NOTE: benchmarking: the walk's length drawn, not verified (simulated_accept.py)
+        # NOTE: the host step's verified tree, from its TREE_VERIFY forward to the TREE_WALK forward that follows
+        self.pending: Optional[VerifiedTree] = None
 
     @property
     def cycle_length(self) -> int:
@@ -82,6 +84,20 @@ class TreeCycle:
         verified = self.verify(batch, argmax_only=True)
         rows, _ = self.walk(batch, verified, verified.logits.view(batch.batch_size, self.budget + 1))
         return (rows,)
+
+    def host_verify(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """The host step's first forward (GraphKind.TREE_VERIFY): `verify` with logits, kept in `pending` for the
+        walk; returns the logits [bs·(B + 1), V]."""
+        self.pending = self.verify(batch, argmax_only=False)
+        return (self.pending.logits,)
+
+    def host_walk(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host step's second forward (GraphKind.TREE_WALK): the walk of the pending tree along the tokens the
+        host chose per tree row (the batch's input ids, B + 1 per request), then the compaction."""
+        verified, self.pending = self.pending, None
+        if verified is None:
+            raise RuntimeError("a DDTree walk without the tree verify before it")
+        return self.walk(batch, verified, batch.input_ids.view(batch.batch_size, self.budget + 1))
 
     def verify(self, batch: ForwardBatch, argmax_only: bool) -> VerifiedTree:
         """The draft over the full block, its tree, and the target's tree-masked forward over [root, nodes] (logits

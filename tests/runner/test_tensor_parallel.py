@@ -65,6 +65,15 @@ def test_dflash_tp2_matches_tp1_trained_llama(trained_pair: dict[str, Any]) -> N
     check_tp2_matches_tp1(flags)
 
 
+def test_ddtree_tp2_matches_tp1(trained_pair: dict[str, Any]) -> None:
+    """DDTree at TP=2: the tree cycle from device rows (all greedy) and the host step (penalties, logprobs, seeded
+    sampling: its TREE_VERIFY and TREE_WALK forwards mirrored) give TP=1's tokens and accept lengths."""
+    root = trained_pair["root"]
+    flags = cpu_flags(root / "target", speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"),
+                      max_total_tokens=4096, speculative_tree_budget=8)
+    check_tp2_matches_tp1(flags)
+
+
 def test_dflash_tp2_matches_tp1_qwen3_mixed_chunk(tmp_path: Path) -> None:
     """Qwen3 target with an odd vocabulary (the draft's sharded argmax skips the padding), random draft, prefill
     chunks mixed into verify steps."""
