@@ -285,12 +285,11 @@ class EngineConfig:
         refusals = {
             "attention_backend flashinfer": self.attention_backend == "flashinfer",
             "enable_deterministic_inference": self.enable_deterministic_inference,
-            "enable_mixed_chunk": self.enable_mixed_chunk,
             "speculative_num_draft_tokens_per_bs": self.speculative_num_draft_tokens_per_bs is not None,
         }
         # NOTE: the tree cycle is one CUDA graph (draft, tree build, tree-masked verify, walk), and FlashInfer plans
-        # its wrappers on the host, outside any graph; the batch-invariant kernels take no tree mask; mixed steps
-        # verify chains inside an extend forward; a fixed verify-length schedule describes chains.
+        # its wrappers on the host, outside any graph; the batch-invariant kernels take no tree mask; a fixed
+        # verify-length schedule describes chains.
         for name, refused in refusals.items():
             if refused:
                 raise ValueError(f"speculative_tree_budget (DDTree) cannot be combined with {name}")

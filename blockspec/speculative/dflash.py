@@ -587,6 +587,8 @@ class DFlashWorker(TargetWorker):
         same forward. Returns the chunks' first tokens (see `extend`) and the decode requests' committed tokens.
         The executor has given decode requests slots for kv_len .. kv_len+B-1."""
         n, num_chunks = self.choose_verify_length(len(decode_reqs)), len(reqs)
+        if self.tree is not None and n == self.tree.cycle_length:
+            n = self.block_size  # NOTE: an extend forward verifies causal chains: the tree's turn becomes the block's
         proposals, draft_probs = self._proposals(decode_reqs, n)
         token_ids = self.chunk_token_ids(reqs, chunk_lens) + [self._draft_block(req, n) for req in decode_reqs]
         everyone = [*reqs, *decode_reqs]

@@ -344,8 +344,6 @@ def test_sampled_output_is_distributed_as_the_targets(pair: dict[str, Any], para
     (dict(speculative_tree_budget=8), "needs a DFlash draft"),
     (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_tree_budget=8,
           attention_backend="flashinfer"), "flashinfer"),
-    (dict(speculative_algorithm="DFLASH", speculative_draft_model_path="d", speculative_tree_budget=8,
-          enable_mixed_chunk=True), "enable_mixed_chunk"),
     (dict(speculative_algorithm="DDTREE", speculative_draft_model_path="d",
           speculative_num_draft_tokens_per_bs="1-64:4"),
      "speculative_num_draft_tokens_per_bs"),

@@ -25,11 +25,12 @@ def models(trained_pair: dict[str, Any]) -> dict[str, Any]:
     return trained_pair
 
 
-def staggered_run(root: Path, spec: bool, mixed: bool, params: dict[str, Any], page_size: int) -> tuple[Engine, list[Req]]:
+def staggered_run(root: Path, spec: bool, mixed: bool, params: dict[str, Any], page_size: int,
+                  **extra: Any) -> tuple[Engine, list[Req]]:
     """Early requests start decoding; the late ones arrive two steps later with prompts chunked 16 tokens a step."""
     args: dict[str, Any] = dict(model_path=str(root / "target"), device="cpu", dtype="float32", page_size=page_size,
                                 max_total_tokens=2048, chunked_prefill_size=16, skip_tokenizer_init=True,
-                                enable_mixed_chunk=mixed)
+                                enable_mixed_chunk=mixed, **extra)
     if spec:
         args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
     engine = Engine(**args)
@@ -69,6 +70,23 @@ def test_mixed_seeded_sampling_equals_unmixed(models: dict[str, Any], spec: bool
         outputs[mixed] = [(r.output_ids, r.spec_accept_lengths) for r in reqs]
         assert_engine_idle(engine)
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("params", [GREEDY, {**GREEDY, "frequency_penalty": 0.5}], ids=["greedy", "penalised"])
+def test_mixed_steps_beside_a_draft_tree_stay_lossless(models: dict[str, Any], params: dict[str, Any]) -> None:
+    """With a tree budget a mixed step verifies the full block's chain inside the extend forward, the decode steps
+    between verify trees: the same tokens as unmixed, HF's where greedy."""
+    runs = {mixed: staggered_run(models["root"], True, mixed, params, 4, speculative_tree_budget=8)
+            for mixed in (False, True)}
+    (plain, plain_reqs), (mixed, mixed_reqs) = runs[False], runs[True]
+    assert mixed.scheduler.steps.mixed_steps > 0
+    assert [r.output_ids for r in mixed_reqs] == [r.output_ids for r in plain_reqs]
+    if params is GREEDY:
+        for req in mixed_reqs:
+            assert req.output_ids == hf_greedy(models["target"], req.all_ids[:req.prompt_len], GREEDY["max_new_tokens"])
+    assert max(max(r.spec_accept_lengths) for r in mixed_reqs) > 2
+    for engine, _ in runs.values():
+        assert_engine_idle(engine)
 
 
 def test_mixed_flag_validated(models: dict[str, Any]) -> None:
