@@ -129,16 +129,17 @@ class RequestGrammar:
         children: list[list[int]] = [[] for _ in range(rows)]
         for row in range(1, rows):
             children[parents[row]].append(row)
-        pending = [0]  # NOTE: depth first; -1 rolls the matcher back past the token a visited child accepted
+        roll_back = -1  # NOTE: on the stack below a visited child's subtree: undo the token that child accepted
+        pending = [0]  # NOTE: depth first
         while pending:
             row = pending.pop()
-            if row < 0:
+            if row == roll_back:
                 matcher.rollback(1)
                 continue
             if row > 0 and not matcher.accept_token(int(row_tokens[row])):
                 continue
             if row > 0:
-                pending.append(-1)
+                pending.append(roll_back)
             if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, row)
                 pending.extend(children[row])

@@ -218,7 +218,7 @@ class DFlashWorker(TargetWorker):
         self.runner.capture_piecewise(aux_consumer=self._materialise_draft_kv)
         graphs, b = self.runner.graphs, self.block_size
         target, draft = self.runner.attention, self.draft_attention
-        # NOTE: sampled cycles of a tree run eagerly (DFlashWorker._tree_decode); chain lengths verify in graphs
+        # NOTE: host-chosen tree cycles run eagerly (DFlashWorker._tree_decode); chain lengths verify in graphs
         for n in self.chain_lengths:
             graphs.capture(GraphKind.VERIFY, self._verify_forward, ForwardMode.VERIFY, n, [target], self.capture)
         graphs.capture(GraphKind.DRAFT, self._draft_proposals, ForwardMode.DRAFT, b, [draft])
@@ -496,24 +496,24 @@ class DFlashWorker(TargetWorker):
         verified = tree.pending
         logits = flat_logits.view(len(reqs), rows_per_tree, -1)
         tokens = greedy_tokens(flat_logits).view(len(reqs), rows_per_tree)
-        drawn: dict[int, TreeTokens] = {}
-        shape = verified.tree
-        row_tokens = torch.cat([verified.anchors[:, None], shape.tokens], 1)
+        chosen: dict[int, TreeTokens] = {}
+        draft_tree, row_tokens = verified.tree, verified.row_tokens
         for i, req in enumerate(reqs):
-            if needs_tree_tokens(req):
-                drawn[i] = tree_row_tokens(req, logits[i], row_tokens[i], shape.parents[i], shape.depths[i],
-                                           shape.ancestors[i])
-                tokens[i] = drawn[i].tokens
+            # NOTE: under a simulated acceptance the walk ignores the tokens (as the chain's acceptance does)
+            if needs_tree_tokens(req) and tree.simulated is None:
+                chosen[i] = tree_row_tokens(req, logits[i], row_tokens[i], draft_tree.parents[i],
+                                            draft_tree.depths[i], draft_tree.ancestors[i])
+                tokens[i] = chosen[i].tokens
         meta = to_device(int64_tensor(itertools.chain.from_iterable(
             (req.pool_row, req.kv_len + n) for req in reqs)).view(len(reqs), 2), device)  # type: ignore[misc]
         walk_rows = DeviceRows(ForwardMode.VERIFY, torch.cat([tokens, meta], dim=1))
-        walked, path = graphs.run(GraphKind.TREE_WALK, walk_rows, tree.host_walk)
-        assert walked is not None and path is not None
-        rows, paths = walked.tolist(), path.tolist()
+        output_rows, walked_rows = graphs.run(GraphKind.TREE_WALK, walk_rows, tree.host_walk)
+        assert output_rows is not None and walked_rows is not None
+        rows, paths = output_rows.tolist(), walked_rows.tolist()
         committed: list[list[int]] = []
         for i, (req, row) in enumerate(zip(reqs, rows)):
-            walked_rows = paths[i][:row[0] + 1]
-            fault = drawn[i].fault_at(walked_rows[-1]) if i in drawn else None
+            path = paths[i][:row[0] + 1]
+            fault = chosen[i].fault_at(path[-1]) if i in chosen else None
             if fault is not None:  # NOTE: sampling_faults.py: the request alone fails, nothing of it is committed
                 fail_request(req, fault)
             if req.finished:
@@ -522,7 +522,7 @@ class DFlashWorker(TargetWorker):
             req.kv_len += row[0] + 1
             committed.append(accepted_and_bonus(row, n))
             if req.wants_logprobs:  # NOTE: walked row d is the target's distribution of committed token d
-                append_logprobs(req, logits[i, walked_rows], committed[-1])
+                append_logprobs(req, logits[i, path], committed[-1])
         self.observe_cycle(n, [row[0] for row in rows], len(reqs), None)
         return committed
 

@@ -29,8 +29,8 @@ from blockspec.batch import ForwardBatch, ForwardMode, uniform_batch
 from blockspec.kv.pool import KVPool
 from blockspec.models.dflash_draft import DFlashDraftModel
 from blockspec.runner.model_runner import ModelRunner
-from blockspec.speculative.tree_build import DraftTree, build_tree
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
+from blockspec.speculative.tree_build import DraftTree, build_tree
 from blockspec.speculative.tree_walk import greedy_tree_walk, simulated_tree_walk
 
 DraftHidden = Callable[[ForwardBatch], torch.Tensor]
@@ -46,6 +46,11 @@ class VerifiedTree:
     starts: torch.Tensor
     logits: torch.Tensor
     aux_hidden: torch.Tensor
+
+    @property
+    def row_tokens(self) -> torch.Tensor:
+        """[bs, B + 1] the token of every tree row: the root's (the last committed one), then the nodes'."""
+        return torch.cat([self.anchors[:, None], self.tree.tokens], 1)
 
 
 class TreeCycle:
@@ -131,6 +136,7 @@ class TreeCycle:
         if self.simulated is None:
             accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
         else:
+            # NOTE: at most b - 1 and B accepted: the path's rows 0..accepted exist in every tree
             drawn = self.simulated.accepted(bs, min(b, budget + 1), starts.device)
             accepted, path = simulated_tree_walk(drawn, b - 1)
         # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself)
@@ -143,7 +149,7 @@ class TreeCycle:
         aux = aux_hidden.view(bs, budget + 1, width).gather(1, walked_rows[:, :, None].expand(-1, -1, width))
         self.draft.materialise_context(aux.reshape(bs * b, width), destinations.reshape(-1), dest_slots,
                                        self.draft_pool)
-        tokens = torch.cat([verified.anchors[:, None], verified.tree.tokens], 1).gather(1, walked_rows)
+        tokens = verified.row_tokens.gather(1, walked_rows)
         padding = torch.zeros((bs, budget), dtype=torch.int64, device=starts.device)
         rows = torch.cat([accepted, tokens[:, 1:], padding, target_tokens.gather(1, walked_rows), padding], dim=1)
         return rows, walked_rows

@@ -50,6 +50,7 @@ def tree_row_tokens(req: Req, logits: torch.Tensor, row_tokens: torch.Tensor, pa
         logits = req.grammar.masked_tree(logits, row_tokens.tolist(), parents.tolist())
     if req.params.is_greedy:
         faults = choice_faults(logits)
+        bad = [row for row, fault in enumerate(faults) if fault is not None]
         tokens = greedy_tokens(logits)
     else:
         probs = sampling_probs(logits, req.params)
@@ -58,7 +59,6 @@ def tree_row_tokens(req: Req, logits: torch.Tensor, row_tokens: torch.Tensor, pa
         if bad:  # NOTE: a placeholder torch.multinomial accepts; NO_TOKEN replaces the draw below
             probs[bad] = 1.0
         tokens = torch.multinomial(probs, 1, generator=req.generator).view(-1)
-    bad = [row for row, fault in enumerate(faults) if fault is not None]
     if bad:
         tokens[bad] = NO_TOKEN
     return TreeTokens(tokens, faults)

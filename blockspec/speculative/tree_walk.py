@@ -1,6 +1,7 @@
-"""Greedy acceptance over a verified draft tree (DDTree): from the root, step to the child whose token is the
-target's argmax at the current row while there is one; the first unmatched argmax is the bonus token. On the device,
-graph-capturable: no host read and no loop over the walk's length."""
+"""The walk over a verified draft tree (DDTree): from the root, step to the child whose token is the target's token at
+the current row (its argmax, or the request's own choice: tree_sampling.py) while there is one; the first unmatched
+token is the bonus token. On the device, graph-capturable: no host read and no loop over the walk's length. Also the
+walk a simulated acceptance takes (benchmarks)."""
 from __future__ import annotations
 
 import torch
