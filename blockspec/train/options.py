@@ -196,9 +196,10 @@ def resolve_layer_ids(options: TrainOptions, target: TargetConfig) -> list[int]:
 # NOTE: what a run without these flags uses on a CPU instead of TrainOptions' GPU-sized defaults, whose 2000 steps of
 # 16 sequences of 512-token responses take hours there: a short run on short responses, its target features computed
 # once (the target's forward was most of a CPU step), so that a first try on the demo pair (SmolLM2-135M) ends in a
-# saved, evaluated checkpoint within minutes
-CPU_DEFAULTS: dict[str, Union[int, bool]] = {
-    "steps": 100, "batch_size": 4, "blocks_per_seq": 8, "max_seq_len": 512, "max_new_tokens": 128,
+# saved, evaluated checkpoint within minutes; a higher learning rate over fewer steps than a GPU run's (docs/training.md
+# has the runs that chose steps and lr)
+CPU_DEFAULTS: dict[str, Union[int, float, bool]] = {
+    "steps": 300, "lr": 1e-3, "batch_size": 4, "blocks_per_seq": 8, "max_seq_len": 512, "max_new_tokens": 128,
     "num_eval_prompts": 4, "eval_max_new_tokens": 32, "gen_batch_size": 16, "cache_features": True,
 }
 
@@ -269,7 +270,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"anchors per sequence ({_machine_default('blocks_per_seq')})")
     train.add_argument("--max-seq-len", type=int,
                        help=f"prompt + response tokens trained on ({_machine_default('max_seq_len')})")
-    train.add_argument("--lr", type=float, default=defaults.lr)
+    train.add_argument("--lr", type=float, help=f"peak learning rate ({_machine_default('lr')})")
     train.add_argument("--min-lr-ratio", type=float, default=defaults.min_lr_ratio, help="cosine floor / lr")
     train.add_argument("--lr-schedule", choices=("steps", "time"), default=defaults.lr_schedule,
                        help="warmup + cosine over --steps, or over --max-train-minutes of wall time (then --steps is "
@@ -325,7 +326,7 @@ def runs_on_cpu(device: str) -> bool:
     return device == "cpu"
 
 
-def options_from_namespace(ns: argparse.Namespace) -> tuple[TrainOptions, dict[str, Union[int, bool]]]:
+def options_from_namespace(ns: argparse.Namespace) -> tuple[TrainOptions, dict[str, Union[int, float, bool]]]:
     """(the options, the CPU_DEFAULTS it took: flags left out of a CPU run); a flag left out of a GPU run keeps
     TrainOptions' default."""
     names = {f.name for f in dataclasses.fields(TrainOptions)}
@@ -337,7 +338,7 @@ def options_from_namespace(ns: argparse.Namespace) -> tuple[TrainOptions, dict[s
 
 
 def parse_options(argv: Optional[Sequence[str]],
-                  prog: str = "blockspec train-draft") -> tuple[TrainOptions, dict[str, Union[int, bool]]]:
+                  prog: str = "blockspec train-draft") -> tuple[TrainOptions, dict[str, Union[int, float, bool]]]:
     """(options, the CPU defaults they took: options_from_namespace)."""
     parser = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.",
                                      formatter_class=DefaultsHelpFormatter)

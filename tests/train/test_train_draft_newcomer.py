@@ -37,8 +37,11 @@ def test_a_cpu_run_takes_cpu_defaults_for_the_flags_left_out() -> None:
     assert options.steps == 7 and "steps" not in taken
     assert options.batch_size == CPU_DEFAULTS["batch_size"] == taken["batch_size"]
     assert options.max_new_tokens == CPU_DEFAULTS["max_new_tokens"] and options.cache_features is True
+    assert options.lr == CPU_DEFAULTS["lr"] != TrainOptions("", "", "").lr
     gpu, taken = parse_options(["--target-model-path", "t", "--device", "cuda"])
     assert taken == {} and gpu.steps == TrainOptions("", "", "").steps and gpu.cache_features is False
+    assert gpu.lr == TrainOptions("", "", "").lr
+    assert parse_options(["--target-model-path", "t", "--device", "cpu", "--lr", "2e-4"])[0].lr == 2e-4
 
 
 def test_held_out_prompts_never_take_every_prompt() -> None:
@@ -64,7 +67,8 @@ def test_timed_run_on_few_prompts_shows_every_phase(target: Path, tmp_path: Path
         assert blockspec_cli.main(argv) == 0
     err = capsys.readouterr().err
     assert "--num-eval-prompts 16: --data holds only 10 prompts; holding out half of them (5)" in caplog.text
-    assert "a CPU run: --steps 100 --batch-size 4" in err and "--gen-batch-size 16 --cache-features (CPU" in err
+    assert "a CPU run: --steps 300 --lr 0.001 --batch-size 4" in err
+    assert "--gen-batch-size 16 --cache-features (CPU" in err
     for phase in ("generating responses: 100%", "training draft:", "evaluating draft: 100%"):
         assert phase in err, phase
     info = json.loads((tmp_path / "draft" / "training_info.json").read_text())
