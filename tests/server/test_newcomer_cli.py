@@ -35,9 +35,9 @@ def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
                  "(default: 1024)"]),
     (["eval", "gsm8k"], ["--num-shots NUM_SHOTS default: 5", "--max-tokens MAX_TOKENS default: 512"]),
     (["bench", "serving"], ["--num-prompts NUM_PROMPTS requests per concurrency level (default: 200)"]),
-    (["train-draft"], ["--steps STEPS optimizer steps (default: 2000 on a GPU, 100 on a CPU)",
+    (["train-draft"], ["--steps STEPS optimizer steps (default: 2000 on a GPU, 300 on a CPU)",
                        "--batch-size BATCH_SIZE sequences per step (per GPU) (default: 16 on a GPU, 4 on a CPU)",
-                       "--lr LR default: 0.0006"]),
+                       "--lr LR peak learning rate (default: 0.0006 on a GPU, 0.001 on a CPU)"]),
 ])
 def test_help_shows_defaults(argv: list[str], shown: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(argv, capsys)
