@@ -15,6 +15,7 @@ PHASES = ("weights", "kv_pool", "graphs", "piecewise_graphs", "kernels")
 @dataclass(frozen=True)
 class WarmupReport:
     attention_variants: int
+    expert_tile_sets: int  # fused MoE tile sets run, summed over expert shapes (0 for a dense model)
     request_passes: int
     seconds: float
 
@@ -47,6 +48,7 @@ class StartupReport:
             "kernel_variants_compiled": len(self.compiled),
             "kernel_variants_by_kernel": by_kernel(self.compiled),
             "attention_variants_warmed": self.warmup.attention_variants if self.warmup else 0,
+            "expert_tile_sets_warmed": self.warmup.expert_tile_sets if self.warmup else 0,
         }
 
     def log(self) -> None:
@@ -59,7 +61,8 @@ class StartupReport:
         if self.warmup is None:
             logger.info("kernel warm-up skipped: Triton compiles nothing off CUDA")
         else:
-            logger.info("kernel warm-up: %d attention variants, %d request passes in %.1f s",
-                        self.warmup.attention_variants, self.warmup.request_passes, self.warmup.seconds)
+            logger.info("kernel warm-up: %d attention variants, %d MoE tile sets, %d request passes in %.1f s",
+                        self.warmup.attention_variants, self.warmup.expert_tile_sets, self.warmup.request_passes,
+                        self.warmup.seconds)
         for event in self.compiled:
             logger.debug("compiled at start-up: %s", event.variant)

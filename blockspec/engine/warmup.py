@@ -1,8 +1,10 @@
 """Kernel warm-up at the end of start-up: compiles every Triton kernel variant serving can launch.
 
-Two parts. (1) Attention: every reachable launch variant (attention_variants.py) of each Triton backend of the
+Three parts. (1) Attention: every reachable launch variant (attention_variants.py) of each Triton backend of the
 engine, per mode it runs (extend; decode or verify; draft); under deterministic inference the batch-invariant
-backends' variants (lanes split or not). (2) Every other path: a few synthetic requests (random
+backends' variants (lanes split or not). (2) The fused MoE experts: each tile set the kernels can choose, once per
+expert shape (the tiles follow the batch's tokens per expert, which synthetic requests would not all reach).
+(3) Every other path: a few synthetic requests (random
 token ids, greedy and sampled, one arriving while the others decode) through a scheduler of their own, once as
 configured, once with piecewise graphs off (eager extends) and once with full graphs off (eager decode / verify /
 draft; under DFlash once per verify length): the fused norms, rope + KV store, SiLU·mul and argmax in every place
@@ -23,6 +25,7 @@ from blockspec.attention.triton_backend import TritonAttentionBackend
 from blockspec.batch import ForwardMode
 from blockspec.engine.attention_variants import AttentionWorkload, launch_variant, layer_classes, workload_variants
 from blockspec.engine.startup_report import WarmupReport
+from blockspec.layers.moe import SparseMoe
 from blockspec.request import Req, build_requests
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.scheduler.admission import ArrivalBatching
@@ -102,6 +105,21 @@ def warm_batch_invariant_attention(runner: ModelRunner, worker: Worker) -> int:
     return launched
 
 
+@torch.inference_mode()
+def warm_experts(runner: ModelRunner) -> int:
+    """Part (2): SparseMoe.warm_up of one layer per expert shape and dtype (layers alike launch the same variants);
+    returns the tile sets run."""
+    launched, seen = 0, set()
+    for module in runner.model.modules():
+        if isinstance(module, SparseMoe):
+            weights = module.experts.gate_up_proj
+            shape = (tuple(weights.shape), tuple(module.experts.down_proj.shape), weights.dtype, module.routing.top_k)
+            if shape not in seen:
+                seen.add(shape)
+                launched += module.warm_up()
+    return launched
+
+
 def _warmup_requests(runner: ModelRunner, worker: Worker, scheduler: Scheduler, tag: str) -> list[Req]:
     vocab = runner.target_config.vocab_size
     room = min(runner.context_length, runner.allocator.total_slots)
@@ -175,5 +193,6 @@ def warm_kernels(runner: ModelRunner, worker: Worker, new_scheduler: SchedulerFa
     variants = warm_attention(attention_workloads(runner, worker), runner.req_to_token.table,
                               runner.req_to_token.dummy_row)
     variants += warm_batch_invariant_attention(runner, worker)
+    expert_tiles = warm_experts(runner)
     passes = warm_engine_paths(runner, worker, new_scheduler)
-    return WarmupReport(variants, passes, time.perf_counter() - start)
+    return WarmupReport(variants, expert_tiles, passes, time.perf_counter() - start)

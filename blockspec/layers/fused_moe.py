@@ -38,6 +38,7 @@ class ExpertTiles:
 
 
 BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
+EXPERT_TILES = (ExpertTiles(16, 64, 64), ExpertTiles(32, 64, 64), ExpertTiles(64, 64, 64))
 
 
 def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False) -> ExpertTiles:
@@ -45,11 +46,21 @@ def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False
     if batch_invariant:
         return BATCH_INVARIANT_TILES
     rows_per_expert = num_pairs / max(num_experts, 1)
-    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
-    return ExpertTiles(block_m, 64, 64)
+    return EXPERT_TILES[0 if rows_per_expert <= 16 else 1 if rows_per_expert <= 64 else 2]
 
 
-@triton.jit
+def tile_choices(batch_invariant: bool = False) -> tuple[ExpertTiles, ...]:
+    """Every tile set choose_tiles can return: with the layer's shapes and dtype, these are all the kernel variants
+    serving can launch (the integers that follow the batch are not specialised), so start-up compiles each."""
+    return (BATCH_INVARIANT_TILES,) if batch_invariant else EXPERT_TILES
+
+
+# NOTE: the integers that follow the batch (pairs, blocks, capacity) are not specialised (Triton would compile a
+# variant for 1 and for multiples of 16): start-up's warm-up can then compile every variant (tile_choices).
+BATCH_INTEGERS = ("num_pairs", "num_blocks", "capacity")
+
+
+@triton.jit(do_not_specialize=BATCH_INTEGERS)
 def _count_experts_kernel(ids_ptr, num_pairs, next_row_ptr, block_experts_ptr, num_blocks, pair_rows_ptr, capacity,
                           NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
                           CHUNK: tl.constexpr, PDL: tl.constexpr = False):
@@ -79,7 +90,7 @@ def _count_experts_kernel(ids_ptr, num_pairs, next_row_ptr, block_experts_ptr, n
         tl.store(pair_rows_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < capacity)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTEGERS[:1])
 def _place_pairs_kernel(ids_ptr, num_pairs, next_row_ptr, pair_rows_ptr, CHUNK: tl.constexpr,
                         PDL: tl.constexpr = False):
     """Every pair takes the next free row of its expert's group (an atomic counter per expert)."""
@@ -126,7 +137,7 @@ def _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.conste
     return expert, pairs, pairs < num_pairs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTEGERS[:1])
 def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden, intermediate, top_k,
                     stride_xt, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
@@ -156,7 +167,7 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num
              mask=valid[:, None] & col_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTEGERS[:1])
 def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden,
                  intermediate, stride_ht, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
@@ -242,3 +253,18 @@ def fused_experts(
         pair_out, out, hidden, top_k, pair_out.stride(0), out.stride(0), BLOCK_H=block_h, **pdl_launch(x),
     )
     return out
+
+
+def warm_up_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int,
+                    batch_invariant: bool = False) -> int:
+    """Runs fused_experts once per tile set serving can choose (tile_choices) on two dummy tokens, with the layer's
+    weights and dtype: start-up's warm-up of an MoE layer shape. Returns the number of tile sets run."""
+    num_experts, _, hidden = gate_up_proj.shape
+    tokens, device = 2, gate_up_proj.device
+    x = torch.zeros((tokens, hidden), dtype=gate_up_proj.dtype, device=device)
+    ids = (torch.arange(tokens * top_k, device=device) % num_experts).view(tokens, top_k)
+    weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
+    choices = tile_choices(batch_invariant)
+    for tiles in choices:
+        fused_experts(x, gate_up_proj, down_proj, weights, ids, batch_invariant=batch_invariant, tiles=tiles)
+    return len(choices)

@@ -137,6 +137,17 @@ class SparseMoe(nn.Module):
             return self.backend == "triton"
         return x.is_cuda or self.kernels.batch_invariant
 
+    def warm_up(self) -> int:
+        """Compiles every fused-kernel variant this layer can launch (start-up's warm-up, engine/warmup.py); returns
+        the tile sets run (0 on the torch reference, which compiles nothing)."""
+        experts = self.experts
+        if not self.uses_triton(experts.gate_up_proj):
+            return 0
+        from blockspec.layers.fused_moe import warm_up_experts  # NOTE: needs Triton
+
+        return warm_up_experts(experts.gate_up_proj, experts.down_proj, self.routing.top_k,
+                               self.kernels.batch_invariant)
+
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out`: optional [T, H] buffer the combined output is written into."""
         weights, ids = route(self.gate(x), self.routing)

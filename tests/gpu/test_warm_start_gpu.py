@@ -23,10 +23,18 @@ ROUNDS = 8
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.draft_training import save_trained_pair
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Target kind → a tiny target and its trained draft (built on first use)."""
+    return {}
 
-    return save_trained_pair(tmp_path_factory.mktemp("warm_gpu"))
+
+def pair_of(pairs: dict[str, Path], kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.draft_training import save_trained_target
+
+    if kind not in pairs:
+        pairs[kind] = tmp_path_factory.mktemp(f"warm_gpu_{kind}")
+        save_trained_target(pairs[kind], kind=kind)
+    return pairs[kind]
 
 
 def sampling(rng: random.Random, max_new: int) -> dict[str, Any]:
@@ -75,12 +83,16 @@ ENGINES = {
     "target-piecewise-sync": dict(speculative=False, enforce_piecewise_cuda_graph=True, chunked_prefill_size=96,
                                   disable_overlap_schedule=True, cuda_graph_bs=[1, 4]),
     "dflash-no-graphs": dict(speculative=True, disable_cuda_graph=True, chunked_prefill_size=-1),
+    # NOTE: the fused MoE tiles follow the tokens per expert: long unchunked prompts reach the tallest tiles
+    "moe-dflash-default": dict(speculative=True, kind="qwen3_moe", chunked_prefill_size=-1),
 }
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
-def test_nothing_compiles_after_startup(pair: Path, name: str) -> None:
-    flags = dict(ENGINES[name])
+def test_nothing_compiles_after_startup(pairs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+                                        name: str) -> None:
+    flags: dict[str, Any] = dict(ENGINES[name])
+    pair = pair_of(pairs, flags.pop("kind", "llama"), tmp_path_factory)
     args: dict[str, Any] = dict(model_path=str(pair / "target"), dtype="bfloat16", max_total_tokens=8192,
                                 skip_tokenizer_init=True, max_running_requests=16)
     if flags.pop("speculative"):

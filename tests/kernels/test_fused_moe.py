@@ -10,7 +10,10 @@ pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu
 
 pytest.importorskip("triton")
 
-from blockspec.layers.fused_moe import ExpertTiles, choose_tiles, fused_experts, sort_by_expert  # noqa: E402
+from blockspec.layers.fused_moe import (  # noqa: E402
+    ExpertTiles, choose_tiles, fused_experts, sort_by_expert, tile_choices,
+)
+from blockspec.layers.kernel_mode import KernelMode  # noqa: E402
 from blockspec.layers.moe import ExpertRouting, SparseMoe, experts_reference, route  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,6 +100,32 @@ def test_tiles_follow_rows_per_expert_unless_batch_invariant() -> None:
     assert choose_tiles(64 * 16 * 8, 128).block_m == 32  # 64 verify blocks of 16 tokens: 64 rows per expert
     assert choose_tiles(4096 * 8, 128).block_m == 64  # a 4096-token extend
     assert choose_tiles(64 * 16 * 8, 128, batch_invariant=True) == choose_tiles(8, 128, batch_invariant=True)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_warm_up_runs_every_tile_set_serving_can_choose(batch_invariant: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up's MoE warm-up (SparseMoe.warm_up) launches the kernels with each tile set choose_tiles can return for
+    any batch, so no batch compiles a new variant while serving (the GPU proof: tests/gpu/test_warm_start_gpu.py)."""
+    import blockspec.layers.fused_moe as fused_moe
+
+    reachable = {choose_tiles(pairs, experts, batch_invariant) for experts in (4, 8, 128) for pairs in range(1, 9000)}
+    assert reachable == set(tile_choices(batch_invariant))
+    layer = SparseMoe(32, 16, ExpertRouting(num_experts=8, top_k=2, renormalize=True), backend="triton",
+                      kernels=KernelMode(batch_invariant=batch_invariant)).to(DEVICE)
+    launched: list[ExpertTiles] = []
+    real = fused_moe.fused_experts
+
+    def recording(*args: object, tiles: ExpertTiles, **kwargs: object) -> torch.Tensor:
+        launched.append(tiles)
+        return real(*args, tiles=tiles, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused_moe, "fused_experts", recording)
+    with torch.no_grad():
+        assert layer.warm_up() == len(launched)
+    assert set(launched) == reachable
+    # NOTE: the torch reference compiles nothing
+    assert SparseMoe(32, 16, ExpertRouting(8, 2, True), backend="torch").warm_up() == 0
 
 
 def test_empty_batch() -> None:
