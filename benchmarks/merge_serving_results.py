@@ -4,9 +4,11 @@ Each row keeps where it came from: `source` (its file), `commit` (its run's), `w
 from its engine's load format where an older file's rows lack it; "unknown" without one); the engines are keyed
 "<file>:<shape>/<mode>" (file names must differ). Rows of the same shape, weights, mode, client and level
 (concurrency, or Poisson rate) in several files: the later file's row wins (list the files oldest first); rows from
-before issue 49 name no client ("generate_stream": streaming /generate against a waves engine). The top-level `commit` names
-every commit the rows come from. Usage: python -m benchmarks.merge_serving_results OUT.json IN.json [IN.json ...]
+before issue 49 name no client ("generate_stream": streaming /generate against a waves engine). The top-level
+`commit` names every commit the rows come from.
+Usage: python -m benchmarks.merge_serving_results OUT.json IN.json [IN.json ...]
 """
+
 from __future__ import annotations
 
 import json

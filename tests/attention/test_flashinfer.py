@@ -38,7 +38,9 @@ DTYPE = torch.float16
 NEAR_TIE_SEQUENCES = 2
 
 
-def make_backends(pool_a: Any, pool_b: Any, heads: int, kv_heads: int, window: Optional[int], draft_causal: Optional[bool]):
+def make_backends(
+    pool_a: Any, pool_b: Any, heads: int, kv_heads: int, window: Optional[int], draft_causal: Optional[bool]
+):
     windows = [window]
     causal = [draft_causal] if draft_causal is not None else None
     reference = TorchAttentionBackend(pool_a, HEAD_DIM ** -0.5, windows, causal)
@@ -171,7 +173,9 @@ def assert_nearly_equal(a: list[list[int]], b: list[list[int]], what: str) -> No
 def test_dflash_flashinfer_equals_target_only_and_triton(tiny: Path, page_size: int) -> None:
     target_only, target_engine = run(tiny, False, attention_backend="flashinfer", page_size=page_size)
     # NOTE: the full block every cycle, so the acceptance below is the draft's; adaptive verify: the test after this
-    spec, engine = run(tiny, True, attention_backend="flashinfer", page_size=page_size, speculative_adaptive_verify="off")
+    spec, engine = run(
+        tiny, True, attention_backend="flashinfer", page_size=page_size, speculative_adaptive_verify="off"
+    )
     triton_spec, _ = run(tiny, True, attention_backend="triton", page_size=page_size, speculative_adaptive_verify="off")
     assert engine.runner.attention_backend == "flashinfer"
     assert engine.runner.graphs.captured(GraphKind.DRAFT) and engine.forward_counts["graph"] > 0

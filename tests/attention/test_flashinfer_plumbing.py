@@ -22,7 +22,9 @@ BACKEND_MODULE = "blockspec.attention.flashinfer_backend"
 
 def test_missing_flashinfer_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a)
+    )
     with pytest.raises(ValueError, match=r"pip install 'blockspec\[flashinfer\]'"):
         resolve_backend_name("flashinfer", torch.device("cuda"))
 
@@ -53,7 +55,9 @@ def fake_backend_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.Modul
     monkeypatch.delattr(package, "flashinfer_backend", raising=False)
     module = importlib.import_module(BACKEND_MODULE)
     monkeypatch.setattr(module, "check_supported", lambda device, dtype: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=132)
+    )
     yield module
     # NOTE: runs before monkeypatch restores any real module, so nothing keeps the stand-in.
     sys.modules.pop(BACKEND_MODULE, None)
@@ -92,7 +96,9 @@ def test_plans_match_torch_reference(
     windows = [window, None]
     causal = [draft_causal, False] if draft_causal is not None else None
     reference = TorchAttentionBackend(pool_a, head_dim ** -0.5, windows, causal)
-    backend = fake_backend_module.FlashInferAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim, windows, causal)
+    backend = fake_backend_module.FlashInferAttentionBackend(
+        pool_b, head_dim**-0.5, heads, kv_heads, head_dim, windows, causal
+    )
     for layer_id in (0, 1):
         batch.attn_meta = reference.plan(batch)
         expected = reference.forward(q, k, v, layer_id, batch)
@@ -172,7 +178,9 @@ def test_graphed_forward_replans_before_every_replay(
     first, pool_a, pool_b, *_ = make_case(mode, prefix, [q_len] * 4, 16, heads, kv_heads, head_dim, torch.float32)
     windows, causal = [window], [draft_causal] if draft_causal is not None else None
     reference = TorchAttentionBackend(pool_a, head_dim ** -0.5, windows, causal)
-    backend = fake_backend_module.FlashInferAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim, windows, causal)
+    backend = fake_backend_module.FlashInferAttentionBackend(
+        pool_b, head_dim**-0.5, heads, kv_heads, head_dim, windows, causal
+    )
     n = 4 * q_len
     q_buf, k_buf, v_buf = (torch.zeros(n, h, head_dim) for h in (heads, kv_heads, kv_heads))
 
@@ -192,7 +200,11 @@ def test_graphed_forward_replans_before_every_replay(
     for req_rows, starts in [(rows, prefix), (rows[1:], [p // 2 for p in prefix[1:]]), ([rows[2]], [prefix[2]])]:
         batch = build_batch(mode, [[1] * q_len for _ in req_rows], starts, req_rows, table, [0])
         t = batch.num_tokens
-        q, k, v = torch.randn(t, heads, head_dim), torch.randn(t, kv_heads, head_dim), torch.randn(t, kv_heads, head_dim)
+        q, k, v = (
+            torch.randn(t, heads, head_dim),
+            torch.randn(t, kv_heads, head_dim),
+            torch.randn(t, kv_heads, head_dim),
+        )
         q_buf[:t].copy_(q)
         k_buf[:t].copy_(k)
         v_buf[:t].copy_(v)

@@ -79,7 +79,9 @@ def test_triton_matches_torch(mode, prefix, new, page, window, draft_causal, dty
     windows = [window]
     causal = [draft_causal] if draft_causal is not None else None
     reference = TorchAttentionBackend(pool_a, head_dim ** -0.5, windows, causal)
-    triton_backend = TritonAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim, windows, causal, max_splits)
+    triton_backend = TritonAttentionBackend(
+        pool_b, head_dim**-0.5, heads, kv_heads, head_dim, windows, causal, max_splits
+    )
     batch.attn_meta = reference.plan(batch)
     expected = reference.forward(q.float() if dtype == torch.float16 else q, k, v, 0, batch)
     meta = triton_backend.plan(batch)
@@ -96,7 +98,9 @@ def test_triton_matches_torch(mode, prefix, new, page, window, draft_causal, dty
 def test_kv_stored_skips_the_backend_store(backend_kind: str) -> None:
     """With kv_stored=True (the rope kernel already wrote K/V) the backend neither writes k, v nor needs them."""
     heads, kv_heads, head_dim = 4, 2, 16
-    batch, pool_a, pool_b, q, k, v = make_case(ForwardMode.VERIFY, [4, 90], [8, 8], 4, heads, kv_heads, head_dim, torch.float32)
+    batch, pool_a, pool_b, q, k, v = make_case(
+        ForwardMode.VERIFY, [4, 90], [8, 8], 4, heads, kv_heads, head_dim, torch.float32
+    )
     reference = TorchAttentionBackend(pool_a, head_dim ** -0.5)
     batch.attn_meta = reference.plan(batch)
     expected = reference.forward(q, k, v, 0, batch)
@@ -106,7 +110,9 @@ def test_kv_stored_skips_the_backend_store(backend_kind: str) -> None:
         else TritonAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim)
     )
     batch.attn_meta = backend.plan(batch)
-    got = backend.forward(q, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")), 0, batch, kv_stored=True)
+    got = backend.forward(
+        q, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")), 0, batch, kv_stored=True
+    )
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool_b.k[0], pool_a.k[0])
 
@@ -119,7 +125,9 @@ def test_kv_stored_skips_the_backend_store(backend_kind: str) -> None:
     (ForwardMode.EXTEND, [16, 3], [40, 70]), (ForwardMode.VERIFY, [4, 90, 13], [8, 8, 8]),
     (ForwardMode.DRAFT, [4, 90], [8, 8]),
 ])
-def test_every_tile_shape_matches_torch(tiles: KernelTiles, mode: ForwardMode, prefix: list[int], new: list[int]) -> None:
+def test_every_tile_shape_matches_torch(
+    tiles: KernelTiles, mode: ForwardMode, prefix: list[int], new: list[int]
+) -> None:
     """The tile shape is a pure launch choice (benchmarks/tune_attention.py picks it): results must not depend on it."""
     heads, kv_heads, head_dim = 4, 2, 16
     batch, pool_a, pool_b, q, k, v = make_case(mode, prefix, new, 1, heads, kv_heads, head_dim, torch.float32)
@@ -163,7 +171,9 @@ def test_merge_over_head_blocks(monkeypatch: pytest.MonkeyPatch, merge_tile: int
 
     monkeypatch.setattr(triton_backend_module, "MERGE_TILE", merge_tile)
     heads, kv_heads, head_dim = 6, 2, 16
-    batch, pool_a, pool_b, q, k, v = make_case(ForwardMode.VERIFY, [4, 90], [8, 8], 1, heads, kv_heads, head_dim, torch.float32)
+    batch, pool_a, pool_b, q, k, v = make_case(
+        ForwardMode.VERIFY, [4, 90], [8, 8], 1, heads, kv_heads, head_dim, torch.float32
+    )
     reference = TorchAttentionBackend(pool_a, head_dim ** -0.5)
     batch.attn_meta = reference.plan(batch)
     expected = reference.forward(q, k, v, 0, batch)
@@ -217,7 +227,9 @@ def test_backend_launches_the_kernels_it_is_given(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(triton_backend_module, "pdl_launch", recording_pdl_launch)
     heads, kv_heads, head_dim = 4, 2, 16
-    batch, pool_a, pool_b, q, k, v = make_case(ForwardMode.VERIFY, [4, 90], [8, 8], 1, heads, kv_heads, head_dim, torch.float32)
+    batch, pool_a, pool_b, q, k, v = make_case(
+        ForwardMode.VERIFY, [4, 90], [8, 8], 1, heads, kv_heads, head_dim, torch.float32
+    )
     default = TritonAttentionBackend(pool_a, head_dim ** -0.5, heads, kv_heads, head_dim)
     candidate = TritonAttentionBackend(pool_b, head_dim ** -0.5, heads, kv_heads, head_dim, kernels=kernels)
     assert default.kernels is DEFAULT_ATTENTION_KERNELS and candidate.kernels is kernels

@@ -24,7 +24,11 @@ def test_histogram_mean_between_scrapes() -> None:
 
 def test_accept_length_between_snapshots() -> None:
     def info(committed: int, verifies: int) -> dict[str, object]:
-        return {"internal_states": [{"spec_verify_ct": verifies, "avg_spec_accept_length": committed / verifies if verifies else 0.0}]}
+        return {
+            "internal_states": [
+                {"spec_verify_ct": verifies, "avg_spec_accept_length": committed / verifies if verifies else 0.0}
+            ]
+        }
 
     before, after = info(30, 10), info(90, 30)
     value = accept_length_between(before, after)

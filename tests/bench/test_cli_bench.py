@@ -60,7 +60,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServe
 
 
 @pytest.mark.parametrize("backend,dataset", [("sglang", "random"), ("openai", "gsm8k")])
-def test_bench_serving_end_to_end(server: BackgroundServer, tmp_path: Path, backend: str, dataset: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_serving_end_to_end(
+    server: BackgroundServer, tmp_path: Path, backend: str, dataset: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     if dataset == "gsm8k" and not default_data_path().is_file():
         pytest.skip("GSM8K data not found")
     out = tmp_path / "bench"

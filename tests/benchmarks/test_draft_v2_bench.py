@@ -26,7 +26,16 @@ from blockspec.train.trainer import schedule_factor
 
 ROOT = Path(benchmarks.__file__).resolve().parent.parent
 
-TOP_LEVEL = ["gsm8k_heldout_accept", "general_heldout_accept", "server_c1_speedup", "gpu", "date", "commit", "runs", "details"]
+TOP_LEVEL = [
+    "gsm8k_heldout_accept",
+    "general_heldout_accept",
+    "server_c1_speedup",
+    "gpu",
+    "date",
+    "commit",
+    "runs",
+    "details",
+]
 
 
 def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path: Path) -> None:
@@ -51,7 +60,9 @@ def test_gsm8k_wordings_rotate_and_the_heldout_wording_is_never_trained(tmp_path
     for record in long:
         lead = record["messages"][0]
         assert record["split"] == "heldout" and lead["role"] == "system" and len(lead["content"]) >= 6000
-        assert not any(q.removeprefix("Question: ").removesuffix("\nAnswer:") in lead["content"] for q in held_questions)
+        assert not any(
+            q.removeprefix("Question: ").removesuffix("\nAnswer:") in lead["content"] for q in held_questions
+        )
     assert long[0]["messages"][0] != long[1]["messages"][0]  # each record leads with other questions first
     with pytest.raises(ValueError, match="fewer than 9000000 characters"):
         write_gsm8k(paths, train_file, None, 4, long_context_chars=9_000_000)
@@ -85,7 +96,9 @@ def run_record(gsm8k: float | None, general: float | None) -> dict[str, object]:
 
 def _data_stage_output(folder: Path, heldout_split: str = "heldout") -> None:
     folder.mkdir(parents=True)
-    record = lambda text, split: json.dumps({"messages": [{"role": "user", "content": text}], "split": split})  # noqa: E731
+    record = lambda text, split: json.dumps(
+        {"messages": [{"role": "user", "content": text}], "split": split}
+    )  # noqa: E731
     (folder / "prompts.train.jsonl").write_text(record("How do tides work?", "train") + "\n")
     (folder / "general_heldout.jsonl").write_text(record("Name three rivers.", heldout_split) + "\n")
     info = {"candidates": 4, "passed_filters": 3, "rejected": {"unfinished": 1}, "exact_duplicates": 0,
@@ -126,10 +139,16 @@ def test_result_document_goals_and_decision(tmp_path: Path) -> None:
     assert best_run(state.data["runs"]) == "v2"  # highest sum of both held-out accept lengths, both measured
     document = result_document(state, "NVIDIA H200", "abc1234", smoke=False)
     assert list(document) == TOP_LEVEL
-    assert (document["gsm8k_heldout_accept"], document["general_heldout_accept"], document["server_c1_speedup"]) == (4.2, 3.1, 2.6)
+    assert (document["gsm8k_heldout_accept"], document["general_heldout_accept"], document["server_c1_speedup"]) == (
+        4.2,
+        3.1,
+        2.6,
+    )
     details = document["details"]
     assert details["chosen_run"] == "v2" and details["shipped"]["server_c1_speedup"] == 2.2
-    assert details["wins_over_shipped"] == {GSM8K_SET: True, GENERAL_SET: False} and details["replaces_shipped"] is False
+    assert (
+        details["wins_over_shipped"] == {GSM8K_SET: True, GENERAL_SET: False} and details["replaces_shipped"] is False
+    )
     assert {k: g["met"] for k, g in details["goals"].items()} == {
         "gsm8k_heldout_accept": True, "general_heldout_accept": True, "server_c1_speedup": True, "asset_mib": True,
         "largest_shard_mib": True,
@@ -255,4 +274,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     extension = json.loads((out / "generation_info.json").read_text())["extensions"][0]
     assert {name: batch["kept"] for name, batch in extension["batches"].items()} == {"general_more": 4, "math": 2}
     assert len(trained) == 7 + 6 and info["train_sequences"] == 24 + 13  # NOTE: `all`: every GSM8K and general prompt
-    assert not (tmp_path / "state" / "prompts" / "prompts.train.partial").exists() and len(extension["batches"]["math"]["shards"]) == 2
+    assert (
+        not (tmp_path / "state" / "prompts" / "prompts.train.partial").exists()
+        and len(extension["batches"]["math"]["shards"]) == 2
+    )

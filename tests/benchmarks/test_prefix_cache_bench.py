@@ -28,8 +28,13 @@ ROW_KEYS = {"workload", "shape", "cache", "tok_s", "ttft_p50_ms", "ttft_p99_ms",
 def workloads_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("prefix_cache_bench")
     tokenizer = save_text_model(root / "tokenizer")
-    lines = [{"question": f"Janet has {i} apples and buys {i + 3} more. How many?", "answer": f"{i} + {i + 3} = {2 * i + 3} #### {2 * i + 3}"}
-             for i in range(60)]
+    lines = [
+        {
+            "question": f"Janet has {i} apples and buys {i + 3} more. How many?",
+            "answer": f"{i} + {i + 3} = {2 * i + 3} #### {2 * i + 3}",
+        }
+        for i in range(60)
+    ]
     gsm8k = root / "test.jsonl"
     gsm8k.write_text("".join(json.dumps(line) + "\n" for line in lines))
     path = root / "workloads.json"
@@ -55,7 +60,14 @@ def test_workloads_share_prefixes(workloads_file: Path) -> None:
 
 def test_goals_compare_on_with_off() -> None:
     def row(workload: str, cache: str, tok_s: float, ttft: float, accept: float) -> dict:
-        return {"workload": workload, "shape": "s", "cache": cache, "tok_s": tok_s, "ttft_p50_ms": ttft, "accept_len": accept}
+        return {
+            "workload": workload,
+            "shape": "s",
+            "cache": cache,
+            "tok_s": tok_s,
+            "ttft_p50_ms": ttft,
+            "accept_len": accept,
+        }
 
     rows = [row("gsm8k", "off", 100, 50, 3.0), row("gsm8k", "on", 160, 10, 3.0),
             row("sysprompt", "off", 100, 500, 3.0), row("sysprompt", "on", 120, 60, 3.1)]

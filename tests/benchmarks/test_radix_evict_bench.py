@@ -10,7 +10,10 @@ from benchmarks import radix_evict
 
 def test_radix_evict_small(tmp_path: Path) -> None:
     out = tmp_path / "radix.json"
-    assert radix_evict.main(["--out", str(out), "--cached", "4", "16", "--rows", "8", "--length", "20", "--steps", "5"]) == 0
+    assert (
+        radix_evict.main(["--out", str(out), "--cached", "4", "16", "--rows", "8", "--length", "20", "--steps", "5"])
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [r["cached_sequences"] for r in report["rows"]] == [4, 16]
     assert all(r["us_per_step_median"] > 0 for r in report["rows"]) and {"gpu", "date", "commit"} <= set(report)

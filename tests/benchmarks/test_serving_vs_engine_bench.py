@@ -119,19 +119,35 @@ def test_merge_keeps_sources_and_tells_weights_apart(tmp_path: Path) -> None:
         (tmp_path / name).write_text(json.dumps(data))
         return tmp_path / name
 
-    old = result("a.json", "aaa", "dummy", [{"shape": "smollm2", "mode": "dflash", "concurrency": 8, "server_tok_s": 1},
-                                            {"shape": "smollm2", "mode": "dflash", "concurrency": 64, "server_tok_s": 2}])
+    old = result(
+        "a.json",
+        "aaa",
+        "dummy",
+        [
+            {"shape": "smollm2", "mode": "dflash", "concurrency": 8, "server_tok_s": 1},
+            {"shape": "smollm2", "mode": "dflash", "concurrency": 64, "server_tok_s": 2},
+        ],
+    )
     new = result("b.json", "bbb", "auto", [{"shape": "smollm2", "mode": "dflash", "concurrency": 8, "server_tok_s": 3}])
     again = result("c.json", "ccc", "dummy", [{"shape": "smollm2", "weights": "dummy", "mode": "dflash",
                                                "concurrency": 64, "server_tok_s": 4}])
     merged = merge([old, new, again], tmp_path / "out.json")
     rows = {(r["weights"], r["concurrency"]): (r["server_tok_s"], r["commit"]) for r in merged["rows"]}
     assert rows == {("dummy", 8): (1, "aaa"), ("dummy", 64): (4, "ccc"), ("real", 8): (3, "bbb")}
-    assert [s["file"] for s in merged["sources"]] == ["a.json", "b.json", "c.json"] and merged["commit"] == "aaa+bbb+ccc"
+    assert [s["file"] for s in merged["sources"]] == ["a.json", "b.json", "c.json"] and merged[
+        "commit"
+    ] == "aaa+bbb+ccc"
     assert set(merged["engines"]) == {"a.json:smollm2/dflash", "b.json:smollm2/dflash", "c.json:smollm2/dflash"}
     assert json.loads((tmp_path / "out.json").read_text()) == merged
-    poisson = result("d.json", "ddd", "dummy", [{"shape": "smollm2", "mode": "target", "concurrency": "poisson", "rate": r,
-                                                "server_tok_s": r} for r in (10.0, 20.0)])
+    poisson = result(
+        "d.json",
+        "ddd",
+        "dummy",
+        [
+            {"shape": "smollm2", "mode": "target", "concurrency": "poisson", "rate": r, "server_tok_s": r}
+            for r in (10.0, 20.0)
+        ],
+    )
     assert len(merge([poisson], tmp_path / "p.json")["rows"]) == 2  # two rates, two rows
     assert merge([poisson], tmp_path / "p.json")["rows"][0]["weights"] == "unknown"  # no engine entry for target
     with pytest.raises(ValueError, match="file name"):
@@ -299,7 +315,11 @@ def test_engine_phase_is_reused_for_the_same_spec_only(tmp_path: Path, monkeypat
     other = support.cached_engine_phase(spec(tmp_path / "c", 16), tmp_path / "c", 1.0, cache)
     uncached = support.cached_engine_phase(spec(tmp_path / "a"), tmp_path / "a", 1.0, None)
     assert len(runs) == 3
-    assert (first["reused_engine_phase"], again["reused_engine_phase"], other["reused_engine_phase"]) == (False, True, False)
+    assert (first["reused_engine_phase"], again["reused_engine_phase"], other["reused_engine_phase"]) == (
+        False,
+        True,
+        False,
+    )
     assert again["engine_tok_s"] == first["engine_tok_s"] == 100.0 and other["engine_tok_s"] == 200.0
     assert uncached["reused_engine_phase"] is False and uncached["engine_tok_s"] == 300.0
 

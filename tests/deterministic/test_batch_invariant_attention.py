@@ -15,7 +15,10 @@ pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu
 
 pytest.importorskip("triton")
 
-from blockspec.attention.batch_invariant_backend import BatchInvariantAttention, BatchInvariantAttentionBackend  # noqa: E402
+from blockspec.attention.batch_invariant_backend import (
+    BatchInvariantAttention,
+    BatchInvariantAttentionBackend,
+)  # noqa: E402
 from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend  # noqa: E402
 from blockspec.batch import ForwardMode, build_batch  # noqa: E402

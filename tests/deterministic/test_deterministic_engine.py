@@ -110,5 +110,7 @@ def test_serve_flags(tiny: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert args.engine["enable_deterministic_inference"] is True
     assert args.engine["triton_attention_split_tile_size"] == 64
     with pytest.raises(SystemExit):
-        parse_serve_args(["--model-path", path, "--enable-deterministic-inference", "--attention-backend", "flashinfer"])
+        parse_serve_args(
+            ["--model-path", path, "--enable-deterministic-inference", "--attention-backend", "flashinfer"]
+        )
     assert "--enable-deterministic-inference needs --attention-backend triton" in capsys.readouterr().err

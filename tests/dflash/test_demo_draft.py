@@ -63,7 +63,9 @@ def test_checkpoint_records_how_it_was_made(pair: tuple[Path, Path, list[list[in
     assert config["block_size"] == 16 and config["dflash_config"]["target_layer_ids"] == info["target_layer_ids"]
 
 
-def test_embedded_draft_accepts_blocks_losslessly_and_matches_reference(pair: tuple[Path, Path, list[list[int]]]) -> None:
+def test_embedded_draft_accepts_blocks_losslessly_and_matches_reference(
+    pair: tuple[Path, Path, list[list[int]]],
+) -> None:
     target, draft, prompts = pair
     target_only, _ = run_engine(target, prompts, None)
     outputs, lengths = run_engine(target, prompts, draft)

@@ -54,7 +54,9 @@ def assert_pools_free(engine: Engine) -> None:
 @pytest.mark.parametrize("draft", ["random_draft", "trained_draft"])
 def test_greedy_lossless(models: dict[str, Any], page_size: int, draft: str) -> None:
     root = models["root"]
-    expected = [o["output_ids"] for o in engine_for(root, None, page_size).generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    expected = [
+        o["output_ids"] for o in engine_for(root, None, page_size).generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    ]
     engine = engine_for(root, draft, page_size)
     outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outputs] == expected
@@ -223,7 +225,9 @@ def test_fused_rope_kv_store_is_lossless(models: dict[str, Any], monkeypatch: py
     DFlash output equals target-only output, and the draft proposes as it does without the fused kernel."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("forces the Triton kernel onto CPU tensors: needs the interpreter (with CUDA the GPU tests cover it)")
+        pytest.skip(
+            "forces the Triton kernel onto CPU tensors: needs the interpreter (with CUDA the GPU tests cover it)"
+        )
     root = models["root"]
     prompts, params = PROMPTS[:4], {**GREEDY, "max_new_tokens": 12}
     expected = [o["output_ids"] for o in engine_for(root, None, 4).generate(input_ids=prompts, sampling_params=params)]

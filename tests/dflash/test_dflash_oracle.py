@@ -19,7 +19,9 @@ MAX_NEW = 40
 
 
 def reference(draft: torch.nn.Module, target: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[int]]:
-    stats = dflash_model.dflash_generate(draft, target, torch.tensor([prompt]), MAX_NEW, None, temperature=0.0, return_stats=True)
+    stats = dflash_model.dflash_generate(
+        draft, target, torch.tensor([prompt]), MAX_NEW, None, temperature=0.0, return_stats=True
+    )
     return stats.output_ids[0, len(prompt):].tolist(), list(stats.acceptance_lengths)
 
 
@@ -29,7 +31,9 @@ def run_blockspec(target_dir: Path, draft_dir: Path, page_size: int) -> tuple[li
         skip_tokenizer_init=True, speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft_dir),
         chunked_prefill_size=8,
     )
-    reqs, _ = engine.make_requests(input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True})
+    reqs, _ = engine.make_requests(
+        input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    )
     for req in reqs:
         engine.scheduler.add_request(req)
     while engine.scheduler.has_work:
@@ -61,7 +65,9 @@ def test_matches_dflash_reference(tmp_path: Path, kind: str, layer_ids: list[int
         assert max(n for cycle_lengths in lengths for n in cycle_lengths) >= 3
 
 
-def assert_matches_reference(draft: torch.nn.Module, target: torch.nn.Module, root: Path, block: int) -> list[list[int]]:
+def assert_matches_reference(
+    draft: torch.nn.Module, target: torch.nn.Module, root: Path, block: int
+) -> list[list[int]]:
     """blockspec on root/target + root/draft gives dflash_generate's tokens and per-cycle acceptance for PROMPTS;
     KV fully free after. Returns blockspec's cycle lengths per prompt."""
     outputs, lengths, engine = run_blockspec(root / "target", root / "draft", page_size=4)

@@ -39,7 +39,9 @@ def test_aux_equals_hf_hidden_states(tmp_path: Path, kind: str, capture: tuple[i
     req = Req(tokens, SamplingParams())
     req.pool_row = runner.req_to_token.acquire()
     runner.allocator.grow(req, len(tokens), runner.req_to_token)
-    batch = build_batch(ForwardMode.EXTEND, [tokens], [0], [req.pool_row], runner.req_to_token.table, [len(tokens) - 1], capture)
+    batch = build_batch(
+        ForwardMode.EXTEND, [tokens], [0], [req.pool_row], runner.req_to_token.table, [len(tokens) - 1], capture
+    )
     pcg = PiecewiseGraphRunner(runner.model, runner.attention, [16], capture, runner.device)
     with torch.inference_mode():
         states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states

@@ -60,7 +60,9 @@ def smollm2_server() -> Iterator[BackgroundServer]:
 
 
 @needs_data
-def test_gsm8k_end_to_end_on_demo_model(smollm2_server: BackgroundServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_gsm8k_end_to_end_on_demo_model(
+    smollm2_server: BackgroundServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "gsm8k.json"
     code = main([
         "eval", "gsm8k", "--base-url", smollm2_server.base_url, "--num-examples", "3", "--num-threads", "3",
@@ -115,7 +117,19 @@ def test_missing_data_path_fails_naming_the_flag(tmp_path: Path, capsys: pytest.
 def test_unreachable_server_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "mini.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(7)))
-    code = main(["eval", "gsm8k", "--base-url", "http://127.0.0.1:9", "--data-path", str(data), "--num-examples", "1", "--disable-tqdm"])
+    code = main(
+        [
+            "eval",
+            "gsm8k",
+            "--base-url",
+            "http://127.0.0.1:9",
+            "--data-path",
+            str(data),
+            "--num-examples",
+            "1",
+            "--disable-tqdm",
+        ]
+    )
     assert code == 1
     assert "error" in capsys.readouterr().err
 

@@ -50,7 +50,12 @@ def test_matmul_rows_do_not_depend_on_m(k: int, n: int) -> None:
 
 
 def test_attention_rows_at_8b_head_shapes() -> None:
-    from tests.deterministic.test_batch_invariant_attention import Sequences, backend_for, mismatches, paths_of_one_position
+    from tests.deterministic.test_batch_invariant_attention import (
+        Sequences,
+        backend_for,
+        mismatches,
+        paths_of_one_position,
+    )
 
     seqs = Sequences([1300, 60, 50], torch.bfloat16, page_size=16, heads=(32, 8, 128))
     backend = backend_for(seqs, settings=BatchInvariantAttention())

@@ -21,8 +21,11 @@ CPU_ONLY = {
 
 
 def test_every_cuda_capable_test_file_is_in_the_gpu_suite() -> None:
-    unmarked = [path.relative_to(TESTS).as_posix() for path in sorted(TESTS.rglob("test_*.py"))
-                if path.name not in CPU_ONLY and USES_CUDA.search(path.read_text()) and not MARKED.search(path.read_text())]
+    unmarked = [
+        path.relative_to(TESTS).as_posix()
+        for path in sorted(TESTS.rglob("test_*.py"))
+        if path.name not in CPU_ONLY and USES_CUDA.search(path.read_text()) and not MARKED.search(path.read_text())
+    ]
     assert unmarked == [], f"mark these pytest.mark.cuda (or gpu) so make gpu-test runs them: {unmarked}"
 
 

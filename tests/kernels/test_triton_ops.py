@@ -42,7 +42,9 @@ def rope_tables(rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_rotary_matches_reference() -> None:
     torch.manual_seed(0)
-    rope = RotaryEmbedding(16, RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=32), 128)
+    rope = RotaryEmbedding(
+        16, RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=32), 128
+    )
     q = torch.randn(7, 4, 16)
     k = torch.randn(7, 2, 16)
     positions = torch.tensor([0, 1, 2, 50, 51, 100, 127])
@@ -78,7 +80,11 @@ def test_rope_norm_store_matches_norm_rope_then_store(dtype: torch.dtype, with_q
     q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
     positions = torch.tensor([0, 7, 8, 33, 63])
     slots = torch.tensor([9, 2, 4, 11, 0])
-    norm = QKNorm(torch.rand(d).to(dtype) + 0.5 if with_q else None, torch.rand(d).to(dtype) + 0.5, 1e-6) if qk_norm else None
+    norm = (
+        QKNorm(torch.rand(d).to(dtype) + 0.5 if with_q else None, torch.rand(d).to(dtype) + 0.5, 1e-6)
+        if qk_norm
+        else None
+    )
     expected_q, expected_k, stored = rope.apply(positions, q.clone() if with_q else None, k.clone(), v, norm)
     assert not stored  # the CPU torch path never stores
     expected_pool = KVPool(12, 1, kv_heads, d, dtype, torch.device("cpu"))

@@ -45,7 +45,9 @@ def test_cached_draft_kv_is_what_the_first_cycles_read(root: Path, shared: list[
     hits them, so equal acceptance means the draft KV was kept with the target KV."""
     on = engine_for(root, cache=True)
     want = run_waves(on, [[shared[0]], [shared[0]]])
-    assert want[0]["accept_lengths"] == want[1]["accept_lengths"] and sum(want[1]["accept_lengths"]) > len(want[1]["accept_lengths"])
+    assert want[0]["accept_lengths"] == want[1]["accept_lengths"] and sum(want[1]["accept_lengths"]) > len(
+        want[1]["accept_lengths"]
+    )
     tree = on.scheduler.prefix_cache.tree
     assert tree is not None
     pages, _ = tree.match(shared[0][:-1])

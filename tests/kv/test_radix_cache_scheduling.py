@@ -29,7 +29,8 @@ def test_retraction_lossless(root: Path, distinct: list[list[int]], page_size: i
     cache = on.scheduler.prefix_cache
     reused: list[int] = []  # cached tokens a retracted request found on re-admission
     admitted = cache.admitted
-    cache.admitted = lambda req: (reused.append(req.shared_len) if req.computed_len else None, admitted(req))[1]  # type: ignore[method-assign]
+    cache.admitted = lambda req: (  # type: ignore[method-assign]
+        reused.append(req.shared_len) if req.computed_len else None, admitted(req))[1]
     got = run_waves(on, [prompts], max_new=40)
     assert signature(got) == signature(want)
     assert on.scheduler.num_retractions == off.scheduler.num_retractions > 0
@@ -101,7 +102,9 @@ def test_mixed_chunk_extends_last_token_chunks(root: Path, shared: list[list[int
     1-token prompt) arrive while another decodes; they are extended in that step, not also decoded."""
     engine = engine_for(root, cache=True, spec=spec, enable_mixed_chunk=True, page_size=1)
     engine.generate(input_ids=shared[0], sampling_params=greedy(4))
-    reqs, _ = engine.make_requests(input_ids=[shared[1], shared[0], [7]], sampling_params=[greedy(30), greedy(), greedy()])
+    reqs, _ = engine.make_requests(
+        input_ids=[shared[1], shared[0], [7]], sampling_params=[greedy(30), greedy(), greedy()]
+    )
     engine.scheduler.add_request(reqs[0])
     for _ in range(3):
         engine.step()
@@ -112,7 +115,10 @@ def test_mixed_chunk_extends_last_token_chunks(root: Path, shared: list[list[int
     assert reqs[1].cached_tokens == len(shared[0]) - 1 and engine.scheduler.steps.mixed_steps > 0
     target = engine_for(root, cache=False, spec=False)
     for req, max_new in zip(reqs, (30, 24, 24)):
-        assert req.output_ids == target.generate(input_ids=req.all_ids[:req.prompt_len], sampling_params=greedy(max_new))["output_ids"]
+        assert (
+            req.output_ids
+            == target.generate(input_ids=req.all_ids[: req.prompt_len], sampling_params=greedy(max_new))["output_ids"]
+        )
     assert_flushes_to_empty(engine)
 
 

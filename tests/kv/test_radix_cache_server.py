@@ -40,7 +40,9 @@ def test_cached_tokens_stats_metrics_and_flush(server: BackgroundServer) -> None
         assert metric_value(text, "blockspec_radix_cache_tokens") == cache["tree_tokens"]
 
         long = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
-        with client.stream("POST", "/generate", json={"input_ids": [5, 6], "rid": "busy", "sampling_params": long, "stream": True}) as r:
+        with client.stream(
+            "POST", "/generate", json={"input_ids": [5, 6], "rid": "busy", "sampling_params": long, "stream": True}
+        ) as r:
             lines = r.iter_lines()  # NOTE: kept referenced: a dropped iterator closes the stream (the server aborts)
             next(line for line in lines if line.startswith("data: "))
             assert client.post("/flush_cache").status_code == 400

@@ -75,7 +75,9 @@ def test_index_names_missing_shard(tiny, tmp_path: Path) -> None:
     shards = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
     assert len(shards) >= 2
     (path / shards[1]).unlink()
-    with pytest.raises(FileNotFoundError, match=rf"model\.safetensors\.index\.json names shard\(s\) missing .*{shards[1]}"):
+    with pytest.raises(
+        FileNotFoundError, match=rf"model\.safetensors\.index\.json names shard\(s\) missing .*{shards[1]}"
+    ):
         _load(path)
 
 
@@ -110,7 +112,12 @@ def test_wrong_shape(tiny, tmp_path: Path, name: str, shape: tuple[int, ...], im
 
 @pytest.mark.parametrize(
     "name",
-    ["model.layers.2.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight", "lm_head.weight"],
+    [
+        "model.layers.2.mlp.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ],
 )
 def test_missing_tensor(tiny, tmp_path: Path, name: str) -> None:
     path = _copy(tiny, tmp_path)
@@ -125,7 +132,9 @@ def test_extra_tensors_ignored(tiny, tmp_path: Path) -> None:
     path = _copy(tiny, tmp_path)
     _edit_weights(path, lambda w: w.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
     engine = _load(path)
-    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    out = engine.generate(
+        input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    )
     assert out["output_ids"] == hf_greedy(ckpt.model, [5, 6, 7], 8)
 
 
@@ -138,7 +147,9 @@ def test_bfloat16_checkpoint_upcast(tmp_path: Path) -> None:
     model = model.float()
     engine = _load(tmp_path / "bf16", max_total_tokens=256)
     prompts = [[5, 6, 7], list(range(10, 30))]
-    outputs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+    outputs = engine.generate(
+        input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    )
     assert [o["output_ids"] for o in outputs] == [hf_greedy(model, p, 12) for p in prompts]
 
 
@@ -149,7 +160,10 @@ def test_bfloat16_checkpoint_upcast(tmp_path: Path) -> None:
         ({"architectures": ["GPT2LMHeadModel"]}, r"unsupported model architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"),
         ({"architectures": None, "model_type": "gpt2"}, r"unsupported model architecture 'gpt2'"),
         ({"hidden_size": None}, r"hidden_size"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, r"unsupported rope type 'yarn'"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None},
+            r"unsupported rope type 'yarn'",
+        ),
     ],
 )
 def test_bad_config(tiny, tmp_path: Path, changes: dict[str, Any], message: str) -> None:

@@ -25,7 +25,9 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                   skip_tokenizer_init=True)
 
 
-def extend_batch(engine: Engine, prefix_lens: list[int], new_lens: list[int], capture: tuple[int, ...]) -> tuple[ForwardBatch, list[Req]]:
+def extend_batch(
+    engine: Engine, prefix_lens: list[int], new_lens: list[int], capture: tuple[int, ...]
+) -> tuple[ForwardBatch, list[Req]]:
     runner = engine.runner
     reqs = []
     for p, n in zip(prefix_lens, new_lens):
@@ -36,7 +38,9 @@ def extend_batch(engine: Engine, prefix_lens: list[int], new_lens: list[int], ca
     generator = torch.Generator().manual_seed(sum(new_lens))
     tokens = [torch.randint(3, 90, (n,), generator=generator).tolist() for n in new_lens]
     rows = torch.tensor(new_lens).cumsum(0).sub(1).tolist()
-    batch = build_batch(ForwardMode.EXTEND, tokens, prefix_lens, [r.pool_row for r in reqs], runner.req_to_token.table, rows, capture)
+    batch = build_batch(
+        ForwardMode.EXTEND, tokens, prefix_lens, [r.pool_row for r in reqs], runner.req_to_token.table, rows, capture
+    )
     return batch, reqs
 
 
@@ -48,7 +52,9 @@ def release(engine: Engine, reqs: list[Req]) -> None:
 
 @pytest.mark.parametrize("prefix,new", [([0], [5]), ([0, 0, 0], [3, 17, 9]), ([20, 0], [13, 40])])
 @pytest.mark.parametrize("capture", [(), CAPTURE])
-def test_segments_equal_plain_forward(engine: Engine, prefix: list[int], new: list[int], capture: tuple[int, ...]) -> None:
+def test_segments_equal_plain_forward(
+    engine: Engine, prefix: list[int], new: list[int], capture: tuple[int, ...]
+) -> None:
     runner = engine.runner
     pcg = PiecewiseGraphRunner(runner.model, runner.attention, default_buckets(128), capture, runner.device)
     batch, reqs = extend_batch(engine, prefix, new, capture)  # a cached prefix reads whatever its slots hold

@@ -47,7 +47,9 @@ def check_tp2_matches_tp1(flags: dict[str, Any]) -> Engine:
 def test_target_only_tp2_matches_tp1(tmp_path: Path, variant: str) -> None:
     """Llama, Qwen3 (q/k norms), and one KV head (replicated on both ranks) with an odd vocabulary (the last
     vocabulary shard padded); the Qwen3 engine also mixes prefill chunks into decode steps."""
-    kind, overrides = ("llama", dict(num_key_value_heads=1, vocab_size=95)) if variant.startswith("llama-") else (variant, {})
+    kind, overrides = (
+        ("llama", dict(num_key_value_heads=1, vocab_size=95)) if variant.startswith("llama-") else (variant, {})
+    )
     save_tiny_model(kind, tmp_path / "target", **overrides)
     extra = dict(enable_mixed_chunk=True) if kind == "qwen3" else {}
     engine = check_tp2_matches_tp1(cpu_flags(tmp_path / "target", **extra))

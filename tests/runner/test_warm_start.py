@@ -155,7 +155,9 @@ def test_warm_attention_launches_every_variant_and_layer_class() -> None:
     assert warm_attention(workloads, table.table, table.dummy_row) == len(variants)
 
 
-def test_engine_warmup_leaves_the_engine_as_it_found_it(make_engine: Callable[..., Engine], trained_pair: dict[str, Any]) -> None:
+def test_engine_warmup_leaves_the_engine_as_it_found_it(
+    make_engine: Callable[..., Engine], trained_pair: dict[str, Any]
+) -> None:
     root = trained_pair["root"]
     engine = make_engine(root / "target", attention_backend="triton", speculative_algorithm="DFLASH",
                          speculative_draft_model_path=str(root / "draft"), chunked_prefill_size=16,
@@ -168,7 +170,9 @@ def test_engine_warmup_leaves_the_engine_as_it_found_it(make_engine: Callable[..
         for key in counts:
             counts[key] = 0
     workloads = attention_workloads(engine.runner, engine.worker)
-    report = warm_kernels(engine.runner, engine.worker, engine.new_scheduler)  # NOTE: the attention launches run in Triton's interpreter here
+    report = warm_kernels(
+        engine.runner, engine.worker, engine.new_scheduler
+    )  # NOTE: the attention launches run in Triton's interpreter here
     assert report.request_passes == 1  # CPU: no graphs, so one pass as configured
     assert report.attention_variants == sum(len(workload_variants(w)) for w in workloads) > 0
     assert all(n == 0 for n in engine.forward_counts.values())
@@ -186,7 +190,9 @@ def test_warmup_forgets_what_its_cycles_taught_adaptive_verify(make_engine: Call
     triton_engine = make_engine(root / "target", attention_backend="triton",
                                 speculative_num_draft_tokens_per_bs="1-2:1,3-4:8", **flags)
     assert min(triton_engine.worker.verify_lengths) == 1
-    verify = next(w for w in attention_workloads(triton_engine.runner, triton_engine.worker) if w.mode == ForwardMode.VERIFY)
+    verify = next(
+        w for w in attention_workloads(triton_engine.runner, triton_engine.worker) if w.mode == ForwardMode.VERIFY
+    )
     assert (verify.min_q, verify.max_q) == (1, triton_engine.worker.block_size)  # NOTE: every verify length's launches
     engine = make_engine(root / "target", speculative_adaptive_verify="on", **flags)  # NOTE: torch attention: fast
     worker = engine.worker
@@ -236,7 +242,10 @@ def test_serve_process_prints_startup_and_exports_it(tmp_path: Path) -> None:
         metrics = httpx.get(url + "/metrics", timeout=30).text
         assert metric_value(metrics, "blockspec_startup_seconds", 'phase="total"') > 0
         assert metric_value(metrics, "blockspec_startup_seconds", 'phase="weights"') > 0
-        assert httpx.get(url + "/server_info", timeout=30).json()["internal_states"][0]["kernel_compiles_after_startup"] == 0
+        assert (
+            httpx.get(url + "/server_info", timeout=30).json()["internal_states"][0]["kernel_compiles_after_startup"]
+            == 0
+        )
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     assert proc.stdout is not None

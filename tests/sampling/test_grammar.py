@@ -84,7 +84,9 @@ def test_constrained_greedy_equals_constrained_target_loop(pair: dict[str, Any],
     kind, source = CASES[case]
     tokenizer, engine = pair["tokenizer"], engines[spec]
     prompts = prompt_ids(tokenizer)
-    outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, kind: source})
+    outs = engine.generate(
+        input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, kind: source}
+    )
     for prompt, out in zip(prompts, outs):
         assert out["output_ids"] == constrained_greedy(pair["target"], tokenizer, prompt, kind, source, MAX_NEW), case
         if out["meta_info"]["finish_reason"]["type"] == "stop":
@@ -92,7 +94,9 @@ def test_constrained_greedy_equals_constrained_target_loop(pair: dict[str, Any],
     assert_engine_idle(engine)
 
 
-def test_grammar_changes_the_output_and_reports_accept_length(pair: dict[str, Any], engines: dict[bool, Engine]) -> None:
+def test_grammar_changes_the_output_and_reports_accept_length(
+    pair: dict[str, Any], engines: dict[bool, Engine]
+) -> None:
     prompts = prompt_ids(pair["tokenizer"])
     free = engines[True].generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW})
     schema = engines[True].generate(input_ids=prompts, sampling_params={
@@ -109,7 +113,9 @@ def test_grammar_changes_the_output_and_reports_accept_length(pair: dict[str, An
 
 
 @pytest.mark.parametrize("case", ["yes/no regex", "enum schema", "ebnf"])
-def test_sampled_constrained_output_always_matches(pair: dict[str, Any], engines: dict[bool, Engine], case: str) -> None:
+def test_sampled_constrained_output_always_matches(
+    pair: dict[str, Any], engines: dict[bool, Engine], case: str
+) -> None:
     kind, source = CASES[case]
     prompts = prompt_ids(pair["tokenizer"]) * 3
     params = [{"temperature": 1.0, "top_p": 0.95, "seed": seed, "max_new_tokens": MAX_NEW, kind: source}
@@ -154,7 +160,9 @@ def test_constrained_and_free_requests_share_a_batch(pair: dict[str, Any], engin
     ({"ebnf": "root ::= missing_rule"}, "ebnf"),
     ({"regex": "a", "json_schema": "{}"}, "json_schema"),
 ])
-def test_bad_grammars_are_errors_naming_the_field(engines: dict[bool, Engine], params: dict[str, Any], field: str) -> None:
+def test_bad_grammars_are_errors_naming_the_field(
+    engines: dict[bool, Engine], params: dict[str, Any], field: str
+) -> None:
     with pytest.raises(ValueError, match=field):
         engines[True].generate(input_ids=[[1, 2, 3]], sampling_params=params)
 
@@ -172,7 +180,9 @@ def test_constrained_greedy_in_mixed_chunk_steps(pair: dict[str, Any]) -> None:
     tokenizer = pair["tokenizer"]
     prompts = [list(tokenizer.encode(text)) for text in (PROMPTS[0], PROMPTS[1] * 4, PROMPTS[2] * 6)]
     engine = cpu_engine(Path(pair["root"]), True, skip_tokenizer_init=False, enable_mixed_chunk=True)
-    outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, kind: source})
+    outs = engine.generate(
+        input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW, kind: source}
+    )
     for prompt, out in zip(prompts, outs):
         assert out["output_ids"] == constrained_greedy(pair["target"], tokenizer, prompt, kind, source, MAX_NEW)
     assert engine.scheduler.spec.verify_ct > 0 and engine.scheduler.steps.mixed_steps > 0

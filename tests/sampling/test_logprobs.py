@@ -82,11 +82,16 @@ def test_logprob_requests_do_not_run_ahead(models: dict[str, Any]) -> None:
     assert engine.worker.can_run_ahead(plain)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"return_logprob": "yes"}, "return_logprob must be"), ({"return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
-    ({"top_logprobs_num": 2}, "needs return_logprob"), ({"return_logprob": [True]}, "got 1 return_logprob for 2 prompts"),
-    ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num must be at most 20"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"return_logprob": "yes"}, "return_logprob must be"),
+        ({"return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"top_logprobs_num": 2}, "needs return_logprob"),
+        ({"return_logprob": [True]}, "got 1 return_logprob for 2 prompts"),
+        ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num must be at most 20"),
+    ],
+)
 def test_bad_logprob_arguments(models: dict[str, Any], kwargs: dict[str, Any], message: str) -> None:
     engine = engine_for(models["root"], False)
     with pytest.raises(ValueError, match=message):

@@ -40,7 +40,9 @@ def hf_penalised_greedy(model: PreTrainedModel, prompt: list[int], params: dict[
         logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, -1].float().tolist()
         for token in range(len(logits)):
             count = output.count(token)
-            logits[token] -= params.get("frequency_penalty", 0.0) * count + params.get("presence_penalty", 0.0) * (count > 0)
+            logits[token] -= params.get("frequency_penalty", 0.0) * count + params.get("presence_penalty", 0.0) * (
+                count > 0
+            )
             r = params.get("repetition_penalty", 1.0)
             if token in prompt or count:
                 logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
@@ -73,7 +75,9 @@ def test_min_new_tokens_holds_back_a_stop(models: dict[str, Any]) -> None:
     first = engine.generate(input_ids=PROMPTS[0], sampling_params=params)["output_ids"]
     stop = first[2]
     early = engine.generate(input_ids=PROMPTS[0], sampling_params={**params, "stop_token_ids": [stop]})["output_ids"]
-    late = engine.generate(input_ids=PROMPTS[0], sampling_params={**params, "stop_token_ids": [stop], "min_new_tokens": 10})
+    late = engine.generate(
+        input_ids=PROMPTS[0], sampling_params={**params, "stop_token_ids": [stop], "min_new_tokens": 10}
+    )
     assert early[-1] == stop and len(early) <= 3
     assert len(late["output_ids"]) >= 10 and stop not in late["output_ids"][:10]
 

@@ -83,7 +83,9 @@ def test_reduces_to_greedy(tiny, make_engine, params: dict[str, Any]) -> None:
 LOGITS = [2.0, 1.55, 1.2, 0.7, 0.3, 0.05, -0.5, -1.1]
 
 
-def expected_distribution(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
+def expected_distribution(
+    logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float
+) -> list[float]:
     """softmax(logits / T), then keep the top-k, then the smallest prefix (by probability) whose mass before each
     kept token is < top_p of what remains, then tokens with p >= min_p * max p; renormalise after each step."""
     if temperature == 0 or top_k == 1:

@@ -30,6 +30,8 @@ def test_counted_commit_matches_token_by_token() -> None:
         tokens = [rng.randrange(8) for _ in range(rng.randint(0, 6))]
         fast, slow = Req(prompt + [5] * done, params), Req(prompt + [5] * done, params)
         fast.prompt_len = slow.prompt_len = len(prompt)
-        assert append_tokens(fast, tokens, eos, context_length, None) == token_by_token(slow, tokens, eos, context_length)
+        assert append_tokens(fast, tokens, eos, context_length, None) == token_by_token(
+            slow, tokens, eos, context_length
+        )
         assert fast.all_ids == slow.all_ids
         assert (fast.finish and fast.finish.to_dict()) == (slow.finish and slow.finish.to_dict())

@@ -1,7 +1,8 @@
-"""Overlap schedule for greedy DFlash (speculative/pending.py): cycle N+1 is launched from cycle N's device outputs before
-the host commits N. Output must equal the synchronous schedule's and target-only output, with requests finishing
+"""Overlap schedule for greedy DFlash (speculative/pending.py): cycle N+1 is launched from cycle N's device outputs
+before the host commits N. Output must equal the synchronous schedule's and target-only output, with requests finishing
 mid-pipeline, arriving mid-decode, aborted, retracted, and mixed with sampled requests; acceptance stats equal the
 synchronous schedule's when nothing is retracted (the slots reserved ahead shift when a small pool retracts)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -196,7 +197,9 @@ def test_next_decode_rows_from_device_outputs() -> None:
 def test_first_token_that_finishes_a_request_discards_its_launched_step(root: Path, draft: bool) -> None:
     """A request whose first token ends it (max_new_tokens 1, or a stop token) had its first decode step launched
     behind the extend: that step is discarded, its slots come back, the other requests' outputs are unchanged."""
-    first = [o["output_ids"][0] for o in engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=greedy(1))]
+    first = [
+        o["output_ids"][0] for o in engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=greedy(1))
+    ]
     params = [greedy(1), greedy(6), {**greedy(6), "ignore_eos": False, "stop_token_ids": [first[2]]}, *[greedy(9)] * 6]
     expected = engine_for(root, draft=False).generate(input_ids=PROMPTS, sampling_params=params)
     engine = engine_for(root, draft=draft)

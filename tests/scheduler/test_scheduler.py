@@ -88,7 +88,9 @@ def test_prompt_that_never_fits_is_rejected_before_queueing(tiny, make_engine) -
     assert not engine.scheduler.waiting and not engine.scheduler.running
     # The boundary: a prompt of total_slots - 1 tokens is served (one slot for the first decode step); once the
     # sequence outgrows the whole pool it is aborted (finish "abort") and says why.
-    out = engine.generate(input_ids=[9] * 31, sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+    out = engine.generate(
+        input_ids=[9] * 31, sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    )
     assert len(out["output_ids"]) == 2
     assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "the sequence no longer fits the KV pool"}
 
@@ -100,7 +102,9 @@ def test_context_length(tiny, make_engine) -> None:
         engine.generate(input_ids=[[3] * 4, [4] * 32], sampling_params=GREEDY)
     assert not engine.scheduler.waiting and not engine.scheduler.running
     # A request that reaches the context length while decoding stops there with finish "length".
-    out = engine.generate(input_ids=[3] * 28, sampling_params={"temperature": 0, "max_new_tokens": 100, "ignore_eos": True})
+    out = engine.generate(
+        input_ids=[3] * 28, sampling_params={"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}
+    )
     assert len(out["output_ids"]) == 4
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -168,7 +172,9 @@ def test_stop_token_ids_finish_stop(tiny, make_engine) -> None:
     assert out["output_ids"] == ref[:cut]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     # A stop id on the prompt only does not stop anything.
-    out = engine.generate(input_ids=[stop] * 3, sampling_params={**GREEDY, "stop_token_ids": [stop], "max_new_tokens": 1})
+    out = engine.generate(
+        input_ids=[stop] * 3, sampling_params={**GREEDY, "stop_token_ids": [stop], "max_new_tokens": 1}
+    )
     assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
 
 

@@ -32,8 +32,14 @@ def test_flags_map_onto_engine_config() -> None:
     assert engine["model_path"] == "/m" and engine["tokenizer_path"] == "/t" and engine["trust_remote_code"] is True
     assert engine["dtype"] == "bfloat16" and engine["device"] == "cuda:1" and engine["attention_backend"] == "triton"
     assert engine["page_size"] == 16 and engine["max_running_requests"] == 32 and engine["max_total_tokens"] == 100000
-    assert engine["chunked_prefill_size"] == -1 and engine["context_length"] == 4096 and engine["mem_fraction_static"] == 0.7
-    assert engine["cuda_graph_bs"] == [1, 2, 4] and engine["disable_cuda_graph"] and engine["enforce_piecewise_cuda_graph"]
+    assert (
+        engine["chunked_prefill_size"] == -1
+        and engine["context_length"] == 4096
+        and engine["mem_fraction_static"] == 0.7
+    )
+    assert (
+        engine["cuda_graph_bs"] == [1, 2, 4] and engine["disable_cuda_graph"] and engine["enforce_piecewise_cuda_graph"]
+    )
     assert engine["speculative_algorithm"] == "DFLASH" and engine["speculative_draft_model_path"] == "/d"
     assert engine["speculative_num_draft_tokens"] == 8 and engine["log_level"] == "info"
     EngineConfig.from_kwargs(**engine)  # every key is an EngineConfig field
@@ -63,7 +69,17 @@ BAD_FLAGS = [
     (["--cuda-graph-bs", "0"], "--cuda-graph-bs"),
     (["--speculative-algorithm", "eagle"], "--speculative-algorithm"),
     (["--speculative-algorithm", "DFLASH"], "--speculative-draft-model-path"),
-    (["--speculative-num-draft-tokens", "1", "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d"], "--speculative-num-draft-tokens"),
+    (
+        [
+            "--speculative-num-draft-tokens",
+            "1",
+            "--speculative-algorithm",
+            "DFLASH",
+            "--speculative-draft-model-path",
+            "/d",
+        ],
+        "--speculative-num-draft-tokens",
+    ),
     (["--device", "tpu"], "--device"),
     (["--port", "70000"], "--port"),
     (["--max-queued-requests", "0"], "--max-queued-requests"),
@@ -91,7 +107,9 @@ def test_serve_process_answers_and_stops_on_sigint(entry: list[str], tmp_path: P
     model = save_text_model(tmp_path / "model")
     with server_process(["--model-path", str(model), "--max-total-tokens", "4096", "--page-size", "4"],
                         tuple(entry)) as (proc, url):
-        reply = httpx.post(url + "/v1/completions", json={"prompt": "Janet", "max_tokens": 3, "ignore_eos": True}, timeout=30)
+        reply = httpx.post(
+            url + "/v1/completions", json={"prompt": "Janet", "max_tokens": 3, "ignore_eos": True}, timeout=30
+        )
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0

@@ -71,8 +71,14 @@ def test_a_stream_closed_before_its_deltas_still_aborts_its_requests() -> None:
                             SimpleNamespace(include_usage=False, n=2), ChatTools())
         assert b"assistant" in await chat.__anext__()
         await chat.aclose()
-        completion = _completion_stream(state, Submission(reqs, True, loop), None, {"id": "y"},  # type: ignore[arg-type]
-                                        SimpleNamespace(include_usage=False, n=2, logprobs=None), ["echo", "echo"])
+        completion = _completion_stream(
+            state,
+            Submission(reqs, True, loop),
+            None,
+            {"id": "y"},  # type: ignore[arg-type]
+            SimpleNamespace(include_usage=False, n=2, logprobs=None),
+            ["echo", "echo"],
+        )
         assert b"echo" in await completion.__anext__()
         await completion.aclose()
         return aborted

@@ -42,7 +42,9 @@ def test_health_models_and_model_info(client: httpx.Client) -> None:
 
 def test_chat_completion_matches_offline_engine(client: httpx.Client, server: BackgroundServer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many apples?"}]
-    body = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}).json()
+    body = client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
+    ).json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant"
@@ -50,24 +52,38 @@ def test_chat_completion_matches_offline_engine(client: httpx.Client, server: Ba
     ids = server.engine.chat_input_ids(messages)
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert body["usage"]["total_tokens"] == len(ids) + body["usage"]["completion_tokens"]
-    native = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}).json()
+    native = client.post(
+        "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    ).json()
     assert native["text"] == choice["message"]["content"]
 
 
 def test_completions_batch_and_usage(client: httpx.Client) -> None:
-    body = client.post("/v1/completions", json={"prompt": ["The quick", "Janet has"], "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json()
+    body = client.post(
+        "/v1/completions",
+        json={"prompt": ["The quick", "Janet has"], "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+    ).json()
     assert body["object"] == "text_completion"
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert all(c["finish_reason"] == "length" for c in body["choices"])
     assert body["usage"]["completion_tokens"] == 10
-    tokens = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}).json()
+    tokens = client.post(
+        "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    ).json()
     assert tokens["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
 def test_chat_stream_reassembles_to_the_non_stream_answer(client: httpx.Client) -> None:
-    request = {"messages": [{"role": "user", "content": "Count: 1 2 3"}], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    request = {
+        "messages": [{"role": "user", "content": "Count: 1 2 3"}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     whole = client.post("/v1/chat/completions", json=request).json()
-    with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with client.stream(
+        "POST", "/v1/chat/completions", json={**request, "stream": True, "stream_options": {"include_usage": True}}
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_payloads(r.iter_lines())
     assert events[-1] == "[DONE]"
@@ -81,7 +97,13 @@ def test_chat_stream_reassembles_to_the_non_stream_answer(client: httpx.Client) 
 
 
 def test_completion_stream_batch(client: httpx.Client) -> None:
-    request = {"prompt": ["The quick", "The lazy dog"], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    request = {
+        "prompt": ["The quick", "The lazy dog"],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with client.stream("POST", "/v1/completions", json=request) as r:
         events = sse_payloads(r.iter_lines())
     assert events[-1] == "[DONE]"
@@ -111,7 +133,10 @@ def test_generate_text_batch_and_stream(client: httpx.Client) -> None:
 
 def test_stop_string_never_streamed(client: httpx.Client) -> None:
     ids = [5, 6, 7, 8]
-    free = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}).json()
+    free = client.post(
+        "/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}},
+    ).json()
     text = free["text"]
     stop = text[len(text) // 2: len(text) // 2 + 2]
     assert stop.strip(), text
@@ -151,7 +176,9 @@ def test_server_info_and_metrics(client: httpx.Client) -> None:
 
 def test_abort_request_endpoint(client: httpx.Client, server: BackgroundServer) -> None:
     params = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
-    with client.stream("POST", "/generate", json={"input_ids": [5, 6], "rid": "to-abort", "sampling_params": params, "stream": True}) as r:
+    with client.stream(
+        "POST", "/generate", json={"input_ids": [5, 6], "rid": "to-abort", "sampling_params": params, "stream": True}
+    ) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         assert client.post("/abort_request", json={"rid": "to-abort"}).status_code == 200

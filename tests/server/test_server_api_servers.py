@@ -35,7 +35,8 @@ def _gone(pid: int, timeout: float = 30.0) -> bool:
 
 
 def _server_pids(url: str, tries: int = 60) -> dict[int, int]:
-    """index → pid of the server processes seen over `tries` fresh connections (the kernel picks one per connection)."""
+    """index → pid of the server processes seen over `tries` fresh connections (the kernel picks one per
+    connection)."""
     seen: dict[int, int] = {}
     for _ in range(tries):
         with httpx.Client(base_url=url, timeout=10) as client:
@@ -57,8 +58,11 @@ def test_requests_spread_over_server_processes_with_the_same_answers(model: Path
 
         def one(i: int) -> tuple[int, dict[str, Any]]:
             with httpx.Client(base_url=url, timeout=60) as client:
-                body = {"input_ids": [5, 6, 7 + i % 3], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
-                        "stream": i % 2 == 1}
+                body = {
+                    "input_ids": [5, 6, 7 + i % 3],
+                    "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+                    "stream": i % 2 == 1,
+                }
                 if i % 2:
                     with client.stream("POST", "/generate", json=body) as reply:
                         lines = [line for line in reply.iter_lines() if line.startswith("data: {")]

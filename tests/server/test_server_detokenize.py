@@ -82,7 +82,9 @@ def _offline(engine: Engine, ids: list[int], params: dict[str, Any]) -> dict[str
     return out
 
 
-def test_streamed_and_whole_texts_equal_the_offline_engine(text_server: BackgroundServer, offline_engine: Engine, admitted: list[Req]) -> None:
+def test_streamed_and_whole_texts_equal_the_offline_engine(
+    text_server: BackgroundServer, offline_engine: Engine, admitted: list[Req]
+) -> None:
     tokenizer = text_server.engine.tokenizer
     assert tokenizer is not None
     ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
@@ -95,12 +97,19 @@ def test_streamed_and_whole_texts_equal_the_offline_engine(text_server: Backgrou
     wait_idle(text_server.base_url)
     offline = _offline(offline_engine, ids, params)
     streamed = "".join(c["choices"][0]["text"] for c in chunks)
-    assert whole["text"] == streamed == offline["text"] == tokenizer.decode(offline["output_ids"], skip_special_tokens=True)
+    assert (
+        whole["text"]
+        == streamed
+        == offline["text"]
+        == tokenizer.decode(offline["output_ids"], skip_special_tokens=True)
+    )
     assert whole["output_ids"] == offline["output_ids"]
     assert len(admitted) == 2 and not any(req.detokenized for req in admitted)  # NOTE: decoded in the server
 
 
-def test_stop_strings_are_decoded_by_the_engine(text_server: BackgroundServer, offline_engine: Engine, admitted: list[Req]) -> None:
+def test_stop_strings_are_decoded_by_the_engine(
+    text_server: BackgroundServer, offline_engine: Engine, admitted: list[Req]
+) -> None:
     tokenizer = text_server.engine.tokenizer
     assert tokenizer is not None
     ids = tokenizer.encode("Question: Janet has", add_special_tokens=False)
@@ -111,7 +120,9 @@ def test_stop_strings_are_decoded_by_the_engine(text_server: BackgroundServer, o
     offline = _offline(offline_engine, ids, params)
     assert offline["meta_info"]["finish_reason"]["matched"] == stop
     with httpx.Client(base_url=text_server.base_url, timeout=60) as client:
-        with client.stream("POST", "/generate", json={"input_ids": ids, "sampling_params": params, "stream": True}) as response:
+        with client.stream(
+            "POST", "/generate", json={"input_ids": ids, "sampling_params": params, "stream": True}
+        ) as response:
             chunks = [p for p in sse_payloads(response.iter_lines()) if p != "[DONE]"]
     wait_idle(text_server.base_url)
     assert chunks[-1]["text"] == offline["text"] and chunks[-1]["output_ids"] == offline["output_ids"]
@@ -127,5 +138,8 @@ def test_skip_special_tokens_false_is_decoded_with_them(text_server: BackgroundS
     with httpx.Client(base_url=text_server.base_url, timeout=60) as client:
         whole = client.post("/generate", json={"input_ids": ids, "sampling_params": params}).json()
     wait_idle(text_server.base_url)
-    assert whole["text"] == tokenizer.decode(whole["output_ids"], skip_special_tokens=False) == _offline(offline_engine, ids, params)["text"]
-
+    assert (
+        whole["text"]
+        == tokenizer.decode(whole["output_ids"], skip_special_tokens=False)
+        == _offline(offline_engine, ids, params)["text"]
+    )

@@ -93,8 +93,12 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("path,body,param", BAD_INPUTS, ids=[f"{p}:{param}:{i}" for i, (p, _, param) in enumerate(BAD_INPUTS)])
-def test_bad_input_is_a_400_naming_the_field(server: BackgroundServer, path: str, body: dict[str, Any], param: str) -> None:
+@pytest.mark.parametrize(
+    "path,body,param", BAD_INPUTS, ids=[f"{p}:{param}:{i}" for i, (p, _, param) in enumerate(BAD_INPUTS)]
+)
+def test_bad_input_is_a_400_naming_the_field(
+    server: BackgroundServer, path: str, body: dict[str, Any], param: str
+) -> None:
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         response = client.post(path, json=body)
         assert response.status_code == 400, response.text
@@ -107,7 +111,9 @@ def test_bad_input_is_a_400_naming_the_field(server: BackgroundServer, path: str
 
 @pytest.mark.parametrize("content", [b"{not json", b'{"messages": [', b"[1, 2]", b""])
 def test_malformed_json(server: BackgroundServer, content: bytes) -> None:
-    response = httpx.post(server.base_url + CHAT, content=content, headers={"content-type": "application/json"}, timeout=30)
+    response = httpx.post(
+        server.base_url + CHAT, content=content, headers={"content-type": "application/json"}, timeout=30
+    )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "body"
 
@@ -151,7 +157,9 @@ LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
 
 def test_stream_disconnect_aborts_and_frees_kv(server: BackgroundServer) -> None:
-    aborted = metric_value(httpx.get(server.base_url + "/metrics").text, "blockspec_requests_total", 'finish_reason="abort"')
+    aborted = metric_value(
+        httpx.get(server.base_url + "/metrics").text, "blockspec_requests_total", 'finish_reason="abort"'
+    )
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         with client.stream("POST", CHAT, json={"messages": USER, "stream": True, **LONG}) as r:
             lines = r.iter_lines()
@@ -163,7 +171,9 @@ def test_stream_disconnect_aborts_and_frees_kv(server: BackgroundServer) -> None
 
 
 def test_non_stream_disconnect_aborts_and_frees_kv(server: BackgroundServer) -> None:
-    aborted = metric_value(httpx.get(server.base_url + "/metrics").text, "blockspec_requests_total", 'finish_reason="abort"')
+    aborted = metric_value(
+        httpx.get(server.base_url + "/metrics").text, "blockspec_requests_total", 'finish_reason="abort"'
+    )
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + CMPL, json={"prompt": [5, 6, 7], **LONG}, timeout=httpx.Timeout(30, read=0.3))
     wait_idle(server.base_url)
@@ -173,7 +183,10 @@ def test_non_stream_disconnect_aborts_and_frees_kv(server: BackgroundServer) -> 
 
 def test_full_queue_answers_503(text_model: Path) -> None:
     engine = _engine(text_model, max_running_requests=1)
-    with BackgroundServer(engine, ServerSettings(port=0, max_queued_requests=1)) as running, httpx.Client(base_url=running.base_url, timeout=30) as client:
+    with (
+        BackgroundServer(engine, ServerSettings(port=0, max_queued_requests=1)) as running,
+        httpx.Client(base_url=running.base_url, timeout=30) as client,
+    ):
         body = {"prompt": [5, 6], "stream": True, **LONG}
         with client.stream("POST", CMPL, json=body) as first:
             _wait_running(running.base_url, 1)
@@ -212,7 +225,9 @@ def test_stream_keeps_serving_after_errors(server: BackgroundServer) -> None:
     wait_idle(server.base_url)
 
 
-def test_engine_step_failure_fails_requests_but_not_the_server(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_step_failure_fails_requests_but_not_the_server(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     scheduler = server.engine.scheduler
     real_step = scheduler.step
     calls = {"n": 0}

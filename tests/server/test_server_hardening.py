@@ -61,7 +61,9 @@ SURROGATES = [
 
 
 @pytest.mark.parametrize("path,body,param", SURROGATES, ids=[f"{p}:{param}" for p, _, param in SURROGATES])
-def test_lone_surrogate_is_a_400_and_the_connection_lives_on(server: BackgroundServer, path: str, body: dict[str, Any], param: str) -> None:
+def test_lone_surrogate_is_a_400_and_the_connection_lives_on(
+    server: BackgroundServer, path: str, body: dict[str, Any], param: str
+) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
@@ -70,7 +72,12 @@ def test_lone_surrogate_is_a_400_and_the_connection_lives_on(server: BackgroundS
         assert bad.status == 400, payload
         assert "surrogate" in _assert_error(payload, 400, param)["message"]
         sock = conn.sock
-        conn.request("POST", CMPL, body=json.dumps({"prompt": "hi", "max_tokens": 2, "ignore_eos": True}), headers={"content-type": "application/json"})
+        conn.request(
+            "POST",
+            CMPL,
+            body=json.dumps({"prompt": "hi", "max_tokens": 2, "ignore_eos": True}),
+            headers={"content-type": "application/json"},
+        )
         good = conn.getresponse()
         assert good.status == 200 and json.loads(good.read())["usage"]["completion_tokens"] == 2
         assert conn.sock is sock  # the same keep-alive connection answered
@@ -106,12 +113,17 @@ def test_tokenizer_failure_is_a_400(server: BackgroundServer, monkeypatch: pytes
         assert client.post(CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-TOKENIZED = [(CMPL, {"prompt": "apples", "max_tokens": 2}), (GEN, {"text": "apples", "sampling_params": {"max_new_tokens": 2}}),
-             (CHAT, {"messages": [{"role": "user", "content": "apples"}], "max_tokens": 2})]
+TOKENIZED = [
+    (CMPL, {"prompt": "apples", "max_tokens": 2}),
+    (GEN, {"text": "apples", "sampling_params": {"max_new_tokens": 2}}),
+    (CHAT, {"messages": [{"role": "user", "content": "apples"}], "max_tokens": 2}),
+]
 
 
 @pytest.mark.parametrize("path,body", TOKENIZED, ids=[p for p, _ in TOKENIZED])
-def test_tokenization_leaves_the_event_loop_free(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]) -> None:
+def test_tokenization_leaves_the_event_loop_free(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]
+) -> None:
     encoder = server.app.state.blockspec.encoder
     entered, release = threading.Event(), threading.Event()
 
@@ -121,7 +133,9 @@ def test_tokenization_leaves_the_event_loop_free(server: BackgroundServer, monke
 
     monkeypatch.setattr(encoder, "backend", TokenizerStandIn(encoder.backend, slow))
     result: dict[str, int] = {}
-    worker = threading.Thread(target=lambda: result.update(status=httpx.post(server.base_url + path, json=body, timeout=30).status_code))
+    worker = threading.Thread(
+        target=lambda: result.update(status=httpx.post(server.base_url + path, json=body, timeout=30).status_code)
+    )
     worker.start()
     try:
         assert entered.wait(10)
@@ -138,7 +152,9 @@ def test_body_over_max_request_bytes_is_a_413(server: BackgroundServer) -> None:
     big = {"prompt": "apples " * 20000, "max_tokens": 2}  # 140 kB > the 64 KiB limit
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         _assert_error(client.post(CMPL, json=big), 413, "body")
-        chunked = (part.encode() for part in [json.dumps(big)[i:i + 8192] for i in range(0, len(json.dumps(big)), 8192)])
+        chunked = (
+            part.encode() for part in [json.dumps(big)[i : i + 8192] for i in range(0, len(json.dumps(big)), 8192)]
+        )
         _assert_error(client.post(CMPL, content=chunked, headers={"content-type": "application/json"}), 413, "body")
         _assert_error(client.post(GEN, json={"input_ids": [5] * 40000}), 413, "body")
         assert client.post(CMPL, json={"prompt": "apples " * 100, "max_tokens": 2}).status_code == 200
@@ -258,7 +274,9 @@ def test_silent_and_trickling_connections_are_closed(server: BackgroundServer) -
 
 def test_header_timeout_leaves_long_responses_alone(server: BackgroundServer) -> None:
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
-        with client.stream("POST", GEN, json={"input_ids": [5, 6], "sampling_params": {**LONG, "max_new_tokens": 1500}, "stream": True}) as r:
+        with client.stream(
+            "POST", GEN, json={"input_ids": [5, 6], "sampling_params": {**LONG, "max_new_tokens": 1500}, "stream": True}
+        ) as r:
             events = sse_payloads(r.iter_lines())  # lasts well over the 0.5 s header timeout
         assert events[-1] == "[DONE]" and len(events[-2]["output_ids"]) == 1500
         time.sleep(0.1)
@@ -286,7 +304,9 @@ def test_queue_limit_counts_waiting_requests_not_running_ones(small_queue: Backg
     wait_idle(url)
 
 
-def test_queue_limit_admits_a_burst_up_to_running_plus_queued(small_queue: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_queue_limit_admits_a_burst_up_to_running_plus_queued(
+    small_queue: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     scheduler = small_queue.engine.scheduler
     real_step, gate = scheduler.step, threading.Event()
     monkeypatch.setattr(scheduler, "step", lambda: gate.wait(30) and real_step())  # the whole burst lands before a step
@@ -294,10 +314,14 @@ def test_queue_limit_admits_a_burst_up_to_running_plus_queued(small_queue: Backg
     async def burst() -> list[int]:
         statuses: list[int] = []
         everyone_answered = asyncio.Event()
-        async with httpx.AsyncClient(base_url=small_queue.base_url, timeout=30, limits=httpx.Limits(max_connections=64)) as client:
+        async with httpx.AsyncClient(
+            base_url=small_queue.base_url, timeout=30, limits=httpx.Limits(max_connections=64)
+        ) as client:
 
             async def one(i: int) -> None:
-                async with client.stream("POST", CMPL, json={"prompt": [5, i + 6], "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+                async with client.stream(
+                    "POST", CMPL, json={"prompt": [5, i + 6], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+                ) as r:
                     statuses.append(r.status_code)
                     if len(statuses) == 30:
                         everyone_answered.set()
@@ -328,7 +352,9 @@ def _abort_after_two_tokens(monkeypatch: pytest.MonkeyPatch, engine: Engine, mes
     monkeypatch.setattr(scheduler, "step", step)
 
 
-def test_engine_side_abort_is_an_answer_with_its_message(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_side_abort_is_an_answer_with_its_message(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _abort_after_two_tokens(monkeypatch, server.engine, "injected: out of room")
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         native = client.post(GEN, json={"input_ids": [5, 6], "sampling_params": LONG})
@@ -338,10 +364,22 @@ def test_engine_side_abort_is_an_answer_with_its_message(server: BackgroundServe
         assert cmpl.status_code == 200, cmpl.text
         choice = cmpl.json()["choices"][0]
         assert choice["finish_reason"] == "abort" and choice["abort_message"] == "injected: out of room"
-        with client.stream("POST", CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+        with client.stream(
+            "POST",
+            CHAT,
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3000,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
             events = sse_payloads(r.iter_lines())
         final = [e for e in events if isinstance(e, dict) and e["choices"] and e["choices"][0]["finish_reason"]][-1]
-        assert final["choices"][0]["finish_reason"] == "abort" and final["choices"][0]["abort_message"] == "injected: out of room"
+        assert (
+            final["choices"][0]["finish_reason"] == "abort"
+            and final["choices"][0]["abort_message"] == "injected: out of room"
+        )
         assert events[-1] == "[DONE]"
     wait_idle(server.base_url)
 
@@ -350,11 +388,15 @@ def test_request_that_outgrows_the_kv_pool_ends_with_abort(text_model: Path) -> 
     """Needs scheduler.py's two KV-pool finishes to be FinishReason.ABORT (issue 18)."""
     with BackgroundServer(_engine(text_model, max_total_tokens=64), ServerSettings(port=0)) as running, \
             httpx.Client(base_url=running.base_url, timeout=60) as client:
-        native = client.post(GEN, json={"input_ids": [5, 6, 7], "sampling_params": {**LONG, "max_new_tokens": 200}}).json()
+        native = client.post(
+            GEN, json={"input_ids": [5, 6, 7], "sampling_params": {**LONG, "max_new_tokens": 200}}
+        ).json()
         assert native["meta_info"]["finish_reason"]["type"] == "abort", native["meta_info"]
         assert "KV pool" in native["meta_info"]["finish_reason"]["message"]
         assert 0 < native["meta_info"]["completion_tokens"] < 200
-        choice = client.post(CMPL, json={"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}).json()["choices"][0]
+        choice = client.post(CMPL, json={"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}).json()["choices"][
+            0
+        ]
         assert choice["finish_reason"] == "abort" and "KV pool" in choice["abort_message"]
         info = wait_idle(running.base_url)
         assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]

@@ -100,7 +100,10 @@ async def run_one(client: httpx.AsyncClient, spec: Spec) -> Outcome:
             outcome.output_ids, outcome.completion_tokens = data["output_ids"], data["meta_info"]["completion_tokens"]
             outcome.finish = data["meta_info"]["finish_reason"]["type"]
         else:
-            outcome.completion_tokens, outcome.finish = data["usage"]["completion_tokens"], data["choices"][0]["finish_reason"]
+            outcome.completion_tokens, outcome.finish = (
+                data["usage"]["completion_tokens"],
+                data["choices"][0]["finish_reason"],
+            )
         return outcome
     chunks = 0
     async with client.stream("POST", path, json=body) as response:
@@ -197,7 +200,9 @@ def test_concurrent_load_with_cancellations(server: BackgroundServer, dflash_mod
     target, draft = dflash_model
     offline = Engine(model_path=str(target), speculative_draft_model_path=str(draft), **ENGINE_FLAGS)
     checked = greedy + greedy_cmpl
-    expected = offline.generate(input_ids=[o.spec.prompt for o in checked], sampling_params=[o.spec.params for o in checked])
+    expected = offline.generate(
+        input_ids=[o.spec.prompt for o in checked], sampling_params=[o.spec.params for o in checked]
+    )
     assert isinstance(expected, list)
     for o, want in zip(checked, expected):
         if o.output_ids is not None:

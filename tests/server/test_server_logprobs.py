@@ -57,7 +57,9 @@ def test_completions_logprobs_whole_and_streamed(server: BackgroundServer, offli
     assert whole["token_logprobs"] == pytest.approx(want, abs=1e-5)
     assert len(whole["tokens"]) == len(whole["top_logprobs"]) == len(whole["text_offset"]) == 8
     assert all(len(top) <= 2 for top in whole["top_logprobs"])
-    with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+    with httpx.stream(
+        "POST", server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as response:
         events = [e for e in sse_payloads(response.iter_lines()) if isinstance(e, dict)]
     streamed: list[float] = []
     for event in events:
@@ -75,9 +77,13 @@ def test_chat_logprobs_whole_and_streamed(server: BackgroundServer) -> None:
     assert len(content) == 6 and all(len(entry["top_logprobs"]) == 3 for entry in content)
     assert all(entry["logprob"] <= 0 and entry["bytes"] == list(entry["token"].encode()) for entry in content)
     assert "".join(entry["token"] for entry in content) == choice["message"]["content"]
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as response:
+    with httpx.stream(
+        "POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as response:
         events = [e for e in sse_payloads(response.iter_lines()) if isinstance(e, dict)]
-    streamed = [entry["logprob"] for e in events for c in e["choices"] if c["logprobs"] for entry in c["logprobs"]["content"]]
+    streamed = [
+        entry["logprob"] for e in events for c in e["choices"] if c["logprobs"] for entry in c["logprobs"]["content"]
+    ]
     assert streamed == pytest.approx([entry["logprob"] for entry in content], abs=1e-5)
     plain = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None},
                        timeout=60).json()["choices"][0]

@@ -51,7 +51,9 @@ def test_echo_puts_the_prompt_first(client: openai.OpenAI, server: BackgroundSer
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
     echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, echo=True)
     assert echoed.choices[0].text == prompt + plain.choices[0].text
-    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, echo=True, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == echoed.choices[0].text
     tokenizer = server.engine.tokenizer
     assert tokenizer is not None

@@ -63,7 +63,9 @@ def test_completions_n_with_two_prompts_and_streaming(server: BackgroundServer) 
 def test_chat_stream_n(server: BackgroundServer) -> None:
     body = {"messages": USER, "n": 2, **SAMPLED}
     whole = post(server, "/v1/chat/completions", body)
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as response:
+    with httpx.stream(
+        "POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as response:
         events = [e for e in sse_payloads(response.iter_lines()) if isinstance(e, dict)]
     texts = {0: "", 1: ""}
     finishes = {}

@@ -51,7 +51,12 @@ def test_chat_completion(client: openai.OpenAI) -> None:
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=24, temperature=0)
     stream = client.chat.completions.create(
-        model="smollm2", messages=QUESTION, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+        model="smollm2",
+        messages=QUESTION,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     pieces, finish, usage = [], None, None
     for chunk in stream:
@@ -67,7 +72,9 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
 
 def test_completions_and_stream(client: openai.OpenAI) -> None:
     prompt = "The capital of France is"
-    whole = client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, stop=["\n\n"], seed=3)
+    whole = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=8, temperature=0, stop=["\n\n"], seed=3
+    )
     assert whole.choices[0].text and whole.choices[0].finish_reason in ("stop", "length")
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="smollm2", prompt=prompt, max_tokens=8, temperature=0, stop=["\n\n"], stream=True

@@ -32,7 +32,9 @@ def test_openai_penalty_fields_equal_generate(server: BackgroundServer) -> None:
         text = completion_text(client, {"prompt": "Janet has", "max_tokens": 12, "temperature": 0, **openai_fields})
         native = client.post("/generate", json={"text": "Janet has", "sampling_params": {
             "max_new_tokens": 12, "temperature": 0, **sglang_fields}})
-        plain = client.post("/generate", json={"text": "Janet has", "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+        plain = client.post(
+            "/generate", json={"text": "Janet has", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        )
     assert native.status_code == 200 and plain.status_code == 200
     assert text == native.json()["text"]
     assert native.json()["output_ids"] != plain.json()["output_ids"]
@@ -42,7 +44,15 @@ def test_logit_bias_steers_every_token(server: BackgroundServer) -> None:
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         response = client.post("/generate", json={"text": "Janet has", "sampling_params": {
             "max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logit_bias": {"11": 100.0}}})
-        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-                                                         "temperature": 0, "logit_bias": {"11": 100.0}, "ignore_eos": True})
+        chat = client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 6,
+                "temperature": 0,
+                "logit_bias": {"11": 100.0},
+                "ignore_eos": True,
+            },
+        )
     assert response.status_code == 200 and response.json()["output_ids"] == [11] * 6
     assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 6

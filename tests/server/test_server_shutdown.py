@@ -55,15 +55,28 @@ def _start_clients(url: str) -> dict[str, tuple[threading.Thread, dict[str, Any]
     started = [threading.Event() for _ in range(3)]
     clients = {
         "stream": _in_thread(lambda: _stream(url, "/v1/completions", {"prompt": [5, 6], **LONG}, started[0])),
-        "gen_stream": _in_thread(lambda: _stream(url, "/generate", {"input_ids": [5, 7], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}, started[1])),
-        "plain": _in_thread(lambda: httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **LONG}, timeout=60)),
+        "gen_stream": _in_thread(
+            lambda: _stream(
+                url,
+                "/generate",
+                {"input_ids": [5, 7], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}},
+                started[1],
+            )
+        ),
+        "plain": _in_thread(
+            lambda: httpx.post(
+                url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **LONG}, timeout=60
+            )
+        ),
     }
     deadline = time.monotonic() + 30
     while not all(e.is_set() for e in started[:2]) or _running(url) < 3:
         failed = {name: r["error"] for name, (_, r) in clients.items() if "error" in r}
         assert not failed and time.monotonic() < deadline, f"the long requests never started: {failed}"
         time.sleep(0.02)
-    clients["short"] = _in_thread(lambda: _stream(url, "/v1/completions", {"prompt": [5, 8], "max_tokens": 40, "ignore_eos": True}, started[2]))
+    clients["short"] = _in_thread(
+        lambda: _stream(url, "/v1/completions", {"prompt": [5, 8], "max_tokens": 40, "ignore_eos": True}, started[2])
+    )
     assert started[2].wait(30)
     return clients
 
@@ -103,7 +116,9 @@ def sigterm_drains(proc: "subprocess.Popen[str]", url: str) -> None:
 
 
 def test_stop_drains_in_flight_requests(tmp_path: Path) -> None:
-    engine = Engine(model_path=str(save_text_model(tmp_path / "model")), device="cpu", dtype="float32", max_total_tokens=16384)
+    engine = Engine(
+        model_path=str(save_text_model(tmp_path / "model")), device="cpu", dtype="float32", max_total_tokens=16384
+    )
     server = BackgroundServer(engine, ServerSettings(port=0, shutdown_grace_s=GRACE_S)).start()
     try:
         clients = _start_clients(server.base_url)
@@ -137,7 +152,12 @@ def test_hardening_flags() -> None:
         "--model-path", "/m", "--max-request-bytes", "1000", "--shutdown-grace-s", "0", "--header-timeout-s", "2.5",
         "--timeout-keep-alive", "9", "--body-timeout-s", "7.5", "--max-connections", "12",
     ]).server
-    assert (args.max_request_bytes, args.shutdown_grace_s, args.header_timeout_s, args.timeout_keep_alive) == (1000, 0.0, 2.5, 9)
+    assert (args.max_request_bytes, args.shutdown_grace_s, args.header_timeout_s, args.timeout_keep_alive) == (
+        1000,
+        0.0,
+        2.5,
+        9,
+    )
     assert (args.body_timeout_s, args.max_connections) == (7.5, 12)
 
 

@@ -19,7 +19,9 @@ INTERVAL = 5
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     path = save_text_model(tmp_path_factory.mktemp("text_model"))
-    engine = Engine(model_path=str(path), device="cpu", dtype="float32", max_total_tokens=8192, stream_interval=INTERVAL)
+    engine = Engine(
+        model_path=str(path), device="cpu", dtype="float32", max_total_tokens=8192, stream_interval=INTERVAL
+    )
     with BackgroundServer(engine, ServerSettings(port=0)) as running:
         yield running
 
@@ -45,7 +47,9 @@ def test_chunks_carry_at_least_the_interval_and_reassemble(server: BackgroundSer
 
 def test_stop_strings_under_an_interval(server: BackgroundServer) -> None:
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    free = httpx.post(server.base_url + "/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": params}, timeout=60).json()
+    free = httpx.post(
+        server.base_url + "/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": params}, timeout=60
+    ).json()
     text = free["text"]
     stop = text[len(text) // 2: len(text) // 2 + 2]
     assert stop.strip(), text

@@ -70,8 +70,9 @@ def test_json_object_and_streaming(client: openai.OpenAI) -> None:
 
 def test_regex_and_ebnf_extensions(client: openai.OpenAI, server: BackgroundServer) -> None:
     for seed in range(4):
-        completion = client.completions.create(model="tiny", prompt="Is it? ", max_tokens=10, temperature=1.0, seed=seed,
-                                               extra_body={"regex": "(yes|no)"})
+        completion = client.completions.create(
+            model="tiny", prompt="Is it? ", max_tokens=10, temperature=1.0, seed=seed, extra_body={"regex": "(yes|no)"}
+        )
         assert completion.choices[0].text in ("yes", "no")
     chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0,
                                           extra_body={"ebnf": 'root ::= "Answer: " ("yes" | "no")'})
@@ -81,14 +82,20 @@ def test_regex_and_ebnf_extensions(client: openai.OpenAI, server: BackgroundServ
     assert re.fullmatch("[0-9]{2}", native["text"])
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, "response_format"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"response_format": {"type": "yaml"}}, "response_format"),
-    ({"regex": "(yes"}, "regex"),
-    ({"ebnf": "root ::= nothing"}, "ebnf"),
-    ({"regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"regex": "(yes"}, "regex"),
+        ({"ebnf": "root ::= nothing"}, "ebnf"),
+        ({"regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
 def test_bad_grammar_is_400_naming_the_field(server: BackgroundServer, body: dict[str, Any], param: str) -> None:
     response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
                           json={"messages": MESSAGES, "max_tokens": 4, **body})
@@ -97,5 +104,7 @@ def test_bad_grammar_is_400_naming_the_field(server: BackgroundServer, body: dic
 
 
 def test_generate_bad_regex_names_sampling_params_field(server: BackgroundServer) -> None:
-    response = httpx.post(server.base_url + "/generate", timeout=60, json={"text": "x", "sampling_params": {"regex": "("}})
+    response = httpx.post(
+        server.base_url + "/generate", timeout=60, json={"text": "x", "sampling_params": {"regex": "("}}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "sampling_params.regex"

@@ -38,8 +38,9 @@ def client(server: BackgroundServer) -> Iterator[openai.OpenAI]:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_tool_call_round_trips(client: openai.OpenAI, server: BackgroundServer, tool_choice: Any) -> None:
-    reply = client.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=tool_choice,
-                                           max_tokens=60, temperature=0)
+    reply = client.chat.completions.create(
+        model="tiny", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=60, temperature=0
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.tool_calls and len(choice.message.tool_calls) == 1
@@ -85,8 +86,9 @@ def test_streamed_tool_call_deltas(client: openai.OpenAI) -> None:
 
 def test_auto_and_none_reply_with_content(client: openai.OpenAI) -> None:
     for tool_choice in ("auto", "none"):
-        reply = client.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER], tool_choice=tool_choice,
-                                               max_tokens=8, temperature=0)
+        reply = client.chat.completions.create(
+            model="tiny", messages=QUESTION, tools=[WEATHER], tool_choice=tool_choice, max_tokens=8, temperature=0
+        )
         choice = reply.choices[0]
         if choice.message.tool_calls:  # NOTE: a random tiny model rarely writes a well-formed call unforced
             assert tool_choice == "auto" and choice.finish_reason == "tool_calls"

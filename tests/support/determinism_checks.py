@@ -19,7 +19,9 @@ GREEDY_OPEN = {"temperature": 0, "max_new_tokens": 10_000, "ignore_eos": True}
 def continuations(reqs: Sequence[Req], length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Per request: its first token (from prefill), then length - 1 random tokens (the block's later inputs)."""
     generator = torch.Generator().manual_seed(seed)
-    return [[req.all_ids[-1], *torch.randint(3, vocab - 1, (length - 1,), generator=generator).tolist()] for req in reqs]
+    return [
+        [req.all_ids[-1], *torch.randint(3, vocab - 1, (length - 1,), generator=generator).tolist()] for req in reqs
+    ]
 
 
 def open_requests(engine: Engine, prompts: list[list[int]], room: int) -> list[Req]:

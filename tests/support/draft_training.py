@@ -13,7 +13,9 @@ from blockspec import Engine
 
 
 @torch.no_grad()
-def target_continuations(target: PreTrainedModel, num_seqs: int, prompt_len: int, new_tokens: int, seed: int) -> torch.Tensor:
+def target_continuations(
+    target: PreTrainedModel, num_seqs: int, prompt_len: int, new_tokens: int, seed: int
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
     prompts = torch.randint(3, vocab - 1, (num_seqs, prompt_len), generator=generator)
@@ -25,7 +27,12 @@ def target_continuations(target: PreTrainedModel, num_seqs: int, prompt_len: int
 
 
 def train_tiny_draft(
-    draft: torch.nn.Module, target: PreTrainedModel, steps: int = 300, anchors_per_step: int = 8, seed: int = 0, lr: float = 3e-3,
+    draft: torch.nn.Module,
+    target: PreTrainedModel,
+    steps: int = 300,
+    anchors_per_step: int = 8,
+    seed: int = 0,
+    lr: float = 3e-3,
     extra_loss: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     num_sequences: int = 24,
 ) -> torch.nn.Module:

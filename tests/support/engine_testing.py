@@ -20,7 +20,9 @@ _HF_CACHE: "weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[tuple[int, ...
 
 
 @torch.no_grad()
-def hf_greedy(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, eos: Optional[int] = None) -> list[int]:
+def hf_greedy(
+    model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, eos: Optional[int] = None
+) -> list[int]:
     """HF `generate` greedy continuation of one prompt (fp32, attention_mask passed). eos=None: never stops early."""
     cache = _HF_CACHE.setdefault(model, {})
     key = (tuple(prompt), max_new_tokens, eos)
@@ -119,7 +121,9 @@ def graphed_and_eager_cycle(engine: Engine, reqs: Sequence[Req]) -> tuple[list[l
     return graphed, eager
 
 
-def overlapped_run_checking_syncs(engine: Engine, prompts: list[list[int]], sampling_params: dict) -> tuple[list[Req], int]:
+def overlapped_run_checking_syncs(
+    engine: Engine, prompts: list[list[int]], sampling_params: dict
+) -> tuple[list[Req], int]:
     """Runs `prompts` to the end step by step; every steady overlapped step (the next cycle launched from the last
     one's device outputs, nothing waiting, one pending token per request) runs under CUDA's sync debug mode 'error',
     so a synchronising device call there raises. Returns the requests and how many steps were checked."""

@@ -26,7 +26,9 @@ def shared_prompts(root: Path) -> list[list[int]]:
 def distinct_prompts(root: Path) -> list[list[int]]:
     """Eight prompts sharing no prefix (first tokens differ) of 6 random tokens + 0..28 tokens of the target's own
     continuation."""
-    starts = [[3 + 11 * i] + [3 + t for t in start] for i, start in enumerate(random_prompts([5] * 8, seed=5, vocab=90))]
+    starts = [
+        [3 + 11 * i] + [3 + t for t in start] for i, start in enumerate(random_prompts([5] * 8, seed=5, vocab=90))
+    ]
     target = engine_for(root, cache=False, spec=False)
     continuations = target.generate(input_ids=starts, sampling_params=greedy(28))
     assert isinstance(continuations, list)

@@ -74,7 +74,12 @@ def wait_idle(base_url: str, timeout: float = 20.0, headers: dict[str, str] | No
         info = httpx.get(base_url + "/server_info", headers=headers, timeout=10).json()
         state = info["internal_states"][0]
         kv = info["kv_cache"]
-        if kv["free_slots"] == kv["total_slots"] and not state["num_running_reqs"] and not state["num_waiting_reqs"] and not info["num_queued_requests"]:
+        if (
+            kv["free_slots"] == kv["total_slots"]
+            and not state["num_running_reqs"]
+            and not state["num_waiting_reqs"]
+            and not info["num_queued_requests"]
+        ):
             return info
         time.sleep(0.05)
     raise AssertionError(f"server not idle after {timeout}s: {info}")
@@ -98,12 +103,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server_process(args: list[str], entry: tuple[str, ...] = ("-m", "blockspec.serve")) -> tuple[subprocess.Popen[str], str]:
+def start_server_process(
+    args: list[str], entry: tuple[str, ...] = ("-m", "blockspec.serve")
+) -> tuple[subprocess.Popen[str], str]:
     """A real `blockspec serve` process on a free port (CPU, one thread), once /health answers 200; (process, url)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, *entry, *args, "--port", str(port), "--device", "cpu", "--dtype", "float32"],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -121,7 +132,9 @@ def start_server_process(args: list[str], entry: tuple[str, ...] = ("-m", "block
 
 
 @contextmanager
-def server_process(args: list[str], entry: tuple[str, ...] = ("-m", "blockspec.serve")) -> Iterator[tuple["subprocess.Popen[str]", str]]:
+def server_process(
+    args: list[str], entry: tuple[str, ...] = ("-m", "blockspec.serve")
+) -> Iterator[tuple["subprocess.Popen[str]", str]]:
     """start_server_process as a context: (process, url); a server still running at the end is killed."""
     proc, url = start_server_process(args, entry)
     try:
@@ -142,7 +155,8 @@ def openai_client(server: "BackgroundServer", api_key: str = "none", timeout: fl
 
 
 def serve_qwen_dflash(root: Path, **settings: Any) -> Iterator["BackgroundServer"]:
-    """A BackgroundServer on the Qwen3-vocabulary DFlash pair at `root` (the `qwen_vocab_pair` fixture), for a fixture."""
+    """A BackgroundServer on the Qwen3-vocabulary DFlash pair at `root` (the `qwen_vocab_pair` fixture), for a
+    fixture."""
     from blockspec import Engine
     from blockspec.server import BackgroundServer
     from blockspec.server.args import ServerSettings

@@ -76,7 +76,9 @@ def build_tiny_model(kind: str, seed: int = 0, residual_scale: float = 1.0, **ov
     return model
 
 
-def save_tiny_model(kind: str, directory: Path, seed: int = 0, residual_scale: float = 1.0, **overrides: Any) -> PreTrainedModel:
+def save_tiny_model(
+    kind: str, directory: Path, seed: int = 0, residual_scale: float = 1.0, **overrides: Any
+) -> PreTrainedModel:
     model = build_tiny_model(kind, seed, residual_scale, **overrides)
     model.save_pretrained(directory)
     return model

@@ -76,7 +76,9 @@ def test_user_turn_in_real_templates(smollm2_tokenizer: Any) -> None:
             turn = user_turn(tokenizer, system)
             assert tokenizer.decode(turn.prefix_ids).endswith("<|im_start|>user\n")
             assert turn.end_of_turn_id == end_of_turn and end_of_turn in turn.special_ids
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hi there"}]
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": "Hi there"}
+            ]
             chat = chat_to_ids(tokenizer, messages)
             assert chat[:len(turn.prefix_ids)] == turn.prefix_ids  # a generated turn continues the real chat prompt
             assert (system is not None) == ("You are terse." in tokenizer.decode(turn.prefix_ids))
@@ -122,7 +124,9 @@ def test_generated_split_is_seeded_disjoint_and_refused_for_training(smollm2_tok
 
     def generate(seed: int, batch_size: int, num_prompts: int = 7) -> Any:
         sampler = FakeSampler(smollm2_tokenizer, end_of_turn)
-        settings = MagpieSettings(num_prompts, seed=seed, batch_size=batch_size, heldout_fraction=0.3, max_candidates=30)
+        settings = MagpieSettings(
+            num_prompts, seed=seed, batch_size=batch_size, heldout_fraction=0.3, max_candidates=30
+        )
         return generate_prompts(sampler, smollm2_tokenizer, settings), sampler
 
     first, sampler = generate(0, 4)
@@ -174,12 +178,22 @@ def test_known_prompts_are_never_sampled_again(smollm2_tokenizer: Any, tmp_path:
 
 def test_bad_settings_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for changes, message in (
-        ({"heldout_fraction": 1.0}, "--heldout-fraction"), ({"temperature": 0.0}, "--temperature"),
-        ({"max_candidates": 2}, "--max-candidates 2 is below"), ({"filters": FilterSettings(min_words=0)}, "--min-words"),
+        ({"heldout_fraction": 1.0}, "--heldout-fraction"),
+        ({"temperature": 0.0}, "--temperature"),
+        ({"max_candidates": 2}, "--max-candidates 2 is below"),
+        ({"filters": FilterSettings(min_words=0)}, "--min-words"),
     ):
         with pytest.raises(ValueError, match=message):
             MagpieSettings(5, **changes).validate()  # type: ignore[arg-type]
-    argv = ["generate-prompts", "--model-path", str(tmp_path / "none"), "--out", str(tmp_path / "o"), "--num-prompts", "3"]
+    argv = [
+        "generate-prompts",
+        "--model-path",
+        str(tmp_path / "none"),
+        "--out",
+        str(tmp_path / "o"),
+        "--num-prompts",
+        "3",
+    ]
     assert blockspec_cli.main(argv) == 2
     assert "blockspec generate-prompts: error: --model-path" in capsys.readouterr().err
 
@@ -203,5 +217,7 @@ def test_real_target_generates_prompts(smollm2_tokenizer: Any, tmp_path: Path) -
     for record in records:
         text = record["messages"][-1]["content"]
         ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
-        assert rejection_reason(text, ids, specials, tuple(smollm2_tokenizer.all_special_tokens), FilterSettings()) is None
+        assert (
+            rejection_reason(text, ids, specials, tuple(smollm2_tokenizer.all_special_tokens), FilterSettings()) is None
+        )
     print("generated:", [r["messages"][-1]["content"] for r in records])

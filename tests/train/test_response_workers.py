@@ -34,7 +34,9 @@ def test_workers_split_the_prompts_and_match_one_engine(target: Path, tmp_path: 
     assert (total, generated) == (len(prompts), len(prompts) - 1)  # NOTE: the repeated prompt is generated once
     files = sorted(p.name for p in cache_dir.glob("responses.rank*.jsonl"))
     assert files == ["responses.rank0-0.jsonl", "responses.rank0-1.jsonl"]
-    shares = [sorted(json.loads(line)["index"] for line in (cache_dir / name).read_text().splitlines()) for name in files]
+    shares = [
+        sorted(json.loads(line)["index"] for line in (cache_dir / name).read_text().splitlines()) for name in files
+    ]
     assert shares == [[0, 2, 4, 6, 8], [1, 3, 5, 7]]  # NOTE: index ≡ worker (mod 2); the repeated prompt once
     meta = json.loads((cache_dir / "meta.json").read_text())
     samples = cached_samples(prompts, ResponseCache(cache_dir, meta))

@@ -95,7 +95,9 @@ def test_a_failing_compiled_draft_gives_way_to_eager_with_the_same_result(tmp_pa
     path = tmp_path / "target"
     save_tiny_model("llama", path, residual_scale=0.3)
     eager_losses, eager_weights, eager = train_three_steps(path, compile_draft=False)
-    losses, weights, trainer = train_three_steps(path, compile_draft=False, failing_compile=True, in_backward=in_backward)
+    losses, weights, trainer = train_three_steps(
+        path, compile_draft=False, failing_compile=True, in_backward=in_backward
+    )
     assert eager.compile_fallback is None
     assert trainer.compile_fallback is not None and trainer.compile_fallback["step"] == 2
     assert "invalid for input of size 864" in trainer.compile_fallback["error"] and trainer.model is trainer.eager_model

@@ -106,10 +106,23 @@ def test_checkpoint_is_zlab_format(trained: Trained) -> None:
     with safe_open(str(trained.draft_dir / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     per_layer = [
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-        "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
     ]
-    expected = {f"layers.{i}.{p}.weight" for i in range(2) for p in per_layer} | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    expected = {f"layers.{i}.{p}.weight" for i in range(2) for p in per_layer} | {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+    }
     assert names == expected
     assert trained.info["command"][:2] == ["blockspec", "train-draft"]
     assert trained.info["responses_generated"] == NUM_PROMPTS - HELD_OUT
@@ -127,7 +140,9 @@ def blockspec_cycles(engine: Engine, prompts: list[list[int]]) -> tuple[list[lis
 def test_reference_gives_same_acceptance(trained: Trained, make_engine: Callable[..., Engine]) -> None:
     reference = dflash_model.DFlashDraftModel.from_pretrained(str(trained.draft_dir), dtype=torch.float32).eval()
     prompts = trained.held_out[:3]
-    engine = make_engine(trained.target_dir, speculative_algorithm="DFLASH", speculative_draft_model_path=str(trained.draft_dir))
+    engine = make_engine(
+        trained.target_dir, speculative_algorithm="DFLASH", speculative_draft_model_path=str(trained.draft_dir)
+    )
     outputs, lengths = blockspec_cycles(engine, prompts)
     for prompt, output, cycle_lengths in zip(prompts, outputs, lengths):
         stats = dflash_model.dflash_generate(

@@ -22,7 +22,11 @@ from tests.support.tiny_models import save_tiny_model
 
 def write_ids(path: Path, first: int, count: int, split: str | None = None) -> Path:
     extra = {"split": split} if split else {}
-    path.write_text("".join(json.dumps({"input_ids": [i % 90 + 3, i % 7 + 3, 5], **extra}) + "\n" for i in range(first, first + count)))
+    path.write_text(
+        "".join(
+            json.dumps({"input_ids": [i % 90 + 3, i % 7 + 3, 5], **extra}) + "\n" for i in range(first, first + count)
+        )
+    )
     return path
 
 
@@ -34,8 +38,24 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def base_argv(target: Path, root: Path) -> list[str]:
-    return ["--target-model-path", str(target), "--out", str(root / "draft"), "--cache-dir", str(root / "cache"),
-            "--device", "cpu", "--block-size", "4", "--max-new-tokens", "12", "--ignore-eos", "--no-progress", "--num-eval-prompts", "0"]
+    return [
+        "--target-model-path",
+        str(target),
+        "--out",
+        str(root / "draft"),
+        "--cache-dir",
+        str(root / "cache"),
+        "--device",
+        "cpu",
+        "--block-size",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--no-progress",
+        "--num-eval-prompts",
+        "0",
+    ]
 
 
 def test_mix_records_takes_the_ratio() -> None:
@@ -49,13 +69,39 @@ def test_mix_records_takes_the_ratio() -> None:
     assert all(mix_counts(m, e, ratio_taking_all(m, e)) == (m, e) for m, e in sizes)  # every record of both
 
 
-def test_mixed_training_with_prompt_sets_and_eval_only(target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_mixed_training_with_prompt_sets_and_eval_only(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = write_ids(tmp_path / "main.jsonl", 0, 12)
     mix = write_ids(tmp_path / "generated.jsonl", 100, 20)
-    sets = [write_ids(tmp_path / "set_a.jsonl", 200, 5, "heldout"), write_ids(tmp_path / "set_b.jsonl", 300, 9, "heldout")]
-    argv = ["train-draft", *base_argv(target, tmp_path), "--data", str(data), "--mix-data", str(mix), "--mix-ratio", "0.6",
-            "--num-eval-prompts", "2", "--eval-max-new-tokens", "8", "--eval-prompts", *map(str, sets),
-            "--eval-prompts-max", "6", "--steps", "4", "--batch-size", "2", "--save-dtype", "float32"]
+    sets = [
+        write_ids(tmp_path / "set_a.jsonl", 200, 5, "heldout"),
+        write_ids(tmp_path / "set_b.jsonl", 300, 9, "heldout"),
+    ]
+    argv = [
+        "train-draft",
+        *base_argv(target, tmp_path),
+        "--data",
+        str(data),
+        "--mix-data",
+        str(mix),
+        "--mix-ratio",
+        "0.6",
+        "--num-eval-prompts",
+        "2",
+        "--eval-max-new-tokens",
+        "8",
+        "--eval-prompts",
+        *map(str, sets),
+        "--eval-prompts-max",
+        "6",
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--save-dtype",
+        "float32",
+    ]
     assert blockspec_cli.main(["train-draft", *argv[1:], "--responses-only"]) == 0
     assert "25 responses cached" in capsys.readouterr().out  # 10 of main (2 held out) + 15 generated (0.6 of 25)
     assert not (tmp_path / "draft").exists()
@@ -68,8 +114,23 @@ def test_mixed_training_with_prompt_sets_and_eval_only(target: Path, tmp_path: P
     assert [after_training["sets"][n]["prompts"] for n in ("set_a", "set_b")] == [5, 6]  # set_b: its first 6
     assert all(r["accept_length"] >= 1.0 and r["verify_steps"] > 0 for r in after_training["sets"].values())
 
-    only = ["train-draft", "--target-model-path", str(target), "--out", str(tmp_path / "draft"), "--device", "cpu",
-            "--ignore-eos", "--eval-only", "--eval-prompts", str(sets[1]), "--eval-max-new-tokens", "8", "--eval-prompts-max", "6"]
+    only = [
+        "train-draft",
+        "--target-model-path",
+        str(target),
+        "--out",
+        str(tmp_path / "draft"),
+        "--device",
+        "cpu",
+        "--ignore-eos",
+        "--eval-only",
+        "--eval-prompts",
+        str(sets[1]),
+        "--eval-max-new-tokens",
+        "8",
+        "--eval-prompts-max",
+        "6",
+    ]
     assert blockspec_cli.main(only) == 0
     runs = read_info(tmp_path / "draft")["eval_runs"]
     assert [r["kind"] for r in runs] == ["after_training", "eval_only"] and list(runs[1]["sets"]) == ["set_b"]
@@ -77,7 +138,10 @@ def test_mixed_training_with_prompt_sets_and_eval_only(target: Path, tmp_path: P
     assert runs[1]["sets"]["set_b"]["accept_length"] == after_training["sets"]["set_b"]["accept_length"]
     assert [m.prompt_set for m in latest_measurements(read_info(tmp_path / "draft"))] == ["set_b"]
     description = describe_draft(tmp_path / "draft")
-    assert "1 layers, block 4" in description and f"set_b {runs[1]['sets']['set_b']['accept_length']:.2f} (6 prompts, cpu)" in description
+    assert (
+        "1 layers, block 4" in description
+        and f"set_b {runs[1]['sets']['set_b']['accept_length']:.2f} (6 prompts, cpu)" in description
+    )
 
 
 def test_heldout_files_are_never_trained_on(target: Path, tmp_path: Path) -> None:

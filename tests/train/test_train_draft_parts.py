@@ -126,19 +126,27 @@ def test_response_cache_resumes(target: tuple[Path, Any], tmp_path: Path) -> Non
     built: list[Engine] = []
 
     def make_engine() -> Engine:
-        built.append(Engine(model_path=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, max_total_tokens=512))
+        built.append(
+            Engine(model_path=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, max_total_tokens=512)
+        )
         return built[-1]
 
     meta = {"max_new_tokens": 12}
 
     def generate(cache_meta: dict[str, Any] = meta, todo: list[list[int]] = prompts) -> tuple[list[Any], int]:
-        return generate_responses(todo, ResponseCache(tmp_path, cache_meta), make_engine, 12, True, batch_size=4, progress=False)
+        return generate_responses(
+            todo, ResponseCache(tmp_path, cache_meta), make_engine, 12, True, batch_size=4, progress=False
+        )
 
     first, generated = generate()
     assert generated == len(prompts) and len(built) == 1
     assert built[0].is_shut_down  # NOTE: generate_responses hands its engine's memory back
-    with Engine(model_path=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, max_total_tokens=512) as oracle:
-        reference = oracle.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+    with Engine(
+        model_path=str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, max_total_tokens=512
+    ) as oracle:
+        reference = oracle.generate(
+            input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+        )
         lengths = [{"temperature": 0, "max_new_tokens": 2 + 3 * i, "ignore_eos": True} for i in range(len(prompts))]
         streamed = list(oracle.generate_iter(prompts, lengths))  # NOTE: finish order: the shortest first
         assert [i for i, _ in streamed] == list(range(len(prompts)))
@@ -162,7 +170,12 @@ def test_response_cache_resumes(target: tuple[Path, Any], tmp_path: Path) -> Non
         generate({"max_new_tokens": 99})
     changed, generated = generate(todo=[prompts[3], [42], prompts[0], [42]])  # reordered, one new prompt twice
     assert generated == 1 and len(built) == 3  # NOTE: keyed by the prompt's ids: only [42] is new, generated once
-    assert [s.index for s in changed] == [0, 1, 2, 3] and [s.prompt_ids for s in changed] == [prompts[3], [42], prompts[0], [42]]
+    assert [s.index for s in changed] == [0, 1, 2, 3] and [s.prompt_ids for s in changed] == [
+        prompts[3],
+        [42],
+        prompts[0],
+        [42],
+    ]
     assert changed[0].output_ids == first[3].output_ids and changed[2].output_ids == first[0].output_ids
     assert changed[1].output_ids == changed[3].output_ids and len(changed[1].output_ids) == 12
     again, generated = generate()
@@ -198,9 +211,30 @@ def test_torchrun_trains_with_ddp(target: tuple[Path, Any], tmp_path: Path) -> N
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"input_ids": [i, i + 1]}) + "\n" for i in range(3, 13)))
     args = [
-        "--target-model-path", str(path), "--data", str(data), "--out", str(tmp_path / "draft"), "--cache-dir",
-        str(tmp_path / "cache"), "--block-size", "4", "--max-new-tokens", "12", "--ignore-eos", "--steps", "3",
-        "--batch-size", "2", "--num-eval-prompts", "2", "--eval-max-new-tokens", "8", "--device", "cpu", "--no-progress",
+        "--target-model-path",
+        str(path),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "draft"),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--block-size",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--num-eval-prompts",
+        "2",
+        "--eval-max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--no-progress",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -248,7 +282,9 @@ def test_bad_data_lines_name_the_line(tmp_path: Path) -> None:
         read_prompt_records(bad)
 
 
-def test_cli_reports_errors_and_help(target: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_reports_errors_and_help(
+    target: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, _ = target
     argv = ["--target-model-path", str(path), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]
     assert blockspec_cli.main(["train-draft", *argv]) == 2
@@ -261,7 +297,9 @@ def test_cli_reports_errors_and_help(target: tuple[Path, Any], tmp_path: Path, c
         blockspec_cli.main(["--help"])
     assert "train-draft" in capsys.readouterr().out
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "blockspec.train.cli", "--help"], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "blockspec.train.cli", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0 and "--mask-token-id" in done.stdout
 
 
