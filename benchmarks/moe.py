@@ -14,6 +14,11 @@ Rows (`rows` in the result), each with mode, bs, step_ms, touched_experts_per_la
 Touched experts: dummy weights route at random, so the count is the router's on random hidden states of that many
 tokens (real routing is more correlated: fewer experts).
 
+With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
+set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`) on the layer's own routing, in a
+CUDA graph, beside the tiles `choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k,
+num_warps, step_ms, over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
+
 With --serving, the serving table (1 and 64 clients, DFlash vs target-only, accept length 6) through
 benchmarks/serving_vs_engine.py on the same shapes; its rows go to `serving`. --shape tiny runs everything small on
 the CPU (plumbing only, timings meaningless; tests/test_moe_bench.py). Writes moe_<date>_<commit>.json under --out.
@@ -37,6 +42,11 @@ from benchmarks.results import add_out_argument, plot_result, write_json
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
+
+TILE_GRIDS = {
+    "full": dict(block_m=(16, 32, 64), block_n=(32, 64, 128), block_k=(64, 128), num_warps=(4, 8)),
+    "small": dict(block_m=(16, 32), block_n=(64,), block_k=(64,), num_warps=(4,)),
+}
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
@@ -149,6 +159,52 @@ def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.d
     return rows
 
 
+def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+              bandwidth: float) -> list[dict[str, Any]]:
+    """fused_experts per tile set of the grid, per layer mode and batch size (the layer's routing of random tokens),
+    replayed from a CUDA graph on CUDA; `chosen` marks the set choose_tiles picks for that batch."""
+    from blockspec.layers.fused_moe import ExpertTiles, choose_tiles, fused_experts
+
+    routing = ExpertRouting(config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"])
+    layer = SparseMoe(config["hidden_size"], config["moe_intermediate_size"], routing, backend="triton")
+    layer = layer.to(device, dtype)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.02)
+    grid = TILE_GRIDS[args.tile_grid]
+    sets = [ExpertTiles(m, n, k, warps) for m in grid["block_m"] for n in grid["block_n"] for k in grid["block_k"]
+            for warps in grid["num_warps"]]
+    element = torch.empty(0, dtype=dtype).element_size()
+    measure = timer(device, args.repeat)
+    experts, rows = layer.experts, []
+    for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
+        for bs in args.batch_sizes:
+            x = torch.randn(bs * per_request, config["hidden_size"], device=device, dtype=dtype)
+            out = torch.empty_like(x)
+            with torch.no_grad():
+                weights, ids = route(layer.gate(x), routing)
+                touched = int(ids.unique().numel())
+                chosen = choose_tiles(ids.numel(), routing.num_experts)
+                floor_ms = touched * expert_bytes(config, element) / bandwidth * 1e3
+                for tiles in sets:
+                    run: Callable[[], Any] = lambda: fused_experts(  # noqa: E731
+                        x, experts.gate_up_proj, experts.down_proj, weights, ids, out, tiles=tiles)
+                    run()  # NOTE: compiles this tile set's variant
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            run()
+                        run = graph.replay
+                    ms = measure(run)
+                    rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
+                                 "block_k": tiles.block_k, "num_warps": tiles.num_warps, "step_ms": ms,
+                                 "over_floor": ms / floor_ms, "chosen": tiles == chosen})
+            best = min(rows[-len(sets):], key=lambda row: row["step_ms"])
+            print(json.dumps({"mode": mode, "bs": bs, "best": best}), flush=True)
+    return rows
+
+
 def param_bytes(params: Any) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
@@ -237,7 +293,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--accept-len", type=float, default=6.0)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--parts", nargs="+", choices=("layer", "step", "serving"), default=["layer", "step"])
+    parser.add_argument("--parts", nargs="+", choices=("layer", "tiles", "step", "serving"),
+                        default=["layer", "step"])
+    parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
+                        help="the tile sets the `tiles` part times (default full: 36 sets)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -248,13 +307,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     identity = run_identity()
     bandwidth = copy_bandwidth(device)
     report: dict[str, Any] = {**identity, "shape": args.shape, "config": config, "bandwidth_bytes_per_s": bandwidth,
-                              "args": vars(args), "rows": [], "serving": []}
+                              "args": vars(args), "rows": [], "serving": [], "tile_sweep": []}
     path = args.out / f"moe_{identity['date']}_{identity['commit']}.json"
     # NOTE: the shapes' config.json files (dummy weights) live only as long as the run, not beside the results
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = write_configs(Path(tmp), args.shape)
         if "layer" in args.parts:
             report["rows"] += layer_rows(config, args, device, dtype, bandwidth)
+            write_json(path, report)
+        if "tiles" in args.parts:
+            report["tile_sweep"] = tile_rows(config, args, device, dtype, bandwidth)
             write_json(path, report)
         if "step" in args.parts:
             report["rows"] += step_rows(config, target_dir, draft_dir, args, device, bandwidth)

@@ -427,26 +427,47 @@ def plot_tree_verify(report: dict[str, Any], json_path: Path) -> Path:
 
 
 def plot_moe(report: dict[str, Any], json_path: Path) -> Path:
-    """The MoE layer's time against its touched-expert floor, and the engine's tokens/s per step mode."""
-    rows = report["rows"]
-    fig, (layer, step) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode, style in (("layer_decode", "o-"), ("layer_verify", "s-")):
-        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["bs"])
-        if sel:
-            sizes = [r["bs"] for r in sel]
-            line = layer.plot(sizes, [r["step_ms"] for r in sel], style, label=mode.replace("_", " "))[0]
-            layer.plot(sizes, [r["floor_ms"] for r in sel], ":", color=line.get_color(), label=f"{mode} floor")
-    layer.set_yscale("log")
-    batch_size_ticks(layer, rows)
-    finish_axis(layer, "batch size (verify: blocks)", "ms (CUDA graph replay)", "one MoE layer", 10)
-    for mode, style in (("target_decode", "s-"), ("dflash_cycle", "o--"), ("dflash_adaptive", "^-")):
-        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["bs"])
-        if sel:
-            step.plot([r["bs"] for r in sel], [r["tokens_per_step"] / r["step_ms"] * 1e3 for r in sel], style,
-                      label=mode.replace("_", " "))
-    step.set_yscale("log")
-    batch_size_ticks(step, rows)
-    finish_axis(step, "batch size", "tokens/s (all requests)", f"engine steps, context {report['args']['context']}", 10)
+    """A panel each for the parts the result holds: the MoE layer's time against its touched-expert floor, the
+    engine's tokens/s per step mode, and the tile sweep (the fastest tile set against choose_tiles's pick)."""
+    rows, sweep = report["rows"], report.get("tile_sweep", [])
+    layer_modes = (("layer_decode", "o-"), ("layer_verify", "s-"))
+    step_modes = (("target_decode", "s-"), ("dflash_cycle", "o--"), ("dflash_adaptive", "^-"))
+    parts = [part for part, modes in (("layer", layer_modes), ("step", step_modes))
+             if any(r["mode"] == mode for r in rows for mode, _ in modes)] + (["tiles"] if sweep else [])
+    fig, axes = plt.subplots(1, max(len(parts), 1), figsize=(6 * max(len(parts), 1), 4.5), squeeze=False)
+    for axis, part in zip(axes[0], parts):
+        if part == "layer":
+            for mode, style in layer_modes:
+                sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["bs"])
+                if sel:
+                    sizes = [r["bs"] for r in sel]
+                    line = axis.plot(sizes, [r["step_ms"] for r in sel], style, label=mode.replace("_", " "))[0]
+                    axis.plot(sizes, [r["floor_ms"] for r in sel], ":", color=line.get_color(), label=f"{mode} floor")
+            axis.set_yscale("log")
+            batch_size_ticks(axis, rows)
+            finish_axis(axis, "batch size (verify: blocks)", "ms (CUDA graph replay)", "one MoE layer", 10)
+        elif part == "step":
+            for mode, style in step_modes:
+                sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["bs"])
+                if sel:
+                    axis.plot([r["bs"] for r in sel], [r["tokens_per_step"] / r["step_ms"] * 1e3 for r in sel],
+                              style, label=mode.replace("_", " "))
+            axis.set_yscale("log")
+            batch_size_ticks(axis, rows)
+            finish_axis(axis, "batch size", "tokens/s (all requests)",
+                        f"engine steps, context {report['args']['context']}", 10)
+        else:
+            for mode, style in layer_modes:
+                sizes = sorted({r["bs"] for r in sweep if r["mode"] == mode})
+                if not sizes:
+                    continue
+                best = [min(r["over_floor"] for r in sweep if r["mode"] == mode and r["bs"] == bs) for bs in sizes]
+                chosen = [next((r["over_floor"] for r in sweep if r["mode"] == mode and r["bs"] == bs and r["chosen"]),
+                               float("nan")) for bs in sizes]
+                line = axis.plot(sizes, best, style, label=f"{mode.replace('_', ' ')}: fastest set")[0]
+                axis.plot(sizes, chosen, "--", color=line.get_color(), label=f"{mode.replace('_', ' ')}: chosen")
+            batch_size_ticks(axis, sweep)
+            finish_axis(axis, "batch size (verify: blocks)", "× the touched-expert floor", "fused experts' tiles", 10)
     return save_titled(fig, report, json_path, f"MoE {report['shape']} · ")
 
 

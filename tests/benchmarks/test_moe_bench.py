@@ -28,3 +28,21 @@ def test_tiny_shape_writes_the_rows(tmp_path: Path) -> None:
     steps = {(r["mode"], r["bs"]): r for r in rows}
     assert steps[("target_decode", 3)]["tokens_per_step"] == 3
     assert steps[("dflash_cycle", 3)]["tokens_per_step"] > 3  # simulated acceptance: several tokens per request
+
+
+def test_tile_sweep_times_every_set_of_the_grid(tmp_path: Path) -> None:
+    """`--parts tiles`: one row per tile set of the grid, per layer mode and batch size, exactly one of them marked as
+    the set choose_tiles picks when that set is in the grid (the Triton kernels under the interpreter here)."""
+    assert moe.main(["--shape", "tiny", "--dtype", "float32", "--batch-sizes", "1", "3", "--repeat", "1",
+                     "--parts", "layer", "tiles", "--tile-grid", "small", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("moe_*.json")
+    sweep = json.loads(path.read_text())["tile_sweep"]
+    grid = moe.TILE_GRIDS["small"]
+    sets = len(grid["block_m"]) * len(grid["block_n"]) * len(grid["block_k"]) * len(grid["num_warps"])
+    assert len(sweep) == 2 * 2 * sets
+    for mode in ("layer_decode", "layer_verify"):
+        for bs in (1, 3):
+            rows = [r for r in sweep if r["mode"] == mode and r["bs"] == bs]
+            assert sorted(r["block_m"] for r in rows) == sorted(grid["block_m"])
+            assert all(r["step_ms"] > 0 and r["over_floor"] > 0 for r in rows)
+            assert sum(r["chosen"] for r in rows) == 1  # NOTE: the tiny batches pick (16, 64, 64), in the grid

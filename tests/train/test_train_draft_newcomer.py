@@ -75,6 +75,14 @@ def test_timed_run_on_few_prompts_shows_every_phase(target: Path, tmp_path: Path
     assert info["held_out_prompts"] == 5 and info["result"]["interrupted"] is False
 
 
+def _terminal_sigint() -> None:
+    """In the child before exec: SIGINT as in a terminal's foreground job. NOTE: a suite started in the background of a
+    non-interactive shell (`make test &`) inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored, so the
+    child would never see the simulated Ctrl-C and train on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_during_training_saves_a_loadable_checkpoint(target: Path, tmp_path: Path) -> None:
     write_prompts(tmp_path / "prompts.jsonl", 12)
     out = tmp_path / "draft"
@@ -84,7 +92,7 @@ def test_ctrl_c_during_training_saves_a_loadable_checkpoint(target: Path, tmp_pa
          "--block-size", "4", "--target-layer-ids", "0", "2", "--max-new-tokens", "16", "--ignore-eos",
          "--steps", "1000000", "--num-eval-prompts", "0", "--save-dtype", "float32", "--no-progress"],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        text=True, preexec_fn=_terminal_sigint)
     try:
         assert proc.stderr is not None
         for line in proc.stderr:  # NOTE: the log line that opens the training loop
