@@ -124,6 +124,19 @@ def expert_bytes(config: dict[str, Any], element: int) -> int:
     return 3 * config["hidden_size"] * config["moe_intermediate_size"] * element
 
 
+def graphed_ms(run: Callable[[], Any], device: torch.device, measure: Callable[[Callable[[], Any]], float]) -> float:
+    """ms per call of `run` after one warm-up call (which compiles its kernels), replayed from a CUDA graph on CUDA
+    (which also shows it captures)."""
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return measure(graph.replay)
+    return measure(run)
+
+
 def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                bandwidth: float) -> list[dict[str, Any]]:
     """One MoE layer per mode and batch size, replayed from a CUDA graph on CUDA (which also shows it captures)."""
@@ -143,15 +156,7 @@ def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.d
             out = torch.empty_like(x)
             with torch.no_grad():
                 touched = int(route(layer.gate(x), routing)[1].unique().numel())
-                run: Callable[[], Any] = lambda: layer(x, out)  # noqa: E731
-                run()  # NOTE: warm-up (compiles the kernels)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        run()
-                    run = graph.replay
-                ms = measure(run)
+                ms = graphed_ms(lambda: layer(x, out), device, measure)
             floor_ms = (touched * expert_bytes(config, element) + router_bytes) / bandwidth * 1e3
             rows.append({"mode": mode, "bs": bs, "tokens": tokens, "step_ms": ms, "touched_experts_per_layer": touched,
                          "floor_ms": floor_ms, "over_floor": ms / floor_ms})
@@ -187,16 +192,8 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
                 chosen = choose_tiles(ids.numel(), routing.num_experts)
                 floor_ms = touched * expert_bytes(config, element) / bandwidth * 1e3
                 for tiles in sets:
-                    run: Callable[[], Any] = lambda: fused_experts(  # noqa: E731
-                        x, experts.gate_up_proj, experts.down_proj, weights, ids, out, tiles=tiles)
-                    run()  # NOTE: compiles this tile set's variant
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            run()
-                        run = graph.replay
-                    ms = measure(run)
+                    ms = graphed_ms(lambda: fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids,
+                                                          out, tiles=tiles), device, measure)
                     rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
                                  "block_k": tiles.block_k, "num_warps": tiles.num_warps, "step_ms": ms,
                                  "over_floor": ms / floor_ms, "chosen": tiles == chosen})
