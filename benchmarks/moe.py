@@ -124,6 +124,21 @@ def expert_bytes(config: dict[str, Any], element: int) -> int:
     return 3 * config["hidden_size"] * config["moe_intermediate_size"] * element
 
 
+def expert_routing(config: dict[str, Any]) -> ExpertRouting:
+    return ExpertRouting(config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"])
+
+
+def dummy_layer(config: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                backend: Optional[str] = None) -> SparseMoe:
+    """One MoE layer of the shape with random weights (`backend`: SparseMoe's; None picks by device)."""
+    layer = SparseMoe(config["hidden_size"], config["moe_intermediate_size"], expert_routing(config), backend=backend)
+    layer = layer.to(device, dtype)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.02)
+    return layer
+
+
 def graphed_ms(run: Callable[[], Any], device: torch.device, measure: Callable[[Callable[[], Any]], float]) -> float:
     """ms per call of `run` after one warm-up call (which compiles its kernels), replayed from a CUDA graph on CUDA
     (which also shows it captures)."""
@@ -140,11 +155,8 @@ def graphed_ms(run: Callable[[], Any], device: torch.device, measure: Callable[[
 def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                bandwidth: float) -> list[dict[str, Any]]:
     """One MoE layer per mode and batch size, replayed from a CUDA graph on CUDA (which also shows it captures)."""
-    routing = ExpertRouting(config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"])
-    layer = SparseMoe(config["hidden_size"], config["moe_intermediate_size"], routing).to(device, dtype)
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.normal_(0.0, 0.02)
+    layer = dummy_layer(config, device, dtype)
+    routing = layer.routing
     element = torch.empty(0, dtype=dtype).element_size()
     router_bytes = layer.gate.weight.numel() * element
     measure = timer(device, args.repeat)
@@ -170,12 +182,8 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
     replayed from a CUDA graph on CUDA; `chosen` marks the set choose_tiles picks for that batch."""
     from blockspec.layers.fused_moe import ExpertTiles, choose_tiles, fused_experts
 
-    routing = ExpertRouting(config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"])
-    layer = SparseMoe(config["hidden_size"], config["moe_intermediate_size"], routing, backend="triton")
-    layer = layer.to(device, dtype)
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.normal_(0.0, 0.02)
+    layer = dummy_layer(config, device, dtype, backend="triton")
+    routing = layer.routing
     grid = TILE_GRIDS[args.tile_grid]
     sets = [ExpertTiles(m, n, k, warps) for m in grid["block_m"] for n in grid["block_n"] for k in grid["block_k"]
             for warps in grid["num_warps"]]
@@ -225,7 +233,7 @@ def step_rows(config: dict[str, Any], target_dir: Path, draft_dir: Path, args: a
                          speculative_simulate_accept_len=args.accept_len, **extra)
         engine = Engine(**flags)
         model = engine.runner.model
-        routing = ExpertRouting(config["num_experts"], config["num_experts_per_tok"], config["norm_topk_prob"])
+        routing = expert_routing(config)
         sparse = [m for m in model.modules() if isinstance(m, SparseMoe)]
         experts = [p for m in model.modules() if isinstance(m, StackedExperts) for p in m.parameters()]
         expert_ids = {id(p) for p in experts}
