@@ -38,7 +38,9 @@ def load_draft_model(
     architecture = DFlash2DraftModel if config.dflash2 is not None else DFlashDraftModel
     with torch.device("meta"):
         model = architecture(config, max_positions, tp, kernels)
-    model = model.to_empty(device=device).to(dtype)
+    # NOTE: the dtype first, on the meta device: memory is then allocated once, in `dtype` (materialising fp32 and
+    # casting afterwards would need twice a bf16 model's bytes at its peak)
+    model = model.to(dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if dummy:
         init_dummy_weights(model, seed=1)

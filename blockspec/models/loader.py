@@ -134,7 +134,9 @@ def load_target_model(
     config = load_target_config(model_dir)
     with torch.device("meta"):
         model = MODEL_CLASSES[config.family](config, max_positions, tp, kernels)
-    model = model.to_empty(device=device).to(dtype)
+    # NOTE: the dtype first, on the meta device: memory is then allocated once, in `dtype` (materialising fp32 and
+    # casting afterwards would need twice a bf16 model's bytes at its peak)
+    model = model.to(dtype).to_empty(device=device)
     model.model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -264,3 +264,39 @@ def test_kv_budget_counts_memory_in_use_and_says_what_to_do() -> None:
     # NOTE: a second engine in one process sees the first one's pool as used memory
     with pytest.raises(ValueError, match=r"85\.0 of 100\.0 GiB are in use already.*--max-total-tokens"):
         kv_slots_in_budget(free=15 * gib, total=100 * gib, mem_fraction_static=0.85, bytes_per_slot=2**20)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_weights_are_allocated_once_in_the_serving_dtype(tiny, tmp_path: Path, kind: str) -> None:
+    """A bf16 target and draft are materialised in bf16: no fp32 copy first (for Qwen3-30B-A3B that copy alone is
+    122 GB and did not fit an 80 GB H100)."""
+    from torch.overrides import TorchFunctionMode
+
+    from blockspec.models.config import load_target_config
+    from blockspec.models.draft_config import load_draft_config
+    from blockspec.models.draft_loading import load_draft_model
+    from blockspec.models.loader import load_target_model
+    from tests.support.tiny_models import save_tiny_draft
+
+    class MaterialisedDtypes(TorchFunctionMode):
+        """The dtypes of the tensors materialised from meta ones (Module.to_empty's torch.empty_like)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: set[torch.dtype] = set()
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            result = func(*args, **(kwargs or {}))
+            if func is torch.empty_like and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+                self.dtypes.add(result.dtype)
+            return result
+
+    target = tiny(kind)
+    save_tiny_draft(tmp_path / "draft", target.model, [0, 2], 8, num_layers=1, seed=0)
+    draft_config = load_draft_config(tmp_path / "draft", load_target_config(target.path))
+    with MaterialisedDtypes() as materialised:
+        load_target_model(target.path, torch.bfloat16, torch.device("cpu"), 64, dummy=True)
+    assert materialised.dtypes == {torch.bfloat16}
+    with MaterialisedDtypes() as materialised:
+        load_draft_model(tmp_path / "draft", draft_config, torch.bfloat16, torch.device("cpu"), 64, dummy=True)
+    assert materialised.dtypes == {torch.bfloat16}
