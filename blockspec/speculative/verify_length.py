@@ -235,9 +235,12 @@ class AdaptiveVerifyLength:
 
     NOTE: every `explore_every`-th cycle of a batch size whose best length is not the only one runs a neighbouring
     length instead (alternately shorter and longer), so the rates of positions the best length never tries, and the
-    live times of the other lengths, stay measured."""
+    live times of the other lengths, stay measured. A tree's acceptance is only its prior (the chain's full block)
+    until tree cycles are seen, and the prior never ranks a costlier tree first: until stats hold `prior_weight`
+    request-cycles of trees, every `measure_tree_every`-th cycle runs the tree, so its own acceptance decides."""
 
-    def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64) -> None:
+    def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64,
+                 measure_tree_every: int = 4) -> None:
         self.lengths = tuple(sorted(set(lengths)))
         missing = [
             key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms
@@ -246,6 +249,7 @@ class AdaptiveVerifyLength:
             raise ValueError(f"adaptive verify: no measured cycle time for (batch size, verify length) {missing[0]}")
         self.times = times
         self.explore_every = explore_every
+        self.measure_tree_every = measure_tree_every
         self.cycles: dict[int, int] = {}
         self.last: dict[int, VerifyChoice] = {}
 
@@ -261,6 +265,10 @@ class AdaptiveVerifyLength:
                   f"{best.ms:.2f} ms (next: n={second.n}, {second.tokens:.2f} in {second.ms:.2f} ms)")
         self.last[batch_size] = VerifyChoice(best.n, reason, best.tokens, best.ms)
         cycle = self.cycles[batch_size] = self.cycles.get(batch_size, 0) + 1
+        tree = next((option for option in options if option.n == stats.tree_length), None)
+        if tree is not None and tree is not best and stats.tree_cycles < stats.prior_weight \
+                and cycle % self.measure_tree_every == 0:
+            return VerifyChoice(tree.n, "measuring the tree's acceptance", tree.tokens, tree.ms)
         if len(options) > 1 and cycle % self.explore_every == 0:
             step = -1 if (cycle // self.explore_every) % 2 else 1
             at = best_at + step if 0 <= best_at + step < len(options) else best_at - step

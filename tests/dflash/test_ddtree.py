@@ -499,6 +499,27 @@ def test_the_policy_verifies_a_tree_only_where_it_pays() -> None:
     assert policy.choose(64, stats).num_draft_tokens == 8
 
 
+def test_the_policy_measures_an_unseen_tree_early_and_adopts_it_where_it_pays() -> None:
+    """Before any tree cycle the tree's estimate is the chain's full block, which never ranks the costlier tree first:
+    the policy runs it every few cycles until its acceptance is measured, then keeps it where it pays (batch 1) and
+    drops it where it does not (batch 64)."""
+    from blockspec.speculative.verify_length import AcceptanceStats, AdaptiveVerifyLength, CycleTimes
+
+    times = {(1, 1): 1.0, (1, 4): 1.1, (1, 8): 1.2, (1, 40): 1.3,
+             (64, 1): 2.0, (64, 4): 3.0, (64, 8): 3.4, (64, 40): 12.0}
+    for batch_size, tree_wins in ((1, True), (64, False)):
+        stats = AcceptanceStats(7, tree_length=40)
+        policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(times))
+        chosen = []
+        for _ in range(32):
+            n = policy.choose(batch_size, stats).num_draft_tokens
+            chosen.append(n)
+            stats.observe(n, [3] * batch_size if n != 40 else [5] * batch_size)  # the tree commits 6, the chain 4
+        assert 40 in chosen[:4]
+        assert (chosen[-8:] == [40] * 8) == tree_wins
+        assert chosen[-8:].count(40) == (8 if tree_wins else 0)
+
+
 def test_adaptive_verify_times_the_tree_and_stays_lossless(pair: dict[str, Any]) -> None:
     prompts = [[5 + i for i in range(n)] for n in (1, 3, 7, 12)]
     expected = [o["output_ids"] for o in cpu_engine(pair["root"], False).generate(input_ids=prompts,
