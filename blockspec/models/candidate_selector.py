@@ -53,7 +53,17 @@ class CandidateSelector(nn.Module):
     def greedy_walk(unary: torch.Tensor, ids: torch.Tensor, transitions: torch.Tensor) -> torch.Tensor:
         """[N, P] token ids: each row's best-scoring candidate after the one chosen before it.
 
-        NOTE: torch ops over static shapes, no host reads: the walk is captured in the greedy cycle's CUDA graph."""
+        NOTE: static shapes, no host reads: the walk is captured in the greedy cycle's CUDA graph. On CUDA one fused
+        launch with the same fp32 sums and first-index argmax (layers/dflash2_kernels.py); else torch ops."""
+        if unary.is_cuda:
+            from blockspec.layers.dflash2_kernels import candidate_walk  # NOTE: needs Triton
+
+            return candidate_walk(unary, ids, transitions)
+        return CandidateSelector.reference_walk(unary, ids, transitions)
+
+    @staticmethod
+    def reference_walk(unary: torch.Tensor, ids: torch.Tensor, transitions: torch.Tensor) -> torch.Tensor:
+        """greedy_walk in torch ops (CPU, and the fused kernel's oracle in tests)."""
         n, rows, k = unary.shape
         chosen = torch.zeros((n, 1), dtype=torch.int64, device=unary.device)
         picks = []

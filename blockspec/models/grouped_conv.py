@@ -38,7 +38,17 @@ class GroupedDynamicCausalConv(nn.Module):
     def _convolve(self, hidden: torch.Tensor, dynamic: torch.Tensor, which: int, block_size: int) -> torch.Tensor:
         """out[t] = Σ_o (base[o] + dynamic[t, o]) · hidden[t - o] over the taps o that stay inside t's block.
 
-        NOTE: static shapes and no host reads (it runs inside the draft's and the greedy cycle's CUDA graphs)."""
+        NOTE: static shapes and no host reads (it runs inside the draft's and the greedy cycle's CUDA graphs). On
+        CUDA one fused launch (layers/dflash2_kernels.py; the taps summed in fp32); this torch form is the reference."""
+        if hidden.is_cuda:
+            from blockspec.layers.dflash2_kernels import block_causal_conv  # NOTE: needs Triton
+
+            return block_causal_conv(hidden, dynamic, self.base_kernel[which], block_size, self.group_size)
+        return self.reference_convolve(hidden, dynamic, which, block_size)
+
+    def reference_convolve(self, hidden: torch.Tensor, dynamic: torch.Tensor, which: int,
+                           block_size: int) -> torch.Tensor:
+        """_convolve in torch ops (CPU, and the fused kernel's oracle in tests)."""
         rows, width = hidden.shape
         blocks = hidden.view(rows // block_size, block_size, self.groups, self.group_size)
         weights = (self.base_kernel[which].view(1, 1, self.kernel_size, self.groups, self.group_size).to(hidden.dtype)
