@@ -19,8 +19,9 @@ COMPAT_FLAGS: list[tuple[str, dict[str, Any]]] = [
                                                                       "(default auto)")),
     ("--max-prefill-tokens", dict(type=int, help="prefill tokens per step; one budget here with "
                                                  "--chunked-prefill-size, the smaller wins (default: unset)")),
-    ("--enable-piecewise-cuda-graph", dict(action="store_true", help="= --enforce-piecewise-cuda-graph (deprecated in "
-                                                                     "SGLang, where piecewise graphs are the default)")),
+    ("--enable-piecewise-cuda-graph", dict(action="store_true",
+                                           help="= --enforce-piecewise-cuda-graph (deprecated in SGLang, where "
+                                                "piecewise graphs are the default)")),
     ("--log-requests", dict(action="store_true", help="one access log line per request: raises --log-level to info")),
     ("--dp-size", dict(type=int, help="data-parallel replicas: only 1 (default: unset)")),
     ("--schedule-policy", dict(help="fcfs only: waiting requests are admitted in arrival order (default: unset)")),
