@@ -13,7 +13,9 @@ from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.dflash2_draft import DFlash2DraftModel
 from blockspec.models.dflash_draft import DFlashDraftModel
 from blockspec.models.draft_config import DraftConfig
-from blockspec.models.loader import init_dummy_weights, iter_safetensors, load_weights_into, safetensors_files
+from blockspec.models.loader import (
+    init_dummy_weights, iter_safetensors, load_weights_into, materialise, safetensors_files,
+)
 
 # NOTE: published DFlash2 checkpoints store the selector's codebooks as bare tensors; the reference's own
 # save_pretrained writes them as embedding weights (`<codebook>.weight`). Both load.
@@ -38,9 +40,7 @@ def load_draft_model(
     architecture = DFlash2DraftModel if config.dflash2 is not None else DFlashDraftModel
     with torch.device("meta"):
         model = architecture(config, max_positions, tp, kernels)
-    # NOTE: the dtype first, on the meta device: memory is then allocated once, in `dtype` (materialising fp32 and
-    # casting afterwards would need twice a bf16 model's bytes at its peak)
-    model = model.to(dtype).to_empty(device=device)
+    model = materialise(model, dtype, device)
     model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if dummy:
         init_dummy_weights(model, seed=1)

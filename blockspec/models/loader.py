@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -126,6 +126,16 @@ def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
                 param.normal_(0.0, 0.02, generator=generator)
 
 
+ModuleType = TypeVar("ModuleType", bound=nn.Module)
+
+
+def materialise(model: ModuleType, dtype: torch.dtype, device: torch.device) -> ModuleType:
+    """A model built on the meta device, given uninitialised memory on `device` in `dtype`. NOTE: the dtype first, on
+    the meta device: memory is allocated once, in `dtype` (materialising fp32 and casting afterwards would need twice
+    a bf16 model's bytes at its peak)."""
+    return model.to(dtype).to_empty(device=device)
+
+
 def load_target_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int, dummy: bool = False,
     tp: Optional[TensorParallel] = None, kernels: KernelMode = DEFAULT_KERNELS,
@@ -134,9 +144,7 @@ def load_target_model(
     config = load_target_config(model_dir)
     with torch.device("meta"):
         model = MODEL_CLASSES[config.family](config, max_positions, tp, kernels)
-    # NOTE: the dtype first, on the meta device: memory is then allocated once, in `dtype` (materialising fp32 and
-    # casting afterwards would need twice a bf16 model's bytes at its peak)
-    model = model.to(dtype).to_empty(device=device)
+    model = materialise(model, dtype, device)
     model.model.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions).to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
