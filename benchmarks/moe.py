@@ -3,9 +3,11 @@ expert intermediate 768, 32 query / 4 KV heads, vocab 151,936), dummy bf16 weigh
 same hidden size (block 16, simulated accept length 6).
 
 Rows (`rows` in the result), each with mode, bs, step_ms, touched_experts_per_layer, floor_ms:
-- "layer_decode" / "layer_verify": one MoE layer (SparseMoe, the fused Triton experts, replayed from a CUDA graph)
-  over bs tokens / bs verify blocks of 16 tokens; its floor is the bytes of the experts the batch touches (and the
-  router) at the copy bandwidth measured in the same run, so a verify block that hits more experts is judged fairly.
+- "layer_decode" / "layer_verify": one MoE layer (SparseMoe, the fused Triton experts) over bs tokens / bs verify
+  blocks of 16 tokens: --layer-copies layers with their own weights run in sequence in one CUDA graph replayed back
+  to back, per layer (what a layer costs inside a model's graph, without a graph launch and sync per layer); its
+  floor is the bytes of the experts the batch touches (and the router) at the copy bandwidth measured in the same
+  run, so a verify block that hits more experts is judged fairly.
 - "target_decode" / "dflash_cycle" / "dflash_adaptive": one scheduler step of the engine (CUDA graphs; the mean of
   back-to-back steps) at context --context, with tokens_per_step (committed tokens per step, all requests) and
   verify_tokens (the verify length in use); the DFlash cycle with the whole block and with adaptive verify on. Its
@@ -44,7 +46,7 @@ from blockspec.bench.provenance import run_identity
 from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
 
 TILE_GRIDS = {
-    "full": dict(block_m=(16, 32, 64), block_n=(32, 64, 128), block_k=(64, 128), num_warps=(4, 8)),
+    "full": dict(block_m=(16, 32, 64), block_n=(16, 32, 64, 128), block_k=(64, 128), num_warps=(4, 8)),
     "small": dict(block_m=(16, 32), block_n=(64,), block_k=(64,), num_warps=(4,)),
 }
 
@@ -139,27 +141,38 @@ def dummy_layer(config: dict[str, Any], device: torch.device, dtype: torch.dtype
     return layer
 
 
-def graphed_ms(run: Callable[[], Any], device: torch.device, measure: Callable[[Callable[[], Any]], float]) -> float:
-    """ms per call of `run` after one warm-up call (which compiles its kernels), replayed from a CUDA graph on CUDA
-    (which also shows it captures)."""
-    run()
+def graphed_ms(runs: list[Callable[[], Any]], device: torch.device, repeat: int) -> float:
+    """ms per run of `runs` (one per layer copy, each reading its own weights), after one warm-up of each (which
+    compiles its kernels). On CUDA all of them are captured in one CUDA graph (which also shows they capture) and the
+    graph replays back to back: a layer's share of the device time, as inside a model's graph, without the launch
+    and synchronisation of a graph of its own. NOTE: distinct copies, so no layer reads weights a previous run left
+    in L2."""
+    for run in runs:
+        run()
     if device.type == "cuda":
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            run()
-        return measure(graph.replay)
-    return measure(run)
+            for run in runs:
+                run()
+        return steady(device, repeat, graph.replay) / len(runs)
+    return timer(device, repeat)(lambda: [run() for run in runs]) / len(runs)
+
+
+def layer_copies(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                 backend: Optional[str] = None) -> list[SparseMoe]:
+    """--layer-copies MoE layers of the shape, each with its own random weights (on the CPU: one)."""
+    copies = args.layer_copies if device.type == "cuda" else 1
+    return [dummy_layer(config, device, dtype, backend) for _ in range(copies)]
 
 
 def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                bandwidth: float) -> list[dict[str, Any]]:
-    """One MoE layer per mode and batch size, replayed from a CUDA graph on CUDA (which also shows it captures)."""
-    layer = dummy_layer(config, device, dtype)
-    routing = layer.routing
+    """One MoE layer per mode and batch size: --layer-copies layers in sequence in one CUDA graph on CUDA, per layer."""
+    layers = layer_copies(config, args, device, dtype)
+    routing = layers[0].routing
     element = torch.empty(0, dtype=dtype).element_size()
-    router_bytes = layer.gate.weight.numel() * element
-    measure = timer(device, args.repeat)
+    router_bytes = layers[0].gate.weight.numel() * element
     rows = []
     for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
         for bs in args.batch_sizes:
@@ -167,11 +180,12 @@ def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.d
             x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)
             out = torch.empty_like(x)
             with torch.no_grad():
-                touched = int(route(layer.gate(x), routing)[1].unique().numel())
-                ms = graphed_ms(lambda: layer(x, out), device, measure)
-            floor_ms = (touched * expert_bytes(config, element) + router_bytes) / bandwidth * 1e3
-            rows.append({"mode": mode, "bs": bs, "tokens": tokens, "step_ms": ms, "touched_experts_per_layer": touched,
-                         "floor_ms": floor_ms, "over_floor": ms / floor_ms})
+                touched = [int(route(layer.gate(x), routing)[1].unique().numel()) for layer in layers]
+                ms = graphed_ms([lambda layer=layer: layer(x, out) for layer in layers], device, args.repeat)
+            mean_touched = sum(touched) / len(touched)
+            floor_ms = (mean_touched * expert_bytes(config, element) + router_bytes) / bandwidth * 1e3
+            rows.append({"mode": mode, "bs": bs, "tokens": tokens, "step_ms": ms,
+                         "touched_experts_per_layer": mean_touched, "floor_ms": floor_ms, "over_floor": ms / floor_ms})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -182,26 +196,27 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
     replayed from a CUDA graph on CUDA; `chosen` marks the set choose_tiles picks for that batch."""
     from blockspec.layers.fused_moe import ExpertTiles, choose_tiles, fused_experts
 
-    layer = dummy_layer(config, device, dtype, backend="triton")
-    routing = layer.routing
+    layers = layer_copies(config, args, device, dtype, backend="triton")
+    routing = layers[0].routing
     grid = TILE_GRIDS[args.tile_grid]
     sets = [ExpertTiles(m, n, k, warps) for m in grid["block_m"] for n in grid["block_n"] for k in grid["block_k"]
             for warps in grid["num_warps"]]
     element = torch.empty(0, dtype=dtype).element_size()
-    measure = timer(device, args.repeat)
-    experts, rows = layer.experts, []
+    rows = []
     for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
         for bs in args.batch_sizes:
             x = torch.randn(bs * per_request, config["hidden_size"], device=device, dtype=dtype)
             out = torch.empty_like(x)
             with torch.no_grad():
-                weights, ids = route(layer.gate(x), routing)
-                touched = int(ids.unique().numel())
-                chosen = choose_tiles(ids.numel(), routing.num_experts)
+                routed = [route(layer.gate(x), routing) for layer in layers]
+                touched = sum(int(ids.unique().numel()) for _, ids in routed) / len(routed)
+                chosen = choose_tiles(routed[0][1].numel(), routing.num_experts)
                 floor_ms = touched * expert_bytes(config, element) / bandwidth * 1e3
                 for tiles in sets:
-                    ms = graphed_ms(lambda: fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids,
-                                                          out, tiles=tiles), device, measure)
+                    runs = [lambda layer=layer, weights=weights, ids=ids, tiles=tiles: fused_experts(
+                        x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids, out, tiles=tiles)
+                        for layer, (weights, ids) in zip(layers, routed)]
+                    ms = graphed_ms(runs, device, args.repeat)
                     rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
                                  "block_k": tiles.block_k, "num_warps": tiles.num_warps, "step_ms": ms,
                                  "over_floor": ms / floor_ms, "chosen": tiles == chosen})
@@ -297,11 +312,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--accept-len", type=float, default=6.0)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--layer-copies", type=int, default=8,
+                        help="layers (own weights each) in the layer and tile parts' graph; their time is per layer")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--parts", nargs="+", choices=("layer", "tiles", "step", "serving"),
                         default=["layer", "step"])
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
-                        help="the tile sets the `tiles` part times (default full: 36 sets)")
+                        help="the tile sets the `tiles` part times (default full: 48 sets)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

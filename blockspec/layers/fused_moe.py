@@ -1,6 +1,8 @@
 """The MoE experts fused for CUDA (Triton): SparseMoe's "triton" backend, equal to `experts_reference` (layers/moe.py).
 
-Three steps, five launches, static shapes throughout (no host sync: the whole layer captures in a CUDA graph):
+Four steps, six launches, static shapes throughout (no host sync: the whole layer captures in a CUDA graph):
+0. `fused_route` (one launch): each token's softmax over the router logits, its top k and their renormalisation,
+   in fp32 (SparseMoe's `route` as four torch launches or more).
 1. `sort_by_expert` (two small launches: counts, then placement by atomic counters): the T·k (token, slot) pairs
    grouped by expert, each expert's group padded to a multiple of BLOCK_M rows, so every block of BLOCK_M sorted
    rows belongs to one expert. The buffer is sized for the worst case (every hit expert padded), and the blocks past
@@ -58,6 +60,50 @@ def tile_choices(batch_invariant: bool = False) -> tuple[ExpertTiles, ...]:
 # NOTE: the integers that follow the batch (pairs, blocks, capacity) are not specialised (Triton would compile a
 # variant for 1 and for multiples of 16): start-up's warm-up can then compile every variant (tile_choices).
 BATCH_INTEGERS = ("num_pairs", "num_blocks", "capacity")
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per token: softmax over its logits in fp32, the TOP_K largest probabilities (ties: the lower
+    expert), divided by their sum when RENORMALIZE."""
+    wait_for_previous_grid(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_lt + experts, mask=valid, other=-float("inf")).to(tl.float32)
+    exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+    remaining = tl.where(valid, exps / tl.sum(exps, axis=0), -1.0)  # NOTE: -1: below every probability
+    slots = tl.arange(0, BLOCK_K)
+    chosen_weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    chosen_ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        expert = tl.min(tl.where(remaining == best, experts, BLOCK_E), axis=0)
+        chosen_weights = tl.where(slots == slot, best, chosen_weights)
+        chosen_ids = tl.where(slots == slot, expert.to(tl.int64), chosen_ids)
+        remaining = tl.where(experts == expert, -2.0, remaining)  # NOTE: -2: below the padding's -1
+    if RENORMALIZE:
+        chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen_weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+
+
+def fused_route(router_logits: torch.Tensor, num_experts: int, top_k: int,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers/moe.route in one launch: (weights [T, k] float32, expert ids [T, k] int64) for router logits [T, E]."""
+    num_tokens = router_logits.shape[0]
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    assert router_logits.stride(-1) == 1 and router_logits.shape[1] == num_experts
+    _route_kernel[(num_tokens,)](
+        router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+        RENORMALIZE=renormalize, **pdl_launch(router_logits),
+    )
+    return weights, ids
 
 
 @triton.jit(do_not_specialize=BATCH_INTEGERS)

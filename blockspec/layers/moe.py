@@ -4,8 +4,8 @@ weighted by the router's probabilities.
 One layer, three parts: the router (`gate`, a linear layer to E logits, and `route`, softmax → top-k → optional
 renormalisation), the experts (`StackedExperts`: E gated SiLU MLPs, their weights stacked [E, ...]), and the
 backend that runs the experts and the weighted combine: the torch reference (`experts_reference`, CPU and tests) or
-the fused Triton kernel (`layers/fused_moe.py`: tokens sorted by expert, a grouped GEMM over the experts hit,
-static shapes so it captures in CUDA graphs). Both take the same inputs, so a family with another router or
+the fused Triton kernels (`layers/fused_moe.py`: the routing in one launch, tokens sorted by expert, a grouped GEMM
+over the experts hit, static shapes so it captures in CUDA graphs). Both take the same inputs, so a family with another router or
 another expert format changes only its part.
 
 Under tensor parallelism every rank holds every expert, cut along its intermediate dimension (gate|up by rows, down
@@ -50,8 +50,9 @@ class ExpertPart:
 
 
 def route(router_logits: torch.Tensor, routing: ExpertRouting) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k] int64) of each token. NOTE: softmax and top-k in fp32, as HF; ties
-    between probabilities pick the lower expert id (torch.topk), the same on every TP rank."""
+    """(weights [T, k] float32, expert ids [T, k] int64) of each token. NOTE: softmax and top-k in fp32, as HF; tied
+    probabilities come in torch.topk's order, the same on every TP rank (the Triton backend's `fused_route` puts the
+    lower expert first: the same experts and weights, at most in other slots)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, routing.top_k, dim=-1)
     if routing.renormalize:
@@ -150,14 +151,16 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out`: optional [T, H] buffer the combined output is written into."""
-        weights, ids = route(self.gate(x), self.routing)
         experts = self.experts
         if self.uses_triton(x):
-            from blockspec.layers.fused_moe import fused_experts  # NOTE: needs Triton
+            from blockspec.layers.fused_moe import fused_experts, fused_route  # NOTE: needs Triton
 
+            routing = self.routing
+            weights, ids = fused_route(self.gate(x), routing.num_experts, routing.top_k, routing.renormalize)
             combined = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, out,
                                      batch_invariant=self.kernels.batch_invariant)
         else:
+            weights, ids = route(self.gate(x), self.routing)
             combined = experts_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
             if out is not None:
                 combined = out.copy_(combined)

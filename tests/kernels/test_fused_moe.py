@@ -11,7 +11,7 @@ pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu
 pytest.importorskip("triton")
 
 from blockspec.layers.fused_moe import (  # noqa: E402
-    ExpertTiles, choose_tiles, fused_experts, sort_by_expert, tile_choices,
+    ExpertTiles, choose_tiles, fused_experts, fused_route, sort_by_expert, tile_choices,
 )
 from blockspec.layers.kernel_mode import KernelMode  # noqa: E402
 from blockspec.layers.moe import ExpertRouting, SparseMoe, experts_reference, route  # noqa: E402
@@ -76,6 +76,38 @@ def test_fused_experts_equal_reference(dtype: torch.dtype, tokens: int, hidden: 
     torch.testing.assert_close(out.float(), expected, **tolerance)
     tall = fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(32, 16, 16))  # other tiles, same sums
     torch.testing.assert_close(tall.float(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize", [
+    (1, 8, 2, True), (7, 60, 3, False), (33, 128, 8, True), (5, 16, 1, False), (4, 4, 4, True),
+])
+def test_fused_route_equals_route(dtype: torch.dtype, tokens: int, experts: int, top_k: int,
+                                  renormalize: bool) -> None:
+    """One launch == route's softmax → top-k → renormalisation: the same experts with the same weights (fp32), in
+    the same slots where no two logits tie (fp16 logits tie often: torch.topk orders ties its own way)."""
+    generator = torch.Generator().manual_seed(tokens * experts)
+    logits = (torch.randn(tokens, experts, generator=generator) * 3).to(dtype)
+    expected_weights, expected_ids = route(logits, ExpertRouting(experts, top_k, renormalize))
+    weights, ids = fused_route(logits.to(DEVICE), experts, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    weights, ids = weights.cpu(), ids.cpu()
+    if dtype != torch.float32:
+        ids, order = ids.sort(dim=-1)
+        weights = weights.gather(-1, order)
+        expected_ids, order = expected_ids.sort(dim=-1)
+        expected_weights = expected_weights.gather(-1, order)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_route_breaks_ties_by_the_lower_expert() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    weights, ids = fused_route(logits.to(DEVICE), 6, 3, True)
+    assert ids.cpu().tolist() == [[1, 2, 4], [0, 1, 2]]
+    torch.testing.assert_close(weights.cpu(), torch.full((2, 3), 1 / 3))
+    empty_weights, empty_ids = fused_route(torch.empty(0, 6, device=DEVICE), 6, 3, True)
+    assert empty_weights.shape == empty_ids.shape == (0, 3)
 
 
 def test_sparse_moe_backends_agree() -> None:
