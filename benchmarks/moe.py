@@ -29,6 +29,7 @@ On the device: `scripts/device.sh bench moe --parts layer step serving`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -194,6 +195,8 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
               bandwidth: float) -> list[dict[str, Any]]:
     """fused_experts per tile set of the grid, per layer mode and batch size (the layer's routing of random tokens),
     replayed from a CUDA graph on CUDA; `chosen` marks the set choose_tiles picks for that batch."""
+    import triton
+
     from blockspec.layers.fused_moe import ExpertTiles, choose_tiles, fused_experts
 
     layers = layer_copies(config, args, device, dtype, backend="triton")
@@ -216,11 +219,14 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
                     runs = [lambda layer=layer, weights=weights, ids=ids, tiles=tiles: fused_experts(
                         x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids, out, tiles=tiles)
                         for layer, (weights, ids) in zip(layers, routed)]
-                    ms = graphed_ms(runs, device, args.repeat)
+                    try:
+                        ms = graphed_ms(runs, device, args.repeat)
+                    except triton.runtime.errors.OutOfResources:  # NOTE: the set's tiles do not fit this GPU
+                        continue
                     rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
                                  "block_k": tiles.block_k, "num_warps": tiles.num_warps, "step_ms": ms,
                                  "over_floor": ms / floor_ms, "chosen": tiles == chosen})
-            best = min(rows[-len(sets):], key=lambda row: row["step_ms"])
+            best = min((row for row in rows if row["mode"] == mode and row["bs"] == bs), key=lambda row: row["step_ms"])
             print(json.dumps({"mode": mode, "bs": bs, "best": best}), flush=True)
     return rows
 
@@ -280,7 +286,8 @@ def step_rows(config: dict[str, Any], target_dir: Path, draft_dir: Path, args: a
                 engine.scheduler.abort(req.rid)
             engine.scheduler.collect_finished()
         engine.shutdown()
-        del engine
+        del engine, model, sparse, experts  # NOTE: every reference to the model, or the next engine will not fit
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

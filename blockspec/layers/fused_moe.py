@@ -40,15 +40,17 @@ class ExpertTiles:
 
 
 BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
-EXPERT_TILES = (ExpertTiles(16, 64, 64), ExpertTiles(32, 64, 64), ExpertTiles(64, 64, 64))
+# NOTE: the best sets of benchmarks/moe.py's tile sweep (Qwen3-30B-A3B experts, bf16): BLOCK_K 128 wherever a
+# block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
+EXPERT_TILES = (ExpertTiles(16, 64, 128), ExpertTiles(32, 64, 128), ExpertTiles(64, 64, 64))
 
 
 def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False) -> ExpertTiles:
-    """Blocks as tall as the experts' average share of the pairs (decode: 16, padding is wasted work)."""
+    """Blocks about as tall as the experts' average share of the pairs (decode: 16, padding is wasted work)."""
     if batch_invariant:
         return BATCH_INVARIANT_TILES
     rows_per_expert = num_pairs / max(num_experts, 1)
-    return EXPERT_TILES[0 if rows_per_expert <= 16 else 1 if rows_per_expert <= 64 else 2]
+    return EXPERT_TILES[0 if rows_per_expert <= 16 else 1 if rows_per_expert <= 32 else 2]
 
 
 def tile_choices(batch_invariant: bool = False) -> tuple[ExpertTiles, ...]:

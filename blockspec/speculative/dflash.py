@@ -166,7 +166,8 @@ class DFlashWorker(TargetWorker):
         graphs, config = self.runner.graphs, self.runner.config
         sizes = graphs.batch_sizes if graphs else [b for b in config.cuda_graph_bs if b <= config.max_running_requests]
         times = measure_cycle_times(self.dummy_cycle, sorted(set(sizes)) or [1], self.verify_lengths)
-        self.verify_policy = AdaptiveVerifyLength(self.verify_lengths, CycleTimes(times))
+        tree_length = None if self.tree is None else self.tree.cycle_length
+        self.verify_policy = AdaptiveVerifyLength(self.verify_lengths, CycleTimes(times, tree_length=tree_length))
 
     def verify_length_info(self) -> dict[str, Any]:
         """For get_server_info: the verify length in use per batch size and why, and the acceptance it assumed."""

@@ -107,22 +107,32 @@ class CycleTimes:
     runs in the next one up): the start-up figure plus a live offset per batch size.
 
     NOTE: start-up cycles run on padding rows (a near-empty context). A served batch's context adds about the same
-    time to a cycle of any verify length (each reads the whole target KV once), so one additive offset per batch
-    size, an exponential average of (live − start-up) over whichever lengths ran, corrects every length."""
+    time to a chain cycle of any verify length (each reads the whole target KV once with the same kernels), so one
+    additive offset per batch size, an exponential average of (live − start-up) over whichever chain lengths ran,
+    corrects every chain length. A DDTree cycle (`tree_length`) runs other kernels (the tree-masked attention, the
+    tree build and compaction), so its live time can grow apart from the chain's: it adds its own excess over the
+    chain's offset, learnt from its own live cycles (none until one is seen), and its cycles leave the chain's offset
+    alone."""
 
-    def __init__(self, measured: dict[tuple[int, int], float], live_weight: float = 0.2) -> None:
+    def __init__(self, measured: dict[tuple[int, int], float], live_weight: float = 0.2,
+                 tree_length: Optional[int] = None) -> None:
         if not measured:
             raise ValueError("adaptive verify needs at least one measured cycle time")
         self.startup_ms = dict(measured)
         self.batch_sizes = sorted({bs for bs, _ in measured})
         self.live_weight = live_weight
+        self.tree_length = tree_length
         self.offset_ms = {bs: 0.0 for bs in self.batch_sizes}
         self.live_cycles = {bs: 0 for bs in self.batch_sizes}
+        self.tree_excess_ms = {bs: 0.0 for bs in self.batch_sizes}
+        self.tree_live_cycles = {bs: 0 for bs in self.batch_sizes}
 
     def reset_live(self) -> None:
         """Forgets every live cycle (start-up figures kept): e.g. after warm-up traffic."""
         self.offset_ms = {bs: 0.0 for bs in self.batch_sizes}
         self.live_cycles = {bs: 0 for bs in self.batch_sizes}
+        self.tree_excess_ms = {bs: 0.0 for bs in self.batch_sizes}
+        self.tree_live_cycles = {bs: 0 for bs in self.batch_sizes}
 
     def bucket(self, batch_size: int) -> int:
         """The measured batch size whose times stand for `batch_size` (the largest beyond it)."""
@@ -132,8 +142,11 @@ class CycleTimes:
     def cycle_ms(self, batch_size: int, num_draft_tokens: int) -> float:
         bucket = self.bucket(batch_size)
         startup = self.startup_ms[(bucket, num_draft_tokens)]
+        offset = self.offset_ms[bucket]
+        if num_draft_tokens == self.tree_length:
+            offset += self.tree_excess_ms[bucket]
         # NOTE: start-up figures are wall clock, live ones device time: a large negative offset must not reach 0.
-        return max(startup + self.offset_ms[bucket], MIN_CYCLE_SHARE * startup)
+        return max(startup + offset, MIN_CYCLE_SHARE * startup)
 
     def observe(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
         """A live cycle's device time; batches above the largest measured size (eager, not graphed) are left out."""
@@ -142,9 +155,16 @@ class CycleTimes:
         bucket = self.bucket(batch_size)
         if (bucket, num_draft_tokens) not in self.startup_ms:
             return
+        offset = ms - self.startup_ms[(bucket, num_draft_tokens)]
+        if num_draft_tokens == self.tree_length:
+            seen = self.tree_live_cycles[bucket]
+            weight = max(self.live_weight, 1.0 / (seen + 1))  # NOTE: the first tree cycle replaces the guess of 0
+            excess = offset - self.offset_ms[bucket]
+            self.tree_excess_ms[bucket] += weight * (excess - self.tree_excess_ms[bucket])
+            self.tree_live_cycles[bucket] = seen + 1
+            return
         seen = self.live_cycles[bucket]
         weight = max(self.live_weight, 1.0 / (seen + 1))  # NOTE: the first live cycle replaces the start-up guess
-        offset = ms - self.startup_ms[(bucket, num_draft_tokens)]
         self.offset_ms[bucket] += weight * (offset - self.offset_ms[bucket])
         self.live_cycles[bucket] = seen + 1
 
@@ -289,4 +309,5 @@ class AdaptiveVerifyLength:
                 "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())},
                 "cycle_ms_startup": {f"{bs}x{n}": ms for (bs, n), ms in sorted(self.times.startup_ms.items())},
                 "cycle_ms_live_offset": {str(bs): ms for bs, ms in self.times.offset_ms.items()},
+                "tree_cycle_ms_live_excess": {str(bs): ms for bs, ms in self.times.tree_excess_ms.items()},
                 "cost_model": table}

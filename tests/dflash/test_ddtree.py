@@ -520,6 +520,31 @@ def test_the_policy_measures_an_unseen_tree_early_and_adopts_it_where_it_pays() 
         assert chosen[-8:].count(40) == (8 if tree_wins else 0)
 
 
+def test_the_tree_is_priced_by_its_own_live_cycles() -> None:
+    """Served with a long context, the tree's cycles (their own attention, build and compaction) grow by more than
+    the chain's over their start-up figures. The tree is priced from its own live cycles (the chain's offset plus the
+    tree's measured excess), so the policy drops it where its live cycle no longer pays; its cycles leave the chain's
+    offset alone. (A shared offset, pulled up by tree cycles, kept running the tree here and priced the chain too high.)
+    """
+    from blockspec.speculative.verify_length import AcceptanceStats, AdaptiveVerifyLength, CycleTimes
+
+    startup = {(4, 1): 2.0, (4, 4): 2.2, (4, 8): 2.4, (4, 40): 2.6}
+    live = {1: 3.0, 4: 3.2, 8: 3.4, 40: 6.6}  # NOTE: the chain's cycles +1 ms, the tree's +4 ms
+    stats = AcceptanceStats(7, tree_length=40)
+    policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(startup, tree_length=40))
+    chosen = []
+    for _ in range(64):
+        n = policy.choose(4, stats).num_draft_tokens
+        chosen.append(n)
+        stats.observe(n, [3] * 4 if n != 40 else [5] * 4)  # the tree commits 6, the full chain 4
+        policy.observe_cycle(4, n, live[n])
+    assert 40 in chosen[:4]  # measured early (its prior never ranks it first)
+    assert 40 not in chosen[-16:]  # 6 tokens in 6.6 ms lose to 4 in 3.4 ms
+    assert policy.times.cycle_ms(4, 40) == pytest.approx(6.6) and policy.times.cycle_ms(4, 8) == pytest.approx(3.4)
+    policy.reset_live()
+    assert policy.times.cycle_ms(4, 40) == 2.6
+
+
 def test_adaptive_verify_times_the_tree_and_stays_lossless(pair: dict[str, Any]) -> None:
     prompts = [[5 + i for i in range(n)] for n in (1, 3, 7, 12)]
     expected = [o["output_ids"] for o in cpu_engine(pair["root"], False).generate(input_ids=prompts,

@@ -129,7 +129,8 @@ def test_sparse_moe_backends_agree() -> None:
 
 def test_tiles_follow_rows_per_expert_unless_batch_invariant() -> None:
     assert choose_tiles(8, 128).block_m == 16  # a decode step of one token, top 8
-    assert choose_tiles(64 * 16 * 8, 128).block_m == 32  # 64 verify blocks of 16 tokens: 64 rows per expert
+    assert choose_tiles(32 * 16 * 8, 128).block_m == 32  # 32 verify blocks of 16 tokens: 32 rows per expert
+    assert choose_tiles(64 * 16 * 8, 128).block_m == 64  # 64 verify blocks: 64 rows per expert
     assert choose_tiles(4096 * 8, 128).block_m == 64  # a 4096-token extend
     assert choose_tiles(64 * 16 * 8, 128, batch_invariant=True) == choose_tiles(8, 128, batch_invariant=True)
 
