@@ -17,9 +17,10 @@ Touched experts: dummy weights route at random, so the count is the router's on 
 tokens (real routing is more correlated: fewer experts).
 
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
-set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`) on the layer's own routing, in a
-CUDA graph, beside the tiles `choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k,
-num_warps, step_ms, over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
+set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`; batches of up to 8 tokens also the direct
+sets, one pair per block without the sort) on the layer's own routing, in a CUDA graph, beside the tiles
+`choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k, num_warps, direct, step_ms,
+over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
 
 With --serving, the serving table (1 and 64 clients, DFlash vs target-only, accept length 6) through
 benchmarks/serving_vs_engine.py on the same shapes; its rows go to `serving`. --shape tiny runs everything small on
@@ -47,9 +48,10 @@ from blockspec.bench.provenance import run_identity
 from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
 
 TILE_GRIDS = {
-    "full": dict(block_m=(16, 32, 64), block_n=(16, 32, 64, 128), block_k=(64, 128), num_warps=(4, 8)),
-    "small": dict(block_m=(16, 32), block_n=(64,), block_k=(64,), num_warps=(4,)),
+    "full": dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(64, 128), num_warps=(4, 8)),
+    "small": dict(block_m=(16, 32), block_n=(64,), block_k=(128,), num_warps=(4,)),
 }
+DIRECT_MAX_TOKENS = 8  # NOTE: batches up to this many tokens also time the direct sets (one pair per block, no sort)
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
@@ -204,6 +206,8 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
     grid = TILE_GRIDS[args.tile_grid]
     sets = [ExpertTiles(m, n, k, warps) for m in grid["block_m"] for n in grid["block_n"] for k in grid["block_k"]
             for warps in grid["num_warps"]]
+    direct_sets = [ExpertTiles(16, n, k, warps, direct=True) for n in grid["block_n"] for k in grid["block_k"]
+                   for warps in grid["num_warps"]]
     element = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
@@ -213,9 +217,9 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
             with torch.no_grad():
                 routed = [route(layer.gate(x), routing) for layer in layers]
                 touched = sum(int(ids.unique().numel()) for _, ids in routed) / len(routed)
-                chosen = choose_tiles(routed[0][1].numel(), routing.num_experts)
+                chosen = choose_tiles(routed[0][1].numel(), routing.num_experts, num_tokens=x.shape[0])
                 floor_ms = touched * expert_bytes(config, element) / bandwidth * 1e3
-                for tiles in sets:
+                for tiles in sets + (direct_sets if x.shape[0] <= DIRECT_MAX_TOKENS else []):
                     runs = [lambda layer=layer, weights=weights, ids=ids, tiles=tiles: fused_experts(
                         x, layer.experts.gate_up_proj, layer.experts.down_proj, weights, ids, out, tiles=tiles)
                         for layer, (weights, ids) in zip(layers, routed)]
@@ -224,7 +228,8 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
                     except triton.runtime.errors.OutOfResources:  # NOTE: the set's tiles do not fit this GPU
                         continue
                     rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
-                                 "block_k": tiles.block_k, "num_warps": tiles.num_warps, "step_ms": ms,
+                                 "block_k": tiles.block_k, "num_warps": tiles.num_warps, "direct": tiles.direct,
+                                 "step_ms": ms,
                                  "over_floor": ms / floor_ms, "chosen": tiles == chosen})
             best = min((row for row in rows if row["mode"] == mode and row["bs"] == bs), key=lambda row: row["step_ms"])
             print(json.dumps({"mode": mode, "bs": bs, "best": best}), flush=True)
@@ -325,7 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--parts", nargs="+", choices=("layer", "tiles", "step", "serving"),
                         default=["layer", "step"])
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
-                        help="the tile sets the `tiles` part times (default full: 48 sets)")
+                        help="the tile sets the `tiles` part times (default full: 64 sets, and 16 direct ones)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -7,7 +7,8 @@ Four steps, six launches, static shapes throughout (no host sync: the whole laye
    grouped by expert, each expert's group padded to a multiple of BLOCK_M rows, so every block of BLOCK_M sorted
    rows belongs to one expert. The buffer is sized for the worst case (every hit expert padded), and the blocks past
    the used ones are marked -1. NOTE: two launches rather than a chain of small torch ops (a sort, cumsums,
-   gathers): in a decode graph every layer pays for each launch.
+   gathers): in a decode graph every layer pays for each launch. A single token skips the sort (`direct` tiles):
+   its k pairs, k distinct experts, are blocks 0..k-1 as they come from the router.
 2. `_gate_up_kernel`: per (block, column tile of I) one grouped-GEMM tile: the block's tokens × its expert's gate
    and up rows, SiLU(gate)·up, stored per pair. `_down_kernel`: the same over the down projection, scaled by the
    pair's routing weight. Blocks marked -1 return at once, so only the experts actually hit are read: a decode
@@ -37,18 +38,26 @@ class ExpertTiles:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # NOTE: direct: block b holds pair b alone, its expert read from the routing itself: no sort launches. For a
+    # single token (its k experts are distinct, so no expert is read twice) the sort is pure launch latency.
+    direct: bool = False
 
 
 BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
 # NOTE: the best sets of benchmarks/moe.py's tile sweep (Qwen3-30B-A3B experts, bf16): BLOCK_K 128 wherever a
 # block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
 EXPERT_TILES = (ExpertTiles(16, 64, 128), ExpertTiles(32, 64, 128), ExpertTiles(64, 64, 64))
+DIRECT_TILES = ExpertTiles(16, 64, 128, direct=True)
 
 
-def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False) -> ExpertTiles:
-    """Blocks about as tall as the experts' average share of the pairs (decode: 16, padding is wasted work)."""
+def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False,
+                 num_tokens: Optional[int] = None) -> ExpertTiles:
+    """Blocks about as tall as the experts' average share of the pairs (decode: 16, padding is wasted work); one
+    token's pairs go to their blocks directly (no sort)."""
     if batch_invariant:
         return BATCH_INVARIANT_TILES
+    if num_tokens == 1:
+        return DIRECT_TILES
     rows_per_expert = num_pairs / max(num_experts, 1)
     return EXPERT_TILES[0 if rows_per_expert <= 16 else 1 if rows_per_expert <= 32 else 2]
 
@@ -56,7 +65,7 @@ def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False
 def tile_choices(batch_invariant: bool = False) -> tuple[ExpertTiles, ...]:
     """Every tile set choose_tiles can return: with the layer's shapes and dtype, these are all the kernel variants
     serving can launch (the integers that follow the batch are not specialised), so start-up compiles each."""
-    return (BATCH_INVARIANT_TILES,) if batch_invariant else EXPERT_TILES
+    return (BATCH_INVARIANT_TILES,) if batch_invariant else EXPERT_TILES + (DIRECT_TILES,)
 
 
 # NOTE: the integers that follow the batch (pairs, blocks, capacity) are not specialised (Triton would compile a
@@ -176,23 +185,28 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit
-def _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
+def _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
     """(expert, pairs [BLOCK_M], valid [BLOCK_M]) of this program's block of sorted rows: its expert (-1: an unused
-    block) and its (token, slot) pairs (the sentinel num_pairs on padding rows)."""
+    block) and its (token, slot) pairs (the sentinel num_pairs on padding rows). DIRECT: block b is pair b alone and
+    block_experts_ptr the flat expert ids (no sort ran)."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block).to(tl.int64)
-    pairs = tl.load(pair_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if DIRECT:
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_pairs).to(tl.int64)
+    else:
+        pairs = tl.load(pair_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     return expert, pairs, pairs < num_pairs
 
 
 @triton.jit(do_not_specialize=BATCH_INTEGERS[:1])
 def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden, intermediate, top_k,
                     stride_xt, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """out[pair, cols] = SiLU(x[token] · gate[e, cols]) · (x[token] · up[e, cols]) for the block's pairs, e its
     expert (w [E, 2 I, H]: gate rows, then up rows)."""
     wait_for_previous_grid(PDL)
-    expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M, DIRECT)
     if expert < 0:
         return
     tokens = pairs // top_k
@@ -218,10 +232,11 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num
 @triton.jit(do_not_specialize=BATCH_INTEGERS[:1])
 def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden,
                  intermediate, stride_ht, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """out[pair, cols] = routing[pair] · (h[pair] · down[e, cols]) in fp32 (w [E, H, I])."""
     wait_for_previous_grid(PDL)
-    expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M, DIRECT)
     if expert < 0:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -276,13 +291,17 @@ def fused_experts(
     if num_tokens == 0:
         return out
     assert x.stride(-1) == 1 and gate_up_proj.is_contiguous() and down_proj.is_contiguous()
-    chosen = tiles or choose_tiles(num_pairs, num_experts, batch_invariant)
-    pair_rows, block_experts = sort_by_expert(ids, num_experts, chosen.block_m)
+    chosen = tiles or choose_tiles(num_pairs, num_experts, batch_invariant, num_tokens)
+    if chosen.direct:
+        flat_ids = ids.reshape(-1)
+        pair_rows, block_experts = flat_ids, flat_ids  # NOTE: pair_rows unread (DIRECT)
+    else:
+        pair_rows, block_experts = sort_by_expert(ids, num_experts, chosen.block_m)
     routing = weights.reshape(-1).to(torch.float32).contiguous()
     activated = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
     pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    launch = dict(num_warps=chosen.num_warps, num_stages=chosen.num_stages, **pdl_launch(x))
+    launch = dict(num_warps=chosen.num_warps, num_stages=chosen.num_stages, DIRECT=chosen.direct, **pdl_launch(x))
     num_blocks = block_experts.shape[0]
     block_n, block_k = _block(intermediate, chosen.block_n), _block(hidden, chosen.block_k)
     _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](

@@ -76,6 +76,10 @@ def test_fused_experts_equal_reference(dtype: torch.dtype, tokens: int, hidden: 
     torch.testing.assert_close(out.float(), expected, **tolerance)
     tall = fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(32, 16, 16))  # other tiles, same sums
     torch.testing.assert_close(tall.float(), expected, **tolerance)
+    # NOTE: one pair per block, no sort: what a single token runs, right for any batch (an expert hit twice is read
+    # twice)
+    direct = fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(16, 16, 16, direct=True))
+    torch.testing.assert_close(direct.float(), expected, **tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -128,7 +132,8 @@ def test_sparse_moe_backends_agree() -> None:
 
 
 def test_tiles_follow_rows_per_expert_unless_batch_invariant() -> None:
-    assert choose_tiles(8, 128).block_m == 16  # a decode step of one token, top 8
+    assert choose_tiles(8, 128, num_tokens=1).direct  # a decode step of one token, top 8: no sort
+    assert choose_tiles(16, 128, num_tokens=2).block_m == 16 and not choose_tiles(16, 128, num_tokens=2).direct
     assert choose_tiles(32 * 16 * 8, 128).block_m == 32  # 32 verify blocks of 16 tokens: 32 rows per expert
     assert choose_tiles(64 * 16 * 8, 128).block_m == 64  # 64 verify blocks: 64 rows per expert
     assert choose_tiles(4096 * 8, 128).block_m == 64  # a 4096-token extend
@@ -142,7 +147,8 @@ def test_warm_up_runs_every_tile_set_serving_can_choose(batch_invariant: bool,
     any batch, so no batch compiles a new variant while serving (the GPU proof: tests/gpu/test_warm_start_gpu.py)."""
     import blockspec.layers.fused_moe as fused_moe
 
-    reachable = {choose_tiles(pairs, experts, batch_invariant) for experts in (4, 8, 128) for pairs in range(1, 9000)}
+    reachable = {choose_tiles(pairs, experts, batch_invariant, num_tokens=tokens) for experts in (4, 8, 128)
+                 for pairs in range(1, 9000) for tokens in (1, 2)}
     assert reachable == set(tile_choices(batch_invariant))
     layer = SparseMoe(32, 16, ExpertRouting(num_experts=8, top_k=2, renormalize=True), backend="triton",
                       kernels=KernelMode(batch_invariant=batch_invariant)).to(DEVICE)
