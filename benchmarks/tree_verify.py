@@ -6,7 +6,9 @@ DFlash chain. Writes tree_verify_<date>_<commit>.json into the --out directory (
         the wall time of the measured round (after a warm-up round on other prompts), accept_length = committed
         tokens per verify; chain_tok_s is the same (workload, bs) at budget 0 (the chain; its own row has both);
         `policy`: chain, tree (every cycle a tree) or, with --adaptive, adaptive (adaptive verify choosing per batch
-        size between the chain lengths and the tree: the issue's "never below 0.97x the chain")
+        size between the chain lengths and the tree: the issue's "never below 0.97x the chain");
+        cycles_by_verify_length: the cycles each verify length ran in the measured round (the tree's length is
+        block + budget), and with a tree, tree_cycle_share (the share of those cycles that were trees)
 
 Workloads: `gsm8k` (GSM8K test questions in the demo's chat template, --gsm8k, default the evals' data path) and
 `code` (code-completion prefixes written below, as raw text). The pair: the demo pair by default (SmolLM2-135M-Instruct
@@ -95,10 +97,25 @@ def engine_flags(args: argparse.Namespace, target: Path, draft: Path, budget: in
     return flags
 
 
-def measure(engine: Engine, prompts: list[list[int]], warmup: list[list[int]], max_new: int) -> dict[str, float]:
-    """tok_s and accept length of generating `prompts` together (after `warmup`), greedy to max_new tokens."""
+def verify_length_info(engine: Engine) -> dict[str, Any]:
+    return engine.get_server_info()["internal_states"][0].get("verify_length") or {}
+
+
+def cycles_by_length(engine: Engine) -> dict[str, int]:
+    """Cycles each verify length ran so far, over every batch size (/server_info's cycles_by_verify_length)."""
+    counts: dict[str, int] = {}
+    for row in verify_length_info(engine).get("cycles_by_verify_length", {}).values():
+        for length, count in row.items():
+            counts[length] = counts.get(length, 0) + count
+    return counts
+
+
+def measure(engine: Engine, prompts: list[list[int]], warmup: list[list[int]], max_new: int) -> dict[str, Any]:
+    """tok_s and accept length of generating `prompts` together (after `warmup`), greedy to max_new tokens, and the
+    cycles each verify length ran in that round."""
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     engine.generate(input_ids=warmup, sampling_params=params)
+    cycles_before = cycles_by_length(engine)
     before = engine.scheduler.spec.as_dict()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -110,7 +127,10 @@ def measure(engine: Engine, prompts: list[list[int]], warmup: list[list[int]], m
     verifies = after["spec_verify_ct"] - before["spec_verify_ct"]
     committed = after["avg_spec_accept_length"] * after["spec_verify_ct"] - \
         before["avg_spec_accept_length"] * before["spec_verify_ct"]
-    return {"tok_s": tokens / seconds, "accept_length": committed / verifies if verifies else 0.0}
+    cycles = {length: count - cycles_before.get(length, 0) for length, count in cycles_by_length(engine).items()}
+    return {"tok_s": tokens / seconds, "accept_length": committed / verifies if verifies else 0.0,
+            "cycles_by_verify_length": {length: count for length, count in sorted(cycles.items(), key=lambda kv:
+                                                                                  int(kv[0])) if count}}
 
 
 def pair_dirs(args: argparse.Namespace, root: Path) -> tuple[Path, Path, str]:
@@ -152,7 +172,13 @@ def tree_rows(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> li
                                   (workload, bs, "chain")), measured["tok_s"])
                     row = {"shape": shape, "workload": workload, "bs": bs, "budget": budget, "policy": policy,
                            "accept_length": round(measured["accept_length"], 4), "tok_s": round(measured["tok_s"], 2),
-                           "chain_tok_s": round(chain, 2), "max_new_tokens": args.max_new_tokens}
+                           "chain_tok_s": round(chain, 2), "max_new_tokens": args.max_new_tokens,
+                           "cycles_by_verify_length": measured["cycles_by_verify_length"]}
+                    tree_length = verify_length_info(engine).get("tree", {}).get("verify_length")
+                    if tree_length is not None:
+                        cycles = measured["cycles_by_verify_length"]
+                        row["tree_cycle_share"] = round(cycles.get(str(tree_length), 0) / max(sum(cycles.values()), 1),
+                                                        4)
                     if args.simulate_accept_profile is not None:
                         row.update(simulated_chain=args.simulate_accept_profile,
                                    simulated_tree=args.simulate_tree_accept_profile if budget > 0 else None)

@@ -182,10 +182,12 @@ class VerifyChoice:
 
 class VerifyLengthPolicy(Protocol):
     """Picks each cycle's verify length for its batch size; `lengths` are the ones graphs are captured for, `last`
-    the latest choice per batch size (for /server_info and /metrics)."""
+    the latest choice per batch size (for /server_info and /metrics), `cycles_run` how many cycles each (batch size,
+    verify length) ran (for /server_info: which lengths, and how often the tree, a policy really ran)."""
 
     lengths: tuple[int, ...]
     last: dict[int, VerifyChoice]
+    cycles_run: "CycleCounts"
 
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice: ...
 
@@ -195,6 +197,23 @@ class VerifyLengthPolicy(Protocol):
         """Forgets the choices and live timings so far (start-up measurements kept)."""
 
     def describe(self, stats: AcceptanceStats) -> dict[str, Any]: ...
+
+
+class CycleCounts:
+    """Cycles per (batch size, verify length) since start-up or the last reset."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, dict[int, int]] = {}
+
+    def add(self, batch_size: int, num_draft_tokens: int) -> None:
+        row = self.counts.setdefault(batch_size, {})
+        row[num_draft_tokens] = row.get(num_draft_tokens, 0) + 1
+
+    def clear(self) -> None:
+        self.counts.clear()
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {str(bs): {str(n): c for n, c in sorted(row.items())} for bs, row in sorted(self.counts.items())}
 
 
 class Option(NamedTuple):
@@ -227,11 +246,13 @@ class FixedVerifyLength:
         self.reason = reason
         self.lengths = tuple(sorted({n for _, _, n in schedule}))
         self.last: dict[int, VerifyChoice] = {}
+        self.cycles_run = CycleCounts()
 
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         n = next((n for lo, hi, n in self.schedule if lo <= batch_size <= hi), self.schedule[-1][2])
         choice = VerifyChoice(n, self.reason, stats.expected_tokens(n))
         self.last[batch_size] = choice
+        self.cycles_run.add(batch_size, n)
         return choice
 
     def observe_cycle(self, batch_size: int, num_draft_tokens: int, ms: float) -> None:
@@ -239,11 +260,13 @@ class FixedVerifyLength:
 
     def reset_live(self) -> None:
         self.last.clear()
+        self.cycles_run.clear()
 
     def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
         return {"mode": "fixed", "reason": self.reason, "verify_lengths": list(self.lengths),
                 "schedule": [{"batch_sizes": [lo, hi], "num_draft_tokens": n} for lo, hi, n in self.schedule],
-                "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())}}
+                "in_use": {str(bs): c.as_dict() for bs, c in sorted(self.last.items())},
+                "cycles_by_verify_length": self.cycles_run.as_dict()}
 
 
 def full_block(block_size: int, reason: str) -> FixedVerifyLength:
@@ -272,11 +295,17 @@ class AdaptiveVerifyLength:
         self.measure_tree_every = measure_tree_every
         self.cycles: dict[int, int] = {}
         self.last: dict[int, VerifyChoice] = {}
+        self.cycles_run = CycleCounts()
 
     def options(self, batch_size: int, stats: AcceptanceStats) -> list[Option]:
         return [Option(n, stats.expected_tokens(n), self.times.cycle_ms(batch_size, n)) for n in self.lengths]
 
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
+        choice = self._choose(batch_size, stats)
+        self.cycles_run.add(batch_size, choice.num_draft_tokens)
+        return choice
+
+    def _choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         options = self.options(batch_size, stats)
         ranked = sorted(range(len(options)), key=lambda i: options[i].tokens_per_ms)
         best_at, best = ranked[-1], options[ranked[-1]]
@@ -301,6 +330,7 @@ class AdaptiveVerifyLength:
     def reset_live(self) -> None:
         self.cycles.clear()
         self.last.clear()
+        self.cycles_run.clear()
         self.times.reset_live()
 
     def describe(self, stats: AcceptanceStats) -> dict[str, Any]:
@@ -310,4 +340,4 @@ class AdaptiveVerifyLength:
                 "cycle_ms_startup": {f"{bs}x{n}": ms for (bs, n), ms in sorted(self.times.startup_ms.items())},
                 "cycle_ms_live_offset": {str(bs): ms for bs, ms in self.times.offset_ms.items()},
                 "tree_cycle_ms_live_excess": {str(bs): ms for bs, ms in self.times.tree_excess_ms.items()},
-                "cost_model": table}
+                "cycles_by_verify_length": self.cycles_run.as_dict(), "cost_model": table}

@@ -21,6 +21,12 @@ def test_smoke_writes_the_rows(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert {"shape", "workload", "bs", "budget", "accept_length", "tok_s", "chain_tok_s"} <= set(row)
         assert row["tok_s"] > 0 and row["accept_length"] >= 1 and row["chain_tok_s"] == chain[row["bs"]]
+        cycles = row["cycles_by_verify_length"]  # NOTE: the measured round's cycles; the tree's length is 8 + 4
+        assert sum(cycles.values()) > 0
+        if row["policy"] == "tree":
+            assert set(cycles) == {"12"} and row["tree_cycle_share"] == 1.0
+        if row["policy"] == "chain":
+            assert "12" not in cycles and "tree_cycle_share" not in row
     assert result["commit"] == "abc1234" and result["gpu"] and result["date"]
 
 

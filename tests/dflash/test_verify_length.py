@@ -82,6 +82,11 @@ def test_adaptive_explores_neighbouring_lengths() -> None:
     picks = [choose(policy, stats, 1) for _ in range(16)]
     assert picks.count(1) == 12 and picks.count(4) == 4  # best is the shortest: its only neighbour is explored
     assert policy.last[1].num_draft_tokens == 1
+    # NOTE: /server_info counts what ran, explorations included, per batch size
+    choose(policy, stats, 3)
+    assert policy.describe(stats)["cycles_by_verify_length"] == {"1": {"1": 12, "4": 4}, "3": {"1": 1}}
+    policy.reset_live()
+    assert policy.describe(stats)["cycles_by_verify_length"] == {}
 
 
 def test_adaptive_needs_every_time() -> None:
@@ -96,6 +101,8 @@ def test_schedules() -> None:
     stats = AcceptanceStats(9)
     assert [fixed.choose(bs, stats).num_draft_tokens for bs in (1, 16, 17, 64)] == [10, 10, 4, 4]
     assert fixed.lengths == (4, 10)
+    assert fixed.describe(stats)["cycles_by_verify_length"] == {"1": {"10": 1}, "16": {"10": 1}, "17": {"4": 1},
+                                                                "64": {"4": 1}}
     assert default_verify_lengths(10) == (1, 4, 7, 10) and default_verify_lengths(16) == (1, 4, 10, 16)
     assert default_verify_lengths(2) == (1, 2)
 
