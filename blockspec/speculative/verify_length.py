@@ -279,11 +279,13 @@ class AdaptiveVerifyLength:
     NOTE: every `explore_every`-th cycle of a batch size whose best length is not the only one runs a neighbouring
     length instead (alternately shorter and longer), so the rates of positions the best length never tries, and the
     live times of the other lengths, stay measured. A tree's acceptance is only its prior (the chain's full block)
-    until tree cycles are seen, and the prior never ranks a costlier tree first: until stats hold `prior_weight`
-    request-cycles of trees, every `measure_tree_every`-th cycle runs the tree, so its own acceptance decides."""
+    until tree cycles are seen, and the prior never ranks a costlier tree first: until stats hold
+    `measure_tree_until` request-cycles of trees, every `measure_tree_every`-th cycle runs the tree, so its own
+    acceptance decides. NOTE: several request-cycles, not the prior's weight: at batch 1 two unlucky first trees (few
+    accepted tokens) would otherwise price the tree below the chain for the next 128 cycles (until exploration)."""
 
     def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64,
-                 measure_tree_every: int = 4) -> None:
+                 measure_tree_every: int = 4, measure_tree_until: float = 8.0) -> None:
         self.lengths = tuple(sorted(set(lengths)))
         missing = [
             key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms
@@ -293,6 +295,7 @@ class AdaptiveVerifyLength:
         self.times = times
         self.explore_every = explore_every
         self.measure_tree_every = measure_tree_every
+        self.measure_tree_until = measure_tree_until
         self.cycles: dict[int, int] = {}
         self.last: dict[int, VerifyChoice] = {}
         self.cycles_run = CycleCounts()
@@ -315,7 +318,7 @@ class AdaptiveVerifyLength:
         self.last[batch_size] = VerifyChoice(best.n, reason, best.tokens, best.ms)
         cycle = self.cycles[batch_size] = self.cycles.get(batch_size, 0) + 1
         tree = next((option for option in options if option.n == stats.tree_length), None)
-        if tree is not None and tree is not best and stats.tree_cycles < stats.prior_weight \
+        if tree is not None and tree is not best and stats.tree_cycles < self.measure_tree_until \
                 and cycle % self.measure_tree_every == 0:
             return VerifyChoice(tree.n, "measuring the tree's acceptance", tree.tokens, tree.ms)
         if len(options) > 1 and cycle % self.explore_every == 0:

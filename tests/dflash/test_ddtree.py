@@ -520,6 +520,24 @@ def test_the_policy_measures_an_unseen_tree_early_and_adopts_it_where_it_pays() 
         assert chosen[-8:].count(40) == (8 if tree_wins else 0)
 
 
+def test_two_unlucky_first_trees_do_not_settle_it() -> None:
+    """Batch 1: the first two tree cycles commit little (2 and 3 tokens), later ones 7. The policy keeps measuring the
+    tree until it holds several request-cycles of it, then adopts it (priced on two cycles, the tree lost for the
+    next 128 cycles)."""
+    from blockspec.speculative.verify_length import AcceptanceStats, AdaptiveVerifyLength, CycleTimes
+
+    times = {(1, 1): 1.0, (1, 4): 1.1, (1, 8): 1.2, (1, 40): 1.3}
+    stats = AcceptanceStats(7, tree_length=40)
+    policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(times, tree_length=40))
+    tree_commits = iter([1, 2] + [6] * 100)
+    chosen = []
+    for _ in range(48):
+        n = policy.choose(1, stats).num_draft_tokens
+        chosen.append(n)
+        stats.observe(n, [next(tree_commits)] if n == 40 else [3])  # NOTE: the chain commits 4
+    assert chosen[-8:] == [40] * 8
+
+
 def test_the_tree_is_priced_by_its_own_live_cycles() -> None:
     """Served with a long context, the tree's cycles (their own attention, build and compaction) grow by more than
     the chain's over their start-up figures. The tree is priced from its own live cycles (the chain's offset plus the
