@@ -6,6 +6,7 @@ draft's layers also convolve each block's rows around attention and MLP (models/
 candidate selector (models/candidate_selector.py) that blocks.py's loss trains with the backbone."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -193,6 +194,29 @@ class TrainableDraft(nn.Module):
                 elif isinstance(module, CandidateSelector):
                     module.predecessor_codebook.normal_(0.0, std)
                     module.successor_codebook.normal_(0.0, std)
+
+    @classmethod
+    def dflash2_from(cls, draft: "TrainableDraft", fields: DFlash2Fields) -> "TrainableDraft":
+        """A DFlash2 draft that proposes exactly what the DFlash draft `draft` proposes, to train on from there: all of
+        its weights; convolutions that pass their input through (tap 0 weighs 1, no dynamic weights: kernel
+        projections zero); a selector whose bilinear term is zero (hidden projection zero), so it ranks the
+        candidates by the target's logits alone and picks the argmax. NOTE: both zeros still get gradients (the
+        projections' inputs and the codebooks are not zero), so training moves them from the first step."""
+        if draft.arch.dflash2 is not None:
+            raise ValueError("dflash2_from takes a DFlash (v1) draft")
+        grown = cls(dataclasses.replace(draft.arch, dflash2=fields))
+        result = grown.load_state_dict(draft.state_dict(), strict=False)
+        new = [name for name in result.missing_keys if "_conv." not in name and "candidate_selector." not in name]
+        if new or result.unexpected_keys:
+            raise ValueError(f"DFlash weights do not fit the DFlash2 draft (missing {new[:3]}, unexpected "
+                             f"{result.unexpected_keys[:3]})")
+        with torch.no_grad():
+            for module in grown.modules():
+                if isinstance(module, GroupedDynamicCausalConv):
+                    module.kernel_projection.weight.zero_()
+            assert grown.candidate_selector is not None
+            grown.candidate_selector.hidden_projection.weight.zero_()
+        return grown
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.float()

@@ -237,7 +237,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     arch.add_argument("--selector-top-k", type=int, default=defaults.selector_top_k,
                       help="dflash2: candidates per draft row (the target lm_head's top k)")
     arch.add_argument("--init-from", default=None,
-                      help="start from this draft checkpoint's weights (same architecture and taps): continue training")
+                      help="start from this draft checkpoint's weights (same taps): continue training; a DFlash draft "
+                      "with --draft-arch dflash2 starts a DFlash2 draft that proposes what it did")
     gen = parser.add_argument_group("data generation")
     gen.add_argument("--max-new-tokens", type=int, help=f"response length cap ({_machine_default('max_new_tokens')})")
     gen.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts of --data")

@@ -75,11 +75,19 @@ def _prompts(options: TrainOptions, target: TargetConfig) -> tuple[list[list[int
 def _build_draft(
     options: TrainOptions, target: TargetConfig, layer_ids: list[int], tokenizer: Any, used: set[int]
 ) -> tuple[TrainableDraft, list[int], int]:
-    """A fresh draft, or --init-from's (whose taps and mask token then hold unless given explicitly)."""
+    """A fresh draft, or --init-from's (whose taps and mask token then hold unless given explicitly). A DFlash draft
+    with --draft-arch dflash2 grows into a DFlash2 draft that proposes what it did (TrainableDraft.dflash2_from)."""
     mask_token_id = options.mask_token_id
     if options.init_from is not None:
-        draft, init_ids, _ = load_trainable_draft(options.init_from, target)
-        if (draft.arch.dflash2 is not None) != (options.draft_arch == "dflash2"):
+        draft, init_ids, init_block = load_trainable_draft(options.init_from, target)
+        if init_block != options.block_size:
+            raise ValueError(f"--init-from {options.init_from} drafts blocks of {init_block}, not --block-size "
+                             f"{options.block_size}")
+        if draft.arch.dflash2 is None and options.draft_arch == "dflash2":
+            fields = dflash2_fields(options, target)
+            assert fields is not None
+            draft = TrainableDraft.dflash2_from(draft, fields)
+        elif (draft.arch.dflash2 is not None) != (options.draft_arch == "dflash2"):
             raise ValueError(f"--init-from {options.init_from} is not a --draft-arch {options.draft_arch} draft")
         if options.target_layer_ids is not None and init_ids != layer_ids:
             raise ValueError(

@@ -174,3 +174,62 @@ def test_sharded_checkpoint_loads_in_both(trained: Trained, make_engine: Callabl
         for path in (trained.draft_dir, sharded)
     ]
     assert blockspec_cycles(engines[0], prompts) == blockspec_cycles(engines[1], prompts)
+
+
+def test_a_dflash2_draft_grown_from_it_proposes_what_it_did(trained: Trained, make_engine: Callable[..., Engine],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """TrainableDraft.dflash2_from: the DFlash draft's weights, pass-through convolutions and a selector without its
+    bilinear term. z-lab's DFlash2 reference (and blockspec) serve it with the DFlash draft's tokens and per-cycle
+    acceptance, so a DFlash2 draft trained from it starts where the DFlash draft is; `train-draft --draft-arch dflash2
+    --init-from` a DFlash draft trains from there."""
+    from blockspec.models.draft_config import parse_dflash2_fields
+    from blockspec.train.model import TrainableDraft
+
+    target_config = load_target_config(trained.target_dir)
+    model, layer_ids, block = load_trainable_draft(trained.draft_dir, target_config)
+    with open(trained.draft_dir / "config.json") as f:
+        mask = json.load(f)["dflash_config"]["mask_token_id"]
+    fields = parse_dflash2_fields({"architectures": ["DFlash2DraftModel"], "conv_kernel_size": 3,
+                                   "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4},
+                                  target_config, target_config.hidden_size)
+    assert fields is not None
+    grown = TrainableDraft.dflash2_from(model, fields)
+    grown_dir = trained.root / "grown_dflash2"
+    save_draft(grown, grown_dir, draft_config_dict(grown.arch, target_config, layer_ids, block, mask, "float32"),
+               "float32")
+    dflash = dflash_model.DFlashDraftModel.from_pretrained(str(trained.draft_dir), dtype=torch.float32).eval()
+    dflash2 = dflash_model.DFlash2DraftModel.from_pretrained(str(grown_dir), dtype=torch.float32).eval()
+    prompts = trained.held_out[:3]
+    for prompt in prompts:
+        runs = [dflash_model.dflash_generate(draft, trained.target, torch.tensor([prompt]), MAX_NEW, None,
+                                             temperature=0.0, return_stats=True) for draft in (dflash, dflash2)]
+        assert torch.equal(runs[0].output_ids, runs[1].output_ids)
+        assert list(runs[0].acceptance_lengths) == list(runs[1].acceptance_lengths)
+    engines = [
+        make_engine(trained.target_dir, speculative_algorithm="DFLASH", speculative_draft_model_path=str(path))
+        for path in (trained.draft_dir, grown_dir)
+    ]
+    outputs, lengths = blockspec_cycles(engines[0], prompts)
+    assert blockspec_cycles(engines[1], prompts) == (outputs, lengths)
+    assert max(n for cycle in lengths for n in cycle) >= 3  # multi-token acceptance compared
+
+    argv = [
+        "train-draft", "--target-model-path", str(trained.target_dir), "--data", str(trained.root / "prompts.jsonl"),
+        "--out", str(trained.root / "trained_dflash2"), "--cache-dir", str(trained.root / "cache"), "--device",
+        "cpu", "--block-size", str(BLOCK), "--num-layers", "2", "--max-new-tokens", "58", "--ignore-eos",
+        "--max-seq-len", "128", "--steps", "2", "--batch-size", "8", "--blocks-per-seq", "8", "--lr", "3e-3",
+        "--num-eval-prompts", "2", "--eval-max-new-tokens", "8", "--save-dtype", "float32", "--no-progress",
+        "--draft-arch", "dflash2", "--conv-kernel-size", "3", "--conv-group-size", "8", "--selector-rank", "8",
+        "--selector-top-k", "4", "--init-from", str(trained.draft_dir),
+    ]
+    assert blockspec_cli.main(argv) == 0
+    continued, continued_ids, _ = load_trainable_draft(trained.root / "trained_dflash2", target_config)
+    assert continued.arch.dflash2 == fields and continued_ids == layer_ids
+    start, after = model.state_dict(), continued.state_dict()
+    moved = [name for name in start if not torch.allclose(start[name], after[name], atol=0.05)]
+    assert not moved, f"two steps moved the DFlash weights far: {moved[:3]}"
+    assert any(not torch.equal(start[name], after[name]) for name in start)  # but they trained
+    argv[argv.index("--block-size") + 1] = str(BLOCK * 2)
+    capsys.readouterr()
+    assert blockspec_cli.main(argv) != 0
+    assert f"drafts blocks of {BLOCK}, not --block-size {BLOCK * 2}" in capsys.readouterr().err
