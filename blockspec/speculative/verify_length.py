@@ -182,12 +182,10 @@ class VerifyChoice:
 
 class VerifyLengthPolicy(Protocol):
     """Picks each cycle's verify length for its batch size; `lengths` are the ones graphs are captured for, `last`
-    the latest choice per batch size (for /server_info and /metrics), `cycles_run` how many cycles each (batch size,
-    verify length) ran (for /server_info: which lengths, and how often the tree, a policy really ran)."""
+    the latest choice per batch size (for /server_info and /metrics)."""
 
     lengths: tuple[int, ...]
     last: dict[int, VerifyChoice]
-    cycles_run: "CycleCounts"
 
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice: ...
 
@@ -200,7 +198,8 @@ class VerifyLengthPolicy(Protocol):
 
 
 class CycleCounts:
-    """Cycles per (batch size, verify length) since start-up or the last reset."""
+    """Cycles per (batch size, verify length) since start-up or the last reset: /server_info's
+    cycles_by_verify_length (which lengths, and how often the tree, a policy really ran)."""
 
     def __init__(self) -> None:
         self.counts: dict[int, dict[int, int]] = {}
