@@ -17,8 +17,8 @@ Touched experts: dummy weights route at random, so the count is the router's on 
 tokens (real routing is more correlated: fewer experts).
 
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
-set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`; batches of up to 8 tokens also the direct
-sets, one pair per block without the sort) on the layer's own routing, in a CUDA graph, beside the tiles
+set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`; batches of up to 8 tokens also
+the direct sets, one pair per block without the sort) on the layer's own routing, in a CUDA graph, beside the tiles
 `choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k, num_warps, direct, step_ms,
 over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
 
@@ -169,11 +169,16 @@ def layer_copies(config: dict[str, Any], args: argparse.Namespace, device: torch
     return [dummy_layer(config, device, dtype, backend) for _ in range(copies)]
 
 
+def routed_copies(layers: list[SparseMoe], x: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
+    """Each layer copy's routing of x (weights, ids) and the experts they touch, on average over the copies."""
+    routed = [route(layer.gate(x), layer.routing) for layer in layers]
+    return routed, sum(int(ids.unique().numel()) for _, ids in routed) / len(routed)
+
+
 def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                bandwidth: float) -> list[dict[str, Any]]:
     """One MoE layer per mode and batch size: --layer-copies layers in sequence in one CUDA graph on CUDA, per layer."""
     layers = layer_copies(config, args, device, dtype)
-    routing = layers[0].routing
     element = torch.empty(0, dtype=dtype).element_size()
     router_bytes = layers[0].gate.weight.numel() * element
     rows = []
@@ -183,12 +188,11 @@ def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.d
             x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)
             out = torch.empty_like(x)
             with torch.no_grad():
-                touched = [int(route(layer.gate(x), routing)[1].unique().numel()) for layer in layers]
+                _, touched = routed_copies(layers, x)
                 ms = graphed_ms([lambda layer=layer: layer(x, out) for layer in layers], device, args.repeat)
-            mean_touched = sum(touched) / len(touched)
-            floor_ms = (mean_touched * expert_bytes(config, element) + router_bytes) / bandwidth * 1e3
+            floor_ms = (touched * expert_bytes(config, element) + router_bytes) / bandwidth * 1e3
             rows.append({"mode": mode, "bs": bs, "tokens": tokens, "step_ms": ms,
-                         "touched_experts_per_layer": mean_touched, "floor_ms": floor_ms, "over_floor": ms / floor_ms})
+                         "touched_experts_per_layer": touched, "floor_ms": floor_ms, "over_floor": ms / floor_ms})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -215,8 +219,7 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
             x = torch.randn(bs * per_request, config["hidden_size"], device=device, dtype=dtype)
             out = torch.empty_like(x)
             with torch.no_grad():
-                routed = [route(layer.gate(x), routing) for layer in layers]
-                touched = sum(int(ids.unique().numel()) for _, ids in routed) / len(routed)
+                routed, touched = routed_copies(layers, x)
                 chosen = choose_tiles(routed[0][1].numel(), routing.num_experts, num_tokens=x.shape[0])
                 floor_ms = touched * expert_bytes(config, element) / bandwidth * 1e3
                 for tiles in sets + (direct_sets if x.shape[0] <= DIRECT_MAX_TOKENS else []):
@@ -229,8 +232,7 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
                         continue
                     rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
                                  "block_k": tiles.block_k, "num_warps": tiles.num_warps, "direct": tiles.direct,
-                                 "step_ms": ms,
-                                 "over_floor": ms / floor_ms, "chosen": tiles == chosen})
+                                 "step_ms": ms, "over_floor": ms / floor_ms, "chosen": tiles == chosen})
             best = min((row for row in rows if row["mode"] == mode and row["bs"] == bs), key=lambda row: row["step_ms"])
             print(json.dumps({"mode": mode, "bs": bs, "best": best}), flush=True)
     return rows

@@ -5,8 +5,8 @@ One layer, three parts: the router (`gate`, a linear layer to E logits, and `rou
 renormalisation), the experts (`StackedExperts`: E gated SiLU MLPs, their weights stacked [E, ...]), and the
 backend that runs the experts and the weighted combine: the torch reference (`experts_reference`, CPU and tests) or
 the fused Triton kernels (`layers/fused_moe.py`: the routing in one launch, tokens sorted by expert, a grouped GEMM
-over the experts hit, static shapes so it captures in CUDA graphs). Both take the same inputs, so a family with another router or
-another expert format changes only its part.
+over the experts hit, static shapes so it captures in CUDA graphs). Both take the same inputs, so a family with
+another router or another expert format changes only its part.
 
 Under tensor parallelism every rank holds every expert, cut along its intermediate dimension (gate|up by rows, down
 by columns, as a dense MLP): each rank computes partial outputs of the same routed tokens, the all-reduce sums them.
@@ -151,16 +151,15 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out`: optional [T, H] buffer the combined output is written into."""
-        experts = self.experts
+        experts, routing, logits = self.experts, self.routing, self.gate(x)
         if self.uses_triton(x):
             from blockspec.layers.fused_moe import fused_experts, fused_route  # NOTE: needs Triton
 
-            routing = self.routing
-            weights, ids = fused_route(self.gate(x), routing.num_experts, routing.top_k, routing.renormalize)
+            weights, ids = fused_route(logits, routing.num_experts, routing.top_k, routing.renormalize)
             combined = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, out,
                                      batch_invariant=self.kernels.batch_invariant)
         else:
-            weights, ids = route(self.gate(x), self.routing)
+            weights, ids = route(logits, routing)
             combined = experts_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
             if out is not None:
                 combined = out.copy_(combined)

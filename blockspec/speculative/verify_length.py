@@ -157,16 +157,17 @@ class CycleTimes:
             return
         offset = ms - self.startup_ms[(bucket, num_draft_tokens)]
         if num_draft_tokens == self.tree_length:
-            seen = self.tree_live_cycles[bucket]
-            weight = max(self.live_weight, 1.0 / (seen + 1))  # NOTE: the first tree cycle replaces the guess of 0
             excess = offset - self.offset_ms[bucket]
-            self.tree_excess_ms[bucket] += weight * (excess - self.tree_excess_ms[bucket])
-            self.tree_live_cycles[bucket] = seen + 1
+            self.tree_excess_ms[bucket] += self._weight(self.tree_live_cycles, bucket) * (
+                excess - self.tree_excess_ms[bucket])
             return
-        seen = self.live_cycles[bucket]
-        weight = max(self.live_weight, 1.0 / (seen + 1))  # NOTE: the first live cycle replaces the start-up guess
-        self.offset_ms[bucket] += weight * (offset - self.offset_ms[bucket])
-        self.live_cycles[bucket] = seen + 1
+        self.offset_ms[bucket] += self._weight(self.live_cycles, bucket) * (offset - self.offset_ms[bucket])
+
+    def _weight(self, seen: dict[int, int], bucket: int) -> float:
+        """The exponential average's weight for one more live cycle of `bucket`, counted in `seen`. NOTE: the first
+        one replaces the guess (the start-up figure; no tree excess)."""
+        seen[bucket] += 1
+        return max(self.live_weight, 1.0 / seen[bucket])
 
 
 @dataclass(frozen=True)
