@@ -2,13 +2,18 @@
 DFlash chain. Writes tree_verify_<date>_<commit>.json into the --out directory (default benchmarks/results) with
 
   rows  {shape, workload, bs, budget, accept_length, tok_s, chain_tok_s}: greedy offline-engine generation of `bs`
-        prompts of the workload at a time (graphs and the overlap schedule as served), tokens/s = output tokens over
-        the wall time of the measured round (after a warm-up round on other prompts), accept_length = committed
-        tokens per verify; chain_tok_s is the same (workload, bs) at budget 0 (the chain; its own row has both);
+        prompts of the workload at a time (graphs and the overlap schedule as served), --rounds such batches one after
+        the other (after a warm-up batch on other prompts); tokens/s = output tokens over the wall time of the rounds,
+        accept_length = committed tokens per verify; chain_tok_s is the same (workload, bs) at budget 0 (the chain;
+        its own row has both); cycles_by_batch_size: the cycles each batch size ran (bs, and below it as requests
+        finish);
         `policy`: chain, tree (every cycle a tree) or, with --adaptive, adaptive (adaptive verify choosing per batch
         size between the chain lengths and the tree: the issue's "never below 0.97x the chain");
         cycles_by_verify_length: the cycles each verify length ran in the measured round (the tree's length is
-        block + budget), and with a tree, tree_cycle_share (the share of those cycles that were trees)
+        block + budget), and with a tree, tree_cycle_share (the share of those cycles that were trees); with
+        adaptive verify, policy_view: the policy's cost model at the end of the row for the graph batch size that
+        serves bs (expected tokens, cycle ms and tokens/s per request of each verify length; the start-up cycle ms,
+        the chain's live offset and the tree's live excess it is made of) and its choice there
 
 Workloads: `gsm8k` (GSM8K test questions in the demo's chat template, --gsm8k, default the evals' data path) and
 `code` (code-completion prefixes written below, as raw text). The pair: the demo pair by default (SmolLM2-135M-Instruct
@@ -110,27 +115,55 @@ def cycles_by_length(engine: Engine) -> dict[str, int]:
     return counts
 
 
-def measure(engine: Engine, prompts: list[list[int]], warmup: list[list[int]], max_new: int) -> dict[str, Any]:
-    """tok_s and accept length of generating `prompts` together (after `warmup`), greedy to max_new tokens, and the
-    cycles each verify length ran in that round."""
+def cycles_by_batch_size(engine: Engine) -> dict[str, int]:
+    """Cycles each batch size ran so far, over every verify length."""
+    return {bs: sum(row.values()) for bs, row in verify_length_info(engine).get("cycles_by_verify_length", {}).items()}
+
+
+def since(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    """The counts added between two snapshots, keys in numeric order, zeros left out."""
+    added = {key: count - before.get(key, 0) for key, count in after.items()}
+    return {key: count for key, count in sorted(added.items(), key=lambda kv: int(kv[0])) if count}
+
+
+def measure(engine: Engine, rounds: list[list[list[int]]], warmup: list[list[int]], max_new: int) -> dict[str, Any]:
+    """tok_s and accept length of generating each round's prompts together, one round after the other (after
+    `warmup`), greedy to max_new tokens, and the cycles each verify length and batch size ran in the rounds.
+
+    NOTE: one Engine.generate per round: prompts of one call all run at once (up to max_running_requests), so a
+    batch size's row must not hand the engine more than that many prompts at a time."""
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     engine.generate(input_ids=warmup, sampling_params=params)
-    cycles_before = cycles_by_length(engine)
+    lengths_before, batches_before = cycles_by_length(engine), cycles_by_batch_size(engine)
     before = engine.scheduler.spec.as_dict()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = engine.generate(input_ids=prompts, sampling_params=params)
-    seconds = time.perf_counter() - start
+    tokens, seconds = 0, 0.0
+    for prompts in rounds:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        seconds += time.perf_counter() - start
+        tokens += sum(len(o["output_ids"]) for o in outputs)
     after = engine.scheduler.spec.as_dict()
-    tokens = sum(len(o["output_ids"]) for o in outputs)
     verifies = after["spec_verify_ct"] - before["spec_verify_ct"]
     committed = after["avg_spec_accept_length"] * after["spec_verify_ct"] - \
         before["avg_spec_accept_length"] * before["spec_verify_ct"]
-    cycles = {length: count - cycles_before.get(length, 0) for length, count in cycles_by_length(engine).items()}
     return {"tok_s": tokens / seconds, "accept_length": committed / verifies if verifies else 0.0,
-            "cycles_by_verify_length": {length: count for length, count in sorted(cycles.items(), key=lambda kv:
-                                                                                  int(kv[0])) if count}}
+            "cycles_by_verify_length": since(cycles_by_length(engine), lengths_before),
+            "cycles_by_batch_size": since(cycles_by_batch_size(engine), batches_before)}
+
+
+def policy_view(engine: Engine, bs: int) -> Optional[dict[str, Any]]:
+    """Adaptive verify's cost model and choice for the graph batch size that serves `bs` (None: not adaptive)."""
+    info = verify_length_info(engine)
+    if info.get("mode") != "adaptive":
+        return None
+    sizes = sorted(int(size) for size in info["cost_model"])
+    bucket = next((size for size in sizes if size >= bs), sizes[-1])
+    startup = {key.split("x")[1]: ms for key, ms in info["cycle_ms_startup"].items() if key.split("x")[0] == str(bucket)}
+    return {"graph_bs": bucket, "cost_model": info["cost_model"][str(bucket)], "in_use": info["in_use"].get(str(bs)),
+            "cycle_ms_startup": startup, "cycle_ms_live_offset": info["cycle_ms_live_offset"].get(str(bucket)),
+            "tree_cycle_ms_live_excess": info["tree_cycle_ms_live_excess"].get(str(bucket))}
 
 
 def pair_dirs(args: argparse.Namespace, root: Path) -> tuple[Path, Path, str]:
@@ -166,14 +199,19 @@ def tree_rows(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> li
             engine = Engine(**engine_flags(args, target, draft, budget, policy))
             for workload in args.workloads:
                 for bs in args.batch_sizes:
-                    prompts = workload_prompts(workload, args, target, 2 * bs * args.rounds)
-                    measured = measure(engine, prompts[bs * args.rounds:], prompts[:bs], args.max_new_tokens)
+                    prompts = workload_prompts(workload, args, target, bs * (args.rounds + 1))
+                    rounds = [prompts[bs * (r + 1):bs * (r + 2)] for r in range(args.rounds)]
+                    measured = measure(engine, rounds, prompts[:bs], args.max_new_tokens)
                     chain = next((r["tok_s"] for r in rows if (r["workload"], r["bs"], r["policy"]) ==
                                   (workload, bs, "chain")), measured["tok_s"])
                     row = {"shape": shape, "workload": workload, "bs": bs, "budget": budget, "policy": policy,
                            "accept_length": round(measured["accept_length"], 4), "tok_s": round(measured["tok_s"], 2),
                            "chain_tok_s": round(chain, 2), "max_new_tokens": args.max_new_tokens,
-                           "cycles_by_verify_length": measured["cycles_by_verify_length"]}
+                           "cycles_by_verify_length": measured["cycles_by_verify_length"],
+                           "cycles_by_batch_size": measured["cycles_by_batch_size"]}
+                    view = policy_view(engine, bs)
+                    if view is not None:
+                        row["policy_view"] = view
                     tree_length = verify_length_info(engine).get("tree", {}).get("verify_length")
                     if tree_length is not None:
                         cycles = measured["cycles_by_verify_length"]
@@ -201,7 +239,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--workloads", nargs="+", choices=["gsm8k", "code", "random"], default=None,
                         help="default: gsm8k and code; random with --dummy-shape")
-    parser.add_argument("--rounds", type=int, default=2, help="prompts per request slot in the measured round")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="batches of bs prompts measured one after the other per row")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--target", type=Path, default=None, help="target model directory (default: the demo's)")
     parser.add_argument("--draft", type=Path, default=None, help="DFlash draft directory (default: the demo's)")

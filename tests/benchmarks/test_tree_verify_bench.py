@@ -10,7 +10,7 @@ from benchmarks import tree_verify
 
 def test_smoke_writes_the_rows(tmp_path: Path) -> None:
     assert tree_verify.main(["--smoke", "--budgets", "4", "--batch-sizes", "1", "2", "--workloads", "code",
-                             "--rounds", "1", "--max-new-tokens", "12", "--adaptive", "--out", str(tmp_path),
+                             "--rounds", "2", "--max-new-tokens", "12", "--adaptive", "--out", str(tmp_path),
                              "--commit", "abc1234"]) == 0
     (path,) = tmp_path.glob("tree_verify_*_abc1234.json")
     assert path.with_suffix(".png").is_file()
@@ -27,6 +27,15 @@ def test_smoke_writes_the_rows(tmp_path: Path) -> None:
             assert set(cycles) == {"12"} and row["tree_cycle_share"] == 1.0
         if row["policy"] == "chain":
             assert "12" not in cycles and "tree_cycle_share" not in row
+        # NOTE: a row's rounds run one after the other: its batch never exceeds bs (2 rounds of bs 1 are not bs 2)
+        batches = row["cycles_by_batch_size"]
+        assert max(int(size) for size in batches) == row["bs"] and sum(batches.values()) == sum(cycles.values())
+        if row["policy"] == "adaptive":
+            view = row["policy_view"]
+            assert view["graph_bs"] >= row["bs"] and {option["num_draft_tokens"] for option in view["cost_model"]} \
+                >= {12}
+        else:
+            assert "policy_view" not in row
     assert result["commit"] == "abc1234" and result["gpu"] and result["date"]
 
 
