@@ -282,10 +282,15 @@ class AdaptiveVerifyLength:
     until tree cycles are seen, and the prior never ranks a costlier tree first: until stats hold
     `measure_tree_until` request-cycles of trees, every `measure_tree_every`-th cycle runs the tree, so its own
     acceptance decides. NOTE: several request-cycles, not the prior's weight: at batch 1 two unlucky first trees (few
-    accepted tokens) would otherwise price the tree below the chain for the next 128 cycles (until exploration)."""
+    accepted tokens) would otherwise price the tree below the chain for the next 128 cycles (until exploration).
+    The tree's cycle time is measured per graph batch size the same way: until the tree ran `time_tree_cycles` cycles
+    at the batch size whose graphs serve this batch, every `measure_tree_every`-th cycle there runs it. NOTE: its
+    acceptance, once measured at one batch size, holds at all; its start-up time, taken on padding rows, need not
+    (a tree whose start-up figure at one batch size read too high was never run there, nor ever explored: the
+    exploration steps to the best length's neighbours by rank)."""
 
     def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64,
-                 measure_tree_every: int = 4, measure_tree_until: float = 8.0) -> None:
+                 measure_tree_every: int = 4, measure_tree_until: float = 8.0, time_tree_cycles: int = 2) -> None:
         self.lengths = tuple(sorted(set(lengths)))
         missing = [
             key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms
@@ -296,7 +301,11 @@ class AdaptiveVerifyLength:
         self.explore_every = explore_every
         self.measure_tree_every = measure_tree_every
         self.measure_tree_until = measure_tree_until
+        self.time_tree_cycles = time_tree_cycles
         self.cycles: dict[int, int] = {}
+        # NOTE: tree cycles chosen per graph batch size (counted when chosen, not when timed: cycles that are not
+        # timed live, e.g. sampled ones, must not keep the measurement going forever)
+        self.trees_run: dict[int, int] = {}
         self.last: dict[int, VerifyChoice] = {}
         self.cycles_run = CycleCounts()
 
@@ -306,7 +315,18 @@ class AdaptiveVerifyLength:
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         choice = self._choose(batch_size, stats)
         self.cycles_run.add(batch_size, choice.num_draft_tokens)
+        if choice.num_draft_tokens == stats.tree_length:
+            bucket = self.times.bucket(batch_size)
+            self.trees_run[bucket] = self.trees_run.get(bucket, 0) + 1
         return choice
+
+    def _tree_unmeasured(self, batch_size: int, stats: AcceptanceStats) -> bool:
+        """Whether the tree's acceptance, or its cycle time at this batch size's graphs, is still to be measured."""
+        if stats.tree_cycles < self.measure_tree_until:
+            return True
+        # NOTE: batches above the largest graph run eagerly and are not timed: nothing to measure there
+        graphed = batch_size <= self.times.batch_sizes[-1]
+        return graphed and self.trees_run.get(self.times.bucket(batch_size), 0) < self.time_tree_cycles
 
     def _choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         options = self.options(batch_size, stats)
@@ -318,9 +338,9 @@ class AdaptiveVerifyLength:
         self.last[batch_size] = VerifyChoice(best.n, reason, best.tokens, best.ms)
         cycle = self.cycles[batch_size] = self.cycles.get(batch_size, 0) + 1
         tree = next((option for option in options if option.n == stats.tree_length), None)
-        if tree is not None and tree is not best and stats.tree_cycles < self.measure_tree_until \
-                and cycle % self.measure_tree_every == 0:
-            return VerifyChoice(tree.n, "measuring the tree's acceptance", tree.tokens, tree.ms)
+        if tree is not None and tree is not best and cycle % self.measure_tree_every == 0 \
+                and self._tree_unmeasured(batch_size, stats):
+            return VerifyChoice(tree.n, "measuring the tree", tree.tokens, tree.ms)
         if len(options) > 1 and cycle % self.explore_every == 0:
             step = -1 if (cycle // self.explore_every) % 2 else 1
             at = best_at + step if 0 <= best_at + step < len(options) else best_at - step
@@ -332,6 +352,7 @@ class AdaptiveVerifyLength:
 
     def reset_live(self) -> None:
         self.cycles.clear()
+        self.trees_run.clear()
         self.last.clear()
         self.cycles_run.clear()
         self.times.reset_live()

@@ -563,6 +563,32 @@ def test_the_tree_is_priced_by_its_own_live_cycles() -> None:
     assert policy.times.cycle_ms(4, 40) == 2.6
 
 
+def test_the_tree_is_timed_at_each_batch_size_before_it_is_ruled_out() -> None:
+    """Its acceptance measured at batch 1, the tree reaches batch 4's graphs with a start-up figure that read far too
+    high (padding rows). Batch 4 runs it a couple of times anyway, learns its live cycle and adopts it; no more than
+    those measuring cycles where it loses (batch 16: it is slow there too)."""
+    from blockspec.speculative.verify_length import AcceptanceStats, AdaptiveVerifyLength, CycleTimes
+
+    startup = {(bs, n): ms for bs, scale in ((1, 1.0), (4, 1.5), (16, 3.0))
+               for n, ms in ((1, 2.0 * scale), (4, 2.2 * scale), (8, 2.4 * scale), (40, 9.0 * scale))}
+    live = {1: {40: 2.6}, 4: {1: 3.0, 4: 3.3, 8: 3.6, 40: 3.9}, 16: {1: 6.0, 4: 6.6, 8: 7.2, 40: 27.0}}
+    stats = AcceptanceStats(7, tree_length=40)
+    for _ in range(16):  # NOTE: batch 1 measured the tree's acceptance: it commits 6 against the chain's 4
+        stats.observe(40, [5])
+        stats.observe(8, [3])
+    policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(startup, tree_length=40))
+    chosen: dict[int, list[int]] = {4: [], 16: []}
+    for bs in (4, 16):
+        for _ in range(32):
+            n = policy.choose(bs, stats).num_draft_tokens
+            chosen[bs].append(n)
+            policy.observe_cycle(bs, n, live[bs][n])
+    assert chosen[4][-8:] == [40] * 8  # 6 tokens in 3.9 ms beat 4 in 3.6 ms
+    assert chosen[16].count(40) == 2 and 40 not in chosen[16][-16:]
+    policy.reset_live()
+    assert policy.trees_run == {}
+
+
 def test_adaptive_verify_times_the_tree_and_stays_lossless(pair: dict[str, Any]) -> None:
     prompts = [[5 + i for i in range(n)] for n in (1, 3, 7, 12)]
     expected = [o["output_ids"] for o in cpu_engine(pair["root"], False).generate(input_ids=prompts,
