@@ -6,7 +6,8 @@ DFlash chain. Writes tree_verify_<date>_<commit>.json into the --out directory (
         the other (after a warm-up batch on other prompts); tokens/s = output tokens over the wall time of the rounds,
         accept_length = committed tokens per verify; chain_tok_s is the same (workload, bs) at budget 0 (the chain;
         its own row has both); cycles_by_batch_size: the cycles each batch size ran (bs, and below it as requests
-        finish);
+        finish); wall_ms_per_cycle: the rounds' wall time over their cycles (prefills included: compare it with
+        policy_view's cycle_ms, the device time the policy prices);
         `policy`: chain, tree (every cycle a tree) or, with --adaptive, adaptive (adaptive verify choosing per batch
         size between the chain lengths and the tree: the issue's "never below 0.97x the chain");
         cycles_by_verify_length: the cycles each verify length ran in the measured round (the tree's length is
@@ -148,9 +149,10 @@ def measure(engine: Engine, rounds: list[list[list[int]]], warmup: list[list[int
     verifies = after["spec_verify_ct"] - before["spec_verify_ct"]
     committed = after["avg_spec_accept_length"] * after["spec_verify_ct"] - \
         before["avg_spec_accept_length"] * before["spec_verify_ct"]
+    batches = since(cycles_by_batch_size(engine), batches_before)
     return {"tok_s": tokens / seconds, "accept_length": committed / verifies if verifies else 0.0,
             "cycles_by_verify_length": since(cycles_by_length(engine), lengths_before),
-            "cycles_by_batch_size": since(cycles_by_batch_size(engine), batches_before)}
+            "cycles_by_batch_size": batches, "wall_ms_per_cycle": seconds * 1e3 / max(sum(batches.values()), 1)}
 
 
 def policy_view(engine: Engine, bs: int) -> Optional[dict[str, Any]]:
@@ -208,7 +210,8 @@ def tree_rows(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> li
                            "accept_length": round(measured["accept_length"], 4), "tok_s": round(measured["tok_s"], 2),
                            "chain_tok_s": round(chain, 2), "max_new_tokens": args.max_new_tokens,
                            "cycles_by_verify_length": measured["cycles_by_verify_length"],
-                           "cycles_by_batch_size": measured["cycles_by_batch_size"]}
+                           "cycles_by_batch_size": measured["cycles_by_batch_size"],
+                           "wall_ms_per_cycle": round(measured["wall_ms_per_cycle"], 3)}
                     view = policy_view(engine, bs)
                     if view is not None:
                         row["policy_view"] = view

@@ -30,6 +30,7 @@ def test_smoke_writes_the_rows(tmp_path: Path) -> None:
         # NOTE: a row's rounds run one after the other: its batch never exceeds bs (2 rounds of bs 1 are not bs 2)
         batches = row["cycles_by_batch_size"]
         assert max(int(size) for size in batches) == row["bs"] and sum(batches.values()) == sum(cycles.values())
+        assert row["wall_ms_per_cycle"] > 0
         if row["policy"] == "adaptive":
             view = row["policy_view"]
             assert view["graph_bs"] >= row["bs"] and {option["num_draft_tokens"] for option in view["cost_model"]} \
