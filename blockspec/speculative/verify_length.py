@@ -283,14 +283,17 @@ class AdaptiveVerifyLength:
     `measure_tree_until` request-cycles of trees, every `measure_tree_every`-th cycle runs the tree, so its own
     acceptance decides. NOTE: several request-cycles, not the prior's weight: at batch 1 two unlucky first trees (few
     accepted tokens) would otherwise price the tree below the chain for the next 128 cycles (until exploration).
-    The tree's cycle time is measured per graph batch size the same way: until the tree ran `time_tree_cycles` cycles
-    at the batch size whose graphs serve this batch, every `measure_tree_every`-th cycle there runs it. NOTE: its
-    acceptance, once measured at one batch size, holds at all; its start-up time, taken on padding rows, need not
-    (a tree whose start-up figure at one batch size read too high was never run there, nor ever explored: the
-    exploration steps to the best length's neighbours by rank)."""
+    Cycle times are measured per graph batch size the same way, for the tree and the chain alike: until each ran
+    `time_cycles` cycles at the batch size whose graphs serve this batch, every `measure_tree_every`-th cycle there
+    runs the one that is not best (the tree, or the best chain length). NOTE: the tree's acceptance, once measured
+    at one batch size, holds at all; start-up times need not: taken on padding rows and waited for by the host, they
+    read above live device times by amounts that differ between the tree's graph and the chain's. Priced one from
+    its live cycles and the other from its start-up figure, a tree never run at a batch size was never chosen there
+    (nor explored: exploration steps to the best length's neighbours), and a tree timed live beat a chain priced at
+    its start-up figure where it lost."""
 
     def __init__(self, lengths: Sequence[int], times: CycleTimes, explore_every: int = 64,
-                 measure_tree_every: int = 4, measure_tree_until: float = 8.0, time_tree_cycles: int = 2) -> None:
+                 measure_tree_every: int = 4, measure_tree_until: float = 8.0, time_cycles: int = 2) -> None:
         self.lengths = tuple(sorted(set(lengths)))
         missing = [
             key for key in ((bs, n) for bs in times.batch_sizes for n in self.lengths) if key not in times.startup_ms
@@ -301,11 +304,11 @@ class AdaptiveVerifyLength:
         self.explore_every = explore_every
         self.measure_tree_every = measure_tree_every
         self.measure_tree_until = measure_tree_until
-        self.time_tree_cycles = time_tree_cycles
+        self.time_cycles = time_cycles
         self.cycles: dict[int, int] = {}
-        # NOTE: tree cycles chosen per graph batch size (counted when chosen, not when timed: cycles that are not
-        # timed live, e.g. sampled ones, must not keep the measurement going forever)
-        self.trees_run: dict[int, int] = {}
+        # NOTE: cycles chosen per (graph batch size, whether a tree), counted when chosen, not when timed: cycles that
+        # are not timed live (e.g. sampled ones) must not keep the measurement going forever
+        self.runs: dict[tuple[int, bool], int] = {}
         self.last: dict[int, VerifyChoice] = {}
         self.cycles_run = CycleCounts()
 
@@ -315,18 +318,16 @@ class AdaptiveVerifyLength:
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         choice = self._choose(batch_size, stats)
         self.cycles_run.add(batch_size, choice.num_draft_tokens)
-        if choice.num_draft_tokens == stats.tree_length:
-            bucket = self.times.bucket(batch_size)
-            self.trees_run[bucket] = self.trees_run.get(bucket, 0) + 1
+        if stats.tree_length is not None:
+            key = (self.times.bucket(batch_size), choice.num_draft_tokens == stats.tree_length)
+            self.runs[key] = self.runs.get(key, 0) + 1
         return choice
 
-    def _tree_unmeasured(self, batch_size: int, stats: AcceptanceStats) -> bool:
-        """Whether the tree's acceptance, or its cycle time at this batch size's graphs, is still to be measured."""
-        if stats.tree_cycles < self.measure_tree_until:
-            return True
-        # NOTE: batches above the largest graph run eagerly and are not timed: nothing to measure there
+    def _untimed(self, batch_size: int, tree: bool) -> bool:
+        """Whether the tree's (or the chain's) cycle time at this batch size's graphs is still to be measured live.
+        NOTE: batches above the largest graph run eagerly and are not timed: nothing to measure there."""
         graphed = batch_size <= self.times.batch_sizes[-1]
-        return graphed and self.trees_run.get(self.times.bucket(batch_size), 0) < self.time_tree_cycles
+        return graphed and self.runs.get((self.times.bucket(batch_size), tree), 0) < self.time_cycles
 
     def _choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         options = self.options(batch_size, stats)
@@ -338,9 +339,12 @@ class AdaptiveVerifyLength:
         self.last[batch_size] = VerifyChoice(best.n, reason, best.tokens, best.ms)
         cycle = self.cycles[batch_size] = self.cycles.get(batch_size, 0) + 1
         tree = next((option for option in options if option.n == stats.tree_length), None)
-        if tree is not None and tree is not best and cycle % self.measure_tree_every == 0 \
-                and self._tree_unmeasured(batch_size, stats):
-            return VerifyChoice(tree.n, "measuring the tree", tree.tokens, tree.ms)
+        if tree is not None and cycle % self.measure_tree_every == 0:
+            if tree is not best and (stats.tree_cycles < self.measure_tree_until or self._untimed(batch_size, True)):
+                return VerifyChoice(tree.n, "measuring the tree", tree.tokens, tree.ms)
+            if tree is best and self._untimed(batch_size, False):
+                chain = max((option for option in options if option is not tree), key=lambda o: o.tokens_per_ms)
+                return VerifyChoice(chain.n, "timing the chain", chain.tokens, chain.ms)
         if len(options) > 1 and cycle % self.explore_every == 0:
             step = -1 if (cycle // self.explore_every) % 2 else 1
             at = best_at + step if 0 <= best_at + step < len(options) else best_at - step
@@ -352,7 +356,7 @@ class AdaptiveVerifyLength:
 
     def reset_live(self) -> None:
         self.cycles.clear()
-        self.trees_run.clear()
+        self.runs.clear()
         self.last.clear()
         self.cycles_run.clear()
         self.times.reset_live()
