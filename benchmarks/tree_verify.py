@@ -162,7 +162,8 @@ def policy_view(engine: Engine, bs: int) -> Optional[dict[str, Any]]:
         return None
     sizes = sorted(int(size) for size in info["cost_model"])
     bucket = next((size for size in sizes if size >= bs), sizes[-1])
-    startup = {key.split("x")[1]: ms for key, ms in info["cycle_ms_startup"].items() if key.split("x")[0] == str(bucket)}
+    startup = {key.split("x")[1]: ms for key, ms in info["cycle_ms_startup"].items()
+               if key.split("x")[0] == str(bucket)}
     return {"graph_bs": bucket, "cost_model": info["cost_model"][str(bucket)], "in_use": info["in_use"].get(str(bs)),
             "cycle_ms_startup": startup, "cycle_ms_live_offset": info["cycle_ms_live_offset"].get(str(bucket)),
             "tree_cycle_ms_live_excess": info["tree_cycle_ms_live_excess"].get(str(bucket))}
