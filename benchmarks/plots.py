@@ -426,6 +426,32 @@ def plot_tree_verify(report: dict[str, Any], json_path: Path) -> Path:
     return save_titled(fig, report, json_path, "DDTree tree verify · ")
 
 
+def plot_tree_serving(report: dict[str, Any], json_path: Path) -> Path:
+    """Per workload: each tree server's tokens/s over the chain server's (the issue's 1.25 dotted), and every
+    server's accept length."""
+    rows = report["rows"]
+    workloads = sorted({r["workload"] for r in rows})
+    budgets = sorted({r["budget"] for r in rows})
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(budgets), 1)
+    for i, budget in enumerate(budgets):
+        sel = {r["workload"]: r for r in rows if r["budget"] == budget}
+        xs = [j + i * width for j in range(len(workloads))]
+        label = "chain" if budget == 0 else f"tree, B = {budget}"
+        speed.bar(xs, [sel[w]["over_chain"] if w in sel else 0 for w in workloads], width, label=label)
+        accept.bar(xs, [(sel[w]["accept_length"] or 0) if w in sel else 0 for w in workloads], width, label=label)
+    speed.axhline(1.25, color="grey", linestyle=":", linewidth=1)
+    clients = rows[0]["clients"] if rows else 1
+    titles = (f"{clients} client(s): speed against the chain", "accept length")
+    for ax, ylabel, title in zip((speed, accept), ("tokens/s ÷ the chain server's", "accept length (tokens a verify)"),
+                                 titles):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    return save_titled(fig, report, json_path, "DDTree through blockspec serve · ")
+
+
 def plot_moe(report: dict[str, Any], json_path: Path) -> Path:
     """A panel each for the parts the result holds: the MoE layer's time against its touched-expert floor, the
     engine's tokens/s per step mode, and the tile sweep (the fastest tile set against choose_tiles's pick)."""
@@ -509,6 +535,7 @@ PLOTTERS: dict[str, Callable[[Path], Path]] = {
     "generation_rate": _from_file(plot_generation_rate),
     "radix_evict": _from_file(plot_radix_evict),
     "tree_verify": _from_file(plot_tree_verify),
+    "tree_serving": _from_file(plot_tree_serving),
     "moe": _from_file(plot_moe),
     "dflash2": _from_file(plot_dflash2),
 }
