@@ -13,8 +13,12 @@ Rows (`rows` in the result), each with mode, bs, step_ms, touched_experts_per_la
   verify_tokens (the verify length in use); the DFlash cycle with the whole block and with adaptive verify on. Its
   floor: every weight but the experts and the embedding table, the touched experts of every sparse layer, the KV
   read (and the draft and lm_head under DFlash).
-Touched experts: dummy weights route at random, so the count is the router's on random hidden states of that many
-tokens (real routing is more correlated: fewer experts).
+Touched experts: the layer rows count the router's picks on random hidden states of that many tokens (dummy weights
+route at random; real routing is more correlated: fewer experts). The step rows count what the engine's own batch
+routes to: after the timed steps, one more step runs eagerly (`graphs.enabled` off: a graph replay runs no Python
+hooks) with a forward hook on every sparse layer's router, and touched_experts_per_layer is the mean over those
+layers (touched_experts_random beside it: the random-input count the step rows used before, for comparison). The
+floor sums each layer's own count.
 
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
 set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`; batches of up to 8 tokens also
@@ -122,6 +126,26 @@ def touched_experts(gate: torch.nn.Linear, routing: ExpertRouting, tokens: int, 
     x = torch.randn(tokens, gate.in_features, generator=generator, device=gate.weight.device, dtype=gate.weight.dtype)
     with torch.no_grad():
         return int(route(gate(x), routing)[1].unique().numel())
+
+
+def engine_touched_experts(engine: Engine, sparse: list[SparseMoe], routing: ExpertRouting) -> list[int]:
+    """Distinct experts each sparse layer's router picked in one more engine step, run eagerly (a graph replay runs
+    no hooks), in the order the layers ran (the step's forwards of the target, one count per layer each)."""
+    counts: list[int] = []
+
+    def count(_module: torch.nn.Module, _inputs: Any, logits: torch.Tensor) -> None:
+        counts.append(int(route(logits, routing)[1].unique().numel()))
+
+    handles = [layer.gate.register_forward_hook(count) for layer in sparse]
+    graphs = engine.runner.graphs
+    graphs.enabled = False
+    try:
+        engine.step()
+    finally:
+        graphs.enabled = True
+        for handle in handles:
+            handle.remove()
+    return counts
 
 
 def expert_bytes(config: dict[str, Any], element: int) -> int:
@@ -281,12 +305,16 @@ def step_rows(config: dict[str, Any], target_dir: Path, draft_dir: Path, args: a
             if mode != "target_decode":  # NOTE: the verify length in use at this batch size (adaptive: its choice)
                 verify = engine.get_server_info()["internal_states"][0].get("verify_length") or {}
                 verify_tokens = int(verify.get("in_use", {}).get(str(bs), {}).get("num_draft_tokens", args.block))
-            touched = touched_experts(sparse[0].gate, routing, bs * verify_tokens, seed=bs)
+            touched_random = touched_experts(sparse[0].gate, routing, bs * verify_tokens, seed=bs)
+            # NOTE: one layer's count per forward of the target in that step: a layer's share of the sum is its mean
+            per_layer = engine_touched_experts(engine, sparse, routing)
+            touched = sum(per_layer) / len(per_layer)
             floor_bytes = (dense_bytes + draft_bytes + touched * expert_bytes(config, element) * len(sparse)
                            + bs * args.context * kv_per_token)
             row = {"mode": mode, "bs": bs, "step_ms": ms, "tokens_per_step": tokens_per_step,
-                   "touched_experts_per_layer": touched, "floor_ms": floor_bytes / bandwidth * 1e3,
-                   "verify_tokens": verify_tokens, "context": args.context}
+                   "touched_experts_per_layer": touched, "touched_experts_random": touched_random,
+                   "floor_ms": floor_bytes / bandwidth * 1e3, "verify_tokens": verify_tokens,
+                   "context": args.context}
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
             for req in reqs:

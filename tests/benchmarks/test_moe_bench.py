@@ -26,6 +26,11 @@ def test_tiny_shape_writes_the_rows(tmp_path: Path) -> None:
         assert top_k <= row["touched_experts_per_layer"] <= min(experts, tokens * top_k)
         assert row["step_ms"] > 0 and row["floor_ms"] > 0
     steps = {(r["mode"], r["bs"]): r for r in rows}
+    for mode in modes[2:]:  # NOTE: the step rows count the engine's own routing beside the random-input count
+        for bs in (1, 3):
+            row = steps[(mode, bs)]
+            assert top_k <= row["touched_experts_per_layer"] <= experts
+            assert top_k <= row["touched_experts_random"] <= experts
     assert steps[("target_decode", 3)]["tokens_per_step"] == 3
     assert steps[("dflash_cycle", 3)]["tokens_per_step"] > 3  # simulated acceptance: several tokens per request
 
