@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from blockspec.bench.provenance import commit_id
+from blockspec.bench.provenance import commit_id, gpu_name, today
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -45,3 +45,15 @@ def plot_result(path: Path) -> str:
     except ImportError as error:
         return f"no plot ({error}); later: python -m benchmarks.plots {path}"
     return f"plot {plot_file(path)}"
+
+
+def write_rows(kind: str, args: argparse.Namespace,
+               measure: Callable[[argparse.Namespace, Path, dict[str, Any]], Any]) -> int:
+    """`<kind>_<date>_<commit>.json` under --out: {commit, gpu, date, rows}; `measure(args, path, result)` fills
+    result["rows"] (writing the file as it goes, if it likes), then the file is written and plotted. Exit status 0."""
+    commit = resolved_commit(args)
+    out = args.out / f"{kind}_{today()}_{commit}.json"
+    result: dict[str, Any] = {"commit": commit, "gpu": gpu_name(), "date": today(), "rows": []}
+    measure(args, out, result)
+    print(f"wrote {write_json(out, result)}; {plot_result(out)}", flush=True)
+    return 0

@@ -24,11 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
+from benchmarks.results import add_commit_argument, add_out_argument, write_json, write_rows
 from benchmarks.serving_server import ServerProcess, exit_on_sigterm, log_tail
 from benchmarks.serving_vs_engine_support import client_namespace, flush_server_cache, measure_level
 from benchmarks.tree_verify import pair_dirs, workload_prompts
-from blockspec.bench.provenance import gpu_name, today
 from blockspec.evals.client import get_server_info
 
 
@@ -138,12 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # NOTE: tree_verify's pair and workload helpers read these
     args.dummy_shape, args.random_prompt_len = None, 0
     exit_on_sigterm()
-    commit = resolved_commit(args)
-    out = args.out / f"tree_serving_{today()}_{commit}.json"
-    result: dict[str, Any] = {"commit": commit, "gpu": gpu_name(), "date": today(), "rows": []}
-    tree_serving_rows(args, out, result)
-    print(f"wrote {write_json(out, result)}; {plot_result(out)}", flush=True)
-    return 0
+    return write_rows("tree_serving", args, tree_serving_rows)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,9 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
+from benchmarks.results import add_commit_argument, add_out_argument, write_json, write_rows
 from benchmarks.serving_vs_engine_support import TINY, TINY_DRAFT
 from blockspec import Engine
-from blockspec.bench.provenance import gpu_name, today
 
 # NOTE: code-completion prompts: the model continues each prefix (the second workload)
 CODE_PREFIXES = [
@@ -272,12 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--simulate-accept-profile and --simulate-tree-accept-profile go together")
     if args.workloads is None:
         args.workloads = ["random"] if args.dummy_shape is not None else ["gsm8k", "code"]
-    commit = resolved_commit(args)
-    out = args.out / f"tree_verify_{today()}_{commit}.json"
-    result: dict[str, Any] = {"commit": commit, "gpu": gpu_name(), "date": today(), "rows": []}
-    tree_rows(args, out, result)
-    print(f"wrote {write_json(out, result)}; {plot_result(out)}", flush=True)
-    return 0
+    return write_rows("tree_verify", args, tree_rows)
 
 
 if __name__ == "__main__":
