@@ -1,6 +1,7 @@
 """The MoE experts fused for CUDA (Triton): SparseMoe's "triton" backend, equal to `experts_reference` (layers/moe.py).
 
-Four steps, six launches, static shapes throughout (no host sync: the whole layer captures in a CUDA graph):
+Four steps, six launches (three for a single token's direct tiles), static shapes throughout (no host sync: the
+whole layer captures in a CUDA graph):
 0. `fused_route` (one launch): each token's softmax over the router logits, its top k and their renormalisation,
    in fp32 (SparseMoe's `route` as four torch launches or more).
 1. `sort_by_expert` (two small launches: counts, then placement by atomic counters): the T·k (token, slot) pairs
@@ -14,7 +15,8 @@ Four steps, six launches, static shapes throughout (no host sync: the whole laye
    pair's routing weight. Blocks marked -1 return at once, so only the experts actually hit are read: a decode
    step reads the k experts per token it routes to, not all E.
 3. `_combine_kernel`: each token's k weighted rows summed in fp32 (a fixed order: the result does not depend on
-   which other tokens share the batch).
+   which other tokens share the batch). Direct tiles fold it into the down projection (`_down_direct_kernel`: a
+   program per token and column tile runs the token's k experts in slot order), one launch less per layer.
 
 NOTE: the tiles follow the average rows per expert (T·k / E), except under batch-invariant kernels, where they are
 fixed (a row's sums then never depend on the batch).
@@ -48,6 +50,9 @@ BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
 # block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
 EXPERT_TILES = (ExpertTiles(16, 64, 128), ExpertTiles(32, 64, 128), ExpertTiles(64, 64, 64))
 DIRECT_TILES = ExpertTiles(16, 64, 128, direct=True)
+# NOTE: the direct down projection's columns per program: a token's k experts are all in each program, so narrow
+# column tiles keep about one program per SM streaming weights (2048 / 16 = 128 programs for one token)
+DIRECT_DOWN_COLUMNS = 16
 
 
 def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False,
@@ -255,6 +260,31 @@ def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, ou
 
 
 @triton.jit
+def _down_direct_kernel(h_ptr, w_ptr, routing_ptr, ids_ptr, out_ptr, hidden, intermediate, top_k, stride_ht,
+                        stride_we, stride_wn, stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Direct tiles' down projection and combine in one: out[t, cols] = the sum over t's k slots, in slot order, of
+    routing[pair] · (h[pair] · down[e, cols]) in fp32, pair = t·k + slot and e its expert (w [E, H, I])."""
+    wait_for_previous_grid(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < hidden
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(0, top_k):
+        pair = token * top_k + slot
+        down_rows = w_ptr + tl.load(ids_ptr + pair).to(tl.int64) * stride_we + cols[:, None] * stride_wn
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, intermediate, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_valid = ks < intermediate
+            a = tl.load(h_ptr + pair * stride_ht + ks, mask=k_valid, other=0.0).to(tl.float32)
+            w = tl.load(down_rows + ks[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        total += acc * tl.load(routing_ptr + pair)
+    tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_valid)
+
+
+@triton.jit
 def _combine_kernel(pair_out_ptr, out_ptr, hidden, top_k, stride_pt, stride_ot, BLOCK_H: tl.constexpr,
                     PDL: tl.constexpr = False):
     """out[t] = sum over its k pairs of the weighted expert outputs, in slot order, in fp32."""
@@ -299,7 +329,6 @@ def fused_experts(
         pair_rows, block_experts = sort_by_expert(ids, num_experts, chosen.block_m)
     routing = weights.reshape(-1).to(torch.float32).contiguous()
     activated = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
-    pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(num_warps=chosen.num_warps, num_stages=chosen.num_stages, DIRECT=chosen.direct, **pdl_launch(x))
     num_blocks = block_experts.shape[0]
@@ -309,6 +338,15 @@ def fused_experts(
         gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0), BLOCK_M=chosen.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PRECISION=precision, **launch,
     )
+    if chosen.direct:
+        block_n, block_k = _block(hidden, DIRECT_DOWN_COLUMNS), _block(intermediate, chosen.block_k)
+        _down_direct_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+            activated, down_proj, routing, block_experts, out, hidden, intermediate, top_k, activated.stride(0),
+            down_proj.stride(0), down_proj.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=chosen.num_warps, num_stages=chosen.num_stages, **pdl_launch(x),
+        )
+        return out
+    pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k = _block(hidden, chosen.block_n), _block(intermediate, chosen.block_k)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         activated, down_proj, routing, pair_rows, block_experts, pair_out, num_pairs, hidden, intermediate,

@@ -82,6 +82,31 @@ def test_fused_experts_equal_reference(dtype: torch.dtype, tokens: int, hidden: 
     torch.testing.assert_close(direct.float(), expected, **tolerance)
 
 
+def test_direct_tiles_fold_the_combine_into_the_down_projection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single token's layer (direct tiles) launches no combine kernel: its down projection sums the token's k
+    experts itself (one launch less per layer in a decode graph); sorted tiles keep the combine."""
+    import blockspec.layers.fused_moe as fused_moe
+
+    combined: list[object] = []
+    real = fused_moe._combine_kernel
+
+    class Recording:
+        def __getitem__(self, grid: object) -> object:
+            combined.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(fused_moe, "_combine_kernel", Recording())
+    x = torch.randn(1, 32, device=DEVICE)
+    gate_up, down = torch.randn(8, 32, 32, device=DEVICE) / 6, torch.randn(8, 32, 16, device=DEVICE) / 4
+    weights, ids = routed(1, 8, 2, seed=3)
+    expected = experts_reference(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids), expected, rtol=1e-5, atol=1e-5)
+    assert combined == []
+    torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(16, 16, 16)), expected,
+                               rtol=1e-5, atol=1e-5)
+    assert len(combined) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens,experts,top_k,renormalize", [
     (1, 8, 2, True), (7, 60, 3, False), (33, 128, 8, True), (5, 16, 1, False), (4, 4, 4, True),
