@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence
 from blockspec.config.speculative_flags import Schedule
 
 MIN_CYCLE_SHARE = 0.1  # a cycle's estimate never drops below this share of its start-up figure
+MEASURE_ATTEMPTS = 4  # chosen cycles per timed live cycle adaptive verify's measurement tries before it gives up
 
 
 def default_verify_lengths(block_size: int) -> tuple[int, ...]:
@@ -112,7 +113,7 @@ class CycleTimes:
     corrects every chain length. A DDTree cycle (`tree_length`) runs other kernels (the tree-masked attention, the
     tree build and compaction), so its live time can grow apart from the chain's: it adds its own excess over the
     chain's offset, learnt from its own live cycles (none until one is seen), and its cycles leave the chain's offset
-    alone."""
+    alone. A tree timed before any chain cycle keeps its live price when the chain's first cycle sets the offset."""
 
     def __init__(self, measured: dict[tuple[int, int], float], live_weight: float = 0.2,
                  tree_length: Optional[int] = None) -> None:
@@ -161,7 +162,12 @@ class CycleTimes:
             self.tree_excess_ms[bucket] += self._weight(self.tree_live_cycles, bucket) * (
                 excess - self.tree_excess_ms[bucket])
             return
-        self.offset_ms[bucket] += self._weight(self.live_cycles, bucket) * (offset - self.offset_ms[bucket])
+        first, before = self.live_cycles[bucket] == 0, self.offset_ms[bucket]
+        self.offset_ms[bucket] += self._weight(self.live_cycles, bucket) * (offset - before)
+        if first and self.tree_live_cycles[bucket]:
+            # NOTE: the tree, timed first, measured its excess over a chain offset nobody had measured: the chain's
+            # first cycle corrects the chain's start-up figure, not the tree's live price
+            self.tree_excess_ms[bucket] -= self.offset_ms[bucket] - before
 
     def _weight(self, seen: dict[int, int], bucket: int) -> float:
         """The exponential average's weight for one more live cycle of `bucket`, counted in `seen`. NOTE: the first
@@ -283,9 +289,10 @@ class AdaptiveVerifyLength:
     `measure_tree_until` request-cycles of trees, every `measure_tree_every`-th cycle runs the tree, so its own
     acceptance decides. NOTE: several request-cycles, not the prior's weight: at batch 1 two unlucky first trees (few
     accepted tokens) would otherwise price the tree below the chain for the next 128 cycles (until exploration).
-    Cycle times are measured per graph batch size the same way, for the tree and the chain alike: until each ran
-    `time_cycles` cycles at the batch size whose graphs serve this batch, every `measure_tree_every`-th cycle there
-    runs the one that is not best (the tree, or the best chain length). NOTE: the tree's acceptance, once measured
+    Cycle times are measured per graph batch size the same way, for the tree and the chain alike: until each was
+    timed live `time_cycles` times at the batch size whose graphs serve this batch (or was tried `MEASURE_ATTEMPTS`
+    times as often), every `measure_tree_every`-th cycle there runs the one that is not best (the tree, or the best
+    chain length). NOTE: the tree's acceptance, once measured
     at one batch size, holds at all; start-up times need not: taken on padding rows and waited for by the host, they
     read above live device times by amounts that differ between the tree's graph and the chain's. Priced one from
     its live cycles and the other from its start-up figure, a tree never run at a batch size was never chosen there
@@ -306,8 +313,9 @@ class AdaptiveVerifyLength:
         self.measure_tree_until = measure_tree_until
         self.time_cycles = time_cycles
         self.cycles: dict[int, int] = {}
-        # NOTE: cycles chosen per (graph batch size, whether a tree), counted when chosen, not when timed: cycles that
-        # are not timed live (e.g. sampled ones) must not keep the measurement going forever
+        # NOTE: cycles chosen per (graph batch size, whether a tree) at graphed batch sizes: the measurement asks for
+        # `time_cycles` timed live cycles, and gives up after `MEASURE_ATTEMPTS` times as many chosen ones (cycles
+        # that are not timed live, such as sampled batches' or mixed steps', must not keep it going forever)
         self.runs: dict[tuple[int, bool], int] = {}
         self.last: dict[int, VerifyChoice] = {}
         self.cycles_run = CycleCounts()
@@ -318,16 +326,19 @@ class AdaptiveVerifyLength:
     def choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         choice = self._choose(batch_size, stats)
         self.cycles_run.add(batch_size, choice.num_draft_tokens)
-        if stats.tree_length is not None:
+        # NOTE: batches above the largest graph run eagerly and are not timed: they measure no graph batch size
+        if stats.tree_length is not None and batch_size <= self.times.batch_sizes[-1]:
             key = (self.times.bucket(batch_size), choice.num_draft_tokens == stats.tree_length)
             self.runs[key] = self.runs.get(key, 0) + 1
         return choice
 
     def _untimed(self, batch_size: int, tree: bool) -> bool:
-        """Whether the tree's (or the chain's) cycle time at this batch size's graphs is still to be measured live.
-        NOTE: batches above the largest graph run eagerly and are not timed: nothing to measure there."""
-        graphed = batch_size <= self.times.batch_sizes[-1]
-        return graphed and self.runs.get((self.times.bucket(batch_size), tree), 0) < self.time_cycles
+        """Whether the tree's (or the chain's) cycle time at this batch size's graphs is still to be measured live."""
+        if batch_size > self.times.batch_sizes[-1]:
+            return False
+        bucket = self.times.bucket(batch_size)
+        timed = (self.times.tree_live_cycles if tree else self.times.live_cycles)[bucket]
+        return timed < self.time_cycles and self.runs.get((bucket, tree), 0) < MEASURE_ATTEMPTS * self.time_cycles
 
     def _choose(self, batch_size: int, stats: AcceptanceStats) -> VerifyChoice:
         options = self.options(batch_size, stats)

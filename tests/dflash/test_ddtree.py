@@ -610,6 +610,39 @@ def test_a_tree_timed_live_is_not_weighed_against_a_chain_start_up_figure() -> N
         policy.observe_cycle(16, n, live[n])
     assert chosen[0] == 40  # NOTE: on start-up figures the tree ranks first (7 / 11.5 against 6 / 10.5)
     assert chosen[-16:] == [8] * 16
+    # NOTE: the tree was timed before the chain: the chain's first cycle leaves the tree's live price as it was
+    assert policy.times.cycle_ms(16, 40) == pytest.approx(12.0) and policy.times.cycle_ms(16, 8) == pytest.approx(8.0)
+
+
+def test_cycles_that_time_nothing_do_not_end_the_measurement() -> None:
+    """Batches above the largest graph (eager, untimed) measure no graph batch size, and cycles that were not timed
+    live (a sampled batch's) do not count as timed: the chain is still timed at graph batch size 16 afterwards, and
+    wins there. The measurement gives up after MEASURE_ATTEMPTS tries per timed cycle it wanted."""
+    from blockspec.speculative.verify_length import (
+        MEASURE_ATTEMPTS, AcceptanceStats, AdaptiveVerifyLength, CycleTimes,
+    )
+
+    startup = {(bs, n): ms for bs in (1, 16) for n, ms in ((1, 6.5), (4, 8.5), (8, 10.5), (40, 11.5))}
+    live = {1: 4.0, 4: 6.0, 8: 8.0, 40: 12.0}
+    stats = AcceptanceStats(7, tree_length=40)
+    for _ in range(16):
+        stats.observe(40, [6] * 4)
+        stats.observe(8, [5] * 4)
+    policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(startup, tree_length=40))
+    for _ in range(16):  # NOTE: batch 20 runs eagerly; its cycles are not timed
+        policy.choose(20, stats)
+    for _ in range(4):  # NOTE: sampled batches at graph bs 16: chosen, never timed
+        policy.choose(16, stats)
+    assert policy.times.live_cycles[16] == 0
+    chosen = []
+    for _ in range(48):
+        n = policy.choose(16, stats).num_draft_tokens
+        chosen.append(n)
+        policy.observe_cycle(16, n, live[n])
+    assert chosen[-16:] == [8] * 16
+    untimed = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(startup, tree_length=40))
+    picks = [untimed.choose(16, stats).num_draft_tokens for _ in range(63)]  # NOTE: before the 64th: exploring
+    assert picks.count(8) == MEASURE_ATTEMPTS * untimed.time_cycles  # then it gives up
 
 
 def test_adaptive_verify_times_the_tree_and_stays_lossless(pair: dict[str, Any]) -> None:
