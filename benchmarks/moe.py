@@ -22,7 +22,8 @@ floor sums each layer's own count.
 
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
 set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`; batches of up to 8 tokens also
-the direct sets, one pair per block without the sort) on the layer's own routing, in a CUDA graph, beside the tiles
+the direct sets, one pair per block without the sort; their BLOCK_N is the gate/up projection's, the direct down
+projection taking fused_moe.DIRECT_DOWN_COLUMNS) on the layer's own routing, in a CUDA graph, beside the tiles
 `choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k, num_warps, direct, step_ms,
 over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
 

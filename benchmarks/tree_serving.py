@@ -7,18 +7,22 @@ tree_serving_<date>_<commit>.json into the --out directory (default benchmarks/r
         flags otherwise: adaptive verify where the cycle is one graph, so the tree is a candidate per batch size);
         tok_s = output tokens over the level's wall time, accept_length = the server's committed tokens per verify
         over the level (`/server_info`), chain_tok_s the chain server's on the same workload, over_chain = tok_s ÷
-        chain_tok_s; ttft/itl percentiles, completed/failed counts, and cycles_by_verify_length (the cycles each verify
-        length ran in the level; the tree's length is block + B).
+        chain_tok_s; ttft/itl percentiles, completed/failed counts, cycles_by_verify_length (the cycles each verify
+        length ran in the level; the tree's length is block + B), verify_policy (the server's: "adaptive", where
+        the tree is one candidate per batch size, or "fixed") and, on tree servers, tree_cycle_share (the share of
+        the level's cycles that were trees).
 
 Workloads (tree_verify.py's): `gsm8k`, GSM8K test questions in the demo's chat template (the chat's ids), and `code`,
 code-completion prefixes as raw text. The pair: the demo pair by default (SmolLM2-135M-Instruct converted from its
 GGUF + the shipped DFlash draft), or --target / --draft. Answers stop at EOS (--ignore-eos runs every answer to
 --max-new-tokens; past an answer's end the draft's acceptance is not the workload's). A warm-up level of
---warmup prompts (other than the measured ones) runs on each server first. `--smoke` serves tiny random weights on
+--warmup prompts runs on each server first (the code set has 12 prefixes: they repeat, so some hit the prefix
+cache alike on every server; the cache is flushed before each measured level). `--smoke` serves tiny random weights on
 the CPU (its numbers mean nothing; it checks the script)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -43,9 +47,13 @@ def server_flags(args: argparse.Namespace, target: Path, draft: Path, budget: in
     return flags + args.extra_flags.split()
 
 
+def verify_length_info(base_url: str) -> dict[str, Any]:
+    return get_server_info(base_url)["internal_states"][0].get("verify_length") or {}
+
+
 def cycles_by_length(base_url: str) -> dict[str, int]:
     """Cycles each verify length ran so far on the server, over every batch size."""
-    info = get_server_info(base_url)["internal_states"][0].get("verify_length") or {}
+    info = verify_length_info(base_url)
     counts: dict[str, int] = {}
     for row in info.get("cycles_by_verify_length", {}).values():
         for length, count in row.items():
@@ -72,6 +80,12 @@ def measure_variant(args: argparse.Namespace, flags: list[str], prompts: dict[st
                 added = {n: count - before.get(n, 0) for n, count in after.items()}
                 level["cycles_by_verify_length"] = {n: c for n, c in sorted(added.items(), key=lambda kv: int(kv[0]))
                                                     if c}
+                info = verify_length_info(server.base_url)
+                level["verify_policy"] = info.get("mode")
+                tree = (info.get("tree") or {}).get("verify_length")
+                if tree is not None:
+                    cycles = level["cycles_by_verify_length"]
+                    level["tree_cycle_share"] = round(cycles.get(str(tree), 0) / max(sum(cycles.values()), 1), 4)
                 levels[workload] = level
     except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"{exc}\nserver log tail:\n{log_tail(log_path)}") from exc
@@ -102,9 +116,12 @@ def tree_serving_rows(args: argparse.Namespace, out: Path, result: dict[str, Any
                        "first_error": level["first_error"], "num_prompts": len(prompts[workload]) - args.warmup,
                        "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
                        "serve_flags": " ".join(named) or "default",
-                       "cycles_by_verify_length": level["cycles_by_verify_length"]}
+                       "cycles_by_verify_length": level["cycles_by_verify_length"],
+                       "verify_policy": level["verify_policy"]}
+                if "tree_cycle_share" in level:
+                    row["tree_cycle_share"] = level["tree_cycle_share"]
                 rows.append(row)
-                print(row, flush=True)
+                print(json.dumps(row), flush=True)
                 result["rows"] = rows
                 write_json(out, result)  # NOTE: a run cut short keeps what it measured
     return rows

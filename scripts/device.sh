@@ -56,6 +56,7 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each (benchmarks/<module>.py says more):"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft" \
          "(#52: the demo pair through blockspec serve at 1 client, the chain and trees of 16 and 32)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --adaptive" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft"
