@@ -1,6 +1,7 @@
-"""Programmatic dependent launch: off where it cannot work; every engine kernel compiled for sm90 with PDL waits
-for the previous grid before its first global memory access (checked in the PTX, no GPU needed); and on the GPU
-graphs of PDL-launched kernels give bit-identical results to plain launches on fresh inputs every replay."""
+"""Programmatic dependent launch: off where it cannot work; every engine kernel (the fused MoE layer's too) compiled
+for sm90 with PDL waits for the previous grid before its first global memory access (checked in the PTX, no GPU
+needed); and on the GPU graphs of PDL-launched kernels give bit-identical results to plain launches on fresh inputs
+every replay."""
 from __future__ import annotations
 
 import json
@@ -65,6 +66,31 @@ KERNEL_SPECS = {
                         {"out_ptr": BF16, "part_acc_ptr": F32, "part_max_ptr": F32, "part_sum_ptr": F32,
                          "token_count_ptr": I64},
                         {"HEAD_DIM": 64, "BLOCK_D": 64, "NUM_SPLITS": 8, "BLOCK_H": 8}),
+    # NOTE: the fused MoE layer (Qwen3-30B-A3B's routing: 128 experts, top 8)
+    "moe_route": ("blockspec.layers.fused_moe", "_route_kernel", {"logits_ptr": BF16, "weights_ptr": F32,
+                                                                  "ids_ptr": I64},
+                  {"TOP_K": 8, "BLOCK_E": 128, "BLOCK_K": 8, "RENORMALIZE": True}),
+    "moe_count": ("blockspec.layers.fused_moe", "_count_experts_kernel",
+                  {"ids_ptr": I64, "next_row_ptr": I32, "block_experts_ptr": I32, "pair_rows_ptr": I32},
+                  {"NUM_EXPERTS": 128, "BLOCK_E": 128, "BLOCK_M": 16, "CHUNK": 32}),
+    "moe_place": ("blockspec.layers.fused_moe", "_place_pairs_kernel",
+                  {"ids_ptr": I64, "next_row_ptr": I32, "pair_rows_ptr": I32}, {"CHUNK": 128}),
+    "moe_gate_up": ("blockspec.layers.fused_moe", "_gate_up_kernel",
+                    {"x_ptr": BF16, "w_ptr": BF16, "pair_rows_ptr": I32, "block_experts_ptr": I32, "out_ptr": BF16},
+                    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DIRECT": False}),
+    "moe_gate_up_direct": ("blockspec.layers.fused_moe", "_gate_up_kernel",
+                           {"x_ptr": BF16, "w_ptr": BF16, "pair_rows_ptr": I64, "block_experts_ptr": I64,
+                            "out_ptr": BF16},
+                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DIRECT": True}),
+    "moe_down": ("blockspec.layers.fused_moe", "_down_kernel",
+                 {"h_ptr": BF16, "w_ptr": BF16, "routing_ptr": F32, "pair_rows_ptr": I32, "block_experts_ptr": I32,
+                  "out_ptr": F32},
+                 {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32", "DIRECT": False}),
+    "moe_down_direct": ("blockspec.layers.fused_moe", "_down_direct_kernel",
+                        {"h_ptr": BF16, "w_ptr": BF16, "routing_ptr": F32, "ids_ptr": I64, "out_ptr": BF16},
+                        {"BLOCK_N": 16, "BLOCK_K": 128}),
+    "moe_combine": ("blockspec.layers.fused_moe", "_combine_kernel", {"pair_out_ptr": F32, "out_ptr": BF16},
+                    {"BLOCK_H": 1024}),
 }
 
 
