@@ -29,12 +29,12 @@ call that skipped it is followed by one with --modes target.
         --max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128
     BLOCKSPEC_COMMIT=<hash> scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024 \
         --max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024
-    BLOCKSPEC_COMMIT=<hash> scripts/device.sh bench serving_vs_engine --shapes smollm2 --model-dir DIR \
+    BLOCKSPEC_COMMIT=<hash> scripts/device.sh bench serving_vs_engine --shapes smollm2 --model-dir DEMO_DIR \
         --accept-len 0 --dataset gsm8k --num-prompts 1024 --max-rounds 16 --concurrency 1,8,32,64 --budget-s 330 \
         --tag demo_pair
 
-(the demo pair's DIR: the converted SmolLM2 dir, `blockspec.models.smollm2.ensure_smollm2_dir` on the GGUF parts as
-`scripts/device.sh stash ... seed` makes it). Rows of several calls: benchmarks/merge_serving_results.py, or --merge.
+(the demo pair: device.sh turns DEMO_DIR into the SmolLM2 dir converted from the GGUF parts stashed on the warm
+machine, `scripts/device.sh plan`'s stash calls; carry blockspec/assets/smollm2-135m-dflash-b16, the draft). Rows of several calls: benchmarks/merge_serving_results.py, or --merge.
 Writes benchmarks/results/serving_vs_engine_<date>_<commit>[_tag].json after every phase, then a PNG beside it
 (server ÷ engine per concurrency, a line per shape, mode and client).
 """
