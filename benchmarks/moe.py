@@ -22,9 +22,10 @@ floor sums each layer's own count.
 
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
 set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`; batches of up to 8 tokens also
-the direct sets, one pair per block without the sort; their BLOCK_N is the gate/up projection's, the direct down
-projection taking fused_moe.DIRECT_DOWN_COLUMNS) on the layer's own routing, in a CUDA graph, beside the tiles
-`choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k, num_warps, direct, step_ms,
+the direct sets, one pair per block without the sort, each with the down and combine kernels (down_columns None)
+and with the combine folded into the down projection at each down_columns) on the layer's own routing, in a CUDA
+graph, beside the tiles `choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k,
+num_warps, direct, down_columns, step_ms,
 over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
 
 With --serving, the serving table (1 and 64 clients, DFlash vs target-only, accept length 6) through
@@ -53,8 +54,9 @@ from blockspec.bench.provenance import run_identity
 from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
 
 TILE_GRIDS = {
-    "full": dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(64, 128), num_warps=(4, 8)),
-    "small": dict(block_m=(16, 32), block_n=(64,), block_k=(128,), num_warps=(4,)),
+    "full": dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(64, 128), num_warps=(4, 8),
+                 down_columns=(None, 16, 32)),
+    "small": dict(block_m=(16, 32), block_n=(64,), block_k=(128,), num_warps=(4,), down_columns=(None, 16)),
 }
 DIRECT_MAX_TOKENS = 8  # NOTE: batches up to this many tokens also time the direct sets (one pair per block, no sort)
 
@@ -235,8 +237,8 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
     grid = TILE_GRIDS[args.tile_grid]
     sets = [ExpertTiles(m, n, k, warps) for m in grid["block_m"] for n in grid["block_n"] for k in grid["block_k"]
             for warps in grid["num_warps"]]
-    direct_sets = [ExpertTiles(16, n, k, warps, direct=True) for n in grid["block_n"] for k in grid["block_k"]
-                   for warps in grid["num_warps"]]
+    direct_sets = [ExpertTiles(16, n, k, warps, direct=True, down_columns=columns) for n in grid["block_n"]
+                   for k in grid["block_k"] for warps in grid["num_warps"] for columns in grid["down_columns"]]
     element = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
@@ -257,6 +259,7 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
                         continue
                     rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
                                  "block_k": tiles.block_k, "num_warps": tiles.num_warps, "direct": tiles.direct,
+                                 "down_columns": tiles.down_columns,
                                  "step_ms": ms, "over_floor": ms / floor_ms, "chosen": tiles == chosen})
             best = min((row for row in rows if row["mode"] == mode and row["bs"] == bs), key=lambda row: row["step_ms"])
             print(json.dumps({"mode": mode, "bs": bs, "best": best}), flush=True)
@@ -361,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--parts", nargs="+", choices=("layer", "tiles", "step", "serving"),
                         default=["layer", "step"])
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
-                        help="the tile sets the `tiles` part times (default full: 64 sets, and 16 direct ones)")
+                        help="the tile sets the `tiles` part times (default full: 64 sets, and 48 direct ones)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

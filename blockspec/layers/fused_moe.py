@@ -15,8 +15,9 @@ whole layer captures in a CUDA graph):
    pair's routing weight. Blocks marked -1 return at once, so only the experts actually hit are read: a decode
    step reads the k experts per token it routes to, not all E.
 3. `_combine_kernel`: each token's k weighted rows summed in fp32 (a fixed order: the result does not depend on
-   which other tokens share the batch). Direct tiles fold it into the down projection (`_down_direct_kernel`: a
-   program per token and column tile runs the token's k experts in slot order), one launch less per layer.
+   which other tokens share the batch). Direct tiles with `down_columns` fold it into the down projection
+   (`_down_direct_kernel`: a program per token and column tile runs the token's k experts in slot order), one launch
+   less per layer.
 
 NOTE: the tiles follow the average rows per expert (T·k / E), except under batch-invariant kernels, where they are
 fixed (a row's sums then never depend on the batch).
@@ -43,16 +44,22 @@ class ExpertTiles:
     # NOTE: direct: block b holds pair b alone, its expert read from the routing itself: no sort launches. For a
     # single token (its k experts are distinct, so no expert is read twice) the sort is pure launch latency.
     direct: bool = False
+    # NOTE: direct tiles only: the down projection sums each token's k experts itself, this many output columns a
+    # program (`_down_direct_kernel`: no combine launch, no fp32 pair buffer); None keeps the down and combine
+    # kernels. A token's k experts are all in each program, so narrow column tiles keep about one program per SM
+    # streaming weights (2048 / 16 = 128 programs for one token).
+    down_columns: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.down_columns is not None and not self.direct:
+            raise ValueError("ExpertTiles.down_columns folds the combine into direct tiles' down projection only")
 
 
 BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
 # NOTE: the best sets of benchmarks/moe.py's tile sweep (Qwen3-30B-A3B experts, bf16): BLOCK_K 128 wherever a
 # block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
 EXPERT_TILES = (ExpertTiles(16, 64, 128), ExpertTiles(32, 64, 128), ExpertTiles(64, 64, 64))
-DIRECT_TILES = ExpertTiles(16, 64, 128, direct=True)
-# NOTE: the direct down projection's columns per program: a token's k experts are all in each program, so narrow
-# column tiles keep about one program per SM streaming weights (2048 / 16 = 128 programs for one token)
-DIRECT_DOWN_COLUMNS = 16
+DIRECT_TILES = ExpertTiles(16, 64, 128, direct=True, down_columns=16)
 
 
 def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False,
@@ -338,8 +345,8 @@ def fused_experts(
         gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0), BLOCK_M=chosen.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, DOT_PRECISION=precision, **launch,
     )
-    if chosen.direct:
-        block_n, block_k = _block(hidden, DIRECT_DOWN_COLUMNS), _block(intermediate, chosen.block_k)
+    if chosen.down_columns is not None:
+        block_n, block_k = _block(hidden, chosen.down_columns), _block(intermediate, chosen.block_k)
         _down_direct_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
             activated, down_proj, routing, block_experts, out, hidden, intermediate, top_k, activated.stride(0),
             down_proj.stride(0), down_proj.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,

@@ -43,13 +43,15 @@ def test_tile_sweep_times_every_set_of_the_grid(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("moe_*.json")
     sweep = json.loads(path.read_text())["tile_sweep"]
     grid = moe.TILE_GRIDS["small"]
-    direct_sets = len(grid["block_n"]) * len(grid["block_k"]) * len(grid["num_warps"])
+    per_block_m = len(grid["block_n"]) * len(grid["block_k"]) * len(grid["num_warps"])
     for mode, per_request in (("layer_decode", 1), ("layer_verify", moe.TINY_DRAFT["block_size"])):
         for bs in (1, 3):
             rows = [r for r in sweep if r["mode"] == mode and r["bs"] == bs]
-            direct = direct_sets if bs * per_request <= moe.DIRECT_MAX_TOKENS else 0
-            assert sorted(r["block_m"] for r in rows if not r["direct"]) == sorted(grid["block_m"] * direct_sets)
-            assert sum(r["direct"] for r in rows) == direct
+            direct = per_block_m if bs * per_request <= moe.DIRECT_MAX_TOKENS else 0
+            assert sorted(r["block_m"] for r in rows if not r["direct"]) == sorted(grid["block_m"] * per_block_m)
+            # NOTE: each direct set with the down and combine kernels, and folded at each down_columns
+            assert sorted((r["down_columns"] or 0) for r in rows if r["direct"]) == sorted(
+                [columns or 0 for columns in grid["down_columns"]] * direct)
             assert all(r["step_ms"] > 0 and r["over_floor"] > 0 for r in rows)
             chosen = [r for r in rows if r["chosen"]]  # NOTE: the tiny batches' pick is in the small grid
             assert len(chosen) == 1 and chosen[0]["direct"] == (bs * per_request == 1)

@@ -80,11 +80,14 @@ def test_fused_experts_equal_reference(dtype: torch.dtype, tokens: int, hidden: 
     # twice)
     direct = fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(16, 16, 16, direct=True))
     torch.testing.assert_close(direct.float(), expected, **tolerance)
+    folded = fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(16, 16, 16, direct=True, down_columns=16))
+    torch.testing.assert_close(folded.float(), expected, **tolerance)
 
 
 def test_direct_tiles_fold_the_combine_into_the_down_projection(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A single token's layer (direct tiles) launches no combine kernel: its down projection sums the token's k
-    experts itself (one launch less per layer in a decode graph); sorted tiles keep the combine."""
+    """A single token's layer (DIRECT_TILES, with down_columns) launches no combine kernel: its down projection sums
+    the token's k experts itself (one launch less per layer in a decode graph); sorted tiles, and direct ones without
+    down_columns, keep the combine. down_columns belongs to direct tiles only."""
     import blockspec.layers.fused_moe as fused_moe
 
     combined: list[object] = []
@@ -105,6 +108,11 @@ def test_direct_tiles_fold_the_combine_into_the_down_projection(monkeypatch: pyt
     torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(16, 16, 16)), expected,
                                rtol=1e-5, atol=1e-5)
     assert len(combined) == 1
+    unfolded = fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(16, 64, 128, direct=True))
+    torch.testing.assert_close(unfolded, expected, rtol=1e-5, atol=1e-5)
+    assert len(combined) == 2
+    with pytest.raises(ValueError, match="direct tiles"):
+        ExpertTiles(16, 64, 128, down_columns=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
