@@ -509,12 +509,13 @@ def test_the_policy_measures_an_unseen_tree_early_and_adopts_it_where_it_pays() 
              (64, 1): 2.0, (64, 4): 3.0, (64, 8): 3.4, (64, 40): 12.0}
     for batch_size, tree_wins in ((1, True), (64, False)):
         stats = AcceptanceStats(7, tree_length=40)
-        policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(times))
+        policy = AdaptiveVerifyLength([1, 4, 8, 40], CycleTimes(times, tree_length=40))
         chosen = []
         for _ in range(32):
             n = policy.choose(batch_size, stats).num_draft_tokens
             chosen.append(n)
             stats.observe(n, [3] * batch_size if n != 40 else [5] * batch_size)  # the tree commits 6, the chain 4
+            policy.observe_cycle(batch_size, n, times[(batch_size, n)])  # NOTE: live cycles as fast as at start-up
         assert 40 in chosen[:4]
         assert (chosen[-8:] == [40] * 8) == tree_wins
         assert chosen[-8:].count(40) == (8 if tree_wins else 0)
