@@ -131,24 +131,30 @@ def touched_experts(gate: torch.nn.Linear, routing: ExpertRouting, tokens: int, 
         return int(route(gate(x), routing)[1].unique().numel())
 
 
-def engine_touched_experts(engine: Engine, sparse: list[SparseMoe], routing: ExpertRouting) -> list[int]:
+def engine_touched_experts(engine: Engine, sparse: list[SparseMoe], routing: ExpertRouting) -> tuple[list[int], int]:
     """Distinct experts each sparse layer's router picked in one more engine step, run eagerly (a graph replay runs
-    no hooks), in the order the layers ran (the step's forwards of the target, one count per layer each)."""
+    no hooks), in the order the layers ran (the step's forwards of the target, one count per layer each), and the
+    tokens that step routed. NOTE: the step's own cycle time (eager, with a host read in every hook) reaches adaptive
+    verify's live offset of this batch size's graphs: the caller measures this batch size no more."""
     counts: list[int] = []
+    tokens: list[int] = []
 
     def count(_module: torch.nn.Module, _inputs: Any, logits: torch.Tensor) -> None:
         counts.append(int(route(logits, routing)[1].unique().numel()))
+        tokens.append(logits.shape[0])
 
     handles = [layer.gate.register_forward_hook(count) for layer in sparse]
     graphs = engine.runner.graphs
-    graphs.enabled = False
+    enabled, graphs.enabled = graphs.enabled, False
     try:
+        engine.scheduler.drain()  # NOTE: the graphed step in flight commits first; then one eager step, committed
         engine.step()
+        engine.scheduler.drain()
     finally:
-        graphs.enabled = True
+        graphs.enabled = enabled
         for handle in handles:
             handle.remove()
-    return counts
+    return counts, max(tokens, default=0)
 
 
 def expert_bytes(config: dict[str, Any], element: int) -> int:
@@ -311,14 +317,15 @@ def step_rows(config: dict[str, Any], target_dir: Path, draft_dir: Path, args: a
                 verify_tokens = int(verify.get("in_use", {}).get(str(bs), {}).get("num_draft_tokens", args.block))
             touched_random = touched_experts(sparse[0].gate, routing, bs * verify_tokens, seed=bs)
             # NOTE: one layer's count per forward of the target in that step: a layer's share of the sum is its mean
-            per_layer = engine_touched_experts(engine, sparse, routing)
+            per_layer, counted_tokens = engine_touched_experts(engine, sparse, routing)
             touched = sum(per_layer) / len(per_layer)
             floor_bytes = (dense_bytes + draft_bytes + touched * expert_bytes(config, element) * len(sparse)
                            + bs * args.context * kv_per_token)
             row = {"mode": mode, "bs": bs, "step_ms": ms, "tokens_per_step": tokens_per_step,
                    "touched_experts_per_layer": touched, "touched_experts_random": touched_random,
                    "floor_ms": floor_bytes / bandwidth * 1e3, "verify_tokens": verify_tokens,
-                   "context": args.context}
+                   # NOTE: the tokens of the counted step (bs x verify_tokens unless that step explored another length)
+                   "counted_tokens": counted_tokens, "context": args.context}
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
             for req in reqs:

@@ -53,6 +53,8 @@ class ExpertTiles:
     def __post_init__(self) -> None:
         if self.down_columns is not None and not self.direct:
             raise ValueError("ExpertTiles.down_columns folds the combine into direct tiles' down projection only")
+        if self.down_columns is not None and (self.down_columns < 16 or self.down_columns & (self.down_columns - 1)):
+            raise ValueError(f"ExpertTiles.down_columns must be a power of two, at least 16 (got {self.down_columns})")
 
 
 BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)

@@ -31,6 +31,7 @@ def test_tiny_shape_writes_the_rows(tmp_path: Path) -> None:
             row = steps[(mode, bs)]
             assert top_k <= row["touched_experts_per_layer"] <= experts
             assert top_k <= row["touched_experts_random"] <= experts
+            assert row["counted_tokens"] == bs * row["verify_tokens"]
     assert steps[("target_decode", 3)]["tokens_per_step"] == 3
     assert steps[("dflash_cycle", 3)]["tokens_per_step"] > 3  # simulated acceptance: several tokens per request
 

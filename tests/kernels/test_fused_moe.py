@@ -113,6 +113,9 @@ def test_direct_tiles_fold_the_combine_into_the_down_projection(monkeypatch: pyt
     assert len(combined) == 2
     with pytest.raises(ValueError, match="direct tiles"):
         ExpertTiles(16, 64, 128, down_columns=16)
+    for columns in (8, 24):
+        with pytest.raises(ValueError, match="power of two"):
+            ExpertTiles(16, 64, 128, direct=True, down_columns=columns)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
