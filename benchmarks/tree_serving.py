@@ -31,7 +31,7 @@ from typing import Any, Optional
 from benchmarks.results import add_commit_argument, add_out_argument, write_json, write_rows
 from benchmarks.serving_server import ServerProcess, exit_on_sigterm, log_tail
 from benchmarks.serving_vs_engine_support import client_namespace, flush_server_cache, measure_level
-from benchmarks.tree_verify import pair_dirs, workload_prompts
+from benchmarks.tree_verify import cycles_by_length, pair_dirs, since, tree_cycle_share, workload_prompts
 from blockspec.evals.client import get_server_info
 
 
@@ -51,16 +51,6 @@ def verify_length_info(base_url: str) -> dict[str, Any]:
     return get_server_info(base_url)["internal_states"][0].get("verify_length") or {}
 
 
-def cycles_by_length(base_url: str) -> dict[str, int]:
-    """Cycles each verify length ran so far on the server, over every batch size."""
-    info = verify_length_info(base_url)
-    counts: dict[str, int] = {}
-    for row in info.get("cycles_by_verify_length", {}).values():
-        for length, count in row.items():
-            counts[length] = counts.get(length, 0) + count
-    return counts
-
-
 def measure_variant(args: argparse.Namespace, flags: list[str], prompts: dict[str, list[list[int]]],
                     log_path: Path) -> dict[str, dict[str, Any]]:
     """One server with `flags`: per workload a warm-up level, then the measured one; the level and its cycles."""
@@ -74,18 +64,14 @@ def measure_variant(args: argparse.Namespace, flags: list[str], prompts: dict[st
                 if warm:
                     measure_level(ns, warm, args.clients, 0.0, 0)
                 flush_server_cache(server.base_url)
-                before = cycles_by_length(server.base_url)
+                before = cycles_by_length(verify_length_info(server.base_url))
                 level = measure_level(ns, measured, args.clients, 0.0, 0)
-                after = cycles_by_length(server.base_url)
-                added = {n: count - before.get(n, 0) for n, count in after.items()}
-                level["cycles_by_verify_length"] = {n: c for n, c in sorted(added.items(), key=lambda kv: int(kv[0]))
-                                                    if c}
                 info = verify_length_info(server.base_url)
+                level["cycles_by_verify_length"] = since(cycles_by_length(info), before)
                 level["verify_policy"] = info.get("mode")
-                tree = (info.get("tree") or {}).get("verify_length")
-                if tree is not None:
-                    cycles = level["cycles_by_verify_length"]
-                    level["tree_cycle_share"] = round(cycles.get(str(tree), 0) / max(sum(cycles.values()), 1), 4)
+                share = tree_cycle_share(info, level["cycles_by_verify_length"])
+                if share is not None:
+                    level["tree_cycle_share"] = share
                 levels[workload] = level
     except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"{exc}\nserver log tail:\n{log_tail(log_path)}") from exc

@@ -106,18 +106,26 @@ def verify_length_info(engine: Engine) -> dict[str, Any]:
     return engine.get_server_info()["internal_states"][0].get("verify_length") or {}
 
 
-def cycles_by_length(engine: Engine) -> dict[str, int]:
-    """Cycles each verify length ran so far, over every batch size (/server_info's cycles_by_verify_length)."""
+def cycles_by_length(info: dict[str, Any]) -> dict[str, int]:
+    """Cycles each verify length ran so far, over every batch size, from a /server_info verify_length `info`."""
     counts: dict[str, int] = {}
-    for row in verify_length_info(engine).get("cycles_by_verify_length", {}).values():
+    for row in info.get("cycles_by_verify_length", {}).values():
         for length, count in row.items():
             counts[length] = counts.get(length, 0) + count
     return counts
 
 
-def cycles_by_batch_size(engine: Engine) -> dict[str, int]:
-    """Cycles each batch size ran so far, over every verify length."""
-    return {bs: sum(row.values()) for bs, row in verify_length_info(engine).get("cycles_by_verify_length", {}).items()}
+def cycles_by_batch_size(info: dict[str, Any]) -> dict[str, int]:
+    """Cycles each batch size ran so far, over every verify length, from a /server_info verify_length `info`."""
+    return {bs: sum(row.values()) for bs, row in info.get("cycles_by_verify_length", {}).items()}
+
+
+def tree_cycle_share(info: dict[str, Any], cycles: dict[str, int]) -> Optional[float]:
+    """The share of `cycles` (by verify length) that were trees; None without a tree (`info`: as above)."""
+    tree_length = (info.get("tree") or {}).get("verify_length")
+    if tree_length is None:
+        return None
+    return round(cycles.get(str(tree_length), 0) / max(sum(cycles.values()), 1), 4)
 
 
 def since(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -134,7 +142,8 @@ def measure(engine: Engine, rounds: list[list[list[int]]], warmup: list[list[int
     batch size's row must not hand the engine more than that many prompts at a time."""
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     engine.generate(input_ids=warmup, sampling_params=params)
-    lengths_before, batches_before = cycles_by_length(engine), cycles_by_batch_size(engine)
+    info = verify_length_info(engine)
+    lengths_before, batches_before = cycles_by_length(info), cycles_by_batch_size(info)
     before = engine.scheduler.spec.as_dict()
     tokens, seconds = 0, 0.0
     for prompts in rounds:
@@ -148,9 +157,10 @@ def measure(engine: Engine, rounds: list[list[list[int]]], warmup: list[list[int
     verifies = after["spec_verify_ct"] - before["spec_verify_ct"]
     committed = after["avg_spec_accept_length"] * after["spec_verify_ct"] - \
         before["avg_spec_accept_length"] * before["spec_verify_ct"]
-    batches = since(cycles_by_batch_size(engine), batches_before)
+    info = verify_length_info(engine)
+    batches = since(cycles_by_batch_size(info), batches_before)
     return {"tok_s": tokens / seconds, "accept_length": committed / verifies if verifies else 0.0,
-            "cycles_by_verify_length": since(cycles_by_length(engine), lengths_before),
+            "cycles_by_verify_length": since(cycles_by_length(info), lengths_before),
             "cycles_by_batch_size": batches, "wall_ms_per_cycle": seconds * 1e3 / max(sum(batches.values()), 1)}
 
 
@@ -215,11 +225,9 @@ def tree_rows(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> li
                     view = policy_view(engine, bs)
                     if view is not None:
                         row["policy_view"] = view
-                    tree_length = verify_length_info(engine).get("tree", {}).get("verify_length")
-                    if tree_length is not None:
-                        cycles = measured["cycles_by_verify_length"]
-                        row["tree_cycle_share"] = round(cycles.get(str(tree_length), 0) / max(sum(cycles.values()), 1),
-                                                        4)
+                    share = tree_cycle_share(verify_length_info(engine), measured["cycles_by_verify_length"])
+                    if share is not None:
+                        row["tree_cycle_share"] = share
                     if args.simulate_accept_profile is not None:
                         row.update(simulated_chain=args.simulate_accept_profile,
                                    simulated_tree=args.simulate_tree_accept_profile if budget > 0 else None)
