@@ -21,12 +21,13 @@ layers (touched_experts_random beside it: the random-input count the step rows u
 floor sums each layer's own count.
 
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
-set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps; `--tile-grid full` or `small`; batches of up to 8 tokens also
+set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps × pipeline stages; `--tile-grid full`, `small`, or `large`: tall
+blocks, wide column tiles and deeper pipelines for batches with many rows per expert; batches of up to 8 tokens also
 the direct sets, one pair per block without the sort, each with the down and combine kernels (down_columns None)
 and with the combine folded into the down projection at each down_columns) on the layer's own routing, in a CUDA
 graph, beside the tiles `choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k,
-num_warps, direct, down_columns, step_ms,
-over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
+num_warps, num_stages, direct,
+down_columns, step_ms, over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
 
 With --serving, the serving table (1 and 64 clients, DFlash vs target-only, accept length 6) through
 benchmarks/serving_vs_engine.py on the same shapes; its rows go to `serving`. --shape tiny runs everything small on
@@ -55,8 +56,13 @@ from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
 
 TILE_GRIDS = {
     "full": dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(64, 128), num_warps=(4, 8),
-                 down_columns=(None, 16, 32)),
-    "small": dict(block_m=(16, 32), block_n=(64,), block_k=(128,), num_warps=(4,), down_columns=(None, 16)),
+                 num_stages=(3,), down_columns=(None, 16, 32)),
+    "small": dict(block_m=(16, 32), block_n=(64,), block_k=(128,), num_warps=(4,), num_stages=(3,),
+                  down_columns=(None, 16)),
+    # NOTE: the full grid's blocks pipelined deeper (4 and 5 stages) and wider (256 columns of gate and of up): the
+    # published tunings for 128 experts of 768 on an H100 at 512 and 1024 tokens use 64-row blocks, 3-5 stages
+    "large": dict(block_m=(32, 64, 128), block_n=(64, 128, 256), block_k=(64, 128), num_warps=(4, 8),
+                  num_stages=(4, 5), down_columns=(None,)),
 }
 DIRECT_MAX_TOKENS = 8  # NOTE: batches up to this many tokens also time the direct sets (one pair per block, no sort)
 
@@ -241,10 +247,11 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
     layers = layer_copies(config, args, device, dtype, backend="triton")
     routing = layers[0].routing
     grid = TILE_GRIDS[args.tile_grid]
-    sets = [ExpertTiles(m, n, k, warps) for m in grid["block_m"] for n in grid["block_n"] for k in grid["block_k"]
-            for warps in grid["num_warps"]]
-    direct_sets = [ExpertTiles(16, n, k, warps, direct=True, down_columns=columns) for n in grid["block_n"]
-                   for k in grid["block_k"] for warps in grid["num_warps"] for columns in grid["down_columns"]]
+    sets = [ExpertTiles(m, n, k, warps, stages) for m in grid["block_m"] for n in grid["block_n"]
+            for k in grid["block_k"] for warps in grid["num_warps"] for stages in grid["num_stages"]]
+    direct_sets = [ExpertTiles(16, n, k, warps, stages, direct=True, down_columns=columns) for n in grid["block_n"]
+                   for k in grid["block_k"] for warps in grid["num_warps"] for stages in grid["num_stages"]
+                   for columns in grid["down_columns"]]
     element = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
@@ -264,7 +271,8 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
                     except triton.runtime.errors.OutOfResources:  # NOTE: the set's tiles do not fit this GPU
                         continue
                     rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
-                                 "block_k": tiles.block_k, "num_warps": tiles.num_warps, "direct": tiles.direct,
+                                 "block_k": tiles.block_k, "num_warps": tiles.num_warps,
+                                 "num_stages": tiles.num_stages, "direct": tiles.direct,
                                  "down_columns": tiles.down_columns,
                                  "step_ms": ms, "over_floor": ms / floor_ms, "chosen": tiles == chosen})
             best = min((row for row in rows if row["mode"] == mode and row["bs"] == bs), key=lambda row: row["step_ms"])
@@ -371,7 +379,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--parts", nargs="+", choices=("layer", "tiles", "step", "serving"),
                         default=["layer", "step"])
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
-                        help="the tile sets the `tiles` part times (default full: 64 sets, and 48 direct ones)")
+                        help="the tile sets the `tiles` part times (full, the default: 64 sets and 48 direct ones; "
+                             "large: 72)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

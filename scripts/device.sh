@@ -54,17 +54,20 @@ plan() {
         echo "  carry [${carry%, }]: BLOCKSPEC_COMMIT=$head scripts/device.sh ${what# }"
     done
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
-    echo "then the issues' measurements on the warm machine, one call each (benchmarks/<module>.py says more):"
+    echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
+         "benchmarks/<module>.py says more):"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
+         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 512 --max-rounds 16" \
+         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's last row: the demo pair with real weights)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
-         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft" \
-         "(#52: the demo pair through blockspec serve at 1 client, the chain and trees of 16 and 32)"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --adaptive" \
-         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft"
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 64" \
+         "(#52: the demo pair through blockspec serve at 1 client, the chain and trees of 32 and 64 nodes)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --dummy-shape llama8b --adaptive" \
-         "--chain-adaptive --budgets 16 32 --batch-sizes 1 4 16 64"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer step"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench dflash2 --part cycle"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine ... (its docstring's three calls)"
+         "--chain-adaptive --budgets 16 32 --batch-sizes 1 4 16 64 (#52: adaptive never below 0.97 of the chain)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer tiles --tile-grid large" \
+         "--batch-sizes 1 32 64 (#51: the layer against its floor, and deeper/wider tiles for verify bs 32 and 64)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash vs target-only served)"
+    echo "  #50's DFlash2 demo draft: scripts/train_draft_v2.sh's chain (a session of its own)"
     echo "then here: scripts/device.sh slim off"
 }
 
