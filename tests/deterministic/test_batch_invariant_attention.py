@@ -25,7 +25,7 @@ from blockspec.batch import ForwardMode, build_batch  # noqa: E402
 from blockspec.kv.allocator import PageAllocator, ReqToTokenTable  # noqa: E402
 from blockspec.kv.pool import KVPool  # noqa: E402
 from blockspec.request import Req, SamplingParams  # noqa: E402
-from tests.attention.test_triton_attention import CASES, DEVICE, make_case  # noqa: E402
+from tests.support.attention_cases import CASES, DEVICE, make_case  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 # NOTE: small tiles and lanes so that a few dozen keys span several lanes and lane units; a decode of one request

@@ -24,7 +24,7 @@ from tests.support.engine_testing import overlapped_run_checking_syncs  # noqa: 
 ])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_real_sizes(mode: ForwardMode, prefix: list[int], new: list[int], page_size: int) -> None:
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
     from blockspec.attention.torch_backend import TorchAttentionBackend
     from blockspec.attention.triton_backend import TritonAttentionBackend
 
