@@ -83,7 +83,7 @@ def test_bf16_graphs_match_bf16_eager(tiny: Path) -> None:
 
 
 def test_piecewise_equals_eager_across_buckets(tiny: Path) -> None:
-    from tests.runner.test_piecewise import extend_batch, release
+    from tests.support.extend_batches import extend_batch, release
 
     engine = Engine(model_path=str(tiny / "target"), dtype="bfloat16", max_total_tokens=8192, skip_tokenizer_init=True,
                     enforce_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=512)
