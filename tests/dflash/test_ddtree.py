@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from blockspec.request import SamplingParams
 from blockspec.sample.sampling import sampling_probs
 from tests.support.ddtree_reference import greedy_walk, heap_tree
-from tests.sampling.test_logprobs import check_against_hf
+from tests.support.logprob_reference import check_against_hf
 from tests.sampling.test_penalties import CASES as PENALTY_CASES
 from tests.sampling.test_penalties import hf_penalised_greedy
 from tests.sampling.test_grammar import CASES as GRAMMAR_CASES

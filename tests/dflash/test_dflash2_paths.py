@@ -15,7 +15,7 @@ from tests.support.engine_testing import assert_engine_idle, hf_greedy, random_p
 from tests.support.grammar_models import constrained_greedy
 from tests.dflash.test_adaptive_verify import SEQUENCE
 from tests.dflash.test_dflash_lossless import assert_cycle_equals_propose_then_verify
-from tests.sampling.test_logprobs import TOP_N, check_against_hf
+from tests.support.logprob_reference import TOP_N, check_against_hf
 from tests.scheduler.test_mixed_chunk import staggered_run
 from tests.sampling.test_penalties import hf_penalised_greedy
 from tests.support.verify_cycling import CyclingVerifyLength
