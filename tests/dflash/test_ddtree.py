@@ -18,8 +18,8 @@ from blockspec.request import SamplingParams
 from blockspec.sample.sampling import sampling_probs
 from tests.support.ddtree_reference import greedy_walk, heap_tree
 from tests.support.logprob_reference import check_against_hf
-from tests.sampling.test_penalties import CASES as PENALTY_CASES
-from tests.sampling.test_penalties import hf_penalised_greedy
+from tests.support.penalty_reference import CASES as PENALTY_CASES
+from tests.support.penalty_reference import hf_penalised_greedy
 from tests.sampling.test_grammar import CASES as GRAMMAR_CASES
 from tests.sampling.test_grammar import matches as grammar_matches
 from tests.sampling.test_grammar import prompt_ids as grammar_prompt_ids

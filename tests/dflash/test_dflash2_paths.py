@@ -17,7 +17,7 @@ from tests.dflash.test_adaptive_verify import SEQUENCE
 from tests.dflash.test_dflash_lossless import assert_cycle_equals_propose_then_verify
 from tests.support.logprob_reference import TOP_N, check_against_hf
 from tests.scheduler.test_mixed_chunk import staggered_run
-from tests.sampling.test_penalties import hf_penalised_greedy
+from tests.support.penalty_reference import hf_penalised_greedy
 from tests.support.verify_cycling import CyclingVerifyLength
 
 pytest.importorskip("dflash.model")
