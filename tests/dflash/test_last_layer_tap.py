@@ -23,7 +23,7 @@ from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
 
 pytest.importorskip("dflash.model")
-from tests.dflash.test_dflash_oracle import assert_matches_reference  # noqa: E402
+from tests.support.dflash_reference import assert_matches_reference  # noqa: E402
 
 LAST = 3  # the tiny targets have 4 layers
 
