@@ -15,8 +15,8 @@ from tests.support.engine_testing import assert_engine_idle, hf_greedy, random_p
 from tests.support.grammar_models import constrained_greedy
 from tests.support.greedy_cycle_checks import assert_cycle_equals_propose_then_verify
 from tests.support.logprob_reference import TOP_N, check_against_hf
-from tests.scheduler.test_mixed_chunk import staggered_run
 from tests.support.penalty_reference import hf_penalised_greedy
+from tests.support.staggered_arrivals import staggered_run
 from tests.support.verify_cycling import SEQUENCE, CyclingVerifyLength
 
 pytest.importorskip("dflash.model")
