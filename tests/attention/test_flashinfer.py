@@ -73,7 +73,7 @@ CASES = [
 @pytest.mark.parametrize("mode,prefix,new,window,draft_causal,heads", CASES)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_eager_matches_torch(mode, prefix, new, window, draft_causal, heads, page_size) -> None:
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
 
     num_heads, kv_heads = heads
     batch, pool_a, pool_b, q, k, v = make_case(mode, prefix, new, page_size, num_heads, kv_heads, HEAD_DIM, DTYPE)
@@ -118,7 +118,7 @@ GRAPH_CASES = [
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_graph_replays_match_torch(mode, prefix, q_len, window, draft_causal, page_size) -> None:
     """Replays with other lengths and a padded batch (3 → 4) re-plan outside the graph and stay exact."""
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
 
     heads, kv_heads = 8, 2
     first, pool_a, pool_b, *_ = make_case(mode, prefix, [q_len] * 4, page_size, heads, kv_heads, HEAD_DIM, DTYPE)

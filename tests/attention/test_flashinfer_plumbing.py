@@ -84,7 +84,7 @@ def test_plans_match_torch_reference(
     fake_backend_module: types.ModuleType, mode: ForwardMode, prefix: list[int], new: list[int], page: int,
     window: Optional[int], draft_causal: Optional[bool], for_graph: bool,
 ) -> None:
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
 
     if for_graph and mode is ForwardMode.EXTEND:
         pytest.skip("CUDA graphs run uniform batches only")
@@ -114,7 +114,7 @@ def test_plans_match_torch_reference(
 
 
 def test_graph_wrappers_are_per_batch_size_and_share_buffers(fake_backend_module: types.ModuleType) -> None:
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
 
     batch, _, pool, *_ = make_case(ForwardMode.VERIFY, [4, 90, 13, 2], [8, 8, 8, 8], 1, 4, 2, 16, torch.float32)
     backend = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16)
@@ -138,7 +138,7 @@ def dataclass_slice(batch: Any, bs: int) -> Any:
 
 
 def test_noncausal_window_shorter_than_block_is_refused(fake_backend_module: types.ModuleType) -> None:
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
 
     batch, _, pool, *_ = make_case(ForwardMode.DRAFT, [40], [16], 1, 4, 2, 16, torch.float32)
     backend = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16, [8], [False])
@@ -170,7 +170,7 @@ def test_graphed_forward_replans_before_every_replay(
     from blockspec.attention.base import graph_planner
     from blockspec.runner.cuda_graph import GraphedForward
     from blockspec.batch import build_batch
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
 
     fake_graph_capture(monkeypatch)
     heads, kv_heads, head_dim = 4, 2, 16
@@ -226,7 +226,7 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
     from blockspec.runner.graphs import CudaGraphs
     from blockspec.speculative.dflash import DFlashWorker
     from blockspec.worker.target_worker import TargetWorker
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
 
     capturing = fake_graph_capture(monkeypatch)
     _, _, pool, *_ = make_case(ForwardMode.DECODE, [4], [1], 1, 4, 2, 16, torch.float32)
@@ -271,7 +271,7 @@ def test_worker_graphs_plan_flashinfer_outside_the_capture(
 def test_one_graph_cannot_replan_two_host_planned_backends(fake_backend_module: types.ModuleType) -> None:
     from blockspec.runner.graph_kind import GraphKind
     from blockspec.runner.graphs import single_host_planner
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
 
     _, _, pool, *_ = make_case(ForwardMode.DECODE, [4], [1], 1, 4, 2, 16, torch.float32)
     backend = fake_backend_module.FlashInferAttentionBackend(pool, 0.25, 4, 2, 16)

@@ -19,7 +19,7 @@ from blockspec.attention.torch_backend import TorchAttentionBackend  # noqa: E40
 from blockspec.attention.triton_backend import EXTEND_POLICY, TWO_WAVES, TritonAttentionBackend  # noqa: E402
 from blockspec.attention.triton_graph_extend import GraphExtendAttention, TilePlan  # noqa: E402
 from blockspec.batch import ForwardBatch, ForwardMode  # noqa: E402
-from tests.attention.test_triton_attention import DEVICE, make_case  # noqa: E402
+from tests.support.attention_cases import DEVICE, make_case  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 16
 

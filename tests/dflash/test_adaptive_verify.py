@@ -12,14 +12,12 @@ from blockspec import Engine
 from blockspec.request import Req
 from tests.support.draft_training import cpu_engine
 from tests.support.engine_testing import assert_engine_idle, hf_greedy, run_until_done
-from tests.support.verify_cycling import CyclingVerifyLength
+from tests.support.verify_cycling import SEQUENCE, CyclingVerifyLength
 
 pytest.importorskip("dflash.model")
 
 PROMPTS = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33)]
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
-# NOTE: 1 twice in a row (the draft KV of plain decode steps must carry speculation on), every length, back to B.
-SEQUENCE = [1, 3, 8, 2, 1, 1, 5, 8, 8, 4, 1, 7, 6, 8, 1]
 
 
 def generate(engine: Engine, params: Any, prompts: list[list[int]] = PROMPTS) -> list[Req]:

@@ -17,12 +17,12 @@ from transformers import PreTrainedModel
 from blockspec.request import SamplingParams
 from blockspec.sample.sampling import sampling_probs
 from tests.support.ddtree_reference import greedy_walk, heap_tree
-from tests.sampling.test_logprobs import check_against_hf
-from tests.sampling.test_penalties import CASES as PENALTY_CASES
-from tests.sampling.test_penalties import hf_penalised_greedy
-from tests.sampling.test_grammar import CASES as GRAMMAR_CASES
-from tests.sampling.test_grammar import matches as grammar_matches
-from tests.sampling.test_grammar import prompt_ids as grammar_prompt_ids
+from tests.support.logprob_reference import check_against_hf
+from tests.support.penalty_reference import CASES as PENALTY_CASES
+from tests.support.penalty_reference import hf_penalised_greedy
+from tests.support.grammar_cases import CASES as GRAMMAR_CASES
+from tests.support.grammar_cases import matches as grammar_matches
+from tests.support.grammar_cases import prompt_ids as grammar_prompt_ids
 from tests.support.draft_training import cpu_engine, full_block_cycles
 from tests.support.grammar_models import constrained_greedy, constrained_string_distribution
 

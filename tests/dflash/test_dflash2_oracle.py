@@ -18,7 +18,7 @@ from blockspec.models.draft_config import DFlash2Fields
 from blockspec.models.grouped_conv import GroupedDynamicCausalConv
 from blockspec.models.proposal_rows import CandidateRows
 from tests.support.dflash2_drafts import build_dflash2_draft, save_published, train_dflash2_draft
-from tests.dflash.test_dflash_oracle import assert_matches_reference
+from tests.support.dflash_reference import assert_matches_reference
 from tests.support.draft_training import train_tiny_draft
 from tests.support.tiny_models import save_tiny_draft, save_tiny_model
 

@@ -13,12 +13,11 @@ from tests.support.draft_training import cpu_engine
 from tests.support.dflash2_drafts import build_dflash2_draft, save_published, save_trained_dflash2_pair
 from tests.support.engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 from tests.support.grammar_models import constrained_greedy
-from tests.dflash.test_adaptive_verify import SEQUENCE
-from tests.dflash.test_dflash_lossless import assert_cycle_equals_propose_then_verify
-from tests.sampling.test_logprobs import TOP_N, check_against_hf
-from tests.scheduler.test_mixed_chunk import staggered_run
-from tests.sampling.test_penalties import hf_penalised_greedy
-from tests.support.verify_cycling import CyclingVerifyLength
+from tests.support.greedy_cycle_checks import assert_cycle_equals_propose_then_verify
+from tests.support.logprob_reference import TOP_N, check_against_hf
+from tests.support.penalty_reference import hf_penalised_greedy
+from tests.support.staggered_arrivals import staggered_run
+from tests.support.verify_cycling import SEQUENCE, CyclingVerifyLength
 
 pytest.importorskip("dflash.model")
 

@@ -8,7 +8,7 @@ from typing import Optional
 import pytest
 
 from tests.support.dflash2_drafts import build_dflash2_draft, save_published
-from tests.dflash.test_dflash_sampling import assert_samples_follow_target, save_spread_target
+from tests.support.sampling_distribution import assert_samples_follow_target, save_spread_target
 
 pytest.importorskip("dflash.model")
 

@@ -11,7 +11,7 @@ import pytest
 
 from blockspec import Engine
 from tests.support.draft_training import train_tiny_draft
-from tests.support.engine_testing import prefilled
+from tests.support.greedy_cycle_checks import GREEDY, assert_cycle_equals_propose_then_verify, assert_pools_free
 from tests.support.tiny_models import save_tiny_draft, save_tiny_model
 
 pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
@@ -19,7 +19,6 @@ pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu
 pytest.importorskip("dflash.model")
 
 PROMPTS = [[5 + i for i in range(n)] for n in (1, 3, 7, 12, 20, 33, 5, 9, 26)]
-GREEDY = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +41,6 @@ def engine_for(root: Path, draft: str | None, page_size: int, **extra: Any) -> E
         args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / draft))
     args.update(extra)
     return Engine(**args)
-
-
-def assert_pools_free(engine: Engine) -> None:
-    info = engine.get_server_info()
-    assert info["kv_cache"]["free_slots"] == info["kv_cache"]["total_slots"]
-    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -176,39 +169,9 @@ def test_missing_layer_ids_use_default_spread(models: dict[str, Any]) -> None:
     assert engine.worker.capture == (1, 1) or len(engine.worker.capture) == 2  # type: ignore[attr-defined]
 
 
-def leading_matches(proposals: list[int], target_argmax: list[int]) -> int:
-    """Greedy acceptance written plainly: proposals d_1.. accepted while each equals the target's choice before it."""
-    accepted = 0
-    while accepted < len(proposals) and proposals[accepted] == target_argmax[accepted]:
-        accepted += 1
-    return accepted
-
-
 def test_greedy_cycle_equals_propose_then_verify(models: dict[str, Any]) -> None:
     """The one-graph greedy cycle (run eagerly here) gives the two-step path's proposals and target argmax."""
     assert_cycle_equals_propose_then_verify(engine_for(models["root"], "trained_draft", 4), PROMPTS[:5])
-
-
-def assert_cycle_equals_propose_then_verify(engine: Engine, prompts: list[list[int]]) -> None:
-    """One greedy cycle (greedy_cycle_tokens) for the prefilled `prompts` equals propose then verify: proposals,
-    target argmax and accepted counts, some but not all proposals accepted; the pools are free after."""
-    worker, runner = engine.worker, engine.runner
-    reqs = prefilled(engine, prompts, GREEDY)
-    b = worker.block_size
-    for req in reqs:
-        runner.allocator.grow(req, req.kv_len + b, runner.req_to_token)
-    rows = worker.greedy_cycle_tokens(reqs)
-    draft_batch, proposals, _ = worker.propose(reqs)
-    target_argmax = worker.verify(reqs, proposals).argmax(-1)
-    assert [row[1:b] for row in rows] == proposals.tolist()
-    assert [row[b:] for row in rows] == target_argmax.tolist()
-    expected = [leading_matches(p, t) for p, t in zip(proposals.tolist(), target_argmax.tolist())]
-    assert [row[0] for row in rows] == expected
-    assert 0 < sum(expected) < len(reqs) * (b - 1)  # a trained draft: some but not all proposals accepted
-    for req in reqs:
-        engine.scheduler.abort(req.rid)
-    engine.step()
-    assert_pools_free(engine)
 
 
 def test_simulated_accept_len_commits_that_many(models: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from blockspec.runner.piecewise_graph import PiecewiseGraphRunner
 pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
 
 pytest.importorskip("dflash.model")
-from tests.dflash.test_dflash_oracle import assert_matches_reference  # noqa: E402
+from tests.support.dflash_reference import assert_matches_reference  # noqa: E402
 
 LAST = 3  # the tiny targets have 4 layers
 
@@ -91,7 +91,7 @@ def test_last_layer_tap_matches_dflash_reference(
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_captured_piecewise_graphs_tap_the_final_norm(tmp_path: Path, kind: str) -> None:
     """Replayed piecewise CUDA graphs (static buffers) leave the final-normed hidden in the last layer's column."""
-    from tests.runner.test_piecewise import extend_batch, release
+    from tests.support.extend_batches import extend_batch, release
 
     save_tiny_model(kind, tmp_path)
     engine = Engine(model_path=str(tmp_path), device="cuda", dtype="float32", max_total_tokens=2048,

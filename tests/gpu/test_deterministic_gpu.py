@@ -50,7 +50,7 @@ def test_matmul_rows_do_not_depend_on_m(k: int, n: int) -> None:
 
 
 def test_attention_rows_at_8b_head_shapes() -> None:
-    from tests.deterministic.test_batch_invariant_attention import (
+    from tests.support.batch_invariant_rows import (
         Sequences,
         backend_for,
         mismatches,

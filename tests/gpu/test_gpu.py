@@ -24,7 +24,7 @@ from tests.support.engine_testing import overlapped_run_checking_syncs  # noqa: 
 ])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_real_sizes(mode: ForwardMode, prefix: list[int], new: list[int], page_size: int) -> None:
-    from tests.attention.test_triton_attention import make_case
+    from tests.support.attention_cases import make_case
     from blockspec.attention.torch_backend import TorchAttentionBackend
     from blockspec.attention.triton_backend import TritonAttentionBackend
 
@@ -83,7 +83,7 @@ def test_bf16_graphs_match_bf16_eager(tiny: Path) -> None:
 
 
 def test_piecewise_equals_eager_across_buckets(tiny: Path) -> None:
-    from tests.runner.test_piecewise import extend_batch, release
+    from tests.support.extend_batches import extend_batch, release
 
     engine = Engine(model_path=str(tiny / "target"), dtype="bfloat16", max_total_tokens=8192, skip_tokenizer_init=True,
                     enforce_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=512)

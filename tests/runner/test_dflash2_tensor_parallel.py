@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.dflash2_drafts import build_dflash2_draft, save_published
-from tests.runner.test_tensor_parallel import check_tp2_matches_tp1
 from tests.support.tiny_models import save_tiny_model
-from tests.support.tp_testing import cpu_flags
+from tests.support.tp_testing import check_tp2_matches_tp1, cpu_flags
 
 pytest.importorskip("dflash.model")
 

@@ -8,7 +8,7 @@ import torch
 
 from blockspec import Engine
 from blockspec.batch import ForwardBatch, ForwardMode, build_batch
-from blockspec.request import Req, SamplingParams
+from tests.support.extend_batches import extend_batch, release
 from tests.support.tiny_models import save_tiny_model
 from blockspec.runner.piecewise_graph import PiecewiseGraphRunner, bucket_for, default_buckets
 
@@ -23,31 +23,6 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     save_tiny_model(request.param, root)
     return Engine(model_path=str(root), device="cpu", dtype="float32", page_size=16, max_total_tokens=2048,
                   skip_tokenizer_init=True)
-
-
-def extend_batch(
-    engine: Engine, prefix_lens: list[int], new_lens: list[int], capture: tuple[int, ...]
-) -> tuple[ForwardBatch, list[Req]]:
-    runner = engine.runner
-    reqs = []
-    for p, n in zip(prefix_lens, new_lens):
-        req = Req([7] * (p + n), SamplingParams())
-        req.pool_row = runner.req_to_token.acquire()
-        runner.allocator.grow(req, p + n, runner.req_to_token)
-        reqs.append(req)
-    generator = torch.Generator().manual_seed(sum(new_lens))
-    tokens = [torch.randint(3, 90, (n,), generator=generator).tolist() for n in new_lens]
-    rows = torch.tensor(new_lens).cumsum(0).sub(1).tolist()
-    batch = build_batch(
-        ForwardMode.EXTEND, tokens, prefix_lens, [r.pool_row for r in reqs], runner.req_to_token.table, rows, capture
-    )
-    return batch, reqs
-
-
-def release(engine: Engine, reqs: list[Req]) -> None:
-    for req in reqs:
-        engine.runner.allocator.release(req)
-        engine.runner.req_to_token.release(req.pool_row)
 
 
 @pytest.mark.parametrize("prefix,new", [([0], [5]), ([0, 0, 0], [3, 17, 9]), ([20, 0], [13, 40])])

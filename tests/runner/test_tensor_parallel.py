@@ -13,35 +13,10 @@ from blockspec import Engine
 from blockspec.distributed.group import TensorParallel
 from blockspec.distributed.shards import ShardLayout, cut_for
 from tests.support.tiny_models import save_tiny_draft, save_tiny_model
-from tests.support.tp_testing import PROMPTS, assert_same_outputs, cpu_flags, deadline, generate, tp_engine
+from tests.support.tp_testing import (
+    GREEDY, PROMPTS, check_tp2_matches_tp1, cpu_flags, deadline, generate, tp_engine,
+)
 from blockspec.engine.rank_processes import TensorParallelError
-
-GREEDY = dict(max_new_tokens=20, temperature=0.0, ignore_eos=True)
-# NOTE: a penalised greedy request is deterministic but leaves the one-graph greedy cycle (host propose / verify)
-MIXED_PARAMS = [GREEDY, {**GREEDY, "frequency_penalty": 0.5}, GREEDY]
-# NOTE: fp32 logits differ across TP sizes only in reduction order: a seeded draw flips only on a ~1e-7 boundary
-SAMPLED = [{**GREEDY, "temperature": 0.8, "seed": seed} for seed in (1, 2, 3)]
-
-
-def every_path(engine: Engine) -> tuple[list[dict[str, Any]], ...]:
-    """All-greedy (the overlap schedule: device rows, the one-graph greedy cycle under DFlash); with a penalised
-    request and log-probabilities (host rows: decode / propose + verify from the host); seeded sampling (rank 0
-    samples from the gathered logits; rejection sampling under DFlash)."""
-    return (generate(engine, GREEDY, logprobs=False), generate(engine, MIXED_PARAMS, logprobs=True),
-            generate(engine, SAMPLED, logprobs=False))
-
-
-def check_tp2_matches_tp1(flags: dict[str, Any]) -> Engine:
-    with Engine(**flags) as engine:
-        reference = every_path(engine)
-    with tp_engine(flags) as engine:
-        outputs = every_path(engine)
-        info = engine.get_server_info()
-    for expected, got in zip(reference, outputs):
-        assert_same_outputs(expected, got)
-    assert info["tp_size"] == 2
-    return engine
-
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3", "llama-kv1-vocab95"])
 def test_target_only_tp2_matches_tp1(tmp_path: Path, variant: str) -> None:

@@ -4,35 +4,21 @@ target-only and under DFlash (verify rows masked along the proposals, matcher ro
 matches; accept length under a grammar is reported; bad grammars are errors naming the field."""
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from blockspec import Engine
 from tests.support.draft_training import cpu_engine
 from tests.support.engine_testing import assert_engine_idle
+from tests.support.grammar_cases import CASES, ENUM_SCHEMA, PROMPTS, matches, prompt_ids
 from tests.support.grammar_models import constrained_greedy, constrained_string_distribution
 
 # NOTE: only the CUDA engines' cases carry the gpu mark (make gpu-test runs them); the CPU cases run in make test
 # and would only repeat themselves on the device (about 150 s of the H100 suite at e7c3ed1).
 
-ENUM_SCHEMA = json.dumps({
-    "type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
-    "required": ["answer", "sure"], "additionalProperties": False,
-})
-CASES: dict[str, tuple[str, str]] = {
-    "yes/no regex": ("regex", "(yes|no)"),
-    "pattern regex": ("regex", "[a-z]{2,5} [0-9]{1,3}!"),
-    "enum schema": ("json_schema", ENUM_SCHEMA),
-    "ebnf": ("ebnf", 'root ::= "The answer is " ("yes" | "no" | "maybe") "."'),
-    "any object": ("json_schema", '{"type": "object"}'),
-}
-PROMPTS = ["Answer yes or no: is the sky blue?", "Janet has 3 apples.", "Give me JSON"]
 MAX_NEW = 40
 # NOTE: DFlash verifies the full block on both devices (on the CPU it is the default). Adaptive verify, the default
 # where the greedy cycle is one CUDA graph, learns from the free greedy run (this draft accepts ~3% of its proposals
@@ -60,21 +46,6 @@ def engines(pair: dict[str, Any], request: pytest.FixtureRequest) -> Iterator[di
     yield built
     for engine in built.values():
         engine.shutdown()
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    return [list(tokenizer.encode(text)) for text in PROMPTS]
-
-
-def matches(kind: str, source: str, text: str) -> bool:
-    if kind == "regex":
-        return re.fullmatch(source, text) is not None
-    if kind == "ebnf":
-        return re.fullmatch(r"The answer is (yes|no|maybe)\.", text) is not None
-    value = json.loads(text)
-    if source == ENUM_SCHEMA:
-        return set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
-    return isinstance(value, dict)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -6,16 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from transformers import PreTrainedModel
 
 from tests.support.draft_training import cpu_engine
 from tests.support.engine_testing import random_prompts
+from tests.support.logprob_reference import TOP_N, check_against_hf
 
 PROMPTS = random_prompts([5, 12, 3, 30], seed=5)
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 SAMPLED = {"temperature": 0.7, "top_k": 20, "seed": 3, "max_new_tokens": 24, "ignore_eos": True}
-TOP_N = 3
 
 
 @pytest.fixture(scope="module")
@@ -24,27 +22,6 @@ def models(trained_pair: dict[str, Any]) -> dict[str, Any]:
 
 
 engine_for = cpu_engine
-
-
-@torch.no_grad()
-def hf_logprobs(model: PreTrainedModel, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """[len(output), V]: HF's log_softmax of the distribution each output token was chosen from."""
-    ids = torch.tensor([prompt + output])
-    logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-
-
-def check_against_hf(model: PreTrainedModel, prompt: list[int], out: dict[str, Any]) -> None:
-    meta, output = out["meta_info"], out["output_ids"]
-    expected = hf_logprobs(model, prompt, output)
-    assert [token for _, token, _ in meta["output_token_logprobs"]] == output
-    got = torch.tensor([logprob for logprob, _, _ in meta["output_token_logprobs"]])
-    torch.testing.assert_close(got, expected.gather(1, torch.tensor(output)[:, None])[:, 0], atol=1e-4, rtol=1e-4)
-    assert len(meta["output_top_logprobs"]) == len(output)
-    values, ids = expected.topk(TOP_N, dim=-1)
-    for position, top in enumerate(meta["output_top_logprobs"]):
-        assert [token for _, token, _ in top] == ids[position].tolist()
-        torch.testing.assert_close(torch.tensor([lp for lp, _, _ in top]), values[position], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("spec", [False, True])

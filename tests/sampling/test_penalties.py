@@ -1,26 +1,20 @@
 """Penalties and biases (CPU, fp32): frequency/presence/repetition penalties, min_new_tokens and logit_bias give the
-tokens of a plain HF greedy loop that applies the same rules (written out here), for target-only decoding and DFlash
-(per verify row, counting the block's earlier proposals), also in mixed batches; bad values are clear errors."""
+tokens of a plain HF greedy loop that applies the same rules (tests/support/penalty_reference.py), for target-only
+decoding and DFlash (per verify row, counting the block's earlier proposals), also in mixed batches; bad values are
+clear errors."""
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedModel
 
 from tests.support.draft_training import cpu_engine
 from tests.support.engine_testing import random_prompts
+from tests.support.penalty_reference import CASES, hf_penalised_greedy
 
 PROMPTS = random_prompts([6, 11, 4], seed=7)
 BASE = {"temperature": 0, "max_new_tokens": 20}
-CASES = {
-    "frequency+presence": {"frequency_penalty": 0.8, "presence_penalty": 0.5},
-    "strong frequency": {"frequency_penalty": 2.0, "presence_penalty": 2.0, "max_new_tokens": 40, "ignore_eos": True},
-    "repetition": {"repetition_penalty": 1.7},
-    "bias": {"logit_bias": {"17": 6.0, "23": -100.0}},
-    "min_new_tokens": {"min_new_tokens": 12, "stop_token_ids": [40]},
-}
 
 
 @pytest.fixture(scope="module")
@@ -29,31 +23,6 @@ def models(trained_pair: dict[str, Any]) -> dict[str, Any]:
 
 
 engine_for = cpu_engine
-
-
-@torch.no_grad()
-def hf_penalised_greedy(model: PreTrainedModel, prompt: list[int], params: dict[str, Any], eos: set[int]) -> list[int]:
-    output: list[int] = []
-    stops = eos | set(params.get("stop_token_ids", []))
-    for _ in range(params["max_new_tokens"]):
-        ids = torch.tensor([prompt + output])
-        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, -1].float().tolist()
-        for token in range(len(logits)):
-            count = output.count(token)
-            logits[token] -= params.get("frequency_penalty", 0.0) * count + params.get("presence_penalty", 0.0) * (
-                count > 0
-            )
-            r = params.get("repetition_penalty", 1.0)
-            if token in prompt or count:
-                logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
-            logits[token] += params.get("logit_bias", {}).get(str(token), 0.0)
-            if token in stops and len(output) < params.get("min_new_tokens", 0):
-                logits[token] = float("-inf")
-        token = max(range(len(logits)), key=lambda t: logits[t])
-        output.append(token)
-        if token in stops and not params.get("ignore_eos"):
-            break
-    return output
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -3,46 +3,23 @@ decode tokens or DFlash verify blocks. Outputs equal HF greedy, and mixed and un
 with the same per-cycle acceptance (greedy and seeded sampling), KV fully free after."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
 from blockspec import Engine
-from blockspec.request import Req
-from tests.support.engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
+from tests.support.engine_testing import assert_engine_idle, hf_greedy
+from tests.support.staggered_arrivals import staggered_run
 
 pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 40, "ignore_eos": True}
-EARLY = random_prompts([5, 9, 3], seed=1)
-LATE = random_prompts([37, 23, 50, 2], seed=2)
 
 
 @pytest.fixture(scope="module")
 def models(trained_pair: dict[str, Any]) -> dict[str, Any]:
     return trained_pair
-
-
-def staggered_run(root: Path, spec: bool, mixed: bool, params: dict[str, Any], page_size: int,
-                  **extra: Any) -> tuple[Engine, list[Req]]:
-    """Early requests start decoding; the late ones arrive two steps later with prompts chunked 16 tokens a step."""
-    args: dict[str, Any] = dict(model_path=str(root / "target"), device="cpu", dtype="float32", page_size=page_size,
-                                max_total_tokens=2048, chunked_prefill_size=16, skip_tokenizer_init=True,
-                                enable_mixed_chunk=mixed, **extra)
-    if spec:
-        args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
-    engine = Engine(**args)
-    early, _ = engine.make_requests(input_ids=EARLY, sampling_params=params)
-    for req in early:
-        engine.scheduler.add_request(req)
-    for _ in range(3):
-        engine.step()
-    late, _ = engine.make_requests(input_ids=LATE, sampling_params=params)
-    for req in late:
-        engine.scheduler.add_request(req)
-    return engine, run_until_done(engine, early + late)
 
 
 @pytest.mark.parametrize("spec", [False, True])

@@ -18,7 +18,7 @@ from blockspec import Engine
 from blockspec.server import BackgroundServer
 from blockspec.server.args import ServerSettings, default_api_server_count, parse_serve_args
 from tests.support.server_support import metric_value, save_text_model, server_process, wait_idle
-from tests.server.test_server_shutdown import GRACE_S, sigterm_drains
+from tests.support.shutdown_drain import GRACE_S, sigterm_drains
 
 COUNT = 3
 

@@ -14,6 +14,11 @@ PROMPTS = [
     [20, 21, 22],
     [30, 31, 32, 33, 34, 35, 36, 37, 38],
 ]
+GREEDY = dict(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+# NOTE: a penalised greedy request is deterministic but leaves the one-graph greedy cycle (host propose / verify)
+MIXED_PARAMS = [GREEDY, {**GREEDY, "frequency_penalty": 0.5}, GREEDY]
+# NOTE: fp32 logits differ across TP sizes only in reduction order: a seeded draw flips only on a ~1e-7 boundary
+SAMPLED = [{**GREEDY, "temperature": 0.8, "seed": seed} for seed in (1, 2, 3)]
 
 
 def cpu_flags(model_path: Path, **extra: Any) -> dict[str, Any]:
@@ -69,3 +74,25 @@ def assert_same_outputs(reference: list[dict[str, Any]], outputs: list[dict[str,
         assert all(abs(a - b) <= atol for a, b in zip(ref_lp, out_lp)), (ref_lp, out_lp)
         for key in ("spec_verify_ct", "spec_accept_length"):
             assert ref["meta_info"].get(key) == out["meta_info"].get(key), key
+
+
+def every_path(engine: Engine) -> tuple[list[dict[str, Any]], ...]:
+    """All-greedy (the overlap schedule: device rows, the one-graph greedy cycle under DFlash); with a penalised
+    request and log-probabilities (host rows: decode / propose + verify from the host); seeded sampling (rank 0
+    samples from the gathered logits; rejection sampling under DFlash)."""
+    return (generate(engine, GREEDY, logprobs=False), generate(engine, MIXED_PARAMS, logprobs=True),
+            generate(engine, SAMPLED, logprobs=False))
+
+
+def check_tp2_matches_tp1(flags: dict[str, Any]) -> Engine:
+    """The engine of `flags` at TP=2 gives TP=1's outputs on every path (every_path); returns the TP=2 engine, shut
+    down."""
+    with Engine(**flags) as engine:
+        reference = every_path(engine)
+    with tp_engine(flags) as engine:
+        outputs = every_path(engine)
+        info = engine.get_server_info()
+    for expected, got in zip(reference, outputs):
+        assert_same_outputs(expected, got)
+    assert info["tp_size"] == 2
+    return engine

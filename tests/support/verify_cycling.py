@@ -1,9 +1,13 @@
-"""A verify-length policy for tests: cycles through a fixed sequence of lengths, one per cycle, at any batch size."""
+"""A verify-length policy for tests: cycles through a fixed sequence of lengths, one per cycle, at any batch size; and
+SEQUENCE, the lengths the changing-verify-length tests cycle through."""
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from blockspec.speculative.verify_length import AcceptanceStats, VerifyChoice
+
+# NOTE: 1 twice in a row (the draft KV of plain decode steps must carry speculation on), every length, back to B.
+SEQUENCE = [1, 3, 8, 2, 1, 1, 5, 8, 8, 4, 1, 7, 6, 8, 1]
 
 
 class CyclingVerifyLength:

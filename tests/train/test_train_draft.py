@@ -18,6 +18,7 @@ from blockspec import Engine, cli as blockspec_cli
 from blockspec.models.config import load_target_config
 from blockspec.train.checkpoint import draft_config_dict, load_trainable_draft, save_draft
 from tests.support.tiny_models import save_tiny_draft, save_tiny_model
+from tests.support.train_prompts import write_prompts
 
 dflash_model = pytest.importorskip("dflash.model")
 dflash_model._cuda_time = time.perf_counter  # NOTE: the reference times with cuda.synchronize; CPU needs a clock
@@ -37,17 +38,6 @@ class Trained:
     target: PreTrainedModel
     held_out: list[list[int]]
     info: dict[str, Any]
-
-
-def write_prompts(path: Path, count: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    prompts = []
-    with open(path, "w") as f:
-        for _ in range(count):
-            n = int(torch.randint(3, 9, (1,), generator=generator))
-            prompts.append(torch.randint(3, 95, (n,), generator=generator).tolist())
-            f.write(json.dumps({"input_ids": prompts[-1]}) + "\n")
-    return prompts
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from blockspec import Engine, cli as blockspec_cli
 from blockspec.models.config import load_target_config
 from blockspec.train.checkpoint import load_trainable_draft
 from tests.support.draft_training import full_block_cycles
-from tests.train.test_train_draft import write_prompts
+from tests.support.train_prompts import write_prompts
 from tests.support.tiny_models import save_tiny_model
 
 dflash_model = pytest.importorskip("dflash.model")
