@@ -33,18 +33,35 @@ class DraftTree:
 def build_tree(logits: torch.Tensor, budget: int) -> DraftTree:
     """The tree of the `budget` most likely prefixes of the per-position draft distributions softmax(`logits`)
     ([bs, L, V], finite; log-probabilities are logits too). Graph-capturable: device ops only, shapes fixed by
-    (bs, L, budget).
+    (bs, L, budget). On CUDA the tree from the candidates is one Triton launch (tree_build_kernel.py: the same tree,
+    ties within a depth aside, where torch's top-k order is unspecified); else `tree_from_candidates`."""
+    top_scores, top_tokens = top_candidates(logits, budget)
+    if logits.is_cuda:
+        from blockspec.speculative.tree_build_kernel import fused_tree_build  # NOTE: needs Triton
+
+        return DraftTree(*fused_tree_build(top_scores, top_tokens))
+    return tree_from_candidates(top_scores, top_tokens)
+
+
+def top_candidates(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, tokens) [bs, L, B]: each position's `budget` most likely tokens and their log-probabilities, each row
+    descending."""
+    vocab = logits.shape[-1]
+    if not 1 <= budget <= vocab:
+        raise ValueError(f"a draft tree needs 1 <= budget <= vocabulary size ({vocab}), got {budget}")
+    logits = logits.float()
+    top_logits, top_tokens = logits.topk(budget, dim=-1)
+    # NOTE: log q_d(u) = logit - logsumexp over the row: no second [bs, L, V] tensor for a log-softmax
+    return top_logits - logits.logsumexp(-1, keepdim=True), top_tokens
+
+
+def tree_from_candidates(top_scores: torch.Tensor, top_tokens: torch.Tensor) -> DraftTree:
+    """The tree of the B best prefixes from each position's top-B (scores, tokens) [bs, L, B] (top_candidates).
 
     NOTE: ties are broken towards shallower prefixes (a stable sort over depth-major candidates), so a child that
     ties its parent (q = 1) never enters without it: the tree stays ancestor-closed whatever the values."""
-    bs, depth_count, vocab = logits.shape
-    if not 1 <= budget <= vocab:
-        raise ValueError(f"a draft tree needs 1 <= budget <= vocabulary size ({vocab}), got {budget}")
-    device = logits.device
-    logits = logits.float()
-    top_logits, top_tokens = logits.topk(budget, dim=-1)  # [bs, L, B], each row descending
-    # NOTE: log q_d(u) = logit - logsumexp over the row: no second [bs, L, V] tensor for a log-softmax
-    top_scores = top_logits - logits.logsumexp(-1, keepdim=True)
+    bs, depth_count, budget = top_scores.shape
+    device = top_scores.device
     scores, tokens, parent_slots = [top_scores[:, 0]], [top_tokens[:, 0]], [torch.zeros_like(top_tokens[:, 0])]
     for depth in range(1, depth_count):
         candidates = (scores[-1][:, :, None] + top_scores[:, depth, None, :]).reshape(bs, budget * budget)

@@ -91,6 +91,12 @@ KERNEL_SPECS = {
                         {"BLOCK_N": 16, "BLOCK_K": 128}),
     "moe_combine": ("blockspec.layers.fused_moe", "_combine_kernel", {"pair_out_ptr": F32, "out_ptr": BF16},
                     {"BLOCK_H": 1024}),
+    # NOTE: DDTree's tree build at a budget of 64 over 15 depths (the demo draft's block of 16)
+    "tree_build": ("blockspec.speculative.tree_build_kernel", "_tree_build_kernel",
+                   {"scores_ptr": F32, "tokens_ptr": I64, "pairs_ptr": I32, "cand_scores_ptr": F32,
+                    "cand_tokens_ptr": I64, "cand_parents_ptr": I32, "rank_ptr": I32, "out_tokens_ptr": I64,
+                    "out_parents_ptr": I64, "out_depths_ptr": I64, "out_ancestors_ptr": "*i8"},
+                   {"BLOCK_B": 64, "BLOCK_P": 512, "BLOCK_C": 1024, "BLOCK_R": 128, "ROWS": 16}),
 }
 
 

@@ -1,0 +1,176 @@
+"""DDTree's tree build after the top-B over the vocabulary (tree_build.py's torch form), as one Triton program per
+request: one launch where the torch form is about 130 (a handful per depth, then the final order, then one gather per
+depth for the ancestor mask), each a few microseconds inside the greedy-cycle graph.
+
+Per depth d ≥ 1 the program keeps the torch form's candidates: the top-B of {s_i + log q_d(u_j)} over the previous
+depth's top-B prefix scores s (descending) and the top-B tokens of q_d (descending). Both lists are sorted, so a sum
+(i, j) is beaten by every (i', j') ≤ (i, j) but itself, (i + 1)(j + 1) − 1 sums: only the pairs with
+(i + 1)(j + 1) ≤ B can be among the top-B (about B·ln B of the B² pairs, 280 at B = 64), and those are what the
+program sorts. The sort keys pack the fp32 score above the pair's index, so a sort of 64-bit integers orders by
+score descending and breaks ties towards the smaller index (torch's first-in-order), and each sum is the one fp32
+addition the torch form makes: the same scores bit for bit. The final order is a stable sort over the depth-major
+candidates (shallower first on ties, so a parent precedes a child that ties it), as in the torch form; then parents,
+depths and the ancestor mask (each row's walk to the root).
+
+NOTE: the program passes values between depths through global scratch and `tl.debug_barrier()` (a CTA barrier:
+its threads' global writes are visible to each other after it)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+
+ANCESTOR_ROWS = 16  # NOTE: tree rows per step of the ancestor mask's loop
+MIN_BLOCK = 16  # NOTE: no block edge below it (a budget of 1 would make one-element blocks)
+
+
+@triton.jit
+def _score_key(score, index, SPAN: tl.constexpr):
+    """int64 keys whose descending order is score descending, then index ascending (index in [0, SPAN))."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)  # NOTE: + 0.0 turns -0.0 into +0.0, which torch calls equal
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # NOTE: signed order of the result = float order of the score
+    return (ordered.to(tl.int64) << 32) | (SPAN - 1 - index).to(tl.int64)
+
+
+@triton.jit
+def _key_score(key):
+    ordered = (key >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_index(key, SPAN: tl.constexpr):
+    return SPAN - 1 - (key & 0xFFFFFFFF)
+
+
+@triton.jit
+def _leading(keys, SIZE: tl.constexpr, WIDTH: tl.constexpr):
+    """The first WIDTH entries of a [SIZE] tensor (SIZE a multiple of WIDTH)."""
+    rows = tl.reshape(keys, (SIZE // WIDTH, WIDTH))
+    return tl.sum(tl.where(tl.arange(0, SIZE // WIDTH)[:, None] == 0, rows, 0), axis=0)
+
+
+@triton.jit
+def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_tokens_ptr, cand_parents_ptr,
+                       rank_ptr, out_tokens_ptr, out_parents_ptr, out_depths_ptr, out_ancestors_ptr, depth_count,
+                       budget, num_pairs, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_R: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    """One request's tree from scores / tokens [L, B] (each depth's top-B log q and tokens, descending). Scratch per
+    request: pairs [BLOCK_P] (the pairs that can make the top-B, as i·BLOCK_B + j), cand_* and rank [L, B] (each
+    depth's top-B prefixes: score, last token, parent slot; tree row of the chosen ones)."""
+    wait_for_previous_grid(PDL)
+    request = tl.program_id(0).to(tl.int64)
+    span = depth_count * budget
+    scores = scores_ptr + request * span
+    tokens = tokens_ptr + request * span
+    cand_scores = cand_scores_ptr + request * span
+    cand_tokens = cand_tokens_ptr + request * span
+    cand_parents = cand_parents_ptr + request * span
+    rank = rank_ptr + request * span
+    pairs = pairs_ptr + request * BLOCK_P
+    slots = tl.arange(0, BLOCK_B)
+    in_budget = slots < budget
+
+    # the pairs (i, j) with (i + 1)(j + 1) <= B, in row-major order
+    flat = tl.arange(0, BLOCK_B * BLOCK_B)
+    row, col = flat // BLOCK_B, flat % BLOCK_B
+    can_win = (row < budget) & (col < budget) & ((row + 1) * (col + 1) <= budget)
+    place = tl.cumsum(can_win.to(tl.int32), axis=0) - 1
+    tl.store(pairs + place, flat, mask=can_win)
+    # depth 0: the top-B tokens themselves, children of the root
+    tl.store(cand_scores + slots, tl.load(scores + slots, mask=in_budget, other=0.0), mask=in_budget)
+    tl.store(cand_tokens + slots, tl.load(tokens + slots, mask=in_budget, other=0), mask=in_budget)
+    tl.store(cand_parents + slots, slots * 0, mask=in_budget)
+    tl.debug_barrier()
+
+    p = tl.arange(0, BLOCK_P)
+    p_valid = p < num_pairs
+    pair = tl.load(pairs + p, mask=p_valid, other=0)
+    parent_slot, token_slot = pair // BLOCK_B, pair % BLOCK_B
+    for depth in range(1, depth_count):
+        above = tl.load(cand_scores + (depth - 1) * budget + parent_slot, mask=p_valid, other=0.0)
+        here = tl.load(scores + depth * budget + token_slot, mask=p_valid, other=0.0)
+        summed = tl.where(p_valid, above + here, float("-inf"))
+        best = _leading(tl.sort(_score_key(summed, pair, BLOCK_B * BLOCK_B), descending=True), BLOCK_P, BLOCK_B)
+        chosen = _key_index(best, BLOCK_B * BLOCK_B)
+        at = depth * budget + slots
+        tl.store(cand_scores + at, _key_score(best), mask=in_budget)
+        tl.store(cand_tokens + at, tl.load(tokens + depth * budget + chosen % BLOCK_B, mask=in_budget, other=0),
+                 mask=in_budget)
+        tl.store(cand_parents + at, (chosen // BLOCK_B).to(tl.int32), mask=in_budget)
+        tl.debug_barrier()
+
+    # the tree: the top-B of all depths' candidates, stable over the depth-major order
+    c = tl.arange(0, BLOCK_C)
+    best = _leading(tl.sort(_score_key(tl.load(cand_scores + c, mask=c < span, other=float("-inf")), c, BLOCK_C),
+                            descending=True), BLOCK_C, BLOCK_B)
+    order = _key_index(best, BLOCK_C)
+    node_depth = order // budget  # NOTE: depth - 1
+    tl.store(rank + order, (slots + 1).to(tl.int32), mask=in_budget)
+    tl.debug_barrier()
+    has_parent = in_budget & (node_depth > 0)
+    parent_candidate = (node_depth - 1) * budget + tl.load(cand_parents + order, mask=has_parent, other=0)
+    node_parents = tl.load(rank + parent_candidate, mask=has_parent, other=0).to(tl.int64)
+    width = budget + 1
+    tl.store(out_tokens_ptr + request * budget + slots, tl.load(cand_tokens + order, mask=in_budget, other=0),
+             mask=in_budget)
+    # NOTE: tree row 0 is the root (its own parent, depth 0); row k + 1 is node k
+    tl.store(out_parents_ptr + request * width + slots, node_parents * 0, mask=slots == 0)
+    tl.store(out_parents_ptr + request * width + 1 + slots, node_parents, mask=in_budget)
+    tl.store(out_depths_ptr + request * width + slots, node_depth * 0, mask=slots == 0)
+    tl.store(out_depths_ptr + request * width + 1 + slots, node_depth + 1, mask=in_budget)
+    tl.debug_barrier()
+
+    # the ancestor mask: row r sees itself and every row on its walk to the root (depth_count steps reach it)
+    parents = out_parents_ptr + request * width
+    columns = tl.arange(0, BLOCK_R)
+    for start in range(0, width, ROWS):
+        rows = start + tl.arange(0, ROWS)
+        rows_valid = rows < width
+        current = rows.to(tl.int64)
+        sees = columns[None, :] == current[:, None]
+        for _ in range(depth_count):
+            current = tl.load(parents + current, mask=rows_valid, other=0)
+            sees = sees | (columns[None, :] == current[:, None])
+        tl.store(out_ancestors_ptr + request * width * width + rows[:, None] * width + columns[None, :],
+                 sees.to(tl.int8), mask=rows_valid[:, None] & (columns[None, :] < width))
+
+
+def staircase_pairs(budget: int) -> int:
+    """How many (i, j) of [0, B)² have (i + 1)(j + 1) <= B: the pairs a depth's top-B can come from."""
+    return sum(budget // (i + 1) for i in range(budget))
+
+
+def fused_tree_build(top_scores: torch.Tensor, top_tokens: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tree_build.tree_from_candidates in one launch: top_scores [bs, L, B] fp32 and top_tokens [bs, L, B] int64
+    (each depth's top-B log-probabilities and tokens, descending) → (tokens [bs, B], parents [bs, B + 1], depths
+    [bs, B + 1] int64, ancestors [bs, B + 1, B + 1] bool)."""
+    bs, depth_count, budget = top_scores.shape
+    device = top_scores.device
+    top_scores = top_scores.float().contiguous()
+    top_tokens = top_tokens.contiguous()
+    block_b = max(MIN_BLOCK, triton.next_power_of_2(budget))
+    num_pairs = staircase_pairs(budget)
+    block_p = max(triton.next_power_of_2(num_pairs), block_b)
+    block_c = max(triton.next_power_of_2(depth_count * budget), block_b)
+    tokens = torch.empty((bs, budget), dtype=torch.int64, device=device)
+    parents = torch.empty((bs, budget + 1), dtype=torch.int64, device=device)
+    depths = torch.empty((bs, budget + 1), dtype=torch.int64, device=device)
+    ancestors = torch.empty((bs, budget + 1, budget + 1), dtype=torch.bool, device=device)
+    if bs == 0:
+        return tokens, parents, depths, ancestors
+    pairs = torch.empty((bs, block_p), dtype=torch.int32, device=device)
+    cand_scores = torch.empty((bs, depth_count, budget), dtype=torch.float32, device=device)
+    cand_tokens = torch.empty((bs, depth_count, budget), dtype=torch.int64, device=device)
+    cand_parents = torch.empty((bs, depth_count, budget), dtype=torch.int32, device=device)
+    rank = torch.empty((bs, depth_count, budget), dtype=torch.int32, device=device)
+    _tree_build_kernel[(bs,)](
+        top_scores, top_tokens, pairs, cand_scores, cand_tokens, cand_parents, rank, tokens, parents, depths,
+        ancestors.view(torch.int8), depth_count, budget, num_pairs, BLOCK_B=block_b, BLOCK_P=block_p,
+        BLOCK_C=block_c, BLOCK_R=max(MIN_BLOCK, triton.next_power_of_2(budget + 1)), ROWS=ANCESTOR_ROWS,
+        num_warps=4 if block_p <= 512 else 8, **pdl_launch(top_scores),
+    )
+    return tokens, parents, depths, ancestors

@@ -1,0 +1,80 @@
+"""DDTree's fused tree build (speculative/tree_build_kernel.py) equals the torch form (tree_build.tree_from_candidates,
+itself checked against the paper's heap in tests/dflash/test_tree_build.py): tokens, parents, depths and the ancestor
+mask, for budgets below, at and above a power of two, one node, and many requests. Under Triton's interpreter on CPU
+(root conftest), natively on CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
+pytest.importorskip("triton")
+
+from blockspec.speculative.tree_build import build_tree, top_candidates, tree_from_candidates  # noqa: E402
+from blockspec.speculative.tree_build_kernel import fused_tree_build, staircase_pairs  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("bs,depths,vocab,budget,temperature", [
+    (3, 15, 96, 64, 0.5),  # the demo draft's depth (block 16) at a budget of 64
+    (2, 15, 80, 32, 2.0),
+    (4, 7, 40, 24, 1.0),  # a budget that is not a power of two
+    (1, 3, 12, 5, 1.0),
+    (5, 6, 50, 1, 1.0),  # one node: the best first token
+    (2, 4, 8, 8, 3.0),  # the budget is the whole vocabulary
+    (1, 1, 30, 16, 1.0),  # one depth: the top tokens alone
+])
+def test_fused_tree_equals_the_torch_form(bs: int, depths: int, vocab: int, budget: int, temperature: float) -> None:
+    torch.manual_seed(bs * 1000 + depths * vocab + budget)
+    logits = torch.randn(bs, depths, vocab, device=DEVICE) * temperature
+    scores, tokens = top_candidates(logits, budget)
+    expected = tree_from_candidates(scores, tokens)
+    got_tokens, got_parents, got_depths, got_ancestors = fused_tree_build(scores, tokens)
+    assert torch.equal(got_tokens, expected.tokens)
+    assert torch.equal(got_parents, expected.parents)
+    assert torch.equal(got_depths, expected.depths)
+    assert torch.equal(got_ancestors, expected.ancestors)
+
+
+def test_ties_keep_the_fused_tree_ancestor_closed() -> None:
+    """A certain position (q = 1 at one token) ties every child with its parent, and the other tokens tie each other:
+    parents still come first, the chain of certain tokens leads, and the tree holds the best scores."""
+    log_probs = torch.full((1, 4, 10), -30.0, device=DEVICE)
+    log_probs[0, :, 3] = 0.0
+    log_probs[0, 2, 5] = -0.5
+    scores, tokens = top_candidates(log_probs, 6)
+    got_tokens, got_parents, got_depths, got_ancestors = fused_tree_build(scores, tokens)
+    expected = tree_from_candidates(scores, tokens)
+    paths: list[tuple[int, ...]] = [()]
+    for row in range(1, 7):
+        parent = int(got_parents[0, row])
+        assert parent < row and int(got_depths[0, row]) == int(got_depths[0, parent]) + 1
+        paths.append(paths[parent] + (int(got_tokens[0, row - 1]),))
+    assert paths[1:5] == [(3,), (3, 3), (3, 3, 3), (3, 3, 3, 3)]
+    assert torch.equal(got_tokens[0, :5], expected.tokens[0, :5])  # NOTE: the tied -30 nodes may differ in order
+    for row in range(7):
+        on_walk, at = {row}, row
+        while at:
+            at = int(got_parents[0, at])
+            on_walk.add(at)
+        assert set(torch.nonzero(got_ancestors[0, row]).flatten().tolist()) == on_walk
+
+
+def test_build_tree_on_the_device_takes_the_kernel() -> None:
+    """build_tree on CUDA gives the fused build's tree (on the CPU it is the torch form, which the tests compare)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("build_tree takes the kernel on CUDA only")
+    torch.manual_seed(0)
+    logits = torch.randn(2, 15, 1000, device=DEVICE)
+    tree = build_tree(logits, 32)
+    expected = tree_from_candidates(*top_candidates(logits, 32))
+    assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.ancestors, expected.ancestors)
+
+
+def test_staircase_counts_the_pairs_that_can_win() -> None:
+    """Pairs (i, j) with (i + 1)(j + 1) <= B, by brute force: a pair outside is beaten by that many others."""
+    for budget in (1, 5, 16, 64):
+        brute = sum((i + 1) * (j + 1) <= budget for i in range(budget) for j in range(budget))
+        assert staircase_pairs(budget) == brute
