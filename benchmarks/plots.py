@@ -452,6 +452,24 @@ def plot_tree_serving(report: dict[str, Any], json_path: Path) -> Path:
     return save_titled(fig, report, json_path, "DDTree through blockspec serve · ")
 
 
+def plot_tree_build(report: dict[str, Any], json_path: Path) -> Path:
+    """Per vocabulary: ms per tree build against the batch size, the torch form and the fused kernel per budget (the
+    shared top-B over the vocabulary dotted)."""
+    rows = report["rows"]
+    vocabs = sorted({r["vocab"] for r in rows})
+    fig, axes = plt.subplots(1, len(vocabs), figsize=(6 * len(vocabs), 4.5), squeeze=False)
+    for ax, vocab in zip(axes[0], vocabs):
+        for budget in sorted({r["budget"] for r in rows if r["vocab"] == vocab}):
+            sel = sorted((r for r in rows if (r["vocab"], r["budget"]) == (vocab, budget)), key=lambda r: r["bs"])
+            sizes = [r["bs"] for r in sel]
+            line, = ax.plot(sizes, [r["torch_ms"] for r in sel], "o--", label=f"torch, B = {budget}")
+            ax.plot(sizes, [r["fused_ms"] for r in sel], "s-", color=line.get_color(), label=f"fused, B = {budget}")
+            ax.plot(sizes, [r["topk_ms"] for r in sel], ":", color=line.get_color(), label=f"top-B alone, B = {budget}")
+        batch_size_ticks(ax, [r for r in rows if r["vocab"] == vocab])
+        finish_axis(ax, "batch size", "ms per tree build (CUDA graph replay)", f"vocabulary {vocab:,}", 10)
+    return save_titled(fig, report, json_path, "DDTree tree build · ")
+
+
 def plot_moe(report: dict[str, Any], json_path: Path) -> Path:
     """A panel each for the parts the result holds: the MoE layer's time against its touched-expert floor, the
     engine's tokens/s per step mode, and the tile sweep (the fastest tile set against choose_tiles's pick)."""
@@ -536,6 +554,7 @@ PLOTTERS: dict[str, Callable[[Path], Path]] = {
     "radix_evict": _from_file(plot_radix_evict),
     "tree_verify": _from_file(plot_tree_verify),
     "tree_serving": _from_file(plot_tree_serving),
+    "tree_build": _from_file(plot_tree_build),
     "moe": _from_file(plot_moe),
     "dflash2": _from_file(plot_dflash2),
 }

@@ -59,6 +59,8 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 512 --max-rounds 16" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's last row: the demo pair with real weights)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_build (#52: the fused tree build against the torch" \
+         "form, about a minute)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 64" \
          "(#52: the demo pair through blockspec serve at 1 client, the chain and trees of 32 and 64 nodes)"

@@ -1,0 +1,106 @@
+"""DDTree's tree build on the GPU: the torch form (tree_build.tree_from_candidates, about 130 launches) against the
+fused Triton build (tree_build_kernel.fused_tree_build, one launch), each after the same top-B over the vocabulary
+(top_candidates), per batch size and budget. Writes tree_build_<date>_<commit>.json into --out with
+
+  rows  {bs, budget, depths, vocab, topk_ms, torch_ms, fused_ms, torch_over_fused, same_tree}: ms per build, each
+        variant captured in a CUDA graph (as inside the greedy-cycle graph) and replayed back to back; topk_ms is
+        top_candidates alone (the part both share), torch_ms / fused_ms the whole build_tree with that tree step;
+        same_tree whether both gave the same tree on the timed inputs (random logits: no ties).
+
+The default shapes are the demo draft's (block 16: 15 depths, SmolLM2's 49,152 tokens) and Llama-3's vocabulary
+(128,256). `--smoke` runs tiny shapes on the CPU (under Triton's interpreter; timings mean nothing)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from benchmarks.results import add_commit_argument, add_out_argument, write_json, write_rows
+from blockspec.speculative.tree_build import DraftTree, top_candidates, tree_from_candidates
+
+
+def replay_ms(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
+    """ms per call of fn: on CUDA captured once in a graph (after a warm-up that compiles), replayed `repeat` times
+    back to back; on the CPU timed eagerly."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / repeat
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
+def same_tree(a: DraftTree, b: DraftTree) -> bool:
+    return all(torch.equal(x, y) for x, y in ((a.tokens, b.tokens), (a.parents, b.parents), (a.depths, b.depths),
+                                             (a.ancestors, b.ancestors)))
+
+
+def measure(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> None:
+    from blockspec.speculative.tree_build_kernel import fused_tree_build
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    result["settings"] = {"depths": args.depths, "repeat": args.repeat}
+    for vocab in args.vocabs:
+        for budget in args.budgets:
+            for bs in args.batch_sizes:
+                torch.manual_seed(bs + budget)
+                logits = torch.randn(bs, args.depths, vocab, device=device, dtype=torch.bfloat16)
+                fused = DraftTree(*fused_tree_build(*top_candidates(logits, budget)))
+                reference = tree_from_candidates(*top_candidates(logits, budget))
+                row = {
+                    "bs": bs, "budget": budget, "depths": args.depths, "vocab": vocab,
+                    "topk_ms": replay_ms(lambda: top_candidates(logits, budget), device, args.repeat),
+                    "torch_ms": replay_ms(lambda: tree_from_candidates(*top_candidates(logits, budget)), device,
+                                          args.repeat),
+                    "fused_ms": replay_ms(lambda: fused_tree_build(*top_candidates(logits, budget)), device,
+                                          args.repeat),
+                    "same_tree": same_tree(fused, reference),
+                }
+                row["torch_over_fused"] = row["torch_ms"] / row["fused_ms"]
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                write_json(out, result)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[49152, 128256])
+    parser.add_argument("--depths", type=int, default=15, help="draft positions a tree spans (block size - 1)")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    add_out_argument(parser)
+    add_commit_argument(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        # NOTE: before the kernel's module is imported (measure imports it): Triton decides at decoration time
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.batch_sizes, args.budgets, args.vocabs, args.depths, args.repeat = [1, 3], [4, 8], [64], 5, 2
+    elif not torch.cuda.is_available():
+        parser.error("the tree build benchmark needs CUDA (or --smoke)")
+    return write_rows("tree_build", args, measure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
