@@ -1,11 +1,14 @@
-"""DDTree's tree build on the GPU: the torch form (tree_build.tree_from_candidates, about 130 launches) against the
-fused Triton build (tree_build_kernel.fused_tree_build, one launch), each after the same top-B over the vocabulary
+"""DDTree's tree build and walk on the GPU: the torch forms (tree_build.tree_from_candidates, about 130 launches;
+tree_walk.reference_tree_walk, about 18) against the fused Triton kernels (tree_build_kernel.fused_tree_build and
+tree_walk_kernel.fused_tree_walk, one launch each), the build after the same top-B over the vocabulary
 (top_candidates), per batch size and budget. Writes tree_build_<date>_<commit>.json into --out with
 
-  rows  {bs, budget, depths, vocab, topk_ms, torch_ms, fused_ms, torch_over_fused, same_tree}: ms per build, each
-        variant captured in a CUDA graph (as inside the greedy-cycle graph) and replayed back to back; topk_ms is
-        top_candidates alone (the part both share), torch_ms / fused_ms the whole build_tree with that tree step;
-        same_tree whether both gave the same tree on the timed inputs (random logits: no ties).
+  rows  {bs, budget, depths, vocab, topk_ms, torch_ms, fused_ms, torch_over_fused, same_tree, walk_torch_ms,
+        walk_fused_ms, same_walk}: ms per call, each variant captured in a CUDA graph (as inside the greedy-cycle
+        graph) and replayed back to back; topk_ms is top_candidates alone (the part both builds share), torch_ms /
+        fused_ms the whole build_tree with that tree step; same_tree whether both gave the same tree on the timed
+        inputs (random logits: no ties); the walk's over the torch tree with random target tokens that follow the
+        tree's first child at every row (walks to a leaf), same_walk whether both walked alike.
 
 The default shapes are the demo draft's (block 16: 15 depths, SmolLM2's 49,152 tokens) and Llama-3's vocabulary
 (128,256). `--smoke` runs tiny shapes on the CPU (under Triton's interpreter; timings mean nothing)."""
@@ -23,6 +26,7 @@ import torch
 
 from benchmarks.results import add_commit_argument, add_out_argument, write_json, write_rows
 from blockspec.speculative.tree_build import DraftTree, top_candidates, tree_from_candidates
+from blockspec.speculative.tree_walk import reference_tree_walk
 
 
 def replay_ms(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
@@ -55,8 +59,20 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
                                              (a.ancestors, b.ancestors)))
 
 
+def following_target(tree: DraftTree) -> torch.Tensor:
+    """[bs, B + 1]: at every tree row the token of its first child (rows are in score order, so the best one), or an
+    id outside the vocabulary at a leaf: the walk goes down the best branch to a leaf."""
+    bs, width = tree.parents.shape
+    rows = torch.arange(width, device=tree.parents.device)
+    is_child = (tree.parents[:, None, :] == rows[None, :, None]) & (rows[None, None, :] != rows[None, :, None])
+    first = torch.where(is_child, rows[None, None, :], width).amin(-1)  # [bs, B + 1]: first child row, or width
+    tokens = torch.cat([tree.tokens, torch.full((bs, 1), -1, device=tree.tokens.device)], 1)
+    return tokens.gather(1, (first - 1).clamp(min=0).masked_fill(first == width, width - 1))
+
+
 def measure(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> None:
     from blockspec.speculative.tree_build_kernel import fused_tree_build
+    from blockspec.speculative.tree_walk_kernel import fused_tree_walk
 
     device = torch.device("cpu" if args.smoke else "cuda")
     result["settings"] = {"depths": args.depths, "repeat": args.repeat}
@@ -77,6 +93,15 @@ def measure(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> None
                     "same_tree": same_tree(fused, reference),
                 }
                 row["torch_over_fused"] = row["torch_ms"] / row["fused_ms"]
+                target = following_target(reference)
+                row["walk_torch_ms"] = replay_ms(lambda: reference_tree_walk(reference, target, args.depths), device,
+                                                 args.repeat)
+                row["walk_fused_ms"] = replay_ms(lambda: fused_tree_walk(
+                    reference.tokens, reference.parents, reference.depths, reference.ancestors, target, args.depths),
+                    device, args.repeat)
+                walks = (reference_tree_walk(reference, target, args.depths), fused_tree_walk(
+                    reference.tokens, reference.parents, reference.depths, reference.ancestors, target, args.depths))
+                row["same_walk"] = all(torch.equal(x, y) for x, y in zip(*walks))
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 write_json(out, result)

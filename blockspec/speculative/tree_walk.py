@@ -16,7 +16,18 @@ def greedy_tree_walk(tree: DraftTree, target_tokens: torch.Tensor, path_len: int
     and leaves the rows after it in place.
 
     NOTE: a row is on the walk when it and all its ancestors match the target's token at their parents; siblings hold
-    distinct tokens, so at most one child of a row matches and those rows form one path from the root."""
+    distinct tokens, so at most one child of a row matches and those rows form one path from the root. On CUDA one
+    Triton launch (tree_walk_kernel.py, the same integers); else `reference_tree_walk`."""
+    if target_tokens.is_cuda:
+        from blockspec.speculative.tree_walk_kernel import fused_tree_walk  # NOTE: needs Triton
+
+        return fused_tree_walk(tree.tokens, tree.parents, tree.depths, tree.ancestors, target_tokens, path_len)
+    return reference_tree_walk(tree, target_tokens, path_len)
+
+
+def reference_tree_walk(tree: DraftTree, target_tokens: torch.Tensor, path_len: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_tree_walk in torch ops (the CPU path and the kernel's oracle)."""
     bs, rows = target_tokens.shape
     node_tokens = torch.cat([target_tokens[:, :1], tree.tokens], dim=1)  # NOTE: the root's entry matches by fiat
     matched = node_tokens == target_tokens.gather(1, tree.parents)

@@ -97,6 +97,10 @@ KERNEL_SPECS = {
                     "cand_tokens_ptr": I64, "cand_parents_ptr": I32, "rank_ptr": I32, "out_tokens_ptr": I64,
                     "out_parents_ptr": I64, "out_depths_ptr": I64, "out_ancestors_ptr": "*i8"},
                    {"BLOCK_B": 64, "BLOCK_P": 512, "BLOCK_C": 1024, "BLOCK_R": 128, "ROWS": 16}),
+    "tree_walk": ("blockspec.speculative.tree_walk_kernel", "_tree_walk_kernel",
+                  {"target_ptr": I64, "tokens_ptr": I64, "parents_ptr": I64, "depths_ptr": I64,
+                   "ancestors_ptr": "*i8", "accepted_ptr": I64, "path_ptr": I64},
+                  {"BLOCK_R": 128, "BLOCK_D": 16, "ROWS": 16}),
 }
 
 

@@ -1,0 +1,46 @@
+"""DDTree's fused greedy walk (speculative/tree_walk_kernel.py) equals the torch form (tree_walk.reference_tree_walk,
+itself checked against the host walk in tests/dflash/test_tree_build.py): the same accepted counts and paths, for
+walks that stop at the root, part-way and at the deepest node. Under Triton's interpreter on CPU (root conftest),
+natively on CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
+
+pytest.importorskip("triton")
+
+from blockspec.speculative.tree_build import top_candidates, tree_from_candidates  # noqa: E402
+from blockspec.speculative.tree_walk import reference_tree_walk  # noqa: E402
+from blockspec.speculative.tree_walk_kernel import fused_tree_walk  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("bs,depths,vocab,budget,follow", [
+    (4, 6, 8, 8, 0.9),  # a small vocabulary and a peaked draft: deep branches, long walks
+    (3, 15, 80, 64, 0.8),  # the demo draft's depth at a budget of 64
+    (5, 15, 40, 32, 0.0),  # the target never agrees: every walk stops at the root
+    (2, 4, 12, 5, 1.0),  # the target always takes the first child: walks to a leaf
+    (3, 1, 20, 16, 0.7),  # one depth
+])
+def test_fused_walk_equals_the_torch_walk(bs: int, depths: int, vocab: int, budget: int, follow: float) -> None:
+    torch.manual_seed(bs * 100 + depths + budget)
+    logits = (torch.randn(bs, depths, vocab) * 4).to(DEVICE)
+    tree = tree_from_candidates(*top_candidates(logits, budget))
+    # NOTE: with follow 0 the target's tokens are outside the vocabulary: no child ever matches
+    target = torch.randint(0, vocab, (bs, budget + 1), device=DEVICE) + (vocab if follow == 0.0 else 0)
+    for i in range(bs):
+        for row in range(budget + 1):
+            children = [c for c in range(1, budget + 1) if int(tree.parents[i, c]) == row and c != row]
+            if children and float(torch.rand(())) < follow:
+                target[i, row] = tree.tokens[i, children[row % len(children)] - 1]
+    accepted, path = fused_tree_walk(tree.tokens, tree.parents, tree.depths, tree.ancestors, target, depths)
+    expected_accepted, expected_path = reference_tree_walk(tree, target, depths)
+    assert torch.equal(accepted, expected_accepted)
+    assert torch.equal(path, expected_path)
+    if follow == 1.0:
+        assert int(accepted.min()) >= 1
+    if follow == 0.0:
+        assert int(accepted.max()) == 0
