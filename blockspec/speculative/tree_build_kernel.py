@@ -83,6 +83,11 @@ def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_
     tl.store(cand_scores + slots, tl.load(scores + slots, mask=in_budget, other=0.0), mask=in_budget)
     tl.store(cand_tokens + slots, tl.load(tokens + slots, mask=in_budget, other=0), mask=in_budget)
     tl.store(cand_parents + slots, slots * 0, mask=in_budget)
+    # NOTE: rank 0 (the root) for the candidates left out of the tree: a node whose parent is left out (only with NaN
+    # scores, which sort above everything) gets the root as parent, as in the torch form, never an uninitialised row
+    # index that the ancestor mask's walk would then load from
+    everywhere = tl.arange(0, BLOCK_C)
+    tl.store(rank + everywhere, everywhere * 0, mask=everywhere < span)
     tl.debug_barrier()
 
     p = tl.arange(0, BLOCK_P)

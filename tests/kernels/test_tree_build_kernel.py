@@ -62,6 +62,29 @@ def test_ties_keep_the_fused_tree_ancestor_closed() -> None:
         assert set(torch.nonzero(got_ancestors[0, row]).flatten().tolist()) == on_walk
 
 
+def test_nan_draft_keeps_parents_in_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN in a draft row (its log-softmax row all NaN) puts children above their parents (NaN sorts first): a
+    node whose parent is left out of the tree gets the root, as in the torch form, not the kernel's scratch content
+    (here poisoned to row -1: on the second request the walk's loads stay inside the batch's parents)."""
+    budget = 4
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(-1) if tensor.dtype == torch.int32 else tensor
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 20, device=DEVICE)
+    logits[1, 1, 7] = float("nan")
+    scores, tokens = top_candidates(logits, budget)
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    got_tokens, got_parents, got_depths, got_ancestors = fused_tree_build(scores, tokens)
+    monkeypatch.undo()
+    assert bool(((got_parents >= 0) & (got_parents <= budget)).all()), got_parents
+    expected = tree_from_candidates(scores[:1], tokens[:1])  # NOTE: the request without NaN is still exact
+    assert torch.equal(got_parents[:1], expected.parents) and torch.equal(got_ancestors[:1], expected.ancestors)
+
+
 def test_build_tree_on_the_device_takes_the_kernel() -> None:
     """build_tree on CUDA gives the fused build's tree (on the CPU it is the torch form, which the tests compare)."""
     if DEVICE.type != "cuda":
