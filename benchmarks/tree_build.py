@@ -8,7 +8,8 @@ tree_walk_kernel.fused_tree_walk, one launch each), the build after the same top
         graph) and replayed back to back; topk_ms is top_candidates alone (the part both builds share), torch_ms /
         fused_ms the whole build_tree with that tree step; same_tree whether both gave the same tree on the timed
         inputs (random logits: no ties); the walk's over the torch tree with random target tokens that follow the
-        tree's first child at every row (walks to a leaf), same_walk whether both walked alike.
+        tree's first child at every row (walks to a leaf), same_walk whether both walked alike; fused_ms_by_warps:
+        the fused build at each --warps count (fused_ms is the default's).
 
 The default shapes are the demo draft's (block 16: 15 depths, SmolLM2's 49,152 tokens) and Llama-3's vocabulary
 (128,256). `--smoke` runs tiny shapes on the CPU (under Triton's interpreter; timings mean nothing)."""
@@ -93,6 +94,9 @@ def measure(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> None
                     "same_tree": same_tree(fused, reference),
                 }
                 row["torch_over_fused"] = row["torch_ms"] / row["fused_ms"]
+                row["fused_ms_by_warps"] = {str(warps): replay_ms(
+                    lambda warps=warps: fused_tree_build(*top_candidates(logits, budget), num_warps=warps), device,
+                    args.repeat) for warps in args.warps}
                 target = following_target(reference)
                 row["walk_torch_ms"] = replay_ms(lambda: reference_tree_walk(reference, target, args.depths), device,
                                                  args.repeat)
@@ -114,6 +118,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--vocabs", type=int, nargs="+", default=[49152, 128256])
     parser.add_argument("--depths", type=int, default=15, help="draft positions a tree spans (block size - 1)")
     parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--warps", type=int, nargs="*", default=[1, 2, 4, 8],
+                        help="warp counts the fused build is also timed at (fused_ms_by_warps)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
     add_out_argument(parser)
     add_commit_argument(parser)
@@ -122,6 +128,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # NOTE: before the kernel's module is imported (measure imports it): Triton decides at decoration time
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.batch_sizes, args.budgets, args.vocabs, args.depths, args.repeat = [1, 3], [4, 8], [64], 5, 2
+        args.warps = [1, 4]
     elif not torch.cuda.is_available():
         parser.error("the tree build benchmark needs CUDA (or --smoke)")
     return write_rows("tree_build", args, measure)

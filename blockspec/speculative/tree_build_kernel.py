@@ -16,6 +16,8 @@ NOTE: the program passes values between depths through global scratch and `tl.de
 its threads' global writes are visible to each other after it)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -148,11 +150,12 @@ def staircase_pairs(budget: int) -> int:
     return sum(budget // (i + 1) for i in range(budget))
 
 
-def fused_tree_build(top_scores: torch.Tensor, top_tokens: torch.Tensor
+def fused_tree_build(top_scores: torch.Tensor, top_tokens: torch.Tensor, num_warps: Optional[int] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """tree_build.tree_from_candidates in one launch: top_scores [bs, L, B] fp32 and top_tokens [bs, L, B] int64
     (each depth's top-B log-probabilities and tokens, descending) → (tokens [bs, B], parents [bs, B + 1], depths
-    [bs, B + 1] int64, ancestors [bs, B + 1, B + 1] bool)."""
+    [bs, B + 1] int64, ancestors [bs, B + 1, B + 1] bool). `num_warps`: the program's warps (default: 4, 8 above
+    512 sorted pairs; benchmarks/tree_build.py times others)."""
     bs, depth_count, budget = top_scores.shape
     device = top_scores.device
     top_scores = top_scores.float().contiguous()
@@ -176,6 +179,6 @@ def fused_tree_build(top_scores: torch.Tensor, top_tokens: torch.Tensor
         top_scores, top_tokens, pairs, cand_scores, cand_tokens, cand_parents, rank, tokens, parents, depths,
         ancestors.view(torch.int8), depth_count, budget, num_pairs, BLOCK_B=block_b, BLOCK_P=block_p,
         BLOCK_C=block_c, BLOCK_R=max(MIN_BLOCK, triton.next_power_of_2(budget + 1)), ROWS=ANCESTOR_ROWS,
-        num_warps=4 if block_p <= 512 else 8, **pdl_launch(top_scores),
+        num_warps=num_warps or (4 if block_p <= 512 else 8), **pdl_launch(top_scores),
     )
     return tokens, parents, depths, ancestors

@@ -17,5 +17,6 @@ def test_smoke_times_both_builds_and_walks(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert row["same_tree"] and row["torch_ms"] > 0 and row["fused_ms"] > 0 and row["topk_ms"] > 0
         assert row["same_walk"] and row["walk_torch_ms"] > 0 and row["walk_fused_ms"] > 0
+        assert set(row["fused_ms_by_warps"]) == {"1", "4"} and min(row["fused_ms_by_warps"].values()) > 0
         assert row["torch_over_fused"] == row["torch_ms"] / row["fused_ms"]
     assert result["commit"] == "abc1234" and result["gpu"] and result["date"]
