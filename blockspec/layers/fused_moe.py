@@ -61,7 +61,9 @@ BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
 # NOTE: the best sets of benchmarks/moe.py's tile sweep (Qwen3-30B-A3B experts, bf16): BLOCK_K 128 wherever a
 # block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
 EXPERT_TILES = (ExpertTiles(16, 64, 128), ExpertTiles(32, 64, 128), ExpertTiles(64, 64, 64))
-DIRECT_TILES = ExpertTiles(16, 64, 128, direct=True, down_columns=16)
+# NOTE: without down_columns: the folded down projection read slower than down + combine for one token on the H100
+# (docs/performance.md)
+DIRECT_TILES = ExpertTiles(16, 64, 128, direct=True)
 
 
 def choose_tiles(num_pairs: int, num_experts: int, batch_invariant: bool = False,

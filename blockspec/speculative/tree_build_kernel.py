@@ -26,6 +26,7 @@ from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
 
 ANCESTOR_ROWS = 16  # NOTE: tree rows per step of the ancestor mask's loop
 MIN_BLOCK = 16  # NOTE: no block edge below it (a budget of 1 would make one-element blocks)
+DEFAULT_WARPS = 8  # NOTE: of 1, 2, 4 and 8 the fastest or within 1 % in every row measured (benchmarks/tree_build.py)
 
 
 @triton.jit
@@ -154,8 +155,8 @@ def fused_tree_build(top_scores: torch.Tensor, top_tokens: torch.Tensor, num_war
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """tree_build.tree_from_candidates in one launch: top_scores [bs, L, B] fp32 and top_tokens [bs, L, B] int64
     (each depth's top-B log-probabilities and tokens, descending) → (tokens [bs, B], parents [bs, B + 1], depths
-    [bs, B + 1] int64, ancestors [bs, B + 1, B + 1] bool). `num_warps`: the program's warps (default: 4, 8 above
-    512 sorted pairs; benchmarks/tree_build.py times others)."""
+    [bs, B + 1] int64, ancestors [bs, B + 1, B + 1] bool). `num_warps`: the program's warps (default DEFAULT_WARPS;
+    benchmarks/tree_build.py times others)."""
     bs, depth_count, budget = top_scores.shape
     device = top_scores.device
     top_scores = top_scores.float().contiguous()
@@ -179,6 +180,6 @@ def fused_tree_build(top_scores: torch.Tensor, top_tokens: torch.Tensor, num_war
         top_scores, top_tokens, pairs, cand_scores, cand_tokens, cand_parents, rank, tokens, parents, depths,
         ancestors.view(torch.int8), depth_count, budget, num_pairs, BLOCK_B=block_b, BLOCK_P=block_p,
         BLOCK_C=block_c, BLOCK_R=max(MIN_BLOCK, triton.next_power_of_2(budget + 1)), ROWS=ANCESTOR_ROWS,
-        num_warps=num_warps or (4 if block_p <= 512 else 8), **pdl_launch(top_scores),
+        num_warps=num_warps or DEFAULT_WARPS, **pdl_launch(top_scores),
     )
     return tokens, parents, depths, ancestors
