@@ -1,4 +1,8 @@
-"""Per-layer K/V storage indexed by slot."""
+"""Per-layer K/V storage indexed by slot.
+
+NOTE: every layer's K (and V) cache is a view into one [layers, slots, Hk, D] tensor, so an operation over all layers
+at the same slots (`move`, the DDTree compaction) is one gather and one scatter for K and one each for V inside the
+cycle's graph, not two launches per layer and cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +24,8 @@ class LayerKVStore:
 
 
 class KVPool:
+    """K/V caches of `num_layers` layers, `num_slots` slots each: `k[layer]`, `v[layer]` [slots, Hk, D], contiguous
+    views of the stacked `k_layers` / `v_layers` [layers, slots, Hk, D]."""
 
     def __init__(
         self,
@@ -30,9 +36,11 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k_layers = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_layers = torch.zeros(shape, dtype=dtype, device=device)
+        self.k: list[torch.Tensor] = list(self.k_layers.unbind(0))
+        self.v: list[torch.Tensor] = list(self.v_layers.unbind(0))
         self.num_slots = num_slots
 
     @staticmethod
@@ -44,9 +52,9 @@ class KVPool:
 
     def move(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Copies every layer's K/V at slots `sources` to slots `destinations` (all sources are read before any
-        destination is written, so the two may overlap). Graph-capturable."""
-        for cache in (*self.k, *self.v):
-            cache[destinations] = cache[sources]
+        destination is written, so the two may overlap). Graph-capturable: one gather and one scatter per stack."""
+        for stacked in (self.k_layers, self.v_layers):
+            stacked[:, destinations] = stacked[:, sources]
 
     def layer_store(self, layer_id: int, slots: torch.Tensor) -> LayerKVStore:
         return LayerKVStore(self.k[layer_id], self.v[layer_id], slots)
