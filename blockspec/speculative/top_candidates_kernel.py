@@ -33,13 +33,13 @@ GROUP = 16  # NOTE: tokens per group: stage 2 gathers and sorts K · GROUP logit
 MIN_K = 16  # NOTE: no block edge below it (a budget of 1 would make one-element blocks)
 MAX_FUSED_BUDGET = 128  # NOTE: above it (K >= 256) the sorts outgrow the registers: top_candidates' torch form instead
 MIN_CHUNK = 4096
-MAX_CHUNK = 8192  # NOTE: a chunk is loaded whole into one program's registers (stage 1); ptxas for sm90 spills at
-# 16384 even with 8 warps, and keeps 8192 under 100 registers a thread at 16 warps
+MAX_CHUNK = 8192  # NOTE: a chunk is loaded whole into one program's registers (stage 1); ptxas for sm90 spills
+# registers at twice this, and keeps this spill-free at 16 warps
 MAX_MERGE = 4096  # NOTE: the group keys stage 2 sorts (chunks rounded up to a power of two, times K); chunks grow to
 # keep under it where they can (a larger vocabulary just sorts more)
 ELEMENTS_PER_THREAD = 16  # NOTE: stage 1's warps: the chunk over 32 · this (8 warps at 4096, 16 at 8192)
 MERGE_WARPS, MERGE_WARPS_LARGE, MERGE_KEYS_SMALL = 8, 16, 2048  # NOTE: stage 2 takes 16 warps above 2048 group keys
-# (ptxas for sm90: 186 registers a thread at 8 warps for 8192 keys, 128 at 16; none spill)
+# (more keys a thread at 8 warps crowd the registers, as ptxas for sm90 reports)
 TOKEN_SPAN = 2 ** 31  # NOTE: token and group indices lie in [0, SPAN) (the keys' low 32 bits); the kernels' SPAN
 
 
