@@ -454,7 +454,7 @@ def plot_tree_serving(report: dict[str, Any], json_path: Path) -> Path:
 
 def plot_tree_build(report: dict[str, Any], json_path: Path) -> Path:
     """Per vocabulary: ms per tree build against the batch size, the torch form and the fused kernel per budget (the
-    shared top-B over the vocabulary dotted)."""
+    shared top-B over the vocabulary dotted; the fused top-B then the fused tree dash-dotted, where measured)."""
     rows = report["rows"]
     vocabs = sorted({r["vocab"] for r in rows})
     fig, axes = plt.subplots(1, len(vocabs), figsize=(6 * len(vocabs), 4.5), squeeze=False)
@@ -465,6 +465,9 @@ def plot_tree_build(report: dict[str, Any], json_path: Path) -> Path:
             line, = ax.plot(sizes, [r["torch_ms"] for r in sel], "o--", label=f"torch, B = {budget}")
             ax.plot(sizes, [r["fused_ms"] for r in sel], "s-", color=line.get_color(), label=f"fused, B = {budget}")
             ax.plot(sizes, [r["topk_ms"] for r in sel], ":", color=line.get_color(), label=f"top-B alone, B = {budget}")
+            if all("all_fused_ms" in r for r in sel):  # NOTE: results before the fused top-B lack it
+                ax.plot(sizes, [r["all_fused_ms"] for r in sel], "^-.", color=line.get_color(),
+                        label=f"fused top-B + fused tree, B = {budget}")
         batch_size_ticks(ax, [r for r in rows if r["vocab"] == vocab])
         finish_axis(ax, "batch size", "ms per tree build (CUDA graph replay)", f"vocabulary {vocab:,}", 10)
     return save_titled(fig, report, json_path, "DDTree tree build · ")

@@ -9,7 +9,10 @@ tree_walk_kernel.fused_tree_walk, one launch each), the build after the same top
         fused_ms the whole build_tree with that tree step; same_tree whether both gave the same tree on the timed
         inputs (random logits: no ties); the walk's over the torch tree with random target tokens that follow the
         tree's first child at every row (walks to a leaf), same_walk whether both walked alike; fused_ms_by_warps:
-        the fused build at each --warps count (fused_ms is the default's).
+        the fused build at each --warps count (fused_ms is the default's); topk_fused_ms the fused top-B alone
+        (top_candidates_kernel.fused_top_candidates), topk_torch_over_fused = topk_ms / topk_fused_ms, same_top
+        whether it gave the torch form's candidates (the tokens of a stable sort, ties to the smaller token; the
+        scores within 1e-5), all_fused_ms the fused top-B then the fused tree (build_tree on CUDA).
 
 The default shapes are the demo draft's (block 16: 15 depths, SmolLM2's 49,152 tokens) and Llama-3's vocabulary
 (128,256). `--smoke` runs tiny shapes on the CPU (under Triton's interpreter; timings mean nothing)."""
@@ -71,7 +74,16 @@ def following_target(tree: DraftTree) -> torch.Tensor:
     return tokens.gather(1, (first - 1).clamp(min=0).masked_fill(first == width, width - 1))
 
 
+def same_top(logits: torch.Tensor, budget: int, got: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether fused (scores, tokens) are the torch form's: the tokens of a stable descending sort (torch's top-k
+    order among ties is unspecified), the scores within 1e-5 (the logsumexp rounds differently)."""
+    scores, _ = top_candidates(logits, budget)
+    tokens = logits.float().sort(dim=-1, descending=True, stable=True).indices[..., :budget]
+    return torch.equal(got[1], tokens) and torch.allclose(got[0], scores, rtol=1e-5, atol=1e-5)
+
+
 def measure(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> None:
+    from blockspec.speculative.top_candidates_kernel import fused_top_candidates
     from blockspec.speculative.tree_build_kernel import fused_tree_build
     from blockspec.speculative.tree_walk_kernel import fused_tree_walk
 
@@ -94,6 +106,11 @@ def measure(args: argparse.Namespace, out: Path, result: dict[str, Any]) -> None
                     "same_tree": same_tree(fused, reference),
                 }
                 row["torch_over_fused"] = row["torch_ms"] / row["fused_ms"]
+                row["topk_fused_ms"] = replay_ms(lambda: fused_top_candidates(logits, budget), device, args.repeat)
+                row["topk_torch_over_fused"] = row["topk_ms"] / row["topk_fused_ms"]
+                row["same_top"] = same_top(logits, budget, fused_top_candidates(logits, budget))
+                row["all_fused_ms"] = replay_ms(lambda: fused_tree_build(*fused_top_candidates(logits, budget)),
+                                                device, args.repeat)
                 row["fused_ms_by_warps"] = {str(warps): replay_ms(
                     lambda warps=warps: fused_tree_build(*top_candidates(logits, budget), num_warps=warps), device,
                     args.repeat) for warps in args.warps}

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from blockspec import Engine
 from tests.support.engine_testing import assert_engine_idle
 from tests.support.interpreter_dot import exact_interpreter_dot
+from tests.support.interpreter_sort import numpy_sort
 from tests.support.tiny_models import build_tiny_model, save_tiny_model
 
 # NOTE: tiny models gain nothing from intra-op threads, and on a small shared machine the thread pool's spinning
@@ -58,6 +59,12 @@ class TinyCheckpoints:
 def interpreter_dot_rows_independent() -> Iterator[None]:
     """Under TRITON_INTERPRET a row of `tl.dot` must not round by its place in the tile (interpreter_dot.py)."""
     yield from exact_interpreter_dot()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_sorts_fast() -> Iterator[None]:
+    """Under TRITON_INTERPRET `tl.sort` is numpy's sort, not a network of interpreted steps (interpreter_sort.py)."""
+    yield from numpy_sort()
 
 
 @pytest.fixture(scope="session")

@@ -33,14 +33,17 @@ class DraftTree:
 def build_tree(logits: torch.Tensor, budget: int) -> DraftTree:
     """The tree of the `budget` most likely prefixes of the per-position draft distributions softmax(`logits`)
     ([bs, L, V], finite; log-probabilities are logits too). Graph-capturable: device ops only, shapes fixed by
-    (bs, L, budget). On CUDA the tree from the candidates is one Triton launch (tree_build_kernel.py: the same tree,
-    ties within a depth aside, where torch's top-k order is unspecified); else `tree_from_candidates`."""
-    top_scores, top_tokens = top_candidates(logits, budget)
+    (bs, L, budget). On CUDA the candidates are two Triton launches (top_candidates_kernel.py: the same tokens, ties
+    to the smaller token, where torch's top-k order is unspecified; the log-probabilities up to the logsumexp's
+    rounding) and the tree from them one more (tree_build_kernel.py: the same tree, ties within a depth aside); else
+    `top_candidates` and `tree_from_candidates`, the oracles of both."""
     if logits.is_cuda:
-        from blockspec.speculative.tree_build_kernel import fused_tree_build  # NOTE: needs Triton
+        # NOTE: need Triton
+        from blockspec.speculative.top_candidates_kernel import fused_top_candidates
+        from blockspec.speculative.tree_build_kernel import fused_tree_build
 
-        return DraftTree(*fused_tree_build(top_scores, top_tokens))
-    return tree_from_candidates(top_scores, top_tokens)
+        return DraftTree(*fused_tree_build(*fused_top_candidates(logits, budget)))
+    return tree_from_candidates(*top_candidates(logits, budget))
 
 
 def top_candidates(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:

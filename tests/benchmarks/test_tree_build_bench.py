@@ -1,5 +1,6 @@
 """benchmarks/tree_build.py on tiny shapes (CPU, the kernels under Triton's interpreter): a row per batch size and
-budget with both builds and both walks timed, the fused tree the torch form's and the fused walk the torch walk's."""
+budget with both builds and both walks timed, the fused tree the torch form's and the fused walk the torch walk's; the
+fused top-B timed alone and before the fused tree, its candidates the torch form's."""
 from __future__ import annotations
 
 import json
@@ -19,4 +20,6 @@ def test_smoke_times_both_builds_and_walks(tmp_path: Path) -> None:
         assert row["same_walk"] and row["walk_torch_ms"] > 0 and row["walk_fused_ms"] > 0
         assert set(row["fused_ms_by_warps"]) == {"1", "4"} and min(row["fused_ms_by_warps"].values()) > 0
         assert row["torch_over_fused"] == row["torch_ms"] / row["fused_ms"]
+        assert row["same_top"] and row["topk_fused_ms"] > 0 and row["all_fused_ms"] > 0
+        assert row["topk_torch_over_fused"] == row["topk_ms"] / row["topk_fused_ms"]
     assert result["commit"] == "abc1234" and result["gpu"] and result["date"]
