@@ -542,6 +542,35 @@ def plot_dflash2(report: dict[str, Any], json_path: Path) -> Path:
     return save_titled(fig, report, json_path, "DFlash2 vs DFlash · ")
 
 
+def plot_cycle_profile(report: dict[str, Any], json_path: Path) -> Path:
+    """Per row (cycle, budget, bs, graphs): wall ms and summed device ms per cycle, launches per cycle; and what the
+    largest tree of the first diff's batch size adds over the chain per launch name (µs on CUDA, calls on the CPU)."""
+    rows, diffs = report["rows"], report.get("diffs", [])
+    fig, (times, launches, added) = plt.subplots(1, 3, figsize=(17, 4.5))
+    labels = [("chain" if r["cycle"] == "chain" else f"B = {r['budget']}") + f"\nbs {r['bs']}"
+              + ("" if r["graphs"] else "\neager") for r in rows]
+    xs = range(len(rows))
+    times.bar([x - 0.2 for x in xs], [r["wall_ms"] for r in rows], 0.4, label="wall (timed cycles)")
+    times.bar([x + 0.2 for x in xs], [r["device_us_per_cycle"] / 1e3 for r in rows], 0.4, label="summed launches")
+    launches.bar(xs, [r["ops_per_cycle"] for r in rows])
+    for ax, ylabel in ((times, "ms per cycle"), (launches, "launches per cycle")):
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel(ylabel)
+    times.legend(fontsize=7)
+    times.set_title("cycle time", fontsize=10)
+    launches.set_title(f"launches ({rows[0]['device'] if rows else '?'})", fontsize=10)
+    if diffs:
+        diff = max((d for d in diffs if (d["bs"], d["graphs"]) == (diffs[0]["bs"], diffs[0]["graphs"])),
+                   key=lambda d: d["budget"])
+        key = "added_calls" if diff["device"] == "cpu" else "added_us"
+        entries = diff["kernels"][:12][::-1]
+        added.barh([e["name"][:48] for e in entries], [e[key] for e in entries])
+        added.tick_params(axis="y", labelsize=6)
+        added.set_xlabel("added calls per cycle" if key == "added_calls" else "added device µs per cycle")
+        added.set_title(f"tree B = {diff['budget']} minus chain, bs {diff['bs']}", fontsize=10)
+    return save_titled(fig, report, json_path, f"DFlash cycle profile ({report['settings']['shape']}) · ")
+
+
 # NOTE: longest prefix first: step_latency_ab_* is not a step_latency_* result
 PLOTTERS: dict[str, Callable[[Path], Path]] = {
     "step_latency_ab": _from_file(plot_step_latency_ab),
@@ -560,6 +589,7 @@ PLOTTERS: dict[str, Callable[[Path], Path]] = {
     "tree_build": _from_file(plot_tree_build),
     "moe": _from_file(plot_moe),
     "dflash2": _from_file(plot_dflash2),
+    "cycle_profile": _from_file(plot_cycle_profile),
 }
 
 

@@ -64,6 +64,9 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 64" \
          "(#52: the demo pair through blockspec serve at 1 client, the chain and trees of 32 and 64 nodes)"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench cycle_profile" \
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
+         "(#52: the kernels a tree cycle adds over the chain's on the demo pair at batch 1, each one's device µs)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --dummy-shape llama8b --adaptive" \
          "--chain-adaptive --budgets 16 32 --batch-sizes 1 4 16 64 (#52: adaptive never below 0.97 of the chain)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer tiles --tile-grid large" \
