@@ -56,21 +56,23 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
          "benchmarks/<module>.py says more):"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
-         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 512 --max-rounds 16" \
-         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's last row: the demo pair with real weights)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_build (#52: the fused tree build against the torch" \
-         "form, about a minute)"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
-         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 64" \
-         "(#52: the demo pair through blockspec serve at 1 client, the chain and trees of 32 and 64 nodes)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench cycle_profile" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
          "(#52: the kernels a tree cycle adds over the chain's on the demo pair at batch 1, each one's device µs)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --dummy-shape llama8b --adaptive" \
-         "--chain-adaptive --budgets 16 32 --batch-sizes 1 4 16 64 (#52: adaptive never below 0.97 of the chain)"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
+         "(#52: the demo pair through blockspec serve at 1 client, adaptive as served; add --extra-flags" \
+         "'--speculative-adaptive-verify off' for a tree every cycle)"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
+         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
+         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; 512 prompts ran each 64-client" \
+         "level for about a second)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer tiles --tile-grid large" \
          "--batch-sizes 1 32 64 (#51: the layer against its floor, and deeper/wider tiles for verify bs 32 and 64)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_build (#52: the fused top-B and tree build against" \
+         "the torch forms, about a minute)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --dummy-shape llama8b --adaptive" \
+         "--chain-adaptive --budgets 16 32 --batch-sizes 1 4 16 64 (#52: adaptive never below 0.97 of the chain)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash vs target-only served)"
     echo "  #50's DFlash2 demo draft: scripts/train_draft_v2.sh's chain (a session of its own)"
     echo "then here: scripts/device.sh slim off"
