@@ -16,9 +16,13 @@ Rows (`rows` in the result), each with mode, bs, step_ms, touched_experts_per_la
 Touched experts: the layer rows count the router's picks on random hidden states of that many tokens (dummy weights
 route at random; real routing is more correlated: fewer experts). The step rows count what the engine's own batch
 routes to: after the timed steps, one more step runs eagerly (`graphs.enabled` off: a graph replay runs no Python
-hooks) with a forward hook on every sparse layer's router, and touched_experts_per_layer is the mean over those
-layers (touched_experts_random beside it: the random-input count the step rows used before, for comparison). The
-floor sums each layer's own count.
+hooks) with a forward hook on every sparse layer (it routes the layer's input with the layer's router: the fused
+router of a few tokens never calls the gate module), and touched_experts_per_layer is the mean over those layers
+(touched_experts_random beside it: the random-input count the step rows used before, for comparison). The floor
+sums each layer's own count.
+The layer rows route up to 16 tokens (decode bs 1 and 8, one verify block) with the fused router
+(layers/fused_router.py); `--router-tokens 0` times the same rows on the router's GEMM and `fused_route` instead,
+the path before it (the flag is in the result's `args`).
 
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
 set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps × pipeline stages; `--tile-grid full`, `small`, or `large`: tall
@@ -145,11 +149,14 @@ def engine_touched_experts(engine: Engine, sparse: list[SparseMoe], routing: Exp
     counts: list[int] = []
     tokens: list[int] = []
 
-    def count(_module: torch.nn.Module, _inputs: Any, logits: torch.Tensor) -> None:
-        counts.append(int(route(logits, routing)[1].unique().numel()))
-        tokens.append(logits.shape[0])
+    def count(layer: torch.nn.Module, inputs: Any, _out: torch.Tensor) -> None:
+        # NOTE: the routing recomputed from the layer's input: up to FUSED_ROUTER_MAX_TOKENS tokens the layer routes
+        # in one fused launch and never calls its `gate` module, so a hook on the gate would miss those steps
+        x = inputs[0]
+        counts.append(int(route(layer.gate(x), routing)[1].unique().numel()))
+        tokens.append(x.shape[0])
 
-    handles = [layer.gate.register_forward_hook(count) for layer in sparse]
+    handles = [layer.register_forward_hook(count) for layer in sparse]
     graphs = engine.runner.graphs
     enabled, graphs.enabled = graphs.enabled, False
     try:
@@ -203,9 +210,14 @@ def graphed_ms(runs: list[Callable[[], Any]], device: torch.device, repeat: int)
 
 def layer_copies(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                  backend: Optional[str] = None) -> list[SparseMoe]:
-    """--layer-copies MoE layers of the shape, each with its own random weights (on the CPU: one)."""
+    """--layer-copies MoE layers of the shape, each with its own random weights (on the CPU: one), routing with the
+    fused router up to --router-tokens tokens when given (else the layer's default)."""
     copies = args.layer_copies if device.type == "cuda" else 1
-    return [dummy_layer(config, device, dtype, backend) for _ in range(copies)]
+    layers = [dummy_layer(config, device, dtype, backend) for _ in range(copies)]
+    if args.router_tokens is not None:
+        for layer in layers:
+            layer.fused_router_tokens = args.router_tokens
+    return layers
 
 
 def routed_copies(layers: list[SparseMoe], x: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
@@ -376,6 +388,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--layer-copies", type=int, default=8,
                         help="layers (own weights each) in the layer and tile parts' graph; their time is per layer")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--router-tokens", type=int, default=None,
+                        help="the layer rows' fused router runs up to this many tokens (0: the router's GEMM and "
+                             "fused_route at every batch, the path before the fused router); default: SparseMoe's")
     parser.add_argument("--parts", nargs="+", choices=("layer", "tiles", "step", "serving"),
                         default=["layer", "step"])
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",

@@ -1,9 +1,11 @@
 """The MoE experts fused for CUDA (Triton): SparseMoe's "triton" backend, equal to `experts_reference` (layers/moe.py).
 
-Four steps, six launches (three for a single token's direct tiles), static shapes throughout (no host sync: the
-whole layer captures in a CUDA graph):
+Four steps, six launches (four for a single token's direct tiles, three with `down_columns`), static shapes
+throughout (no host sync: the whole layer captures in a CUDA graph), after the router's GEMM (one more launch):
 0. `fused_route` (one launch): each token's softmax over the router logits, its top k and their renormalisation,
-   in fp32 (SparseMoe's `route` as four torch launches or more).
+   in fp32 (SparseMoe's `route` as four torch launches or more). For up to FUSED_ROUTER_MAX_TOKENS tokens the
+   router's GEMM and this step are one launch instead (layers/fused_router.py, sharing `route_row`), so a decode
+   layer of one token runs four launches in all.
 1. `sort_by_expert` (two small launches: counts, then placement by atomic counters): the T·k (token, slot) pairs
    grouped by expert, each expert's group padded to a multiple of BLOCK_M rows, so every block of BLOCK_M sorted
    rows belongs to one expert. The buffer is sized for the worst case (every hit expert padded), and the blocks past
@@ -90,15 +92,14 @@ BATCH_INTEGERS = ("num_pairs", "num_blocks", "capacity")
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per token: softmax over its logits in fp32, the TOP_K largest probabilities (ties: the lower
-    expert), divided by their sum when RENORMALIZE."""
-    wait_for_previous_grid(PDL)
-    token = tl.program_id(0).to(tl.int64)
+def route_row(logits, valid, weights_ptr, ids_ptr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+              BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's routing from its logits [BLOCK_E] (fp32; `valid`: the first E lanes): softmax in fp32, the TOP_K
+    largest probabilities (ties: the lower expert), divided by their sum when RENORMALIZE; stores the TOP_K weights
+    (fp32) and expert ids (int64) at weights_ptr / ids_ptr. NOTE: shared by `_route_kernel` and the fused router
+    (layers/fused_router.py), so both route alike, ties included."""
     experts = tl.arange(0, BLOCK_E)
-    valid = experts < num_experts
-    logits = tl.load(logits_ptr + token * stride_lt + experts, mask=valid, other=-float("inf")).to(tl.float32)
+    logits = tl.where(valid, logits, -float("inf"))
     exps = tl.where(valid, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
     remaining = tl.where(valid, exps / tl.sum(exps, axis=0), -1.0)  # NOTE: -1: below every probability
     slots = tl.arange(0, BLOCK_K)
@@ -112,8 +113,21 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt, TOP_
         remaining = tl.where(experts == expert, -2.0, remaining)  # NOTE: -2: below the padding's -1
     if RENORMALIZE:
         chosen_weights = chosen_weights / tl.sum(chosen_weights, axis=0)
-    tl.store(weights_ptr + token * TOP_K + slots, chosen_weights, mask=slots < TOP_K)
-    tl.store(ids_ptr + token * TOP_K + slots, chosen_ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + slots, chosen_weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + slots, chosen_ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per token: `route_row` over its logits."""
+    wait_for_previous_grid(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_lt + experts, mask=valid, other=-float("inf")).to(tl.float32)
+    route_row(logits, valid, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, TOP_K, BLOCK_E, BLOCK_K,
+              RENORMALIZE)
 
 
 def fused_route(router_logits: torch.Tensor, num_experts: int, top_k: int,

@@ -5,8 +5,9 @@ One layer, three parts: the router (`gate`, a linear layer to E logits, and `rou
 renormalisation), the experts (`StackedExperts`: E gated SiLU MLPs, their weights stacked [E, ...]), and the
 backend that runs the experts and the weighted combine: the torch reference (`experts_reference`, CPU and tests) or
 the fused Triton kernels (`layers/fused_moe.py`: the routing in one launch, tokens sorted by expert, a grouped GEMM
-over the experts hit, static shapes so it captures in CUDA graphs). Both take the same inputs, so a family with
-another router or another expert format changes only its part.
+over the experts hit, static shapes so it captures in CUDA graphs; for a few tokens the router's GEMM and the routing
+are one launch, `layers/fused_router.py`). Both take the same inputs, so a family with another router or another
+expert format changes only its part.
 
 Under tensor parallelism every rank holds every expert, cut along its intermediate dimension (gate|up by rows, down
 by columns, as a dense MLP): each rank computes partial outputs of the same routed tokens, the all-reduce sums them.
@@ -114,7 +115,13 @@ class SparseMoe(nn.Module):
     `forward(x [T, H], out)` → [T, H], summed over TP ranks in place.
 
     `backend`: "torch" (experts_reference) or "triton" (the fused kernel); None picks by device: Triton on CUDA
-    and, on CPU, under batch-invariant kernels (its tiles do not follow the batch; Triton's interpreter), else torch."""
+    and, on CPU, under batch-invariant kernels (its tiles do not follow the batch; Triton's interpreter), else torch.
+
+    The Triton backend routes up to `fused_router_tokens` tokens with the fused router (layers/fused_router.py: the
+    gate's GEMM and the routing in one launch; None: up to its FUSED_ROUTER_MAX_TOKENS; 0 turns it off, e.g. to
+    time the unfused path), more with the gate's GEMM and `fused_route`. NOTE: off under batch-invariant kernels:
+    the two paths sum the logits in different orders, so a token's routing could change with the batch size across
+    the threshold."""
 
     def __init__(
         self, hidden_size: int, expert_intermediate_size: int, routing: ExpertRouting,
@@ -131,6 +138,12 @@ class SparseMoe(nn.Module):
         self.backend = backend
         self.gate = Linear(hidden_size, routing.num_experts, False, kernels)
         self.experts = StackedExperts(routing.num_experts, hidden_size, expert_intermediate_size)
+        self.fused_router_tokens: Optional[int] = 0 if kernels.batch_invariant else None
+        # NOTE: the fused router's arrival counters, allocated zeroed on the first Triton forward (or warm_up) on the
+        # layer's device, not at construction: models are built on the meta device and given uninitialised memory
+        # (models/loader.py materialise), which would leave a buffer's counters arbitrary. Every launch leaves them
+        # zeroed, which CUDA graph replays rely on (layers/fused_router.py).
+        self.router_counters: Optional[torch.Tensor] = None
 
     def uses_triton(self, x: torch.Tensor) -> bool:
         """Whether the experts of input `x` run on the fused Triton kernel (else the torch reference)."""
@@ -139,27 +152,55 @@ class SparseMoe(nn.Module):
         return x.is_cuda or self.kernels.batch_invariant
 
     def warm_up(self) -> int:
-        """Compiles every fused-kernel variant this layer can launch (start-up's warm-up, engine/warmup.py); returns
-        the tile sets run (0 on the torch reference, which compiles nothing)."""
+        """Compiles every fused-kernel variant this layer can launch (start-up's warm-up, engine/warmup.py): the
+        router's for one token, then the experts'; returns the experts' tile sets run (0 on the torch reference,
+        which compiles nothing)."""
         experts = self.experts
         if not self.uses_triton(experts.gate_up_proj):
             return 0
         from blockspec.layers.fused_moe import warm_up_experts  # NOTE: needs Triton
 
+        self.route_triton(torch.zeros((1, experts.gate_up_proj.shape[2]), dtype=experts.gate_up_proj.dtype,
+                                      device=experts.gate_up_proj.device))  # NOTE: the router's variant for 1 token
         return warm_up_experts(experts.gate_up_proj, experts.down_proj, self.routing.top_k,
                                self.kernels.batch_invariant)
 
+    def counters(self, device: torch.device) -> torch.Tensor:
+        """The fused router's zeroed arrival counters on `device`, allocated on first use. NOTE: never inside a CUDA
+        graph capture: its zero-fill would run at the first replay only, not before eager calls (graph capture
+        runs each graph's forward eagerly first, which allocates them)."""
+        counters = self.router_counters
+        if counters is None or counters.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("SparseMoe: run the layer once (or warm_up) before capturing it in a CUDA graph")
+            from blockspec.layers.fused_router import new_router_counters  # NOTE: needs Triton
+
+            counters = self.router_counters = new_router_counters(device)
+        return counters
+
+    def route_triton(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) of the Triton backend: the fused router for up to fused_router_tokens tokens, else the
+        gate's GEMM and fused_route."""
+        from blockspec.layers.fused_moe import fused_route  # NOTE: needs Triton
+        from blockspec.layers.fused_router import FUSED_ROUTER_MAX_TOKENS, fused_router
+
+        routing, limit = self.routing, self.fused_router_tokens
+        limit = FUSED_ROUTER_MAX_TOKENS if limit is None else min(limit, FUSED_ROUTER_MAX_TOKENS)
+        if 0 < x.shape[0] <= limit and self.gate.bias is None:
+            return fused_router(x, self.gate.weight, self.counters(x.device), routing.top_k, routing.renormalize)
+        return fused_route(self.gate(x), routing.num_experts, routing.top_k, routing.renormalize)
+
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`out`: optional [T, H] buffer the combined output is written into."""
-        experts, routing, logits = self.experts, self.routing, self.gate(x)
+        experts, routing = self.experts, self.routing
         if self.uses_triton(x):
-            from blockspec.layers.fused_moe import fused_experts, fused_route  # NOTE: needs Triton
+            from blockspec.layers.fused_moe import fused_experts  # NOTE: needs Triton
 
-            weights, ids = fused_route(logits, routing.num_experts, routing.top_k, routing.renormalize)
+            weights, ids = self.route_triton(x)
             combined = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, out,
                                      batch_invariant=self.kernels.batch_invariant)
         else:
-            weights, ids = route(logits, routing)
+            weights, ids = route(self.gate(x), routing)
             combined = experts_reference(x, experts.gate_up_proj, experts.down_proj, weights, ids)
             if out is not None:
                 combined = out.copy_(combined)

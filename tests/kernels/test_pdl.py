@@ -70,6 +70,13 @@ KERNEL_SPECS = {
     "moe_route": ("blockspec.layers.fused_moe", "_route_kernel", {"logits_ptr": BF16, "weights_ptr": F32,
                                                                   "ids_ptr": I64},
                   {"TOP_K": 8, "BLOCK_E": 128, "BLOCK_K": 8, "RENORMALIZE": True}),
+    # NOTE: the fused router (Qwen3-30B-A3B's: hidden 2048, 128 experts, top 8; bf16 logits, so the bf16 rounding
+    # compiles too): logits, the arrival atomic (acquire/release) and the last program's routing
+    "moe_router": ("blockspec.layers.fused_router", "_router_kernel",
+                   {"x_ptr": BF16, "w_ptr": BF16, "logits_ptr": BF16, "counters_ptr": I32, "weights_ptr": F32,
+                    "ids_ptr": I64},
+                   {"TOP_K": 8, "EXPERTS_PER_PROGRAM": 4, "BLOCK_H": 2048, "BLOCK_E": 128, "BLOCK_K": 8,
+                    "RENORMALIZE": True}),
     "moe_count": ("blockspec.layers.fused_moe", "_count_experts_kernel",
                   {"ids_ptr": I64, "next_row_ptr": I32, "block_experts_ptr": I32, "pair_rows_ptr": I32},
                   {"NUM_EXPERTS": 128, "BLOCK_E": 128, "BLOCK_M": 16, "CHUNK": 32}),
