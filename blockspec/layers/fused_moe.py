@@ -130,6 +130,11 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_lt, TOP_
               RENORMALIZE)
 
 
+def routing_blocks(num_experts: int, top_k: int) -> dict[str, int]:
+    """`route_row`'s block sizes for E experts and top k (its kernels' BLOCK_E and BLOCK_K launch arguments)."""
+    return dict(BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_K=max(2, triton.next_power_of_2(top_k)))
+
+
 def fused_route(router_logits: torch.Tensor, num_experts: int, top_k: int,
                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """layers/moe.route in one launch: (weights [T, k] float32, expert ids [T, k] int64) for router logits [T, E]."""
@@ -141,8 +146,7 @@ def fused_route(router_logits: torch.Tensor, num_experts: int, top_k: int,
     assert router_logits.stride(-1) == 1 and router_logits.shape[1] == num_experts
     _route_kernel[(num_tokens,)](
         router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
-        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-        RENORMALIZE=renormalize, **pdl_launch(router_logits),
+        **routing_blocks(num_experts, top_k), RENORMALIZE=renormalize, **pdl_launch(router_logits),
     )
     return weights, ids
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.fused_moe import route_row
+from blockspec.layers.fused_moe import route_row, routing_blocks
 from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
 
 # NOTE: the fused router runs for at most this many tokens (decode up to batch 16, one verify block of 16). Its grid
@@ -120,8 +120,8 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, 
     _router_kernel[grid](
         x, weight, logits, counters, weights, ids, num_experts, hidden, x.stride(0), weight.stride(0),
         logits.stride(0), TOP_K=top_k, EXPERTS_PER_PROGRAM=EXPERTS_PER_PROGRAM,
-        BLOCK_H=min(MAX_BLOCK_H, triton.next_power_of_2(hidden)), BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)), RENORMALIZE=renormalize, num_warps=NUM_WARPS,
+        BLOCK_H=min(MAX_BLOCK_H, triton.next_power_of_2(hidden)), **routing_blocks(num_experts, top_k),
+        RENORMALIZE=renormalize, num_warps=NUM_WARPS,
         **pdl_launch(x),
     )
     return weights, ids

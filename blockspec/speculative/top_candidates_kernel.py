@@ -120,11 +120,10 @@ def fused_top_candidates(logits: torch.Tensor, budget: int, chunk: Optional[int]
     """tree_build.top_candidates in two launches: logits [..., V] (fp32, fp16 or bf16, finite) → (scores fp32,
     tokens int64) [..., budget], each row descending, ties to the smaller token. `chunk`: tokens per stage-1 program
     (a power of two >= K · GROUP; default chunk_size, tests pass small ones to get several chunks)."""
-    from blockspec.speculative.tree_build import top_candidates
+    from blockspec.speculative.tree_build import check_budget, top_candidates
 
     vocab = logits.shape[-1]
-    if not 1 <= budget <= vocab:
-        raise ValueError(f"a draft tree needs 1 <= budget <= vocabulary size ({vocab}), got {budget}")
+    check_budget(budget, vocab)
     if budget > MAX_FUSED_BUDGET:
         return top_candidates(logits, budget)  # NOTE: the torch form (see MAX_FUSED_BUDGET)
     k = candidate_width(budget)

@@ -46,12 +46,16 @@ def build_tree(logits: torch.Tensor, budget: int) -> DraftTree:
     return tree_from_candidates(*top_candidates(logits, budget))
 
 
+def check_budget(budget: int, vocab: int) -> None:
+    """A tree of `budget` nodes needs 1 <= budget <= the vocabulary (each depth's top-B are distinct tokens)."""
+    if not 1 <= budget <= vocab:
+        raise ValueError(f"a draft tree needs 1 <= budget <= vocabulary size ({vocab}), got {budget}")
+
+
 def top_candidates(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores, tokens) [bs, L, B]: each position's `budget` most likely tokens and their log-probabilities, each row
     descending."""
-    vocab = logits.shape[-1]
-    if not 1 <= budget <= vocab:
-        raise ValueError(f"a draft tree needs 1 <= budget <= vocabulary size ({vocab}), got {budget}")
+    check_budget(budget, logits.shape[-1])
     logits = logits.float()
     top_logits, top_tokens = logits.topk(budget, dim=-1)
     # NOTE: log q_d(u) = logit - logsumexp over the row: no second [bs, L, V] tensor for a log-softmax
