@@ -70,8 +70,11 @@ class LoadFailed(msgspec.Struct, tag=True):
     message: str
 
 
-class DeltaOut(msgspec.Struct):
-    """New output of request `rid` since its previous DeltaOut; `output` or `error` is set on the last one."""
+class DeltaOut(msgspec.Struct, array_like=True):
+    """New output of request `rid` since its previous DeltaOut; `output` or `error` is set on the last one.
+
+    NOTE: encoded as an array, not a map: a streaming step sends one per running request, and the field names made
+    up half of each frame and a third of its encode time."""
 
     rid: str
     text: Optional[str]  # None: the engine does not detokenise this request, the server decodes `ids`

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
 import pytest
 import zmq
 
@@ -145,3 +146,15 @@ def test_a_server_that_missed_a_count_change_gets_it_with_its_next_deltas(
             loop_pass(core)
     finally:
         servers.close()
+
+
+def test_stream_deltas_travel_as_arrays() -> None:
+    """A streaming step sends one DeltaOut per running request: it goes as [rid, text, ids, ...] (no field
+    names) and decodes back to the same delta, a final one's fields included."""
+    plain = wire.DeltaOut("r1", None, [7, 8])
+    final = wire.DeltaOut("r2", "hi", [9], output={"finish_reason": "stop"}, logprobs=[-0.5])
+    frame = msgspec.msgpack.encode(plain)
+    assert msgspec.msgpack.decode(frame)[:3] == ["r1", None, [7, 8]]
+    decoded = wire.decode_from_engine(wire.encode(wire.Outputs([plain, final])))
+    assert isinstance(decoded, wire.Outputs)
+    assert decoded.deltas == [plain, final]
