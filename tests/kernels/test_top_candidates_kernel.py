@@ -18,6 +18,7 @@ from blockspec.speculative.top_candidates_kernel import (  # noqa: E402
     MAX_FUSED_BUDGET, chunk_size, fused_top_candidates,
 )
 from blockspec.speculative.tree_build import build_tree, top_candidates, tree_from_candidates  # noqa: E402
+from tests.support.tree_checks import assert_same_tree_up_to_ties  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -131,6 +132,6 @@ def test_native_shapes_in_a_cuda_graph(vocab: int, budget: int) -> None:
     graph.replay()
     expected = fused_top_candidates(static, budget)
     assert torch.equal(scores, expected[0]) and torch.equal(tokens, expected[1])
-    tree = build_tree(logits, budget)
-    reference = tree_from_candidates(*fused_top_candidates(logits, budget))
-    assert torch.equal(tree.tokens, reference.tokens) and torch.equal(tree.ancestors, reference.ancestors)
+    candidates = fused_top_candidates(logits, budget)
+    # NOTE: bf16 logits over 150k tokens tie within a depth's candidates; the build orders ties its own way
+    assert_same_tree_up_to_ties(build_tree(logits, budget), tree_from_candidates(*candidates), *candidates)

@@ -11,7 +11,10 @@ pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu
 
 pytest.importorskip("triton")
 
-from blockspec.speculative.tree_build import build_tree, top_candidates, tree_from_candidates  # noqa: E402
+from blockspec.speculative.tree_build import (  # noqa: E402
+    DraftTree, ancestor_mask, build_tree, top_candidates, tree_from_candidates,
+)
+from tests.support.tree_checks import assert_same_tree_up_to_ties  # noqa: E402
 from blockspec.speculative.tree_build_kernel import fused_tree_build, staircase_pairs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,12 +57,29 @@ def test_ties_keep_the_fused_tree_ancestor_closed() -> None:
         paths.append(paths[parent] + (int(got_tokens[0, row - 1]),))
     assert paths[1:5] == [(3,), (3, 3), (3, 3, 3), (3, 3, 3, 3)]
     assert torch.equal(got_tokens[0, :5], expected.tokens[0, :5])  # NOTE: the tied -30 nodes may differ in order
+    assert_same_tree_up_to_ties(DraftTree(got_tokens, got_parents, got_depths, got_ancestors), expected, scores, tokens)
     for row in range(7):
         on_walk, at = {row}, row
         while at:
             at = int(got_parents[0, at])
             on_walk.add(at)
         assert set(torch.nonzero(got_ancestors[0, row]).flatten().tolist()) == on_walk
+
+
+def test_trees_up_to_ties_still_differ_where_scores_do() -> None:
+    """The tie-insensitive comparison (the native-vocabulary test's) refuses a node hung under another parent."""
+    torch.manual_seed(3)
+    scores, tokens = top_candidates(torch.randn(1, 4, 30, device=DEVICE), 8)
+    tree = tree_from_candidates(scores, tokens)
+    assert_same_tree_up_to_ties(tree, tree, scores, tokens)
+    row = int(torch.nonzero(tree.depths[0] == 2)[0])
+    depth_one = torch.nonzero(tree.depths[0] == 1).flatten().tolist()
+    other_parent = next(r for r in depth_one if r != int(tree.parents[0, row]))
+    parents = tree.parents.clone()
+    parents[0, row] = other_parent
+    moved = DraftTree(tree.tokens, parents, tree.depths, ancestor_mask(parents, 4))
+    with pytest.raises(AssertionError):
+        assert_same_tree_up_to_ties(moved, tree, scores, tokens)
 
 
 def test_nan_draft_keeps_parents_in_range(monkeypatch: pytest.MonkeyPatch) -> None:
