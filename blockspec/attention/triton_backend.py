@@ -48,6 +48,11 @@ WIDE_BLOCK_POLICY = LaunchPolicy(KernelTiles(64, 64, 4, 3, mask_edges_only=True)
 WIDE_BLOCK_PAIRS = 256  # batch size x KV heads from which WIDE_BLOCK_POLICY applies
 EXTEND_POLICY = LaunchPolicy(KernelTiles(64, 32, 4, 3, mask_edges_only=True), 528, 1024)
 SMALL_EXTEND_POLICY = LaunchPolicy(KernelTiles(32, 128, 4, 2), 528, 1024)  # < 2 waves of 64-row programs
+# NOTE: a DDTree verify of B = 32 on SmolLM2-135M (33 tokens x group 3 = 99 rows) fell to SMALL_EXTEND_POLICY, whose
+# 1024-key split floor suits long prompts, not a short query over the context: its attention and merge took 3.3x the
+# chain verify's (results/cycle_profile_2026-12-06_868b807.json). Verify and draft blocks keep the block policies up
+# to a tree of 64 nodes at a GQA group of 4 (65 x 4 = 260 rows).
+MAX_BLOCK_ROWS = 320
 TWO_WAVES = 264  # programs: two waves of an H200's 132 SMs
 MERGE_TILE = 8192  # fp32 partials one merge program holds: heads x splits x head dim
 
@@ -58,11 +63,18 @@ def merge_heads_per_program(splits: int, block_d: int) -> int:
     return 1 << (fit.bit_length() - 1)
 
 
-def launch_policy(rows_per_request: int, batch_size: int, num_kv_heads: int) -> LaunchPolicy:
-    """rows_per_request = query tokens x GQA group (decode 1 x group, verify/draft block x group)."""
+def block_mode(mode: ForwardMode) -> bool:
+    """Whether a forward of `mode` runs a short block of query rows per request over a long context (a verify, a
+    DDTree's [root, nodes] included, or a draft block), which keeps the block policies up to MAX_BLOCK_ROWS rows."""
+    return mode in (ForwardMode.VERIFY, ForwardMode.DRAFT)
+
+
+def launch_policy(rows_per_request: int, batch_size: int, num_kv_heads: int, block: bool = False) -> LaunchPolicy:
+    """rows_per_request = query tokens x GQA group (decode 1 x group, verify/draft block x group); `block`: the
+    batch is a verify or draft block (block_mode), whose rows keep the block policies up to MAX_BLOCK_ROWS."""
     if rows_per_request <= 16:
         return DECODE_POLICY
-    if rows_per_request <= 64:
+    if rows_per_request <= (MAX_BLOCK_ROWS if block else 64):
         return WIDE_BLOCK_POLICY if batch_size * num_kv_heads >= WIDE_BLOCK_PAIRS else BLOCK_POLICY
     wide_programs = batch_size * num_kv_heads * triton.cdiv(rows_per_request, EXTEND_POLICY.tiles.block_m)
     return EXTEND_POLICY if wide_programs >= TWO_WAVES else SMALL_EXTEND_POLICY
@@ -143,7 +155,7 @@ class TritonAttentionBackend(PagedBackendBase):
         q_starts, q_lens, max_q = query_layout(batch)
         max_seq = batch.max_seq_len_hint if batch.max_seq_len_hint is not None else max(batch.seq_lens_cpu)
         rows = max_q * (self.num_heads // self.num_kv_heads)
-        policy = launch_policy(rows, bs, self.num_kv_heads)
+        policy = launch_policy(rows, bs, self.num_kv_heads, block_mode(batch.mode))
         return TritonAttentionMeta(q_starts, q_lens, max_q, self.choose_splits(bs, rows, policy, max_seq), policy.tiles)
 
     def tile_options(

@@ -17,7 +17,7 @@ import triton
 
 from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_window
 from blockspec.attention.triton_backend import (
-    KernelTiles, LaunchPolicy, TritonAttentionBackend, TritonAttentionMeta, launch_policy,
+    KernelTiles, LaunchPolicy, TritonAttentionBackend, TritonAttentionMeta, block_mode, launch_policy,
 )
 from blockspec.batch import ForwardBatch, ForwardMode
 
@@ -87,11 +87,12 @@ def reachable_launches(workload: AttentionWorkload) -> set[tuple[KernelTiles, in
     # For one batch size each policy holds one interval of query lengths (checked by the tests), so a saturated
     # policy that is also the longest query's ends the scan.
     shortest: dict[tuple[LaunchPolicy, int], tuple[int, int, int]] = {}
+    block = block_mode(workload.mode)
     for batch_size in range(1, workload.max_batch_size + 1):
-        last_policy = launch_policy(workload.max_q * group, batch_size, backend.num_kv_heads)
+        last_policy = launch_policy(workload.max_q * group, batch_size, backend.num_kv_heads, block)
         for q in query_lengths(workload.min_q, workload.max_q, group):
             rows = q * group
-            policy = launch_policy(rows, batch_size, backend.num_kv_heads)
+            policy = launch_policy(rows, batch_size, backend.num_kv_heads, block)
             programs = batch_size * backend.num_kv_heads * triton.cdiv(rows, policy.tiles.block_m)
             saturated = programs * 2 > policy.max_programs
             known = shortest.get((policy, programs))

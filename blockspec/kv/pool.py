@@ -1,8 +1,8 @@
 """Per-layer K/V storage indexed by slot.
 
 NOTE: every layer's K (and V) cache is a view into one [layers, slots, Hk, D] tensor, so an operation over all layers
-at the same slots (`move`, the DDTree compaction) is one gather and one scatter for K and one each for V inside the
-cycle's graph, not two launches per layer and cache."""
+at the same slots (`move`, the DDTree compaction) is one launch inside the cycle's graph on CUDA (move_kernel.py), not
+two per layer and cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,10 +51,18 @@ class KVPool:
         self.layer_store(layer_id, slots).write(k, v)
 
     def move(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
-        """Copies every layer's K/V at slots `sources` to slots `destinations` (all sources are read before any
-        destination is written, so the two may overlap). Graph-capturable: one gather and one scatter per stack."""
+        """Copies every layer's K/V at slots `sources` [G, P] to slots `destinations` [G, P], group by group (a
+        request's block): within a group all sources are read before any destination is written, so the two may
+        overlap; different groups must touch different slots. Graph-capturable: on CUDA one Triton launch
+        (move_kernel.py), elsewhere one gather and one scatter per stack."""
+        if self.k_layers.is_cuda:
+            from blockspec.kv.move_kernel import move_slot_groups  # NOTE: needs Triton, which CUDA installs have
+
+            move_slot_groups(self.k_layers, self.v_layers, sources, destinations)
+            return
+        flat_sources, flat_destinations = sources.reshape(-1), destinations.reshape(-1)
         for stacked in (self.k_layers, self.v_layers):
-            stacked[:, destinations] = stacked[:, sources]
+            stacked[:, flat_destinations] = stacked[:, flat_sources]
 
     def layer_store(self, layer_id: int, slots: torch.Tensor) -> LayerKVStore:
         return LayerKVStore(self.k[layer_id], self.v[layer_id], slots)

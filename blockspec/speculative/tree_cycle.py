@@ -142,13 +142,14 @@ class TreeCycle:
         # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself)
         table_rows = batch.req_rows[:, None]
         destinations = starts[:, None] + torch.arange(b, device=starts.device)
-        dest_slots = batch.req_to_token[table_rows, destinations].reshape(-1)
-        self.runner.kv_pool.move(batch.req_to_token[table_rows, starts[:, None] + path].reshape(-1), dest_slots)
+        dest_slots = batch.req_to_token[table_rows, destinations]
+        # NOTE: a request's moves form one group (path[d] >= d: a destination is a source of its own group only)
+        self.runner.kv_pool.move(batch.req_to_token[table_rows, starts[:, None] + path], dest_slots)
         walked_rows = path.clamp(max=budget)
         width = aux_hidden.shape[-1]
         aux = aux_hidden.view(bs, budget + 1, width).gather(1, walked_rows[:, :, None].expand(-1, -1, width))
-        self.draft.materialise_context(aux.reshape(bs * b, width), destinations.reshape(-1), dest_slots,
-                                       self.draft_pool)
+        self.draft.materialise_context(aux.reshape(bs * b, width), destinations.reshape(-1),
+                                       dest_slots.reshape(-1), self.draft_pool)
         tokens = verified.row_tokens.gather(1, walked_rows)
         padding = torch.zeros((bs, budget), dtype=torch.int64, device=starts.device)
         rows = torch.cat([accepted, tokens[:, 1:], padding, target_tokens.gather(1, walked_rows), padding], dim=1)

@@ -105,6 +105,9 @@ def test_launch_policy_and_split_count() -> None:
     assert launch_policy(4, 1, 8) is DECODE_POLICY and launch_policy(40, 16, 8) is BLOCK_POLICY
     assert launch_policy(40, 32, 8) is WIDE_BLOCK_POLICY and WIDE_BLOCK_POLICY.tiles.mask_edges_only
     assert launch_policy(1024, 1, 8) is SMALL_EXTEND_POLICY and launch_policy(1024, 8, 8) is EXTEND_POLICY
+    # NOTE: a DDTree verify of 32 nodes at group 3 (99 rows) is a block, not an extend
+    assert launch_policy(99, 1, 3) is SMALL_EXTEND_POLICY and launch_policy(99, 1, 3, block=True) is BLOCK_POLICY
+    assert launch_policy(260, 64, 8, block=True) is WIDE_BLOCK_POLICY
 
     def splits(rows: int, bs: int, max_seq: int) -> int:
         return backend.choose_splits(bs, rows, launch_policy(rows, bs, 8), max_seq)

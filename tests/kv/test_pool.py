@@ -21,13 +21,13 @@ def test_move_copies_every_layer_reading_all_sources_first() -> None:
     before_k = [cache.clone() for cache in pool.k]
     before_v = [cache.clone() for cache in pool.v]
     # NOTE: overlapping: slot 4 is both read (to 2) and written (from 6), slot 2 read (to 3) and written
-    sources = torch.tensor([2, 4, 6])
-    destinations = torch.tensor([3, 2, 4])
+    sources = torch.tensor([[2, 4, 6]])
+    destinations = torch.tensor([[3, 2, 4]])
     pool.move(sources, destinations)
     for layer in range(3):
         for before, after in ((before_k[layer], pool.k[layer]), (before_v[layer], pool.v[layer])):
             expected = before.clone()
-            expected[destinations] = before[sources]
+            expected[destinations[0]] = before[sources[0]]
             assert torch.equal(after, expected)
 
 
@@ -41,7 +41,7 @@ def test_layer_stores_write_through_to_the_stacked_caches() -> None:
 
 def _scatter_ops(pool: KVPool) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        pool.move(torch.tensor([1, 2]), torch.tensor([3, 4]))
+        pool.move(torch.tensor([[1], [2]]), torch.tensor([[3], [4]]))
     return sum(event.count for event in prof.key_averages() if event.key == "aten::index_put_")
 
 

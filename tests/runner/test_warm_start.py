@@ -19,7 +19,7 @@ from triton.runtime.jit import JitFunctionInfo
 
 from blockspec import Engine
 from blockspec.attention import triton_backend
-from blockspec.attention.triton_backend import TritonAttentionBackend, launch_policy
+from blockspec.attention.triton_backend import TritonAttentionBackend, block_mode, launch_policy
 from blockspec.attention.triton_kernels import paged_attention_kernel
 from blockspec.batch import ForwardMode
 from blockspec.kv.allocator import ReqToTokenTable
@@ -104,18 +104,19 @@ def test_policies_fill_whole_row_blocks() -> None:
     assert len(policies) >= 5
     assert all(p.tiles.block_m % ROW_BLOCK == 0 for p in policies)
     # NOTE: query_lengths relies on the policy being constant between multiples of ROW_BLOCK rows
-    for rows, batch_size in itertools.product(range(1, 200), (1, 3, 40)):
+    for rows, batch_size, block in itertools.product(range(1, 400), (1, 3, 40), (False, True)):
         block_end = -(-rows // ROW_BLOCK) * ROW_BLOCK
-        assert launch_policy(rows, batch_size, 8) == launch_policy(block_end, batch_size, 8)
+        assert launch_policy(rows, batch_size, 8, block) == launch_policy(block_end, batch_size, 8, block)
 
 
+@pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("kv_heads", [1, 3, 8])
-def test_each_policy_holds_one_interval_of_rows(kv_heads: int) -> None:
+def test_each_policy_holds_one_interval_of_rows(kv_heads: int, block: bool) -> None:
     """reachable_launches stops scanning a batch size once the longest query's policy is reached and saturated."""
     for batch_size in (1, 2, 3, 5, 8, 13, 33, 64, 200):
         seen: list[Any] = []
         for rows in range(1, 20000, 3):
-            policy = launch_policy(rows, batch_size, kv_heads)
+            policy = launch_policy(rows, batch_size, kv_heads, block)
             if not seen or seen[-1] != policy:
                 assert policy not in seen, f"policy returns at rows {rows}, batch size {batch_size}"
                 seen.append(policy)
@@ -125,7 +126,7 @@ def test_each_policy_holds_one_interval_of_rows(kv_heads: int) -> None:
     (8, 2, ForwardMode.EXTEND, 1, 90, 12, 7), (32, 8, ForwardMode.EXTEND, 1, 70, 12, 7),
     (8, 8, ForwardMode.EXTEND, 1, 80, 12, 7), (32, 8, ForwardMode.EXTEND, 1, 700, 3, 61),
     (32, 8, ForwardMode.DECODE, 1, 1, 12, 7), (32, 8, ForwardMode.VERIFY, 10, 10, 40, 7),
-    (9, 3, ForwardMode.DRAFT, 16, 16, 12, 7),
+    (9, 3, ForwardMode.DRAFT, 16, 16, 12, 7), (9, 3, ForwardMode.VERIFY, 17, 65, 4, 61),
 ])
 def test_reachable_launches_match_brute_force(heads: int, kv_heads: int, mode: ForwardMode, min_q: int, max_q: int,
                                               max_bs: int, seq_step: int) -> None:
@@ -135,7 +136,7 @@ def test_reachable_launches_match_brute_force(heads: int, kv_heads: int, mode: F
     group = heads // kv_heads
     expected = set()
     for bs, q in itertools.product(range(1, max_bs + 1), range(min_q, max_q + 1)):
-        policy = launch_policy(q * group, bs, kv_heads)
+        policy = launch_policy(q * group, bs, kv_heads, block_mode(mode))
         for seq in sorted({*range(q, max_seq + 1, seq_step), *(2 ** k for k in range(16) if q <= 2 ** k <= max_seq)}):
             expected.add((policy.tiles, backend.choose_splits(bs, q * group, policy, seq)))
         expected.add((policy.tiles, backend.choose_splits(bs, q * group, policy, max_seq)))
