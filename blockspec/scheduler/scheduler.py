@@ -4,6 +4,7 @@ Each step the scheduler plans what runs (StepPlan) and commits what comes back; 
 and the overlap schedule belong to the StepExecutor (scheduler/step_executor.py)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -209,8 +210,13 @@ class Scheduler:
             decoding, rows = len(self._decoding()), min(
                 self.config.max_running_requests - len(self.running), self.table.free_rows
             )
-            if self.arrivals.hold(self.num_steps, sum(r.pending_len for r in self.waiting), budget, decoding > 0,
-                                  bool(plan.extend), decoding, min(len(self.waiting), rows)):
+            admissible = min(len(self.waiting), max(rows, 0))
+            # NOTE: the prompt tokens this step could take are the admissible requests', not the whole queue's: a
+            # queue deeper than the free rows (every request submitted at once, a saturated server) otherwise reads as
+            # a full extend step and each freed row costs an extend step of its own
+            admissible_tokens = sum(req.pending_len for req in itertools.islice(self.waiting, admissible))
+            if self.arrivals.hold(self.num_steps, admissible_tokens, budget, decoding > 0, bool(plan.extend),
+                                  decoding, admissible):
                 return plan
         in_batch = None
         while (

@@ -153,3 +153,40 @@ def test_cost_policy_is_lossless(models: dict[str, Any]) -> None:
         assert a.output_ids == b.output_ids and a.spec_accept_lengths == b.spec_accept_lengths
     for engine in (plain, costed):
         assert_engine_idle(engine)
+
+
+def test_a_deep_queue_is_held_by_what_the_free_rows_admit(models: dict[str, Any]) -> None:
+    """Every request submitted at once (the offline engine, a saturated server), two rows: the two running requests
+    finish a step apart, and the queue behind them holds more prompt tokens than an extend step takes. The first freed
+    row could admit one prompt only, so it is held a step and the second row's prompt joins it: one extend step per
+    pair (before, the whole queue's tokens read as a full step, and each freed row ran an extend step of its own).
+    Outputs equal the run without holding and HF greedy."""
+    prompts = random_prompts([9, 12, 7, 10, 8, 11], seed=5)
+    lengths = [10, 11] * 3
+
+    def run(wait_steps: int) -> tuple[Engine, list[Req], int]:
+        engine = Engine(model_path=str(models["root"] / "target"), device="cpu", dtype="float32",
+                        max_total_tokens=2048, skip_tokenizer_init=True, max_running_requests=2,
+                        chunked_prefill_size=24, max_prefill_wait_steps=wait_steps)
+        reqs = [engine.make_requests(input_ids=[ids], sampling_params=dict(GREEDY, max_new_tokens=n))[0][0]
+                for ids, n in zip(prompts, lengths)]
+        for req in reqs:
+            engine.scheduler.add_request(req)
+        admissions, queue, pending = 0, len(reqs), {req.rid for req in reqs}
+        for _ in range(1000):
+            pending -= {req.rid for req in engine.step()}
+            admissions += len(engine.scheduler.waiting) < queue
+            queue = len(engine.scheduler.waiting)
+            if not pending:
+                break
+        assert not pending
+        return engine, reqs, admissions
+
+    plain, plain_reqs, plain_admissions = run(0)
+    held, held_reqs, held_admissions = run(2)
+    assert plain_admissions == 5 and held_admissions == 3  # NOTE: the first pair, then 2 pairs in 4 steps or 2
+    for a, b in zip(plain_reqs, held_reqs):
+        assert a.output_ids == b.output_ids
+        assert b.output_ids == hf_greedy(models["target"], b.all_ids[:b.prompt_len], len(b.output_ids))
+    for engine in (plain, held):
+        assert_engine_idle(engine)
