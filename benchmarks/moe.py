@@ -35,7 +35,7 @@ down_columns, step_ms, over_floor, chosen). It is how choose_tiles's thresholds 
 
 With --serving, the serving table (1 and 64 clients, DFlash vs target-only, accept length 6) through
 benchmarks/serving_vs_engine.py on the same shapes; its rows go to `serving`. --shape tiny runs everything small on
-the CPU (plumbing only, timings meaningless; tests/test_moe_bench.py). Writes moe_<date>_<commit>.json under --out.
+the CPU (plumbing only, timings meaningless; tests/test_moe_bench.py). Writes moe_<date>_<commit>[_<tag>].json under --out.
 On the device: `scripts/device.sh bench moe --parts layer step serving`.
 """
 from __future__ import annotations
@@ -396,6 +396,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
                         help="the tile sets the `tiles` part times (full, the default: 64 sets and 48 direct ones; "
                              "large: 72)")
+    parser.add_argument("--tag", default="", help="suffix of the result file name (two runs of one commit on one day "
+                        "otherwise write the same file)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -407,7 +409,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     bandwidth = copy_bandwidth(device)
     report: dict[str, Any] = {**identity, "shape": args.shape, "config": config, "bandwidth_bytes_per_s": bandwidth,
                               "args": vars(args), "rows": [], "serving": [], "tile_sweep": []}
-    path = args.out / f"moe_{identity['date']}_{identity['commit']}.json"
+    path = args.out / f"moe_{identity['date']}_{identity['commit']}{'_' + args.tag if args.tag else ''}.json"
     # NOTE: the shapes' config.json files (dummy weights) live only as long as the run, not beside the results
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = write_configs(Path(tmp), args.shape)
