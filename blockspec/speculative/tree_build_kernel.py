@@ -12,8 +12,9 @@ addition the torch form makes: the same scores bit for bit. The final order is a
 candidates (shallower first on ties, so a parent precedes a child that ties it), as in the torch form; then parents,
 depths and the ancestor mask (each row's walk to the root).
 
-NOTE: the program passes values between depths through global scratch and `tl.debug_barrier()` (a CTA barrier:
-its threads' global writes are visible to each other after it)."""
+NOTE: the previous depth's scores pass between depths in registers (`tl.gather`); the depths' candidates and the tree
+rows' ranks go through global scratch and `tl.debug_barrier()` (a CTA barrier: its threads' global writes are
+visible to each other after it)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -97,18 +98,22 @@ def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_
     p_valid = p < num_pairs
     pair = tl.load(pairs + p, mask=p_valid, other=0)
     parent_slot, token_slot = pair // BLOCK_B, pair % BLOCK_B
+    # NOTE: the previous depth's top-B scores stay in registers (a gather per depth, no global round trip and no
+    # barrier in the loop); the depths' candidates go to scratch for the final order only
+    previous = tl.load(scores + slots, mask=in_budget, other=0.0)
     for depth in range(1, depth_count):
-        above = tl.load(cand_scores + (depth - 1) * budget + parent_slot, mask=p_valid, other=0.0)
+        above = tl.gather(previous, parent_slot, 0)
         here = tl.load(scores + depth * budget + token_slot, mask=p_valid, other=0.0)
         summed = tl.where(p_valid, above + here, float("-inf"))
         best = _leading(tl.sort(_score_key(summed, pair, BLOCK_B * BLOCK_B), descending=True), BLOCK_P, BLOCK_B)
         chosen = _key_index(best, BLOCK_B * BLOCK_B)
+        previous = _key_score(best)
         at = depth * budget + slots
-        tl.store(cand_scores + at, _key_score(best), mask=in_budget)
+        tl.store(cand_scores + at, previous, mask=in_budget)
         tl.store(cand_tokens + at, tl.load(tokens + depth * budget + chosen % BLOCK_B, mask=in_budget, other=0),
                  mask=in_budget)
         tl.store(cand_parents + at, (chosen // BLOCK_B).to(tl.int32), mask=in_budget)
-        tl.debug_barrier()
+    tl.debug_barrier()
 
     # the tree: the top-B of all depths' candidates, stable over the depth-major order
     c = tl.arange(0, BLOCK_C)
@@ -129,18 +134,21 @@ def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_
     tl.store(out_parents_ptr + request * width + 1 + slots, node_parents, mask=in_budget)
     tl.store(out_depths_ptr + request * width + slots, node_depth * 0, mask=slots == 0)
     tl.store(out_depths_ptr + request * width + 1 + slots, node_depth + 1, mask=in_budget)
-    tl.debug_barrier()
 
-    # the ancestor mask: row r sees itself and every row on its walk to the root (depth_count steps reach it)
-    parents = out_parents_ptr + request * width
+    # the ancestor mask: row r sees itself and every row on its walk to the root (depth_count steps reach it). The
+    # walk reads each row's parent from registers (rows past the tree: the root), not from global memory: one
+    # dependent load per step and row block was most of the build at B = 64
     columns = tl.arange(0, BLOCK_R)
+    row_parents = tl.where((columns > 0) & (columns < width),
+                           tl.gather(node_parents, tl.minimum(tl.maximum(columns - 1, 0), BLOCK_B - 1), 0),
+                           0).to(tl.int32)
     for start in range(0, width, ROWS):
         rows = start + tl.arange(0, ROWS)
         rows_valid = rows < width
-        current = rows.to(tl.int64)
+        current = tl.where(rows_valid, rows, 0)
         sees = columns[None, :] == current[:, None]
         for _ in range(depth_count):
-            current = tl.load(parents + current, mask=rows_valid, other=0)
+            current = tl.gather(row_parents, current, 0)
             sees = sees | (columns[None, :] == current[:, None])
         tl.store(out_ancestors_ptr + request * width * width + rows[:, None] * width + columns[None, :],
                  sees.to(tl.int8), mask=rows_valid[:, None] & (columns[None, :] < width))
