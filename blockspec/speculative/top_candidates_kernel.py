@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
-from blockspec.speculative.tree_build_kernel import _key_index, _key_score, _leading, _score_key
+from blockspec.speculative.score_keys import key_index, key_score, leading, score_key
 
 GROUP = 16  # NOTE: tokens per group: stage 2 gathers and sorts K · GROUP logits, stage 1 sorts CHUNK / GROUP keys
 MIN_K = 16  # NOTE: no block edge below it (a budget of 1 would make one-element blocks)
@@ -58,7 +58,7 @@ def _chunk_groups_kernel(logits_ptr, group_keys_ptr, chunk_max_ptr, chunk_sum_pt
     total = tl.sum(tl.exp(x - top), 0)  # NOTE: a chunk always holds a real token (chunks = cdiv(vocab, CHUNK))
     group_max = tl.max(tl.reshape(x, (CHUNK // GROUP, GROUP)), axis=1)
     groups = chunk * (CHUNK // GROUP) + tl.arange(0, CHUNK // GROUP)
-    best = _leading(tl.sort(_score_key(group_max, groups, SPAN), descending=True), CHUNK // GROUP, K)
+    best = leading(tl.sort(score_key(group_max, groups, SPAN), descending=True), CHUNK // GROUP, K)
     at = row * num_chunks + chunk
     tl.store(group_keys_ptr + at * K + tl.arange(0, K), best)
     tl.store(chunk_max_ptr + at, top)
@@ -85,19 +85,19 @@ def _merge_top_kernel(logits_ptr, group_keys_ptr, chunk_max_ptr, chunk_sum_ptr, 
     keys = tl.load(group_keys_ptr + row * num_chunks * K + slots, mask=written, other=0)
     # NOTE: padding below every written key (-inf at the last index; written keys' indices are smaller): it is
     # never among the top K, since every chunk writes K keys
-    lowest = _score_key(tl.full((BLOCK_CHUNKS * K,), float("-inf"), tl.float32),
+    lowest = score_key(tl.full((BLOCK_CHUNKS * K,), float("-inf"), tl.float32),
                         tl.full((BLOCK_CHUNKS * K,), SPAN - 1, tl.int64), SPAN)
     keys = tl.where(written, keys, lowest)
-    groups = _key_index(_leading(tl.sort(keys, descending=True), BLOCK_CHUNKS * K, K), SPAN)
+    groups = key_index(leading(tl.sort(keys, descending=True), BLOCK_CHUNKS * K, K), SPAN)
 
     tokens = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [K, GROUP]
     x = tl.load(logits_ptr + row * stride_row + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
-    token_keys = tl.reshape(_score_key(x, tokens, SPAN), (K * GROUP,))
-    best = _leading(tl.sort(token_keys, descending=True), K * GROUP, K)
+    token_keys = tl.reshape(score_key(x, tokens, SPAN), (K * GROUP,))
+    best = leading(tl.sort(token_keys, descending=True), K * GROUP, K)
     out = tl.arange(0, K)
     in_budget = out < budget
-    tl.store(scores_ptr + row * budget + out, _key_score(best) - lse, mask=in_budget)
-    tl.store(tokens_ptr + row * budget + out, _key_index(best, SPAN), mask=in_budget)
+    tl.store(scores_ptr + row * budget + out, key_score(best) - lse, mask=in_budget)
+    tl.store(tokens_ptr + row * budget + out, key_index(best, SPAN), mask=in_budget)
 
 
 def candidate_width(budget: int) -> int:

@@ -24,36 +24,11 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+from blockspec.speculative.score_keys import key_index, key_score, leading, score_key
 
 ANCESTOR_ROWS = 16  # NOTE: tree rows per step of the ancestor mask's loop
 MIN_BLOCK = 16  # NOTE: no block edge below it (a budget of 1 would make one-element blocks)
 DEFAULT_WARPS = 8  # NOTE: of 1, 2, 4 and 8 the fastest or within 1 % in every row measured (benchmarks/tree_build.py)
-
-
-@triton.jit
-def _score_key(score, index, SPAN: tl.constexpr):
-    """int64 keys whose descending order is score descending, then index ascending (index in [0, SPAN))."""
-    bits = (score + 0.0).to(tl.int32, bitcast=True)  # NOTE: + 0.0 turns -0.0 into +0.0, which torch calls equal
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # NOTE: signed order of the result = float order of the score
-    return (ordered.to(tl.int64) << 32) | (SPAN - 1 - index).to(tl.int64)
-
-
-@triton.jit
-def _key_score(key):
-    ordered = (key >> 32).to(tl.int32)
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_index(key, SPAN: tl.constexpr):
-    return SPAN - 1 - (key & 0xFFFFFFFF)
-
-
-@triton.jit
-def _leading(keys, SIZE: tl.constexpr, WIDTH: tl.constexpr):
-    """The first WIDTH entries of a [SIZE] tensor (SIZE a multiple of WIDTH)."""
-    rows = tl.reshape(keys, (SIZE // WIDTH, WIDTH))
-    return tl.sum(tl.where(tl.arange(0, SIZE // WIDTH)[:, None] == 0, rows, 0), axis=0)
 
 
 @triton.jit
@@ -105,9 +80,9 @@ def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_
         above = tl.gather(previous, parent_slot, 0)
         here = tl.load(scores + depth * budget + token_slot, mask=p_valid, other=0.0)
         summed = tl.where(p_valid, above + here, float("-inf"))
-        best = _leading(tl.sort(_score_key(summed, pair, BLOCK_B * BLOCK_B), descending=True), BLOCK_P, BLOCK_B)
-        chosen = _key_index(best, BLOCK_B * BLOCK_B)
-        previous = _key_score(best)
+        best = leading(tl.sort(score_key(summed, pair, BLOCK_B * BLOCK_B), descending=True), BLOCK_P, BLOCK_B)
+        chosen = key_index(best, BLOCK_B * BLOCK_B)
+        previous = key_score(best)
         at = depth * budget + slots
         tl.store(cand_scores + at, previous, mask=in_budget)
         tl.store(cand_tokens + at, tl.load(tokens + depth * budget + chosen % BLOCK_B, mask=in_budget, other=0),
@@ -117,9 +92,9 @@ def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_
 
     # the tree: the top-B of all depths' candidates, stable over the depth-major order
     c = tl.arange(0, BLOCK_C)
-    best = _leading(tl.sort(_score_key(tl.load(cand_scores + c, mask=c < span, other=float("-inf")), c, BLOCK_C),
+    best = leading(tl.sort(score_key(tl.load(cand_scores + c, mask=c < span, other=float("-inf")), c, BLOCK_C),
                             descending=True), BLOCK_C, BLOCK_B)
-    order = _key_index(best, BLOCK_C)
+    order = key_index(best, BLOCK_C)
     node_depth = order // budget  # NOTE: depth - 1
     tl.store(rank + order, (slots + 1).to(tl.int32), mask=in_budget)
     tl.debug_barrier()
