@@ -44,12 +44,15 @@ class AttentionVariant:
     tiles: KernelTiles
     splits: int
     layer_id: int  # the first layer of its (causal, window) class
-    tree: bool = False
+    # NOTE: a DDTree verify's rows per request (B + 1), 0 without a tree: the warm-up's tree mask has the served
+    # mask's strides, [bs, B + 1, B + 1] (Triton specialises an integer argument of 1, so a 1 x 1 mask compiled
+    # another variant than serving launches)
+    tree_rows: int = 0
 
     def describe(self) -> str:
         t = self.tiles
         edges = ", edge masks" if t.mask_edges_only else ""
-        tree = ", tree" if self.tree else ""
+        tree = f", tree of {self.tree_rows} rows" if self.tree_rows else ""
         return (f"{self.mode.value}{tree} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}{edges}, "
                 f"{self.splits} split(s), layer {self.layer_id}")
 
@@ -124,7 +127,8 @@ def layer_classes(backend: PagedBackendBase, mode: ForwardMode) -> list[int]:
 def workload_variants(workload: AttentionWorkload) -> list[AttentionVariant]:
     launches = sorted(reachable_launches(workload), key=lambda launch: (repr(launch[0]), launch[1]))
     layers = layer_classes(workload.backend, workload.mode)
-    return [AttentionVariant(workload.mode, tiles, splits, layer, workload.tree) for tiles, splits in launches
+    tree_rows = workload.max_q if workload.tree else 0  # NOTE: a tree workload's one query length, B + 1
+    return [AttentionVariant(workload.mode, tiles, splits, layer, tree_rows) for tiles, splits in launches
             for layer in layers]
 
 
@@ -143,7 +147,8 @@ def launch_variant(backend: TritonAttentionBackend, variant: AttentionVariant, r
         mode=variant.mode, input_ids=one * 0, positions=one * 0, out_cache_loc=one * 0,
         req_rows=one * dummy_row, seq_lens=one, seq_lens_cpu=[1], extend_lens_cpu=[1], logits_rows=one * 0,
         req_to_token=req_to_token, uniform_q_len=None if variant.mode is ForwardMode.EXTEND else 1,
-        tree_mask=torch.ones((1, 1, 1), dtype=torch.bool, device=device) if variant.tree else None,
+        tree_mask=(torch.ones((1, variant.tree_rows, variant.tree_rows), dtype=torch.bool, device=device)
+                   if variant.tree_rows else None),
     )
     batch.attn_meta = TritonAttentionMeta(
         torch.zeros(1, dtype=index_dtype, device=device), torch.ones(1, dtype=index_dtype, device=device), 1,

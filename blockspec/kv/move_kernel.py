@@ -5,7 +5,8 @@ outgrows 32-bit element offsets (TensorIterator's split): 14 of each per cycle o
 program moves one group's pairs (a request's block) for one layer's K or V and one chunk of its Hk·D elements: it loads
 every source row of the group, waits for all its threads (so no destination is written before each source is read,
 even where the two overlap), then stores them. Programs never share elements: groups hold disjoint slots (the
-caller's contract), and layers, caches and chunks are disjoint memory."""
+caller's contract; a graph's padding rows all name the dummy slot, onto itself, and moves onto itself are skipped),
+and layers, caches and chunks are disjoint memory."""
 from __future__ import annotations
 
 import torch
@@ -34,10 +35,13 @@ def _move_groups_kernel(k_ptr, v_ptr, sources_ptr, destinations_ptr, group_size,
     base += (layer_cache // 2).to(tl.int64) * layer_stride
     pairs = tl.arange(0, BLOCK_P)
     pair_valid = pairs < group_size
-    sources = tl.load(sources_ptr + group * group_size + pairs, mask=pair_valid, other=0)
-    destinations = tl.load(destinations_ptr + group * group_size + pairs, mask=pair_valid, other=0)
+    sources = tl.load(sources_ptr + group * group_size + pairs, mask=pair_valid, other=0).to(tl.int64)
+    destinations = tl.load(destinations_ptr + group * group_size + pairs, mask=pair_valid, other=0).to(tl.int64)
     columns = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = pair_valid[:, None] & (columns < row_elements)[None, :]
+    # NOTE: a pair that moves a slot onto itself is skipped: the pairs past a request's walk, and the padding rows of
+    # a graph, which all name the dummy slot 0 (so no two programs write the same element)
+    moved = pair_valid & (sources != destinations)
+    mask = moved[:, None] & (columns < row_elements)[None, :]
     rows = tl.load(base + sources[:, None] * slot_stride + columns[None, :], mask=mask)
     tl.debug_barrier()  # NOTE: every thread's loads are done before any thread stores (overlapping pairs)
     tl.store(base + destinations[:, None] * slot_stride + columns[None, :], rows, mask=mask)
@@ -47,7 +51,7 @@ def move_slot_groups(k_layers: torch.Tensor, v_layers: torch.Tensor, sources: to
                      destinations: torch.Tensor) -> None:
     """k_layers / v_layers [layers, slots, Hk, D] (contiguous): every layer's rows at sources [G, P] copied to
     destinations [G, P] (int64), group by group; within a group all sources are read before any destination is
-    written, and no two groups may touch the same slot."""
+    written, and no two groups may touch the same slot (a pair moving a slot onto itself aside)."""
     groups, group_size = sources.shape
     layers, slots = k_layers.shape[:2]
     row_elements = k_layers[0, 0].numel()

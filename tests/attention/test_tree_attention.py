@@ -107,3 +107,29 @@ def test_triton_tree_attention_equals_torch(prefix_lens, budget, page_size, dtyp
         got = backend.forward(q, k, v, 0, batch)
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("prefix_lens,budget,page_size", [([70, 3], 40, 4), ([130], 39, 1), ([9, 200, 33], 35, 16)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_block_tiles_run_trees_past_64_query_rows(prefix_lens, budget, page_size, splits) -> None:
+    """A verify block keeps the block policies up to MAX_BLOCK_ROWS query rows (a tree of 35-40 nodes is 72-82 rows
+    at this GQA group of 2): the 64-row block tiles, and the wide ones with edge-only masks, over several row blocks
+    with and without split-K, equal the torch backend."""
+    pytest.importorskip("triton")
+    from blockspec.attention.triton_backend import (
+        BLOCK_POLICY, WIDE_BLOCK_POLICY, TritonAttentionBackend, launch_policy,
+    )
+
+    batch, pools, q, k, v, _ = tree_case(prefix_lens, budget, page_size, torch.float32)
+    reference = TorchAttentionBackend(pools[0], HEAD_DIM ** -0.5)
+    batch.attn_meta = reference.plan(batch)
+    expected = reference.forward(q, k, v, 0, batch)
+    backend = TritonAttentionBackend(pools[1], HEAD_DIM ** -0.5, HEADS, KV_HEADS, HEAD_DIM, max_splits=splits)
+    rows = (budget + 1) * (HEADS // KV_HEADS)
+    assert rows > 64 and backend.plan(batch).tiles == launch_policy(rows, len(prefix_lens), KV_HEADS, True).tiles
+    for tiles in (BLOCK_POLICY.tiles, WIDE_BLOCK_POLICY.tiles):
+        meta = backend.plan(batch)
+        meta.num_splits, meta.tiles = splits, tiles
+        batch.attn_meta = meta
+        got = backend.forward(q, k, v, 0, batch)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -25,7 +25,7 @@ from blockspec.batch import ForwardMode
 from blockspec.kv.allocator import ReqToTokenTable
 from blockspec.kv.pool import KVPool
 from blockspec.engine.attention_variants import (
-    ROW_BLOCK, AttentionWorkload, query_lengths, reachable_launches, workload_variants,
+    ROW_BLOCK, AttentionWorkload, launch_variant, query_lengths, reachable_launches, workload_variants,
 )
 from blockspec.engine.compiles import KernelCompileLog, kernel_compile_log
 from blockspec.engine.warmup import attention_workloads, warm_attention, warm_engine_paths, warm_kernels
@@ -154,6 +154,20 @@ def test_warm_attention_launches_every_variant_and_layer_class() -> None:
     assert {v.layer_id for v in variants} == {0, 1}  # the windowed layer is a class of its own
     assert len({v.splits for v in variants}) > 1
     assert warm_attention(workloads, table.table, table.dummy_row) == len(variants)
+
+
+def test_tree_variants_warm_up_with_the_served_mask_strides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton specialises an integer argument of 1: a tree variant warmed up with a 1 x 1 mask (strides 1) is not the
+    variant a served [bs, B + 1, B + 1] mask launches, which then compiled while serving."""
+    backend = tiny_backend()
+    table = ReqToTokenTable(2, 64, torch.device("cpu"))
+    rows = 33  # NOTE: a tree of 32 nodes and its root
+    (variant, *_) = workload_variants(AttentionWorkload(backend, ForwardMode.VERIFY, rows, rows, 2, 64, tree=True))
+    seen: list[torch.Tensor] = []
+    monkeypatch.setattr(backend, "forward", lambda q, k, v, layer_id, batch, **kw: seen.append(batch.tree_mask))
+    launch_variant(backend, variant, table.table, table.dummy_row)
+    assert variant.tree_rows == rows and "tree of 33 rows" in variant.describe()
+    assert seen[0].shape == (1, rows, rows) and seen[0].stride() == (rows * rows, rows, 1)
 
 
 def test_engine_warmup_leaves_the_engine_as_it_found_it(
