@@ -35,7 +35,8 @@ down_columns, step_ms, over_floor, chosen). It is how choose_tiles's thresholds 
 
 With --serving, the serving table (1 and 64 clients, DFlash vs target-only, accept length 6) through
 benchmarks/serving_vs_engine.py on the same shapes; its rows go to `serving`. --shape tiny runs everything small on
-the CPU (plumbing only, timings meaningless; tests/test_moe_bench.py). Writes moe_<date>_<commit>[_<tag>].json under --out.
+the CPU (plumbing only, timings meaningless; tests/test_moe_bench.py). Writes moe_<date>_<commit>[_<tag>].json
+under --out.
 On the device: `scripts/device.sh bench moe --parts layer step serving`.
 """
 from __future__ import annotations
