@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence, cast
 
 import torch
 
-from benchmarks.results import add_out_argument, plot_result, write_json
+from benchmarks.results import add_out_argument, plot_result, result_path, write_json
 from blockspec.bench.provenance import commit_id
 
 Outputs = list[list[int]]
@@ -243,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
               "deterministic": args.deterministic,
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "date": date,
               "commit": commit}
-    path = write_json(args.out / f"greedy_drift_{date}_{commit}{'_' + args.tag if args.tag else ''}.json", report)
+    path = write_json(result_path(args.out, "greedy_drift", date, commit, args.tag), report)
     print(f"attention {backend}; wrote {path}")
     for pair, values in summary.items():
         margin = "-" if values["max_margin"] is None else f"{values['max_margin']:.4f}"

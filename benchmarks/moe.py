@@ -54,7 +54,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarks.adaptive_verify import prefill
-from benchmarks.results import add_out_argument, plot_result, write_json
+from benchmarks.results import add_out_argument, plot_result, result_path, write_json
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
@@ -410,7 +410,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     bandwidth = copy_bandwidth(device)
     report: dict[str, Any] = {**identity, "shape": args.shape, "config": config, "bandwidth_bytes_per_s": bandwidth,
                               "args": vars(args), "rows": [], "serving": [], "tile_sweep": []}
-    path = args.out / f"moe_{identity['date']}_{identity['commit']}{'_' + args.tag if args.tag else ''}.json"
+    path = result_path(args.out, "moe", identity["date"], identity["commit"], args.tag)
     # NOTE: the shapes' config.json files (dummy weights) live only as long as the run, not beside the results
     with tempfile.TemporaryDirectory() as tmp:
         target_dir, draft_dir = write_configs(Path(tmp), args.shape)

@@ -35,7 +35,9 @@ import httpx
 
 from benchmarks.prefix_cache_rows import describe, folded, goals, measured_row
 from benchmarks.prefix_cache_workloads import SMOKE, Sizes, Workload, build_workloads, fit_ids, run_workload
-from benchmarks.results import add_commit_argument, add_out_argument, plot_result, resolved_commit, write_json
+from benchmarks.results import (
+    add_commit_argument, add_out_argument, plot_result, resolved_commit, result_path, write_json,
+)
 from benchmarks.serving_profile import profile_server
 from benchmarks.serving_server import ServerProcess, exit_on_sigterm, log_tail
 from benchmarks.serving_vs_engine import extra_engine_kwargs, serve_flags
@@ -227,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     extra_engine_kwargs(extra)  # NOTE: validates the flags before any server starts
     date, commit = datetime.date.today().isoformat(), resolved_commit(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"prefix_cache_{date}_{commit}{'_' + args.tag if args.tag else ''}.json"
+    path = result_path(args.out, "prefix_cache", date, commit, args.tag)
     report: dict[str, Any] = {"gpu": gpu_name(), "date": date, "commit": commit,
                               "flags": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                               "rows": [], "errors": [], "goals": []}

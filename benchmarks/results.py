@@ -30,6 +30,11 @@ def resolved_commit(args: argparse.Namespace) -> str:
     return str(args.commit) if args.commit else commit_id()
 
 
+def result_path(out: Path, kind: str, date: str, commit: str, tag: str = "") -> Path:
+    """`<out>/<kind>_<date>_<commit>[_<tag>].json`: a tag keeps a second run of one commit on one day apart."""
+    return out / f"{kind}_{date}_{commit}{'_' + tag if tag else ''}.json"
+
+
 def write_json(path: Path, report: dict[str, Any]) -> Path:
     """Writes the result document (indented; values JSON cannot hold as their str); rewritten after every row by the
     benchmarks that save as they go, so a run cut short keeps what it measured."""
@@ -52,7 +57,7 @@ def write_rows(kind: str, args: argparse.Namespace,
     """`<kind>_<date>_<commit>.json` under --out: {commit, gpu, date, rows}; `measure(args, path, result)` fills
     result["rows"] (writing the file as it goes, if it likes), then the file is written and plotted. Exit status 0."""
     commit = resolved_commit(args)
-    out = args.out / f"{kind}_{today()}_{commit}.json"
+    out = result_path(args.out, kind, today(), commit)
     result: dict[str, Any] = {"commit": commit, "gpu": gpu_name(), "date": today(), "rows": []}
     measure(args, out, result)
     print(f"wrote {write_json(out, result)}; {plot_result(out)}", flush=True)

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.results import add_out_argument, plot_result
+from benchmarks.results import add_out_argument, plot_result, result_path
 from benchmarks.serving_server import exit_on_sigterm
 from benchmarks.serving_tokenizers import shape_tokenizer
 from benchmarks.serving_vs_engine_support import (
@@ -197,7 +197,7 @@ class Report:
         date = datetime.date.today().isoformat()
         commit = commit_id()
         args.out.mkdir(parents=True, exist_ok=True)
-        self.path = args.out / f"serving_vs_engine_{date}_{commit}{'_' + args.tag if args.tag else ''}.json"
+        self.path = result_path(args.out, "serving_vs_engine", date, commit, args.tag)
         flags = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         self.data: dict[str, Any] = {"gpu": "cpu", "date": date, "commit": commit, "flags": flags, "engines": {},
                                      "errors": [], "rows": []}

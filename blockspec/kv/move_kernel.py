@@ -20,10 +20,11 @@ MIN_BLOCK = 16
 
 
 @triton.jit
-def _move_groups_kernel(k_ptr, v_ptr, sources_ptr, destinations_ptr, group_size, layer_stride, slot_stride,
-                        row_elements, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+def _move_groups_kernel(k_ptr, v_ptr, sources_ptr, destinations_ptr, group_size, layer_stride, row_elements,
+                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """Program (group, 2·layer + cache, chunk): rows sources[group] → destinations[group] of that layer's K
-    (cache 0) or V (cache 1), elements [chunk·BLOCK_C, (chunk + 1)·BLOCK_C) of each row."""
+    (cache 0) or V (cache 1), elements [chunk·BLOCK_C, (chunk + 1)·BLOCK_C) of each row (a slot's row is
+    row_elements long: the caches are contiguous)."""
     wait_for_previous_grid(PDL)
     group = tl.program_id(0).to(tl.int64)
     layer_cache = tl.program_id(1)
@@ -42,9 +43,9 @@ def _move_groups_kernel(k_ptr, v_ptr, sources_ptr, destinations_ptr, group_size,
     # a graph, which all name the dummy slot 0 (so no two programs write the same element)
     moved = pair_valid & (sources != destinations)
     mask = moved[:, None] & (columns < row_elements)[None, :]
-    rows = tl.load(base + sources[:, None] * slot_stride + columns[None, :], mask=mask)
+    rows = tl.load(base + sources[:, None] * row_elements + columns[None, :], mask=mask)
     tl.debug_barrier()  # NOTE: every thread's loads are done before any thread stores (overlapping pairs)
-    tl.store(base + destinations[:, None] * slot_stride + columns[None, :], rows, mask=mask)
+    tl.store(base + destinations[:, None] * row_elements + columns[None, :], rows, mask=mask)
 
 
 def move_slot_groups(k_layers: torch.Tensor, v_layers: torch.Tensor, sources: torch.Tensor,
@@ -62,5 +63,5 @@ def move_slot_groups(k_layers: torch.Tensor, v_layers: torch.Tensor, sources: to
     grid = (groups, 2 * layers, triton.cdiv(row_elements, block_c))
     _move_groups_kernel[grid](
         k_layers, v_layers, sources.contiguous(), destinations.contiguous(), group_size, slots * row_elements,
-        row_elements, row_elements, BLOCK_P=block_p, BLOCK_C=block_c, **pdl_launch(k_layers),
+        row_elements, BLOCK_P=block_p, BLOCK_C=block_c, **pdl_launch(k_layers),
     )
