@@ -68,12 +68,15 @@ def test_ties_keep_the_fused_tree_ancestor_closed() -> None:
 
 def test_trees_up_to_ties_still_differ_where_scores_do() -> None:
     """The tie-insensitive comparison (the native-vocabulary test's) refuses a node hung under another parent."""
-    torch.manual_seed(3)
-    scores, tokens = top_candidates(torch.randn(1, 4, 30, device=DEVICE), 8)
+    # NOTE: drawn on the CPU whatever DEVICE is (CUDA's generator draws other logits: a tree without depth 2)
+    logits = torch.randn(1, 4, 30, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    scores, tokens = top_candidates(logits, 8)
     tree = tree_from_candidates(scores, tokens)
     assert_same_tree_up_to_ties(tree, tree, scores, tokens)
-    row = int(torch.nonzero(tree.depths[0] == 2)[0])
     depth_one = torch.nonzero(tree.depths[0] == 1).flatten().tolist()
+    depth_two = torch.nonzero(tree.depths[0] == 2).flatten().tolist()
+    assert len(depth_one) >= 2 and depth_two, "the drawn tree needs a depth-2 node and a second depth-1 parent"
+    row = depth_two[0]
     other_parent = next(r for r in depth_one if r != int(tree.parents[0, row]))
     parents = tree.parents.clone()
     parents[0, row] = other_parent
