@@ -121,6 +121,12 @@ device_env() {
         pkill -9 -f "blockspec[.]serve" || true
     fi
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    # NOTE: the host's speed beside each call's numbers: host-bound rows (a 135M target serving) moved by 1.65x
+    # between two H100 machines with the same code (the suite's 288 s vs 476 s, 2026-12-06)
+    python3 -c 'import os, time
+t = time.perf_counter(); sum(i * i for i in range(2_000_000)); loop_ms = (time.perf_counter() - t) * 1e3
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+print(f"host: {cpu}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, python loop {loop_ms:.0f} ms")'
 }
 
 # stash_parts STATE: keeps the GGUF parts this call carried in STATE (they wait there while the machine is warm).

@@ -206,6 +206,12 @@ def attend_program(
             kv_mask = col_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if TREE:
+            # NOTE: loaded beside K and V (masked off before the tree's keys: no traffic there), not after the dot:
+            # the mask's global round trip then overlaps theirs instead of following the scores
+            in_tree = col_valid & (cols >= tree_start)
+            tree_offsets = req * stride_tree_req + token[:, None] * stride_tree_row + (cols - tree_start)[None, :]
+            sees = tl.load(tree_mask_ptr + tree_offsets, mask=row_valid[:, None] & in_tree[None, :], other=0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * qk_scale_log2
         if MASK_EDGES_ONLY:
             if start + BLOCK_N > seen_by_all:
@@ -213,11 +219,7 @@ def attend_program(
         else:
             scores = _mask_scores(scores, row_valid, col_valid, q_pos, cols, window, CAUSAL, USE_WINDOW)
         if TREE:
-            if start + BLOCK_N > tree_start:
-                in_tree = col_valid & (cols >= tree_start)
-                tree_offsets = req * stride_tree_req + token[:, None] * stride_tree_row + (cols - tree_start)[None, :]
-                sees = tl.load(tree_mask_ptr + tree_offsets, mask=row_valid[:, None] & in_tree[None, :], other=0)
-                scores = tl.where((sees != 0) | (cols < tree_start)[None, :], scores, float("-inf"))
+            scores = tl.where((sees != 0) | (cols < tree_start)[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         probs = tl.exp2(scores - safe_max[:, None])
@@ -284,8 +286,10 @@ def merge_token(
     overall = tl.where(overall == float("-inf"), 0.0, overall)
     weights = tl.where(maxes == float("-inf"), 0.0, tl.exp2(maxes - overall[:, None]))
     total = tl.sum(sums * weights, 1)
-    acc = tl.load(part_acc_ptr + base[:, :, None] * BLOCK_D + dims[None, None, :], mask=head_valid[:, None, None],
-                  other=0.0)
+    # NOTE: a split that saw no key (max -inf: past a short context's span) weighs 0 and holds acc = 0; its acc is not
+    # read (the same sum, fewer bytes: a graph's split count is fixed for the longest context it serves)
+    live = head_valid[:, None] & (maxes != float("-inf"))
+    acc = tl.load(part_acc_ptr + base[:, :, None] * BLOCK_D + dims[None, None, :], mask=live[:, :, None], other=0.0)
     out = tl.sum(acc * weights[:, :, None], 1) / tl.where(total == 0.0, 1.0, total)[:, None]
     o_offsets = token * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
     tl.store(
