@@ -57,16 +57,12 @@ TWO_WAVES = 264  # programs: two waves of an H200's 132 SMs
 MERGE_TILE = 8192  # fp32 partials one merge program holds: heads x splits x head dim
 
 
-def merge_heads_per_program(splits: int, block_d: int, num_tokens: int, num_heads: int) -> int:
-    """The heads one merge program takes (a power of two): the most whose partials fit MERGE_TILE and cover num_heads,
-    halved while the grid of num_tokens x head blocks stays under TWO_WAVES programs (at least 1)."""
+def merge_heads_per_program(splits: int, block_d: int, num_heads: int) -> int:
+    """The heads one merge program takes: the largest power of two whose partials fit MERGE_TILE (at least 1), at
+    most num_heads' power of two. NOTE: smaller programs that fill the GPU for short blocks at batch 1 (1 or 2 heads
+    each) ran slower under PDL, not faster (results/cycle_profile_2026-12-06_85f733e.json)."""
     fit = max(1, MERGE_TILE // (splits * block_d))
-    heads = min(1 << (fit.bit_length() - 1), triton.next_power_of_2(num_heads))
-    # NOTE: a short block at batch 1 (a 16-token verify: 16 tokens x 2 head blocks) left most SMs idle, each program
-    # loading 8 heads x 16 splits of partials one after the other
-    while heads > 1 and num_tokens * triton.cdiv(num_heads, heads) < TWO_WAVES:
-        heads //= 2
-    return heads
+    return min(1 << (fit.bit_length() - 1), triton.next_power_of_2(num_heads))
 
 
 def block_mode(mode: ForwardMode) -> bool:
@@ -206,7 +202,7 @@ class TritonAttentionBackend(PagedBackendBase):
             TREE=tree is not None, **self.tile_options(q, tiles, batch.mode, layer_id, self.kernels.attention),
         )
         if splits > 1:
-            heads_per_program = merge_heads_per_program(splits, self.block_d, num_tokens, self.num_heads)
+            heads_per_program = merge_heads_per_program(splits, self.block_d, self.num_heads)
             self.kernels.merge[(num_tokens, triton.cdiv(self.num_heads, heads_per_program))](
                 out, part_acc, part_max, part_sum,
                 out.stride(0), out.stride(1), self.num_heads * splits, splits, 1, self.num_heads,

@@ -178,7 +178,7 @@ class GraphExtendAttention:
         )
         if splits == 1:
             return
-        heads_per_program = merge_heads_per_program(splits, backend.block_d, num_tokens, heads)
+        heads_per_program = merge_heads_per_program(splits, backend.block_d, heads)
         merge_real_rows_kernel[(num_tokens, triton.cdiv(heads, heads_per_program))](
             out, *partials, self.token_count, out.stride(0), out.stride(1), heads * splits, splits, 1, heads,
             HEAD_DIM=backend.head_dim, BLOCK_D=backend.block_d, NUM_SPLITS=splits, BLOCK_H=heads_per_program,

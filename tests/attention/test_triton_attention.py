@@ -128,7 +128,6 @@ def test_merge_over_head_blocks(monkeypatch: pytest.MonkeyPatch, merge_tile: int
     import blockspec.attention.triton_backend as triton_backend_module
 
     monkeypatch.setattr(triton_backend_module, "MERGE_TILE", merge_tile)
-    monkeypatch.setattr(triton_backend_module, "TWO_WAVES", 1)  # NOTE: the tile alone sizes the head blocks
     heads, kv_heads, head_dim = 6, 2, 16
     batch, pool_a, pool_b, q, k, v = make_case(
         ForwardMode.VERIFY, [4, 90], [8, 8], 1, heads, kv_heads, head_dim, torch.float32
@@ -141,17 +140,6 @@ def test_merge_over_head_blocks(monkeypatch: pytest.MonkeyPatch, merge_tile: int
     meta.num_splits = 2
     batch.attn_meta = meta
     torch.testing.assert_close(backend.forward(q, k, v, 0, batch), expected, atol=1e-4, rtol=1e-4)
-
-
-def test_merge_head_blocks_shrink_for_short_grids() -> None:
-    """A merge program takes what its tile holds, fewer heads while the grid has under two waves of programs."""
-    from blockspec.attention.triton_backend import merge_heads_per_program
-
-    assert merge_heads_per_program(16, 128, 1024, 32) == 4  # a verify at batch 64: the tile's 4 heads
-    assert merge_heads_per_program(16, 128, 1, 32) == 1  # a decode at batch 1: 32 programs, not 8
-    assert merge_heads_per_program(16, 64, 16, 9) == 1  # SmolLM2's chain verify at batch 1: 144 programs, not 32
-    assert merge_heads_per_program(2, 64, 4096, 9) == 16  # the tile's 64 capped at the heads' power of two
-    assert merge_heads_per_program(16, 64, 64, 9) == 2  # 64 tokens x 5 head blocks reach two waves
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.VERIFY, ForwardMode.DRAFT, ForwardMode.DECODE, ForwardMode.EXTEND])
