@@ -59,15 +59,15 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench cycle_profile" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
          "(#52: the kernels a tree cycle adds over the chain's on the demo pair at batch 1, each one's device µs;" \
-         "868b807 read +0.48 / 0.72 / 0.85 ms, attention and the compaction fixed after it)"
+         "a12b99c read +171 / 226 / 361 µs at B = 16 / 32 / 64, 85f733e's tree mask load took 22 µs off each)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
          "(#52: the demo pair through blockspec serve at 1 client, adaptive as served; add --extra-flags" \
-         "'--speculative-adaptive-verify off' for a tree every cycle)"
+         "'--speculative-adaptive-verify off' for a tree every cycle: 437fc73 read 1.20 / 1.27x at B = 32)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; at 868b807 DFlash read 1.06:" \
-         "the engine's deep queue ran 590 extend steps to the server's 362, since fixed in arrival batching)"
+         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; a12b99c: DFlash 0.99 / 0.92," \
+         "target-only 0.72 / 0.61 on a host 1.65x slower than 868b807's, whose target-only read 0.94 / 0.94)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer --batch-sizes 1 8 32 64" \
          "(#51: the layer against its floor; --router-tokens 0 --tag unfused for the router unfused)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_build (#52: the fused top-B and tree build against" \

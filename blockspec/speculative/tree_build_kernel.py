@@ -12,9 +12,11 @@ addition the torch form makes: the same scores bit for bit. The final order is a
 candidates (shallower first on ties, so a parent precedes a child that ties it), as in the torch form; then parents,
 depths and the ancestor mask (each row's walk to the root).
 
-NOTE: the previous depth's scores pass between depths in registers (`tl.gather`); the depths' candidates and the tree
-rows' ranks go through global scratch and `tl.debug_barrier()` (a CTA barrier: its threads' global writes are
-visible to each other after it)."""
+NOTE: the depth loop reads no global memory: every depth's top-B scores are loaded once before it, the previous
+depth's scores pass between depths in registers (`tl.gather`), and a candidate's token is looked up only for the B
+nodes of the final tree (the loop keeps its slot among its depth's top-B). The depths' candidates and the tree rows'
+ranks go through global scratch and `tl.debug_barrier()` (a CTA barrier: its threads' global writes are visible to
+each other after it)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -32,20 +34,21 @@ DEFAULT_WARPS = 8  # NOTE: of 1, 2, 4 and 8 the fastest or within 1 % in every r
 
 
 @triton.jit
-def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_tokens_ptr, cand_parents_ptr,
+def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_slots_ptr, cand_parents_ptr,
                        rank_ptr, out_tokens_ptr, out_parents_ptr, out_depths_ptr, out_ancestors_ptr, depth_count,
-                       budget, num_pairs, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_R: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
-    """One request's tree from scores / tokens [L, B] (each depth's top-B log q and tokens, descending). Scratch per
-    request: pairs [BLOCK_P] (the pairs that can make the top-B, as i·BLOCK_B + j), cand_* and rank [L, B] (each
-    depth's top-B prefixes: score, last token, parent slot; tree row of the chosen ones)."""
+                       budget, num_pairs, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    """One request's tree from scores / tokens [L, B] (each depth's top-B log q and tokens, descending; L <=
+    BLOCK_L). Scratch per request: pairs [BLOCK_P] (the pairs that can make the top-B, as i·BLOCK_B + j), cand_* and
+    rank [L, B] (each depth's top-B prefixes: score, the last token's slot in its depth's top-B, parent slot; tree
+    row of the chosen ones)."""
     wait_for_previous_grid(PDL)
     request = tl.program_id(0).to(tl.int64)
     span = depth_count * budget
     scores = scores_ptr + request * span
     tokens = tokens_ptr + request * span
     cand_scores = cand_scores_ptr + request * span
-    cand_tokens = cand_tokens_ptr + request * span
+    cand_slots = cand_slots_ptr + request * span
     cand_parents = cand_parents_ptr + request * span
     rank = rank_ptr + request * span
     pairs = pairs_ptr + request * BLOCK_P
@@ -58,9 +61,15 @@ def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_
     can_win = (row < budget) & (col < budget) & ((row + 1) * (col + 1) <= budget)
     place = tl.cumsum(can_win.to(tl.int32), axis=0) - 1
     tl.store(pairs + place, flat, mask=can_win)
+    # every depth's top-B scores, [BLOCK_L, BLOCK_B] flattened (0.0 past L and B: never read below)
+    lanes = tl.arange(0, BLOCK_L * BLOCK_B)
+    lane_depth, lane_slot = lanes // BLOCK_B, lanes % BLOCK_B
+    all_scores = tl.load(scores + lane_depth * budget + lane_slot,
+                         mask=(lane_depth < depth_count) & (lane_slot < budget), other=0.0)
     # depth 0: the top-B tokens themselves, children of the root
-    tl.store(cand_scores + slots, tl.load(scores + slots, mask=in_budget, other=0.0), mask=in_budget)
-    tl.store(cand_tokens + slots, tl.load(tokens + slots, mask=in_budget, other=0), mask=in_budget)
+    previous = tl.gather(all_scores, slots, 0)
+    tl.store(cand_scores + slots, previous, mask=in_budget)
+    tl.store(cand_slots + slots, slots, mask=in_budget)
     tl.store(cand_parents + slots, slots * 0, mask=in_budget)
     # NOTE: rank 0 (the root) for the candidates left out of the tree: a node whose parent is left out (only with NaN
     # scores, which sort above everything) gets the root as parent, as in the torch form, never an uninitialised row
@@ -75,18 +84,16 @@ def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_
     parent_slot, token_slot = pair // BLOCK_B, pair % BLOCK_B
     # NOTE: the previous depth's top-B scores stay in registers (a gather per depth, no global round trip and no
     # barrier in the loop); the depths' candidates go to scratch for the final order only
-    previous = tl.load(scores + slots, mask=in_budget, other=0.0)
     for depth in range(1, depth_count):
         above = tl.gather(previous, parent_slot, 0)
-        here = tl.load(scores + depth * budget + token_slot, mask=p_valid, other=0.0)
+        here = tl.gather(all_scores, depth * BLOCK_B + token_slot, 0)
         summed = tl.where(p_valid, above + here, float("-inf"))
         best = leading(tl.sort(score_key(summed, pair, BLOCK_B * BLOCK_B), descending=True), BLOCK_P, BLOCK_B)
         chosen = key_index(best, BLOCK_B * BLOCK_B)
         previous = key_score(best)
         at = depth * budget + slots
         tl.store(cand_scores + at, previous, mask=in_budget)
-        tl.store(cand_tokens + at, tl.load(tokens + depth * budget + chosen % BLOCK_B, mask=in_budget, other=0),
-                 mask=in_budget)
+        tl.store(cand_slots + at, (chosen % BLOCK_B).to(tl.int32), mask=in_budget)
         tl.store(cand_parents + at, (chosen // BLOCK_B).to(tl.int32), mask=in_budget)
     tl.debug_barrier()
 
@@ -102,8 +109,9 @@ def _tree_build_kernel(scores_ptr, tokens_ptr, pairs_ptr, cand_scores_ptr, cand_
     parent_candidate = (node_depth - 1) * budget + tl.load(cand_parents + order, mask=has_parent, other=0)
     node_parents = tl.load(rank + parent_candidate, mask=has_parent, other=0).to(tl.int64)
     width = budget + 1
-    tl.store(out_tokens_ptr + request * budget + slots, tl.load(cand_tokens + order, mask=in_budget, other=0),
-             mask=in_budget)
+    token_slot_of_node = tl.load(cand_slots + order, mask=in_budget, other=0)
+    node_tokens = tl.load(tokens + node_depth * budget + token_slot_of_node, mask=in_budget, other=0)
+    tl.store(out_tokens_ptr + request * budget + slots, node_tokens, mask=in_budget)
     # NOTE: tree row 0 is the root (its own parent, depth 0); row k + 1 is node k
     tl.store(out_parents_ptr + request * width + slots, node_parents * 0, mask=slots == 0)
     tl.store(out_parents_ptr + request * width + 1 + slots, node_parents, mask=in_budget)
@@ -156,12 +164,13 @@ def fused_tree_build(top_scores: torch.Tensor, top_tokens: torch.Tensor, num_war
         return tokens, parents, depths, ancestors
     pairs = torch.empty((bs, block_p), dtype=torch.int32, device=device)
     cand_scores = torch.empty((bs, depth_count, budget), dtype=torch.float32, device=device)
-    cand_tokens = torch.empty((bs, depth_count, budget), dtype=torch.int64, device=device)
+    cand_slots = torch.empty((bs, depth_count, budget), dtype=torch.int32, device=device)
     cand_parents = torch.empty((bs, depth_count, budget), dtype=torch.int32, device=device)
     rank = torch.empty((bs, depth_count, budget), dtype=torch.int32, device=device)
     _tree_build_kernel[(bs,)](
-        top_scores, top_tokens, pairs, cand_scores, cand_tokens, cand_parents, rank, tokens, parents, depths,
-        ancestors.view(torch.int8), depth_count, budget, num_pairs, BLOCK_B=block_b, BLOCK_P=block_p,
+        top_scores, top_tokens, pairs, cand_scores, cand_slots, cand_parents, rank, tokens, parents, depths,
+        ancestors.view(torch.int8), depth_count, budget, num_pairs, BLOCK_B=block_b,
+        BLOCK_L=triton.next_power_of_2(depth_count), BLOCK_P=block_p,
         BLOCK_C=block_c, BLOCK_R=max(MIN_BLOCK, triton.next_power_of_2(budget + 1)), ROWS=ANCESTOR_ROWS,
         num_warps=num_warps or DEFAULT_WARPS, **pdl_launch(top_scores),
     )

@@ -101,9 +101,10 @@ KERNEL_SPECS = {
     # NOTE: DDTree's tree build at a budget of 64 over 15 depths (the demo draft's block of 16)
     "tree_build": ("blockspec.speculative.tree_build_kernel", "_tree_build_kernel",
                    {"scores_ptr": F32, "tokens_ptr": I64, "pairs_ptr": I32, "cand_scores_ptr": F32,
-                    "cand_tokens_ptr": I64, "cand_parents_ptr": I32, "rank_ptr": I32, "out_tokens_ptr": I64,
+                    "cand_slots_ptr": I32, "cand_parents_ptr": I32, "rank_ptr": I32, "out_tokens_ptr": I64,
                     "out_parents_ptr": I64, "out_depths_ptr": I64, "out_ancestors_ptr": "*i8"},
-                   {"BLOCK_B": 64, "BLOCK_P": 512, "BLOCK_C": 1024, "BLOCK_R": 128, "ROWS": 16}),
+                   {"BLOCK_B": 64, "BLOCK_L": 16, "BLOCK_P": 512, "BLOCK_C": 1024, "BLOCK_R": 128,
+                    "ROWS": 16}),
     # NOTE: DDTree's vocabulary top-B at a budget of 128 (K 128) over bf16 logits: chunks' groups, then the merge
     "top_candidates_groups": ("blockspec.speculative.top_candidates_kernel", "_chunk_groups_kernel",
                               {"logits_ptr": BF16, "group_keys_ptr": I64, "chunk_max_ptr": F32, "chunk_sum_ptr": F32},
