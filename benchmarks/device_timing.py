@@ -21,6 +21,31 @@ def cuda_ms(fn: Callable[[], Any], repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def replay_ms(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
+    """ms per call of fn: on CUDA captured once in a graph (after a warm-up that compiles), replayed `repeat` times
+    back to back; on the CPU timed eagerly."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / repeat
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
 def steady_ms(fn: Callable[[], Any], repeat: int) -> float:
     """Mean wall time of `repeat` back-to-back fn() calls in ms, synchronised only before the first and after the
     last: the per-step time of a decode loop in steady state (an overlapped step's work runs behind the next)."""

@@ -473,6 +473,31 @@ def plot_tree_build(report: dict[str, Any], json_path: Path) -> Path:
     return save_titled(fig, report, json_path, "DDTree tree build · ")
 
 
+def plot_verify_attention(report: dict[str, Any], json_path: Path) -> Path:
+    """A panel per verify block (chain, each tree budget) at the first batch size: µs per layer against the context,
+    a line per variant (split count x tiles); the variant the engine serves drawn thick and black."""
+    rows = report["rows"]
+    bs = min(r["bs"] for r in rows) if rows else 1
+    blocks = sorted({(r["budget"], r["query_tokens"]) for r in rows if r["bs"] == bs})
+    fig, axes = plt.subplots(1, max(len(blocks), 1), figsize=(6 * max(len(blocks), 1), 4.5), squeeze=False)
+    for ax, (budget, tokens) in zip(axes[0], blocks):
+        sel = [r for r in rows if (r["bs"], r["budget"]) == (bs, budget)]
+        for splits, tiles, edges in sorted({(r["splits"], r["tiles"], r["mask_edges_only"]) for r in sel}):
+            line = sorted((r for r in sel if (r["splits"], r["tiles"], r["mask_edges_only"]) == (splits, tiles, edges)),
+                          key=lambda r: r["context"])
+            served = all(r["served"] for r in line)
+            label = f"{splits} split{'s' if splits > 1 else ''}, tiles {tiles}{' edges' if edges else ''}"
+            ax.plot([r["context"] for r in line], [r["us_per_layer"] for r in line],
+                    "k-" if served else ".-", linewidth=2.5 if served else 0.8,
+                    label=label + (" (served)" if served else ""))
+        kind = "chain" if budget == 0 else f"tree, B = {budget}"
+        finish_axis(ax, "context (cached tokens)", "µs per layer (attention + merge, CUDA graph)",
+                    f"{kind}: {tokens} query tokens, bs {bs}", 10)
+        ax.legend(fontsize=5)
+    settings = report.get("settings", {})
+    return save_titled(fig, report, json_path, f"Verify attention ({settings.get('shape', '?')}) · ")
+
+
 def plot_moe(report: dict[str, Any], json_path: Path) -> Path:
     """A panel each for the parts the result holds: the MoE layer's time against its touched-expert floor, the
     engine's tokens/s per step mode, and the tile sweep (the fastest tile set against choose_tiles's pick)."""
@@ -587,6 +612,7 @@ PLOTTERS: dict[str, Callable[[Path], Path]] = {
     "tree_verify": _from_file(plot_tree_verify),
     "tree_serving": _from_file(plot_tree_serving),
     "tree_build": _from_file(plot_tree_build),
+    "verify_attention": _from_file(plot_verify_attention),
     "moe": _from_file(plot_moe),
     "dflash2": _from_file(plot_dflash2),
     "cycle_profile": _from_file(plot_cycle_profile),

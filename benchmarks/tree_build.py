@@ -22,40 +22,15 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
+from benchmarks.device_timing import replay_ms
 from benchmarks.results import add_commit_argument, add_out_argument, write_json, write_rows
 from blockspec.speculative.tree_build import DraftTree, top_candidates, tree_from_candidates
 from blockspec.speculative.tree_walk import reference_tree_walk
-
-
-def replay_ms(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
-    """ms per call of fn: on CUDA captured once in a graph (after a warm-up that compiles), replayed `repeat` times
-    back to back; on the CPU timed eagerly."""
-    fn()
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / repeat
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
 
 
 def same_tree(a: DraftTree, b: DraftTree) -> bool:

@@ -70,6 +70,9 @@ plan() {
          "target-only 0.72 / 0.61 on a host 1.65x slower than 868b807's, whose target-only read 0.94 / 0.94)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer --batch-sizes 1 8 32 64" \
          "(#51: the layer against its floor; --router-tokens 0 --tag unfused for the router unfused)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench verify_attention (#52: the chain's and a tree's verify" \
+         "attention at batch 1 by split count and tiles over contexts 128..4096, the served variant marked; about two" \
+         "minutes)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_build (#52: the fused top-B and tree build against" \
          "the torch forms, about a minute)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --dummy-shape llama8b --adaptive" \

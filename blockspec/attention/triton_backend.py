@@ -37,7 +37,7 @@ class LaunchPolicy:
     min_splits: int = 1
 
 
-# NOTE: measured on an H200 with 8B shapes (benchmarks/tune_attention.py, results/tune_attention_*.json): decode
+# NOTE: measured on an H200 with 8B shapes (the former tune_attention.py, results/tune_attention_*.json): decode
 # (<= 16 rows per request) wants narrow tiles, verify/draft blocks wide tiles; both want >= 2 splits (bs 16..64)
 # and up to 16 at batch 1 (down to 32 keys per split); long extends wide tiles, deeper pipelining, no split. From
 # 256 (request, KV head) pairs on, verify/draft blocks run 64 keys per step with edge-only masks, unsplit
@@ -121,7 +121,8 @@ DEFAULT_ATTENTION_KERNELS = AttentionKernels(paged_attention_kernel, merge_split
 class TritonAttentionBackend(PagedBackendBase):
     """Paged attention with the Triton kernels of triton_kernels.py, launch shapes from `launch_policy`, split-K
     up to `max_splits`. `kernels` replaces the launched kernels by candidate kernels with the same signature, e.g.
-    for benchmarks/tune_attention.py (default: DEFAULT_ATTENTION_KERNELS); the backend keeps it as `self.kernels`."""
+    for a benchmark's candidate kernels (default: DEFAULT_ATTENTION_KERNELS); the backend keeps it as `self.kernels`.
+    benchmarks/verify_attention.py times a verify block's split counts and tiles through `TritonAttentionMeta`."""
 
     def __init__(
         self,
