@@ -211,3 +211,46 @@ def uniform_batch(
         uniform_q_len=q,
         max_seq_len_hint=max_seq_len_hint,
     )
+
+
+def uniform_prefix(
+    batch: ForwardBatch,
+    mode: ForwardMode,
+    q: int,
+    input_ids: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
+    capture_layer_ids: tuple[int, ...] = (),
+    logits_rows: Optional[torch.Tensor] = None,
+) -> ForwardBatch:
+    """The uniform batch of the first q of uniform `batch`'s n rows per request: what uniform_batch builds from rows
+    [first q input ids | req→token row | seq_len - (n - q)] with `batch`'s host seq_lens less n - q and its
+    max_seq_len_hint, in fewer device ops (graph-capturable): the positions and KV slots are `batch`'s first q, not
+    derived from the req→token table again. `input_ids` / `positions` [bs·q] replace the first q input ids /
+    positions; `logits_rows` (default every row: an arange of bs·q) lets batches share one arange's slices.
+
+    NOTE: a uniform batch's positions are seq_len - n .. seq_len - 1 and its slots come from the req→token table
+    (uniform_batch, build_batch), so its first q are the prefix's as long as the table's rows are unchanged."""
+    bs, n = batch.batch_size, batch.uniform_q_len
+    if n is None or not 0 < q <= n:
+        raise ValueError(f"a prefix of {q} rows per request of a batch of {n} rows per request")
+    device = batch.input_ids.device
+    prefixes = [t.view(bs, n)[:, :q] for t in (batch.input_ids, batch.positions, batch.out_cache_loc)]
+    if bs == 1 or q == n:  # NOTE: contiguous prefixes: views of `batch`'s tensors, nothing copied
+        ids, own_positions, out_cache_loc = (prefix.reshape(bs * q) for prefix in prefixes)
+    else:  # NOTE: one copy for the three strided prefixes, replaced ones included
+        ids, own_positions, out_cache_loc = torch.stack(prefixes).view(3, bs * q)
+    return ForwardBatch(
+        mode=mode,
+        input_ids=ids if input_ids is None else input_ids,
+        positions=own_positions if positions is None else positions,
+        out_cache_loc=out_cache_loc,
+        req_rows=batch.req_rows,
+        seq_lens=batch.seq_lens - (n - q),
+        seq_lens_cpu=[s - (n - q) for s in batch.seq_lens_cpu],
+        extend_lens_cpu=[q] * bs,
+        logits_rows=torch.arange(bs * q, device=device) if logits_rows is None else logits_rows,
+        req_to_token=batch.req_to_token,
+        capture_layer_ids=capture_layer_ids,
+        uniform_q_len=q,
+        max_seq_len_hint=batch.max_seq_len_hint,
+    )

@@ -19,17 +19,17 @@ Output per request, the chain cycle's layout at n = b + B: [accepted | walked to
 deriving the next cycle's rows are the chain's."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from blockspec.batch import ForwardBatch, ForwardMode, uniform_batch
+from blockspec.batch import ForwardBatch
 from blockspec.kv.pool import KVPool
 from blockspec.models.dflash_draft import DFlashDraftModel
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
+from blockspec.speculative.tree_batches import cycle_logits_rows, tree_draft_batch, tree_verify_batch
 from blockspec.speculative.tree_build import DraftTree, build_tree
 from blockspec.speculative.tree_walk import greedy_tree_walk, simulated_tree_walk
 
@@ -38,19 +38,18 @@ DraftHidden = Callable[[ForwardBatch], torch.Tensor]
 
 @dataclass(frozen=True)
 class VerifiedTree:
-    """A tree verify's results: the tree, each block's root token and kv_len [bs], and the target's outputs per tree
-    row (logits or argmax, see TreeCycle.verify; aux hidden states)."""
+    """A tree verify's results: the tree, the token of every tree row [bs, B + 1] (the root's, the last committed one,
+    then the nodes'), the cycle's KV slots [bs, b + B] (of positions kv_len ..), the block's positions and slots
+    [bs·b] (kv_len .. kv_len + b - 1: where the walk's rows go), and the target's outputs per tree row (logits or
+    argmax, see TreeCycle.verify; aux hidden states)."""
 
     tree: DraftTree
-    anchors: torch.Tensor
-    starts: torch.Tensor
+    row_tokens: torch.Tensor
+    slots: torch.Tensor
+    block_positions: torch.Tensor
+    block_slots: torch.Tensor
     logits: torch.Tensor
     aux_hidden: torch.Tensor
-
-    @property
-    def row_tokens(self) -> torch.Tensor:
-        """[bs, B + 1] the token of every tree row: the root's (the last committed one), then the nodes'."""
-        return torch.cat([self.anchors[:, None], self.tree.tokens], 1)
 
 
 class TreeCycle:
@@ -77,6 +76,8 @@ class TreeCycle:
         self.simulated = simulated  # NOTE: benchmarking: the walk's length drawn, not verified (simulated_accept.py)
         # NOTE: the host step's verified tree, from its TREE_VERIFY forward to the TREE_WALK forward that follows
         self.pending: Optional[VerifiedTree] = None
+        # NOTE: the output rows' zero padding is this one zero expanded: no fill launched per cycle
+        self.zero = torch.zeros((1, 1), dtype=torch.int64, device=runner.device)
 
     @property
     def cycle_length(self) -> int:
@@ -109,22 +110,17 @@ class TreeCycle:
         [bs·(B + 1), V] float32 per tree row, or their argmax with `argmax_only`)."""
         bs, b, budget = batch.batch_size, self.block_size, self.budget
         runner = self.runner
-        starts = batch.seq_lens - self.cycle_length  # kv_len per request
-        inputs = batch.input_ids.view(bs, self.cycle_length)
-        anchors = inputs[:, 0]
-        draft_rows = torch.cat([inputs[:, :b], batch.req_rows[:, None], (starts + b)[:, None]], 1)
-        draft_batch = uniform_batch(ForwardMode.DRAFT, draft_rows, batch.req_to_token,
-                                    [s - budget for s in batch.seq_lens_cpu], (), batch.max_seq_len_hint)
+        logits_rows = cycle_logits_rows(batch, b, budget)
+        draft_batch = tree_draft_batch(batch, b, logits_rows)
+        anchors = batch.input_ids.view(bs, self.cycle_length)[:, 0]
         hidden = self.draft_hidden(draft_batch)
         tree = build_tree(self.draft.row_logits(hidden, anchors, runner.model.lm_head), budget)
-        rows = torch.cat([anchors[:, None], tree.tokens, batch.req_rows[:, None], (starts + budget + 1)[:, None]], 1)
-        verify = uniform_batch(ForwardMode.VERIFY, rows, batch.req_to_token,
-                               [s - b + 1 for s in batch.seq_lens_cpu], self.capture, batch.max_seq_len_hint)
-        verify = dataclasses.replace(verify, positions=(starts[:, None] + tree.depths).reshape(-1),
-                                     tree_mask=tree.ancestors, argmax_only=argmax_only)
+        row_tokens = torch.cat([anchors[:, None], tree.tokens], 1)
+        verify = tree_verify_batch(batch, tree, row_tokens, self.capture, argmax_only, logits_rows)
         output = runner.model(verify, runner.attention)
         assert output.aux_hidden is not None
-        return VerifiedTree(tree, anchors, starts, output.logits, output.aux_hidden)
+        return VerifiedTree(tree, row_tokens, batch.out_cache_loc.view(bs, self.cycle_length), draft_batch.positions,
+                            draft_batch.out_cache_loc, output.logits, output.aux_hidden)
 
     def walk(self, batch: ForwardBatch, verified: VerifiedTree, target_tokens: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,25 +128,23 @@ class TreeCycle:
         request's own choice: tree_sampling.py), then the compaction; returns the [bs, 2(b + B)] rows of the module
         docstring and the walked path [bs, b] (greedy_tree_walk: its first `accepted` + 1 entries are tree rows)."""
         bs, b, budget = batch.batch_size, self.block_size, self.budget
-        starts, aux_hidden = verified.starts, verified.aux_hidden
+        aux_hidden = verified.aux_hidden
         if self.simulated is None:
             accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
         else:
             # NOTE: at most b - 1 and B accepted: the path's rows 0..accepted exist in every tree
-            drawn = self.simulated.accepted(bs, min(b, budget + 1), starts.device)
+            drawn = self.simulated.accepted(bs, min(b, budget + 1), target_tokens.device)
             accepted, path = simulated_tree_walk(drawn, b - 1)
-        # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself)
-        table_rows = batch.req_rows[:, None]
-        destinations = starts[:, None] + torch.arange(b, device=starts.device)
-        dest_slots = batch.req_to_token[table_rows, destinations]
-        # NOTE: a request's moves form one group (path[d] >= d: a destination is a source of its own group only)
-        self.runner.kv_pool.move(batch.req_to_token[table_rows, starts[:, None] + path], dest_slots)
+        # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself); row i
+        # sits at the slot of position kv_len + i, and i < b + B, so the cycle's slots hold every source. A request's
+        # moves form one group (path[d] >= d: a destination is a source of its own group only).
+        self.runner.kv_pool.move(verified.slots.gather(1, path), verified.block_slots.view(bs, b))
         walked_rows = path.clamp(max=budget)
         width = aux_hidden.shape[-1]
         aux = aux_hidden.view(bs, budget + 1, width).gather(1, walked_rows[:, :, None].expand(-1, -1, width))
-        self.draft.materialise_context(aux.reshape(bs * b, width), destinations.reshape(-1),
-                                       dest_slots.reshape(-1), self.draft_pool)
+        self.draft.materialise_context(aux.reshape(bs * b, width), verified.block_positions, verified.block_slots,
+                                       self.draft_pool)
         tokens = verified.row_tokens.gather(1, walked_rows)
-        padding = torch.zeros((bs, budget), dtype=torch.int64, device=starts.device)
+        padding = self.zero.expand(bs, budget)
         rows = torch.cat([accepted, tokens[:, 1:], padding, target_tokens.gather(1, walked_rows), padding], dim=1)
         return rows, walked_rows
