@@ -482,14 +482,18 @@ def plot_verify_attention(report: dict[str, Any], json_path: Path) -> Path:
     fig, axes = plt.subplots(1, max(len(blocks), 1), figsize=(6 * max(len(blocks), 1), 4.5), squeeze=False)
     for ax, (budget, tokens) in zip(axes[0], blocks):
         sel = [r for r in rows if (r["bs"], r["budget"]) == (bs, budget)]
+        # NOTE: a colour per split count, a line style per tile set
+        split_counts = sorted({r["splits"] for r in sel})
+        tile_sets = sorted({(r["tiles"], r["mask_edges_only"]) for r in sel})
         for splits, tiles, edges in sorted({(r["splits"], r["tiles"], r["mask_edges_only"]) for r in sel}):
             line = sorted((r for r in sel if (r["splits"], r["tiles"], r["mask_edges_only"]) == (splits, tiles, edges)),
                           key=lambda r: r["context"])
             served = all(r["served"] for r in line)
             label = f"{splits} split{'s' if splits > 1 else ''}, tiles {tiles}{' edges' if edges else ''}"
-            ax.plot([r["context"] for r in line], [r["us_per_layer"] for r in line],
-                    "k-" if served else ".-", linewidth=2.5 if served else 0.8,
-                    label=label + (" (served)" if served else ""))
+            style = ("-", "--", ":", "-.")[tile_sets.index((tiles, edges)) % 4]
+            ax.plot([r["context"] for r in line], [r["us_per_layer"] for r in line], linestyle=style, marker=".",
+                    color="black" if served else f"C{split_counts.index(splits) % 10}",
+                    linewidth=2.5 if served else 0.9, label=label + (" (served)" if served else ""))
         kind = "chain" if budget == 0 else f"tree, B = {budget}"
         finish_axis(ax, "context (cached tokens)", "µs per layer (attention + merge, CUDA graph)",
                     f"{kind}: {tokens} query tokens, bs {bs}", 10)
