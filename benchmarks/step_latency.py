@@ -29,7 +29,7 @@ from benchmarks.device_timing import DeviceSampler, cuda_ms, read_bandwidth, rea
 from benchmarks.results import add_out_argument, plot_result, write_json
 from blockspec import Engine
 from blockspec.bench.provenance import commit_id
-from blockspec.layers.pdl import pdl_enabled
+from blockspec.pdl import pdl_enabled
 
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,

@@ -20,7 +20,7 @@ from blockspec.attention.triton_backend import KernelTiles, query_layout
 from blockspec.attention.triton_kernels import LOG2E
 from blockspec.batch import ForwardBatch, ForwardMode
 from blockspec.kv.pool import KVPool
-from blockspec.layers.pdl import pdl_launch
+from blockspec.pdl import pdl_launch
 
 DEFAULT_LANE_KEYS = 256  # NOTE: the default --triton-attention-split-tile-size, the default policy's min_split_keys
 

@@ -21,7 +21,7 @@ import triton.language as tl
 from blockspec.attention.triton_kernels import (
     INDEX_POINTERS, _mask_scores, causal_kv_end, load_query_rows, store_partials, store_rows,
 )
-from blockspec.layers.pdl import wait_for_previous_grid
+from blockspec.pdl import wait_for_previous_grid
 
 
 @triton.jit

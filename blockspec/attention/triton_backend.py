@@ -11,7 +11,7 @@ from blockspec.attention.base import PagedBackendBase, layer_is_causal, layer_wi
 from blockspec.attention.triton_kernels import LOG2E, merge_splits_kernel, paged_attention_kernel
 from blockspec.batch import ForwardBatch, ForwardMode
 from blockspec.kv.pool import KVPool
-from blockspec.layers.pdl import pdl_launch
+from blockspec.pdl import pdl_launch
 
 
 @dataclass(frozen=True)

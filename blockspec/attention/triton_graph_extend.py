@@ -25,7 +25,7 @@ from blockspec.attention.triton_backend import (
 )
 from blockspec.attention.triton_kernels import LOG2E, merge_real_rows_kernel, tiled_extend_attention_kernel
 from blockspec.batch import ForwardBatch, ForwardMode
-from blockspec.layers.pdl import pdl_launch
+from blockspec.pdl import pdl_launch
 
 # NOTE: a splitting bucket's full rows on wide tiles, times its splits, make at most SPLIT_PROGRAMS programs (8 waves
 # of an H200's 132 SMs); a split reads at least DEFAULT_MIN_SPLIT_KEYS keys, so a batch of short prefixes leaves its

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from blockspec.layers.pdl import wait_for_previous_grid
+from blockspec.pdl import wait_for_previous_grid
 
 LOG2E = 1.4426950408889634
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+from blockspec.pdl import pdl_launch, wait_for_previous_grid
 
 TILE_ELEMENTS = 4096  # NOTE: pairs x chunk columns one program holds in registers
 MIN_BLOCK = 16

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused_moe import route_row, routing_blocks
-from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+from blockspec.pdl import pdl_launch, wait_for_previous_grid
 
 # NOTE: the fused router runs for at most this many tokens (decode up to batch 16, one verify block of 16). Its grid
 # has a program per token and expert group, so every token reads the whole router weight (from L2 after the first):

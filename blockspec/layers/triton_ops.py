@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+from blockspec.pdl import pdl_launch, wait_for_previous_grid
 
 
 @triton.jit

@@ -26,12 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+from blockspec.pdl import pdl_launch, wait_for_previous_grid
 from blockspec.speculative.score_keys import key_index, key_score, leading, score_key
+from blockspec.speculative.tree_budget import check_budget
 
 GROUP = 16  # NOTE: tokens per group: stage 2 gathers and sorts K · GROUP logits, stage 1 sorts CHUNK / GROUP keys
 MIN_K = 16  # NOTE: no block edge below it (a budget of 1 would make one-element blocks)
-MAX_FUSED_BUDGET = 128  # NOTE: above it (K >= 256) the sorts outgrow the registers: top_candidates' torch form instead
+MAX_FUSED_BUDGET = 128  # NOTE: above it (K >= 256) the sorts outgrow the registers: build_tree takes the torch form
 MIN_CHUNK = 4096
 MAX_CHUNK = 8192  # NOTE: a chunk is loaded whole into one program's registers (stage 1); ptxas for sm90 spills
 # registers at twice this, and keeps this spill-free at 16 warps
@@ -119,13 +120,13 @@ def fused_top_candidates(logits: torch.Tensor, budget: int, chunk: Optional[int]
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """tree_build.top_candidates in two launches: logits [..., V] (fp32, fp16 or bf16, finite) → (scores fp32,
     tokens int64) [..., budget], each row descending, ties to the smaller token. `chunk`: tokens per stage-1 program
-    (a power of two >= K · GROUP; default chunk_size, tests pass small ones to get several chunks)."""
-    from blockspec.speculative.tree_build import check_budget, top_candidates
-
+    (a power of two >= K · GROUP; default chunk_size, tests pass small ones to get several chunks). Budgets up to
+    MAX_FUSED_BUDGET."""
     vocab = logits.shape[-1]
     check_budget(budget, vocab)
     if budget > MAX_FUSED_BUDGET:
-        return top_candidates(logits, budget)  # NOTE: the torch form (see MAX_FUSED_BUDGET)
+        raise ValueError(f"the fused top-B takes budgets up to {MAX_FUSED_BUDGET} (got {budget}): the torch form "
+                         "tree_build.top_candidates takes larger ones")
     k = candidate_width(budget)
     chunk = chunk or chunk_size(vocab, budget)
     if chunk & (chunk - 1) or not k * GROUP <= chunk <= MAX_CHUNK:

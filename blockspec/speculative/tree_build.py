@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.speculative.tree_budget import check_budget
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -36,20 +38,16 @@ def build_tree(logits: torch.Tensor, budget: int) -> DraftTree:
     (bs, L, budget). On CUDA the candidates are two Triton launches (top_candidates_kernel.py: the same tokens, ties
     to the smaller token, where torch's top-k order is unspecified; the log-probabilities up to the logsumexp's
     rounding) and the tree from them one more (tree_build_kernel.py: the same tree, ties within a depth aside); else
-    `top_candidates` and `tree_from_candidates`, the oracles of both."""
+    `top_candidates` and `tree_from_candidates`, the oracles of both. Above MAX_FUSED_BUDGET the candidates are the
+    torch form's on CUDA too (the fused top-B's sorts would outgrow the registers)."""
     if logits.is_cuda:
         # NOTE: need Triton
-        from blockspec.speculative.top_candidates_kernel import fused_top_candidates
+        from blockspec.speculative.top_candidates_kernel import MAX_FUSED_BUDGET, fused_top_candidates
         from blockspec.speculative.tree_build_kernel import fused_tree_build
 
-        return DraftTree(*fused_tree_build(*fused_top_candidates(logits, budget)))
+        fused = budget <= MAX_FUSED_BUDGET
+        return DraftTree(*fused_tree_build(*(fused_top_candidates if fused else top_candidates)(logits, budget)))
     return tree_from_candidates(*top_candidates(logits, budget))
-
-
-def check_budget(budget: int, vocab: int) -> None:
-    """A tree of `budget` nodes needs 1 <= budget <= the vocabulary (each depth's top-B are distinct tokens)."""
-    if not 1 <= budget <= vocab:
-        raise ValueError(f"a draft tree needs 1 <= budget <= vocabulary size ({vocab}), got {budget}")
 
 
 def top_candidates(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+from blockspec.pdl import pdl_launch, wait_for_previous_grid
 from blockspec.speculative.score_keys import key_index, key_score, leading, score_key
 
 ANCESTOR_ROWS = 16  # NOTE: tree rows per step of the ancestor mask's loop

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.pdl import pdl_launch, wait_for_previous_grid
+from blockspec.pdl import pdl_launch, wait_for_previous_grid
 
 WALK_ROWS = 16  # NOTE: tree rows per step of the loop over the ancestor mask
 MIN_BLOCK = 16

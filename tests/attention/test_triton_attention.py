@@ -170,7 +170,7 @@ def test_backend_launches_the_kernels_it_is_given(monkeypatch: pytest.MonkeyPatc
     """`kernels=` (the hook of benchmarks/tune_attention.py): the backend launches those kernels, hands them to
     pdl_launch, and never the defaults; fresh jit copies of the engine's kernels give the default output exactly."""
     import blockspec.attention.triton_backend as triton_backend_module
-    from blockspec.layers.pdl import pdl_launch
+    from blockspec.pdl import pdl_launch
 
     assert DEFAULT_ATTENTION_KERNELS == AttentionKernels(paged_attention_kernel, merge_splits_kernel)
     kernels = AttentionKernels(triton.jit(paged_attention_kernel.fn), triton.jit(merge_splits_kernel.fn))

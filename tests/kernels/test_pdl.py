@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu
 pytest.importorskip("triton")
 
 from blockspec.layers import triton_ops  # noqa: E402
-from blockspec.layers.pdl import pdl_enabled, pdl_launch  # noqa: E402
+from blockspec.pdl import pdl_enabled, pdl_launch  # noqa: E402
 
 MEMORY_OPS = ("ld.global", "st.global", "atom.global", "red.global", "cp.async")
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
@@ -155,7 +155,7 @@ def test_pdl_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The env switch alone decides on a capable GPU (faked here, so the test also runs on CPU)."""
     import triton
 
-    from blockspec.layers import pdl
+    from blockspec import pdl
 
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: True)

@@ -119,6 +119,19 @@ def test_build_tree_on_the_device_takes_the_kernel() -> None:
     assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.ancestors, expected.ancestors)
 
 
+def test_build_tree_above_the_fused_top_b_takes_the_torch_candidates() -> None:
+    """Past MAX_FUSED_BUDGET build_tree on CUDA takes the torch form's candidates (the fused top-B refuses them)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("build_tree takes the kernels on CUDA only")
+    from blockspec.speculative.top_candidates_kernel import MAX_FUSED_BUDGET
+
+    torch.manual_seed(1)
+    logits = torch.randn(1, 4, 1000, device=DEVICE)
+    tree = build_tree(logits, MAX_FUSED_BUDGET + 1)
+    expected = tree_from_candidates(*top_candidates(logits, MAX_FUSED_BUDGET + 1))
+    assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.ancestors, expected.ancestors)
+
+
 def test_staircase_counts_the_pairs_that_can_win() -> None:
     """Pairs (i, j) with (i + 1)(j + 1) <= B, by brute force: a pair outside is beaten by that many others."""
     for budget in (1, 5, 16, 64):
