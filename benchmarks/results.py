@@ -15,7 +15,7 @@ from blockspec.bench.provenance import commit_id, gpu_name, today
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def add_out_argument(parser: argparse.ArgumentParser, 
+def add_out_argument(parser: argparse.ArgumentParser,
                      what: str = "directory of the result JSON (and its plot)") -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"{what} (default: benchmarks/results)")
 
@@ -24,6 +24,19 @@ def add_commit_argument(parser: argparse.ArgumentParser) -> None:
     """--commit: the commit a result names (the device's tree has no git); `resolved_commit` reads it."""
     parser.add_argument("--commit", default=None, help="commit id for the file name and JSON "
                                                        "(default: $BLOCKSPEC_COMMIT, else git)")
+
+
+def interpreter_or_cuda(parser: argparse.ArgumentParser, smoke: bool) -> None:
+    """Where a Triton benchmark runs: with --smoke, on the CPU under Triton's interpreter (set here, before a kernel's
+    module is imported: Triton decides when it decorates); without it on CUDA, or the parser's error."""
+    import os
+
+    import torch
+
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
+        parser.error(f"{parser.prog} needs CUDA (or --smoke)")
 
 
 def resolved_commit(args: argparse.Namespace) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -28,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from benchmarks.device_timing import replay_ms
-from benchmarks.results import add_commit_argument, add_out_argument, write_json, write_rows
+from benchmarks.results import add_commit_argument, add_out_argument, interpreter_or_cuda, write_json, write_rows
 from blockspec.speculative.tree_build import DraftTree, top_candidates, tree_from_candidates
 from blockspec.speculative.tree_walk import reference_tree_walk
 
@@ -116,13 +115,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_out_argument(parser)
     add_commit_argument(parser)
     args = parser.parse_args(argv)
+    interpreter_or_cuda(parser, args.smoke)  # NOTE: measure imports the kernels' modules
     if args.smoke:
-        # NOTE: before the kernel's module is imported (measure imports it): Triton decides at decoration time
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         args.batch_sizes, args.budgets, args.vocabs, args.depths, args.repeat = [1, 3], [4, 8], [64], 5, 2
         args.warps = [1, 4]
-    elif not torch.cuda.is_available():
-        parser.error("the tree build benchmark needs CUDA (or --smoke)")
     return write_rows("tree_build", args, measure)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from benchmarks.device_timing import replay_ms
-from benchmarks.results import add_commit_argument, add_out_argument, write_rows
+from benchmarks.results import add_commit_argument, add_out_argument, interpreter_or_cuda, write_rows
 
 if TYPE_CHECKING:
     from blockspec.attention.triton_backend import KernelTiles, TritonAttentionBackend
@@ -193,12 +192,10 @@ def main(argv: list[str]) -> int:
     add_out_argument(parser)
     add_commit_argument(parser)
     args = parser.parse_args(argv)
+    interpreter_or_cuda(parser, args.smoke)
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         args.contexts, args.budgets, args.chain_tokens, args.layers, args.repeat = [40], [6], 4, 2, 1
         args.splits, args.tiles = [1, 2], ["16,16,4,1"]
-    elif not torch.cuda.is_available():
-        parser.error("needs CUDA (or --smoke)")
     return write_rows("verify_attention", args, measure)
 
 
