@@ -56,23 +56,28 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
          "benchmarks/<module>.py says more):"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench cycle_profile" \
-         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
-         "(#52: the kernels a tree cycle adds over the chain's on the demo pair at batch 1, each one's device µs;" \
-         "a12b99c read +171 / 226 / 361 µs at B = 16 / 32 / 64, 85f733e's tree mask load took 22 µs off each)"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
-         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
-         "(#52: the demo pair through blockspec serve at 1 client, adaptive as served; add --extra-flags" \
-         "'--speculative-adaptive-verify off' for a tree every cycle: 437fc73 read 1.20 / 1.27x at B = 32)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; a12b99c: DFlash 0.99 / 0.92," \
          "target-only 0.72 / 0.61 on a host 1.65x slower than 868b807's, whose target-only read 0.94 / 0.94)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer --batch-sizes 1 8 32 64" \
-         "(#51: the layer against its floor; --router-tokens 0 --tag unfused for the router unfused)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
+         "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
+         "(#49's 8B rows, both on the machine that ran the demo pair: c8932eb read 0.97-1.00)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024" \
+         "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench cycle_profile" \
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
+         "(#52: the kernels a tree cycle adds over the chain's on the demo pair at batch 1, each one's device µs;" \
+         "a12b99c read +171 / 226 / 361 µs at B = 16 / 32 / 64, 85f733e's tree mask load took 22 µs off each)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench verify_attention (#52: the chain's and a tree's verify" \
          "attention at batch 1 by split count and tiles over contexts 128..4096, the served variant marked; about two" \
          "minutes)"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
+         "(#52: the demo pair through blockspec serve at 1 client, adaptive as served; add --extra-flags" \
+         "'--speculative-adaptive-verify off' for a tree every cycle: 437fc73 read 1.20 / 1.27x at B = 32)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer --batch-sizes 1 8 32 64" \
+         "(#51: the layer against its floor; --router-tokens 0 --tag unfused for the router unfused)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_build (#52: the fused top-B and tree build against" \
          "the torch forms, about a minute)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --dummy-shape llama8b --adaptive" \
