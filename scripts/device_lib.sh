@@ -106,6 +106,12 @@ export_parent() {
 device_env() {
     out=${OUT:-device-out}
     mkdir -p "$out"
+    # NOTE: the commit names the result files, and a file whose name has other characters does not come back from
+    # the device (a '+' lost 2026-12-06's tree_serving JSON after a 250 s run): refuse before anything runs
+    if [[ -n "${BLOCKSPEC_COMMIT:-}" && ! "$BLOCKSPEC_COMMIT" =~ ^[A-Za-z0-9._-]+$ ]]; then
+        echo "BLOCKSPEC_COMMIT may hold letters, digits, '.', '_' and '-' only (got '$BLOCKSPEC_COMMIT')" >&2
+        return 1
+    fi
     export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
     if compgen -G ".whl/*.whl" > /dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
