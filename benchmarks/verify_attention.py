@@ -113,14 +113,10 @@ def tiles_name(tiles: KernelTiles) -> str:
 
 
 def served_variant(backend: TritonAttentionBackend, case: VerifyCase, max_seq_hint: int) -> tuple[int, KernelTiles]:
-    """The split count and tiles the engine launches for this block in a graph of hint `max_seq_hint`."""
-    from blockspec.attention.triton_backend import block_mode, launch_policy
-
-    batch = case.batch
-    group = backend.num_heads // backend.num_kv_heads
-    rows = (case.q.shape[0] // batch.batch_size) * group
-    policy = launch_policy(rows, batch.batch_size, backend.num_kv_heads, block_mode(batch.mode))
-    return backend.choose_splits(batch.batch_size, rows, policy, max_seq_hint), policy.tiles
+    """The split count and tiles the engine launches for this block in a graph of hint `max_seq_hint`: the backend's
+    own plan of the batch."""
+    meta = backend.plan(dataclasses.replace(case.batch, max_seq_len_hint=max_seq_hint))
+    return meta.num_splits, meta.tiles
 
 
 def time_variant(backend: TritonAttentionBackend, case: VerifyCase, splits: int, tiles: KernelTiles, layers: int,
