@@ -19,6 +19,7 @@ from blockspec.layers.norm import RMSNorm
 from blockspec.layers.parallel import greedy_head_tokens
 from blockspec.layers.rotary import QKNorm, RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig
+from blockspec.models.logit_scale import LogitScale
 from blockspec.models.proposal_rows import ProposalRows, VocabularyRows
 
 
@@ -131,12 +132,15 @@ class DFlashDraftModel(nn.Module):
         final softcap)."""
         return self.scale_logits(lm_head(hidden))
 
+    @property
+    def logit_scale(self) -> LogitScale:
+        """The draft's output_multiplier and final softcap (models/logit_scale.py)."""
+        return LogitScale(self.config.output_multiplier, self.config.final_logit_softcapping)
+
     def scale_logits(self, raw: torch.Tensor) -> torch.Tensor:
         """float32 draft logits from lm_head outputs `raw`: × output_multiplier, then the final softcap (both
         monotonic: the order of a row's values, its argmax and top-k, is the raw one's)."""
-        logits = raw.float() * self.config.output_multiplier
-        cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return self.logit_scale.apply(raw)
 
     # ---- proposals: what the speculative worker calls -----------------------------------------------------------
     def greedy_proposals(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
@@ -147,17 +151,19 @@ class DFlashDraftModel(nn.Module):
         (exact: the fp32 cast preserves order and ties)."""
         rows = proposal_hidden(hidden, anchors)
         flat = rows.reshape(-1, rows.shape[-1])
-        if self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping:
+        if self.logit_scale.is_identity:
             tokens = greedy_head_tokens(lm_head, flat)
         else:
             tokens = greedy_tokens(self.logits(flat, lm_head))
         return tokens.view(rows.shape[0], rows.shape[1])
 
-    def row_logits(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
-        """[bs, B-1, V] float32 logits of the block rows 1..B-1 (each row's own marginal: the rows of a DFlash block
-        do not condition on each other's tokens), for a draft tree (speculative/tree_build.py). Graph-capturable."""
+    def row_head_outputs(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        """[bs, B-1, V] raw lm_head outputs (model dtype) of the block rows 1..B-1, whose logits are
+        `logit_scale.apply` of them (each row's own marginal: the rows of a DFlash block do not condition on each
+        other's tokens), for a draft tree (speculative/tree_build.py, which scales them as it reads them).
+        Graph-capturable."""
         rows = proposal_hidden(hidden, anchors)
-        return self.logits(rows.reshape(-1, rows.shape[-1]), lm_head).view(rows.shape[0], rows.shape[1], -1)
+        return lm_head(rows.reshape(-1, rows.shape[-1])).view(rows.shape[0], rows.shape[1], -1)
 
     def proposal_tensors(
         self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Linear

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.models.logit_scale import UNSCALED, LogitScale
 from blockspec.pdl import pdl_launch, wait_for_previous_grid
 from blockspec.speculative.score_keys import key_index, key_score, leading, score_key
 from blockspec.speculative.tree_budget import check_budget
@@ -45,16 +46,29 @@ TOKEN_SPAN = 2 ** 31  # NOTE: token and group indices lie in [0, SPAN) (the keys
 
 
 @triton.jit
+def _scaled(x, multiplier, softcap, SCALED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """fp32 logits from raw head outputs x (fp32): × multiplier, then softcap · tanh(· / softcap), as
+    models.logit_scale.scale_logits (tanh(y) = 2σ(2y) − 1, which maps ±inf to ±1)."""
+    if SCALED:
+        x = x * multiplier
+    if SOFTCAP:
+        x = (2.0 * tl.sigmoid(2.0 * (x / softcap)) - 1.0) * softcap
+    return x
+
+
+@triton.jit
 def _chunk_groups_kernel(logits_ptr, group_keys_ptr, chunk_max_ptr, chunk_sum_ptr, vocab, stride_row, num_chunks,
-                         CHUNK: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
-                         SPAN: tl.constexpr, PDL: tl.constexpr = False):
+                         multiplier, softcap, CHUNK: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+                         SPAN: tl.constexpr, SCALED: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """Per (row, chunk): the chunk's max and Σ exp(x - max) in fp32, and the keys of its K best groups, descending.
     Tokens past the vocabulary are masked to -inf (never read); their groups sort below every real one."""
     wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
     tokens = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(logits_ptr + row * stride_row + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride_row + tokens, mask=tokens < vocab, other=0.0).to(tl.float32)
+    x = tl.where(tokens < vocab, _scaled(x, multiplier, softcap, SCALED, SOFTCAP), float("-inf"))
     top = tl.max(x, 0)
     total = tl.sum(tl.exp(x - top), 0)  # NOTE: a chunk always holds a real token (chunks = cdiv(vocab, CHUNK))
     group_max = tl.max(tl.reshape(x, (CHUNK // GROUP, GROUP)), axis=1)
@@ -68,8 +82,9 @@ def _chunk_groups_kernel(logits_ptr, group_keys_ptr, chunk_max_ptr, chunk_sum_pt
 
 @triton.jit
 def _merge_top_kernel(logits_ptr, group_keys_ptr, chunk_max_ptr, chunk_sum_ptr, scores_ptr, tokens_ptr, vocab,
-                      stride_row, num_chunks, budget, BLOCK_CHUNKS: tl.constexpr, GROUP: tl.constexpr,
-                      K: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr = False):
+                      stride_row, num_chunks, budget, multiplier, softcap, BLOCK_CHUNKS: tl.constexpr,
+                      GROUP: tl.constexpr, K: tl.constexpr, SPAN: tl.constexpr, SCALED: tl.constexpr = False,
+                      SOFTCAP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Per row: the logsumexp from the chunks' (max, sum), the top-K groups over all chunks, and the top-B tokens of
     those groups' K · GROUP logits (read again, masked past the vocabulary): scores [budget] fp32, tokens [budget]."""
     wait_for_previous_grid(PDL)
@@ -92,7 +107,8 @@ def _merge_top_kernel(logits_ptr, group_keys_ptr, chunk_max_ptr, chunk_sum_ptr, 
     groups = key_index(leading(tl.sort(keys, descending=True), BLOCK_CHUNKS * K, K), SPAN)
 
     tokens = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [K, GROUP]
-    x = tl.load(logits_ptr + row * stride_row + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride_row + tokens, mask=tokens < vocab, other=0.0).to(tl.float32)
+    x = tl.where(tokens < vocab, _scaled(x, multiplier, softcap, SCALED, SOFTCAP), float("-inf"))
     token_keys = tl.reshape(score_key(x, tokens, SPAN), (K * GROUP,))
     best = leading(tl.sort(token_keys, descending=True), K * GROUP, K)
     out = tl.arange(0, K)
@@ -116,12 +132,13 @@ def chunk_size(vocab: int, budget: int) -> int:
     return chunk
 
 
-def fused_top_candidates(logits: torch.Tensor, budget: int, chunk: Optional[int] = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_top_candidates(logits: torch.Tensor, budget: int, chunk: Optional[int] = None,
+                         scale: LogitScale = UNSCALED) -> tuple[torch.Tensor, torch.Tensor]:
     """tree_build.top_candidates in two launches: logits [..., V] (fp32, fp16 or bf16, finite) → (scores fp32,
     tokens int64) [..., budget], each row descending, ties to the smaller token. `chunk`: tokens per stage-1 program
     (a power of two >= K · GROUP; default chunk_size, tests pass small ones to get several chunks). Budgets up to
-    MAX_FUSED_BUDGET."""
+    MAX_FUSED_BUDGET. `scale`: the logits are raw head outputs, scaled in the kernels as `scale.apply` would (no
+    fp32 copy of the rows first)."""
     vocab = logits.shape[-1]
     check_budget(budget, vocab)
     if budget > MAX_FUSED_BUDGET:
@@ -146,14 +163,15 @@ def fused_top_candidates(logits: torch.Tensor, budget: int, chunk: Optional[int]
     chunk_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
     chunk_sum = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
     _chunk_groups_kernel[(rows, num_chunks)](
-        rows_view, group_keys, chunk_max, chunk_sum, vocab, rows_view.stride(0), num_chunks, CHUNK=chunk,
-        GROUP=GROUP, K=k, SPAN=TOKEN_SPAN, num_warps=max(1, chunk // (32 * ELEMENTS_PER_THREAD)),
-        **pdl_launch(rows_view),
+        rows_view, group_keys, chunk_max, chunk_sum, vocab, rows_view.stride(0), num_chunks, scale.multiplier,
+        scale.softcap or 1.0, CHUNK=chunk, GROUP=GROUP, K=k, SPAN=TOKEN_SPAN, SCALED=scale.multiplier != 1.0,
+        SOFTCAP=bool(scale.softcap), num_warps=max(1, chunk // (32 * ELEMENTS_PER_THREAD)), **pdl_launch(rows_view),
     )
     block_chunks = triton.next_power_of_2(num_chunks)
     _merge_top_kernel[(rows,)](
         rows_view, group_keys, chunk_max, chunk_sum, scores, tokens, vocab, rows_view.stride(0), num_chunks, budget,
-        BLOCK_CHUNKS=block_chunks, GROUP=GROUP, K=k, SPAN=TOKEN_SPAN,
+        scale.multiplier, scale.softcap or 1.0, BLOCK_CHUNKS=block_chunks, GROUP=GROUP, K=k, SPAN=TOKEN_SPAN,
+        SCALED=scale.multiplier != 1.0, SOFTCAP=bool(scale.softcap),
         num_warps=MERGE_WARPS_LARGE if block_chunks * k > MERGE_KEYS_SMALL else MERGE_WARPS, **pdl_launch(rows_view),
     )
     return scores, tokens

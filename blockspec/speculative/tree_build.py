@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.models.logit_scale import UNSCALED, LogitScale
 from blockspec.speculative.tree_budget import check_budget
 
 
@@ -32,22 +33,24 @@ class DraftTree:
         return int(self.tokens.shape[1])
 
 
-def build_tree(logits: torch.Tensor, budget: int) -> DraftTree:
-    """The tree of the `budget` most likely prefixes of the per-position draft distributions softmax(`logits`)
-    ([bs, L, V], finite; log-probabilities are logits too). Graph-capturable: device ops only, shapes fixed by
-    (bs, L, budget). On CUDA the candidates are two Triton launches (top_candidates_kernel.py: the same tokens, ties
-    to the smaller token, where torch's top-k order is unspecified; the log-probabilities up to the logsumexp's
-    rounding) and the tree from them one more (tree_build_kernel.py: the same tree, ties within a depth aside); else
-    `top_candidates` and `tree_from_candidates`, the oracles of both. Above MAX_FUSED_BUDGET the candidates are the
+def build_tree(logits: torch.Tensor, budget: int, scale: LogitScale = UNSCALED) -> DraftTree:
+    """The tree of the `budget` most likely prefixes of the per-position draft distributions softmax(`scale` of
+    `logits`) ([bs, L, V] raw head outputs, finite, any float dtype; log-probabilities are logits too).
+    Graph-capturable: device ops only, shapes fixed by (bs, L, budget). On CUDA the candidates are two Triton
+    launches that scale the rows as they read them (top_candidates_kernel.py: the same tokens, ties to the smaller
+    token, where torch's top-k order is unspecified; the log-probabilities up to the logsumexp's rounding) and the
+    tree from them one more (tree_build_kernel.py: the same tree, ties within a depth aside); else `top_candidates`
+    of the scaled rows and `tree_from_candidates`, the oracles of both. Above MAX_FUSED_BUDGET the candidates are the
     torch form's on CUDA too (the fused top-B's sorts would outgrow the registers)."""
     if logits.is_cuda:
         # NOTE: need Triton
         from blockspec.speculative.top_candidates_kernel import MAX_FUSED_BUDGET, fused_top_candidates
         from blockspec.speculative.tree_build_kernel import fused_tree_build
 
-        fused = budget <= MAX_FUSED_BUDGET
-        return DraftTree(*fused_tree_build(*(fused_top_candidates if fused else top_candidates)(logits, budget)))
-    return tree_from_candidates(*top_candidates(logits, budget))
+        if budget <= MAX_FUSED_BUDGET:
+            return DraftTree(*fused_tree_build(*fused_top_candidates(logits, budget, scale=scale)))
+        return DraftTree(*fused_tree_build(*top_candidates(scale.apply(logits), budget)))
+    return tree_from_candidates(*top_candidates(scale.apply(logits), budget))
 
 
 def top_candidates(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:

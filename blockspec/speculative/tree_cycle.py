@@ -31,7 +31,8 @@ from blockspec.runner.model_runner import ModelRunner
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
 from blockspec.speculative.tree_batches import cycle_logits_rows, tree_draft_batch, tree_verify_batch
 from blockspec.speculative.tree_build import DraftTree, build_tree
-from blockspec.speculative.tree_walk import greedy_tree_walk, simulated_tree_walk
+from blockspec.speculative.tree_walk import greedy_walk_outputs, simulated_tree_walk
+from blockspec.speculative.walk_outputs import walk_outputs
 
 DraftHidden = Callable[[ForwardBatch], torch.Tensor]
 
@@ -114,7 +115,8 @@ class TreeCycle:
         draft_batch = tree_draft_batch(batch, b, logits_rows)
         anchors = batch.input_ids.view(bs, self.cycle_length)[:, 0]
         hidden = self.draft_hidden(draft_batch)
-        tree = build_tree(self.draft.row_logits(hidden, anchors, runner.model.lm_head), budget)
+        tree = build_tree(self.draft.row_head_outputs(hidden, anchors, runner.model.lm_head), budget,
+                          self.draft.logit_scale)
         row_tokens = torch.cat([anchors[:, None], tree.tokens], 1)
         verify = tree_verify_batch(batch, tree, row_tokens, self.capture, argmax_only, logits_rows)
         output = runner.model(verify, runner.attention)
@@ -126,25 +128,22 @@ class TreeCycle:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The walk along the target's token at every tree row `target_tokens` [bs, B + 1] (its argmax, or the
         request's own choice: tree_sampling.py), then the compaction; returns the [bs, 2(b + B)] rows of the module
-        docstring and the walked path [bs, b] (greedy_tree_walk: its first `accepted` + 1 entries are tree rows)."""
+        docstring and the walked rows [bs, b] (WalkOutputs.walked_rows: the first `accepted` + 1 are the walk's)."""
         bs, b, budget = batch.batch_size, self.block_size, self.budget
         aux_hidden = verified.aux_hidden
         if self.simulated is None:
-            accepted, path = greedy_tree_walk(verified.tree, target_tokens, b - 1)
+            walked = greedy_walk_outputs(verified.tree, verified.row_tokens, target_tokens, verified.slots)
         else:
             # NOTE: at most b - 1 and B accepted: the path's rows 0..accepted exist in every tree
             drawn = self.simulated.accepted(bs, min(b, budget + 1), target_tokens.device)
             accepted, path = simulated_tree_walk(drawn, b - 1)
+            walked = walk_outputs(accepted, path, verified.row_tokens, target_tokens, verified.slots, budget, self.zero)
         # NOTE: compaction: path[d] is the walked row at depth d (d itself past the walk: moved onto itself); row i
         # sits at the slot of position kv_len + i, and i < b + B, so the cycle's slots hold every source. A request's
         # moves form one group (path[d] >= d: a destination is a source of its own group only).
-        self.runner.kv_pool.move(verified.slots.gather(1, path), verified.block_slots.view(bs, b))
-        walked_rows = path.clamp(max=budget)
+        self.runner.kv_pool.move(walked.sources, verified.block_slots.view(bs, b))
         width = aux_hidden.shape[-1]
-        aux = aux_hidden.view(bs, budget + 1, width).gather(1, walked_rows[:, :, None].expand(-1, -1, width))
+        aux = aux_hidden.view(bs, budget + 1, width).gather(1, walked.walked_rows[:, :, None].expand(-1, -1, width))
         self.draft.materialise_context(aux.reshape(bs * b, width), verified.block_positions, verified.block_slots,
                                        self.draft_pool)
-        tokens = verified.row_tokens.gather(1, walked_rows)
-        padding = self.zero.expand(bs, budget)
-        rows = torch.cat([accepted, tokens[:, 1:], padding, target_tokens.gather(1, walked_rows), padding], dim=1)
-        return rows, walked_rows
+        return walked.rows, walked.walked_rows

@@ -7,6 +7,23 @@ from __future__ import annotations
 import torch
 
 from blockspec.speculative.tree_build import DraftTree
+from blockspec.speculative.walk_outputs import WalkOutputs, walk_outputs
+
+
+def greedy_walk_outputs(tree: DraftTree, row_tokens: torch.Tensor, target_tokens: torch.Tensor, slots: torch.Tensor
+                        ) -> WalkOutputs:
+    """The greedy walk (greedy_tree_walk) along the target's token at every tree row `target_tokens` [bs, B + 1], and
+    the outputs a cycle takes from it: `row_tokens` [bs, B + 1] the tree rows' tokens (the root's, then the nodes'),
+    `slots` [bs, b + B] the cycle's slots (of positions kv_len ..). On CUDA one Triton launch (tree_walk_kernel.py,
+    the same integers, where the torch form takes a gather per output and a concatenation); else the torch form."""
+    budget = tree.budget
+    block = slots.shape[1] - budget
+    if target_tokens.is_cuda:
+        from blockspec.speculative.tree_walk_kernel import fused_walk_outputs  # NOTE: needs Triton
+
+        return fused_walk_outputs(tree, row_tokens, target_tokens, slots, block)
+    accepted, path = reference_tree_walk(tree, target_tokens, block - 1)
+    return walk_outputs(accepted, path, row_tokens, target_tokens, slots, budget)
 
 
 def greedy_tree_walk(tree: DraftTree, target_tokens: torch.Tensor, path_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu
 
 pytest.importorskip("triton")
 
+from blockspec.models.logit_scale import LogitScale  # noqa: E402
 from blockspec.speculative.top_candidates_kernel import (  # noqa: E402
     MAX_FUSED_BUDGET, chunk_size, fused_top_candidates,
 )
@@ -48,6 +49,24 @@ def test_fused_top_candidates_equal_the_torch_form(bs: int, depths: int, vocab: 
     torch.manual_seed(vocab + budget)
     logits = (torch.randn(bs, depths, vocab, device=DEVICE) * 3.0).to(dtype)
     assert_matches_torch(logits, budget, chunk)
+
+
+@pytest.mark.parametrize("scale", [LogitScale(0.25), LogitScale(1.0, 8.0), LogitScale(2.0, 5.0)])
+def test_raw_head_outputs_are_scaled_in_the_kernels(scale: LogitScale) -> None:
+    """A draft's output multiplier and softcap, applied as the kernels read the raw bf16 rows (no fp32 copy): the
+    torch form's tokens and log-probabilities of the scaled fp32 rows, whose softmax differs from the raw rows' (a
+    multiplier sharpens or flattens it; the softcap squeezes the largest logits together)."""
+    torch.manual_seed(7)
+    raw = (torch.randn(2, 3, 1000, device=DEVICE) * 6.0).to(torch.bfloat16)
+    scores, tokens = fused_top_candidates(raw, 12, 256, scale=scale)
+    scaled = scale.apply(raw)
+    expected_scores, _ = top_candidates(scaled, 12)
+    assert torch.equal(tokens, scaled.sort(dim=-1, descending=True, stable=True).indices[..., :12])
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)
+    unscaled_scores, _ = fused_top_candidates(raw, 12, 256)
+    assert not torch.allclose(scores, unscaled_scores, atol=1e-2)
+    tree = build_tree(raw, 12, scale)
+    assert_same_tree_up_to_ties(tree, tree_from_candidates(expected_scores, tokens), expected_scores, tokens)
 
 
 def test_ties_go_to_the_smaller_token() -> None:

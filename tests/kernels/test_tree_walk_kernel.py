@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 
 from blockspec.speculative.tree_build import top_candidates, tree_from_candidates  # noqa: E402
 from blockspec.speculative.tree_walk import reference_tree_walk  # noqa: E402
-from blockspec.speculative.tree_walk_kernel import fused_tree_walk  # noqa: E402
+from blockspec.speculative.tree_walk_kernel import fused_tree_walk, fused_walk_outputs  # noqa: E402
+from blockspec.speculative.walk_outputs import walk_outputs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -24,6 +25,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     (5, 15, 40, 32, 0.0),  # the target never agrees: every walk stops at the root
     (2, 4, 12, 5, 1.0),  # the target always takes the first child: walks to a leaf
     (3, 1, 20, 16, 0.7),  # one depth
+    (3, 15, 30, 4, 0.9),  # more depths than tree rows: the path past the walk names rows the tree lacks (clamped)
 ])
 def test_fused_walk_equals_the_torch_walk(bs: int, depths: int, vocab: int, budget: int, follow: float) -> None:
     torch.manual_seed(bs * 100 + depths + budget)
@@ -44,3 +46,13 @@ def test_fused_walk_equals_the_torch_walk(bs: int, depths: int, vocab: int, budg
         assert int(accepted.min()) >= 1
     if follow == 0.0:
         assert int(accepted.max()) == 0
+
+    # NOTE: the cycle's outputs from the same launch equal the torch form's gathers of the torch walk, for a block
+    # of depths + 1 rows (the walk's path length) whose slots are distinct and scattered
+    row_tokens = torch.cat([torch.randint(0, vocab, (bs, 1), device=DEVICE), tree.tokens], 1)
+    slots = torch.randperm(1000, device=DEVICE)[:bs * (depths + 1 + budget)].view(bs, -1)
+    outputs = fused_walk_outputs(tree, row_tokens, target, slots, depths + 1)
+    expected = walk_outputs(expected_accepted, expected_path, row_tokens, target, slots, budget)
+    assert torch.equal(outputs.rows, expected.rows)
+    assert torch.equal(outputs.walked_rows, expected.walked_rows)
+    assert torch.equal(outputs.sources, expected.sources)
