@@ -107,20 +107,23 @@ KERNEL_SPECS = {
                     "ROWS": 16}),
     # NOTE: DDTree's vocabulary top-B at a budget of 128 (K 128) over bf16 logits: chunks' groups, then the merge
     "top_candidates_groups": ("blockspec.speculative.top_candidates_kernel", "_chunk_groups_kernel",
-                              {"logits_ptr": BF16, "group_keys_ptr": I64, "chunk_max_ptr": F32, "chunk_sum_ptr": F32},
-                              {"CHUNK": 4096, "GROUP": 16, "K": 128, "SPAN": 2 ** 31}),
+                              {"logits_ptr": BF16, "group_keys_ptr": I64, "chunk_max_ptr": F32, "chunk_sum_ptr": F32,
+                               "multiplier": "fp32", "softcap": "fp32"},
+                              {"CHUNK": 4096, "GROUP": 16, "K": 128, "SPAN": 2 ** 31, "SCALED": True, "SOFTCAP": True}),
     "top_candidates_merge": ("blockspec.speculative.top_candidates_kernel", "_merge_top_kernel",
                              {"logits_ptr": BF16, "group_keys_ptr": I64, "chunk_max_ptr": F32, "chunk_sum_ptr": F32,
-                              "scores_ptr": F32, "tokens_ptr": I64},
-                             {"BLOCK_CHUNKS": 32, "GROUP": 16, "K": 128, "SPAN": 2 ** 31}),
+                              "scores_ptr": F32, "tokens_ptr": I64, "multiplier": "fp32", "softcap": "fp32"},
+                             {"BLOCK_CHUNKS": 32, "GROUP": 16, "K": 128, "SPAN": 2 ** 31, "SCALED": True,
+                              "SOFTCAP": True}),
     # NOTE: DDTree's compaction over every layer's K and V (a request's 16 moves, rows of 8 heads x 128)
     "kv_move": ("blockspec.kv.move_kernel", "_move_groups_kernel",
                 {"k_ptr": BF16, "v_ptr": BF16, "sources_ptr": I64, "destinations_ptr": I64, "layer_stride": "i64"},
                 {"BLOCK_P": 16, "BLOCK_C": 256}),
     "tree_walk": ("blockspec.speculative.tree_walk_kernel", "_tree_walk_kernel",
                   {"target_ptr": I64, "tokens_ptr": I64, "parents_ptr": I64, "depths_ptr": I64,
-                   "ancestors_ptr": "*i8", "accepted_ptr": I64, "path_ptr": I64},
-                  {"BLOCK_R": 128, "BLOCK_D": 16, "ROWS": 16}),
+                   "ancestors_ptr": "*i8", "accepted_ptr": I64, "path_ptr": I64, "row_tokens_ptr": I64,
+                   "slots_ptr": I64, "rows_ptr": I64, "walked_ptr": I64, "sources_ptr": I64},
+                  {"BLOCK_R": 128, "BLOCK_D": 16, "ROWS": 16, "OUTPUTS": True}),
 }
 
 
