@@ -19,7 +19,7 @@ from benchmarks.draft_v2_data import (
     GENERAL_FILES, TRAIN_WORDINGS, DataPaths, general_outputs, heldout_messages, seed_general, write_gsm8k,
 )
 from benchmarks.draft_v2_report import (
-    GENERAL_SET, GSM8K_SET, State, best_run, merged_state, pack_draft, result_document, speedups,
+    GENERAL_SET, GSM8K_SET, State, asset_stats, best_run, goal, merged_state, pack_draft, result_document, speedups,
 )
 from blockspec.train.data import read_prompt_records, reject_heldout
 from blockspec.train.trainer import schedule_factor
@@ -195,6 +195,17 @@ def test_results_of_two_machines_merge_into_one_decision(tmp_path: Path) -> None
     other_data = {**documents[1], "details": {**documents[1]["details"], "data": {"prompts": 4}}}
     with pytest.raises(ValueError, match="different data stages"):
         merged_state([documents[0], other_data], tmp_path / "y")
+
+
+def test_a_shard_a_few_bytes_over_the_rule_reads_over_it(tmp_path: Path) -> None:
+    """A rank-128 codebook over SmolLM2's vocabulary is exactly 12 MiB; its shard file (plus a 152-byte header) must
+    not round down to the 12 MiB shard rule."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(bytes(12 * 2**20 + 152))
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(bytes(1000))
+    stats = asset_stats(tmp_path)
+    assert stats["shards"] == 2 and stats["largest_shard_mib"] > 12.0
+    assert goal(stats["largest_shard_mib"], 12.0, at_most=True)["met"] is False
 
 
 def test_packed_draft_restores_byte_for_byte(tmp_path: Path) -> None:
