@@ -67,10 +67,11 @@ def plot_result(path: Path) -> str:
 
 def write_rows(kind: str, args: argparse.Namespace,
                measure: Callable[[argparse.Namespace, Path, dict[str, Any]], Any]) -> int:
-    """`<kind>_<date>_<commit>.json` under --out: {commit, gpu, date, rows}; `measure(args, path, result)` fills
-    result["rows"] (writing the file as it goes, if it likes), then the file is written and plotted. Exit status 0."""
+    """`<kind>_<date>_<commit>[_<tag>].json` under --out (the tag: `args.tag`, where the benchmark takes one): {commit,
+    gpu, date, rows}; `measure(args, path, result)` fills result["rows"] (writing the file as it goes, if it likes),
+    then the file is written and plotted. Exit status 0."""
     commit = resolved_commit(args)
-    out = result_path(args.out, kind, today(), commit)
+    out = result_path(args.out, kind, today(), commit, getattr(args, "tag", ""))
     result: dict[str, Any] = {"commit": commit, "gpu": gpu_name(), "date": today(), "rows": []}
     measure(args, out, result)
     print(f"wrote {write_json(out, result)}; {plot_result(out)}", flush=True)

@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--extra-flags", default="", help="more `blockspec serve` flags for every server")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--tag", default="", help="suffix of the result file name (e.g. forced: a second run of one "
+                        "commit on one day)")
     add_out_argument(parser)
     add_commit_argument(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny random weights on the CPU")

@@ -11,8 +11,9 @@
 #                     beside it and in the next calls, the seed check in the last (device time: ≈ 4 start + 9 + 1 + 4)
 # There (the GPU machine; BLOCKSPEC_COMMIT=<short hash> names the results, the copy there has no git history):
 #   gpu-test [K/N]    every test marked gpu or cuda (`pytest -m "gpu or cuda" tests`, TEST_S seconds, default 520,
-#                     GPU_WORKERS pytest-xdist processes on the one GPU, default 3: one process took 15.5 min on the
-#                     H100), or the K-th of N shards of it (scripts/gpu_shard.py);
+#                     GPU_WORKERS pytest-xdist processes on the one GPU, default 4: one process took 15.5 min on the
+#                     H100, three 476 s and four 390 s (H100) and 282 s (H200) in session 37), or the K-th of N
+#                     shards of it (scripts/gpu_shard.py);
 #                     the log is $OUT/gpu_suite_<date>_<commit>[_shardKofN].log (commit it to benchmarks/results/)
 #   stash             keeps the GGUF parts this call carried on the warm machine (.device-state/demo)
 #   seed              the seed's serve command on the demo pair, FlashInfer and Triton (benchmarks/seed_gpu.py;
@@ -56,6 +57,11 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
          "benchmarks/<module>.py says more):"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32" \
+         "(#52's goal, first: the demo pair through blockspec serve at 1 client, adaptive as served, about 200 s;" \
+         "then the same with --tag forced --extra-flags '--speculative-adaptive-verify off' (a tree every cycle): 6f954be" \
+         "read GSM8K 1.22x / code 1.30x at B = 32, 1969631 took 20 device µs off a tree cycle)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; a12b99c: DFlash 0.99 / 0.92," \
@@ -72,10 +78,6 @@ plan() {
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench verify_attention (#52: the chain's and a tree's verify" \
          "attention at batch 1 by split count and tiles over contexts 128..4096, the served variant marked; about two" \
          "minutes)"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
-         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
-         "(#52: the demo pair through blockspec serve at 1 client, adaptive as served; add --extra-flags" \
-         "'--speculative-adaptive-verify off' for a tree every cycle: 437fc73 read 1.20 / 1.27x at B = 32)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer --batch-sizes 1 8 32 64" \
          "(#51: the layer against its floor; --router-tokens 0 --tag unfused for the router unfused)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_build (#52: the fused top-B and tree build against" \
@@ -100,7 +102,7 @@ gpu_test() {
     # file's module fixtures, the trained tiny drafts, in one process). They can share it because every test engine
     # sizes its KV pool by max_total_tokens: one sized by --mem-fraction-static would take most of the card and the
     # next worker's engine would fail with "leaves no memory for the KV cache".
-    local workers=${GPU_WORKERS:-3} parallel=()
+    local workers=${GPU_WORKERS:-4} parallel=()
     if [ "$workers" -gt 1 ]; then
         if python3 -c "import xdist" 2> /dev/null; then
             parallel=(-n "$workers" --dist loadfile)

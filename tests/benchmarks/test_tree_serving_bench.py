@@ -12,8 +12,9 @@ from benchmarks import tree_serving
 
 def test_smoke_serves_the_chain_and_the_tree(tmp_path: Path) -> None:
     assert tree_serving.main(["--smoke", "--budgets", "4", "--num-prompts", "3", "--warmup", "1",
-                              "--max-new-tokens", "12", "--out", str(tmp_path), "--commit", "abc1234"]) == 0
-    (path,) = tmp_path.glob("tree_serving_*_abc1234.json")
+                              "--max-new-tokens", "12", "--out", str(tmp_path), "--commit", "abc1234",
+                              "--tag", "forced"]) == 0
+    (path,) = tmp_path.glob("tree_serving_*_abc1234_forced.json")  # NOTE: a tag keeps a second run of a day apart
     assert path.with_suffix(".png").is_file()
     result = json.loads(path.read_text())
     rows = {(row["workload"], row["budget"]): row for row in result["rows"]}
