@@ -60,8 +60,8 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32" \
          "(#52's goal, first: the demo pair through blockspec serve at 1 client, adaptive as served, about 200 s;" \
-         "then the same with --tag forced --extra-flags '--speculative-adaptive-verify off' (a tree every cycle): 6f954be" \
-         "read GSM8K 1.22x / code 1.30x at B = 32, 1969631 took 20 device µs off a tree cycle)"
+         "then the same with --tag forced --extra-flags '--speculative-adaptive-verify off' (a tree every" \
+         "cycle): 6f954be read GSM8K 1.22x / code 1.30x at B = 32, 1969631 took 20 device µs off a tree cycle)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; a12b99c: DFlash 0.99 / 0.92," \
