@@ -66,6 +66,10 @@ plan() {
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; a12b99c: DFlash 0.99 / 0.92," \
          "target-only 0.72 / 0.61 on a host 1.65x slower than 868b807's, whose target-only read 0.94 / 0.94)"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
+         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
+         "--concurrency 64 --modes target --extra-flags '--max-prefill-wait-steps 1' --budget-s 200" \
+         "--tag demo_target_wait1 (#49: target-only's 64-client gap was 208 extends against the engine's 22)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
          "(#49's 8B rows, both on the machine that ran the demo pair: c8932eb read 0.97-1.00)"
