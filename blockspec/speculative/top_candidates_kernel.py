@@ -17,7 +17,10 @@ lie in the union of the chunks' top-K groups. So
            written: log-probability logit - logsumexp in fp32, token int64, descending, ties to the smaller token.
 
 NOTE: the tokens and their order equal a stable descending sort of the fp32-upcast row; the scores equal the torch
-form's up to the rounding of the logsumexp (a sum over chunks in another order, and Triton's exp / log), a few ulp."""
+form's up to the rounding of the logsumexp (a sum over chunks in another order, and Triton's exp / log), a few ulp.
+With a draft's multiplier and softcap applied in the kernels (`LogitScale`), the scaled values equal `scale.apply`'s
+up to a few ulp of the softcap's tanh (here 2σ(2y) − 1): distinct logits that a saturated softcap brings within an
+ulp of each other may tie or swap against torch's order (no draft caps below its largest logits)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -48,7 +51,7 @@ TOKEN_SPAN = 2 ** 31  # NOTE: token and group indices lie in [0, SPAN) (the keys
 @triton.jit
 def _scaled(x, multiplier, softcap, SCALED: tl.constexpr, SOFTCAP: tl.constexpr):
     """fp32 logits from raw head outputs x (fp32): × multiplier, then softcap · tanh(· / softcap), as
-    models.logit_scale.scale_logits (tanh(y) = 2σ(2y) − 1, which maps ±inf to ±1)."""
+    models.logit_scale.LogitScale.apply up to a few ulp (tanh(y) = 2σ(2y) − 1, which maps ±inf to ±1)."""
     if SCALED:
         x = x * multiplier
     if SOFTCAP:
@@ -137,8 +140,8 @@ def fused_top_candidates(logits: torch.Tensor, budget: int, chunk: Optional[int]
     """tree_build.top_candidates in two launches: logits [..., V] (fp32, fp16 or bf16, finite) → (scores fp32,
     tokens int64) [..., budget], each row descending, ties to the smaller token. `chunk`: tokens per stage-1 program
     (a power of two >= K · GROUP; default chunk_size, tests pass small ones to get several chunks). Budgets up to
-    MAX_FUSED_BUDGET. `scale`: the logits are raw head outputs, scaled in the kernels as `scale.apply` would (no
-    fp32 copy of the rows first)."""
+    MAX_FUSED_BUDGET. `scale`: the logits are raw head outputs, scaled in the kernels as `scale.apply` does, up to
+    the softcap's rounding (module NOTE; no fp32 copy of the rows first)."""
     vocab = logits.shape[-1]
     check_budget(budget, vocab)
     if budget > MAX_FUSED_BUDGET:

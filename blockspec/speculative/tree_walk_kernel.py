@@ -100,6 +100,10 @@ def fused_walk_outputs(tree: DraftTree, row_tokens: torch.Tensor, target_tokens:
     compaction's sources (walk_outputs.walk_outputs of the walk) for a block of `block` rows."""
     bs, rows = target_tokens.shape
     budget = rows - 1
+    if row_tokens.shape != (bs, rows) or slots.shape != (bs, block + budget) or tree.tokens.shape != (bs, budget):
+        raise ValueError(f"a walk of {bs} trees of {budget} nodes over blocks of {block} takes row tokens [{bs}, "
+                         f"{rows}], slots [{bs}, {block + budget}] and tree tokens [{bs}, {budget}]; got "
+                         f"{list(row_tokens.shape)}, {list(slots.shape)} and {list(tree.tokens.shape)}")
     device = target_tokens.device
     outputs = WalkOutputs(torch.empty((bs, 2 * (block + budget)), dtype=torch.int64, device=device),
                           torch.empty((bs, block), dtype=torch.int64, device=device),

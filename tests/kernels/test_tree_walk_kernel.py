@@ -56,3 +56,15 @@ def test_fused_walk_equals_the_torch_walk(bs: int, depths: int, vocab: int, budg
     assert torch.equal(outputs.rows, expected.rows)
     assert torch.equal(outputs.walked_rows, expected.walked_rows)
     assert torch.equal(outputs.sources, expected.sources)
+
+
+def test_fused_walk_outputs_refuse_mismatched_shapes() -> None:
+    """The kernel reads row tokens and slots by the tree's shapes: a mismatch is an error, not a read past them."""
+    torch.manual_seed(3)
+    tree = tree_from_candidates(*top_candidates(torch.randn(2, 4, 20, device=DEVICE), 6))
+    target = torch.zeros((2, 7), dtype=torch.int64, device=DEVICE)
+    row_tokens = torch.zeros((2, 7), dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="slots"):
+        fused_walk_outputs(tree, row_tokens, target, torch.zeros((2, 8), dtype=torch.int64, device=DEVICE), 5)
+    with pytest.raises(ValueError, match="row tokens"):
+        fused_walk_outputs(tree, row_tokens[:, :6], target, torch.zeros((2, 11), dtype=torch.int64, device=DEVICE), 5)
