@@ -165,16 +165,18 @@ def fused_top_candidates(logits: torch.Tensor, budget: int, chunk: Optional[int]
     group_keys = torch.empty((rows, num_chunks, k), dtype=torch.int64, device=device)
     chunk_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
     chunk_sum = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
+    # NOTE: both stages read logits, so both scale them alike (module NOTE)
+    scale_values = (scale.multiplier, scale.softcap or 1.0)
+    scale_flags = dict(SCALED=scale.multiplier != 1.0, SOFTCAP=bool(scale.softcap))
     _chunk_groups_kernel[(rows, num_chunks)](
-        rows_view, group_keys, chunk_max, chunk_sum, vocab, rows_view.stride(0), num_chunks, scale.multiplier,
-        scale.softcap or 1.0, CHUNK=chunk, GROUP=GROUP, K=k, SPAN=TOKEN_SPAN, SCALED=scale.multiplier != 1.0,
-        SOFTCAP=bool(scale.softcap), num_warps=max(1, chunk // (32 * ELEMENTS_PER_THREAD)), **pdl_launch(rows_view),
+        rows_view, group_keys, chunk_max, chunk_sum, vocab, rows_view.stride(0), num_chunks, *scale_values,
+        CHUNK=chunk, GROUP=GROUP, K=k, SPAN=TOKEN_SPAN, **scale_flags,
+        num_warps=max(1, chunk // (32 * ELEMENTS_PER_THREAD)), **pdl_launch(rows_view),
     )
     block_chunks = triton.next_power_of_2(num_chunks)
     _merge_top_kernel[(rows,)](
         rows_view, group_keys, chunk_max, chunk_sum, scores, tokens, vocab, rows_view.stride(0), num_chunks, budget,
-        scale.multiplier, scale.softcap or 1.0, BLOCK_CHUNKS=block_chunks, GROUP=GROUP, K=k, SPAN=TOKEN_SPAN,
-        SCALED=scale.multiplier != 1.0, SOFTCAP=bool(scale.softcap),
+        *scale_values, BLOCK_CHUNKS=block_chunks, GROUP=GROUP, K=k, SPAN=TOKEN_SPAN, **scale_flags,
         num_warps=MERGE_WARPS_LARGE if block_chunks * k > MERGE_KEYS_SMALL else MERGE_WARPS, **pdl_launch(rows_view),
     )
     return scores, tokens

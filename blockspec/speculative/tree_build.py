@@ -42,15 +42,17 @@ def build_tree(logits: torch.Tensor, budget: int, scale: LogitScale = UNSCALED) 
     tree from them one more (tree_build_kernel.py: the same tree, ties within a depth aside); else `top_candidates`
     of the scaled rows and `tree_from_candidates`, the oracles of both. Above MAX_FUSED_BUDGET the candidates are the
     torch form's on CUDA too (the fused top-B's sorts would outgrow the registers)."""
-    if logits.is_cuda:
-        # NOTE: need Triton
-        from blockspec.speculative.top_candidates_kernel import MAX_FUSED_BUDGET, fused_top_candidates
-        from blockspec.speculative.tree_build_kernel import fused_tree_build
+    if not logits.is_cuda:
+        return tree_from_candidates(*top_candidates(scale.apply(logits), budget))
+    # NOTE: need Triton
+    from blockspec.speculative.top_candidates_kernel import MAX_FUSED_BUDGET, fused_top_candidates
+    from blockspec.speculative.tree_build_kernel import fused_tree_build
 
-        if budget <= MAX_FUSED_BUDGET:
-            return DraftTree(*fused_tree_build(*fused_top_candidates(logits, budget, scale=scale)))
-        return DraftTree(*fused_tree_build(*top_candidates(scale.apply(logits), budget)))
-    return tree_from_candidates(*top_candidates(scale.apply(logits), budget))
+    if budget <= MAX_FUSED_BUDGET:
+        candidates = fused_top_candidates(logits, budget, scale=scale)
+    else:
+        candidates = top_candidates(scale.apply(logits), budget)
+    return DraftTree(*fused_tree_build(*candidates))
 
 
 def top_candidates(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
