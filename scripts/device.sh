@@ -11,8 +11,9 @@
 #                     beside it and in the next calls, the seed check in the last (device time: ≈ 4 start + 9 + 1 + 4)
 # There (the GPU machine; BLOCKSPEC_COMMIT=<short hash> names the results, the copy there has no git history):
 #   gpu-test [K/N]    every test marked gpu or cuda (`pytest -m "gpu or cuda" tests`, TEST_S seconds, default 520,
-#                     GPU_WORKERS pytest-xdist processes on the one GPU, default 4: one process took 15.5 min on the
-#                     H100, three 476 s and four 390 s (H100) and 282 s (H200) in session 37), or the K-th of N
+#                     GPU_WORKERS pytest-xdist processes on the one GPU, default 8: one process took 15.5 min on the
+#                     H100, three 476 s, four 390 s (H100) and 282 s (H200) in session 37, eight 142 s (H100) in
+#                     session 38), or the K-th of N
 #                     shards of it (scripts/gpu_shard.py);
 #                     the log is $OUT/gpu_suite_<date>_<commit>[_shardKofN].log (commit it to benchmarks/results/)
 #   stash             keeps the GGUF parts this call carried on the warm machine (.device-state/demo)
@@ -57,11 +58,6 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
          "benchmarks/<module>.py says more):"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
-         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32" \
-         "(#52's goal, first: the demo pair through blockspec serve at 1 client, adaptive as served, about 200 s;" \
-         "then the same with --tag forced --extra-flags '--speculative-adaptive-verify off' (a tree every" \
-         "cycle): 6f954be read GSM8K 1.22x / code 1.30x at B = 32, 1969631 took 20 device µs off a tree cycle)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; a12b99c: DFlash 0.99 / 0.92," \
@@ -75,6 +71,11 @@ plan() {
          "(#49's 8B rows, both on the machine that ran the demo pair: c8932eb read 0.97-1.00)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024" \
          "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
+         "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 48" \
+         "(#52's serving check: the demo pair through blockspec serve at 1 client, adaptive as served, about 130 s" \
+         "a budget; --tag forced --extra-flags '--speculative-adaptive-verify off' for a tree every cycle; c417e43" \
+         "read B = 48 1.27x GSM8K / 1.26x code as served, B = 32 forced 1.24x / 1.31x)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench cycle_profile" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 16 32 64" \
          "(#52: the kernels a tree cycle adds over the chain's on the demo pair at batch 1, each one's device µs;" \
@@ -106,7 +107,7 @@ gpu_test() {
     # file's module fixtures, the trained tiny drafts, in one process). They can share it because every test engine
     # sizes its KV pool by max_total_tokens: one sized by --mem-fraction-static would take most of the card and the
     # next worker's engine would fail with "leaves no memory for the KV cache".
-    local workers=${GPU_WORKERS:-4} parallel=()
+    local workers=${GPU_WORKERS:-8} parallel=()
     if [ "$workers" -gt 1 ]; then
         if python3 -c "import xdist" 2> /dev/null; then
             parallel=(-n "$workers" --dist loadfile)
