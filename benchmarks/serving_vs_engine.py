@@ -8,7 +8,8 @@ or GSM8K test questions), greedy, ignore_eos, fixed new tokens.
 - Engine (`engine_baseline: "continuous"`): for each level of C clients, a fresh `Engine` with the server's own
   engine settings (its flags as `blockspec serve` resolves them) and max_running_requests min(C, the server's), given
   all the level's prompts in one `Engine.generate` call: continuous batching, what a saturated server should reach.
-  Its own process (`serving_vs_engine_support.engine_main`).
+  Its own process (`serving_vs_engine_support.engine_main`). --engine-reads passes of that call on the same engine
+  (default 2), the fastest as the baseline (one pass's read varies from call to call: docs/performance.md).
 - Server: `python -m blockspec.serve` with its DEFAULT flags (`serve_flags: "default"` in the rows), plus only what
   the shape needs: model, draft, simulated accept length, `--load-format dummy`, the tokenizer (`--tokenizer-path`
   when the chat client runs, else `--skip-tokenizer-init`), and --extra-flags when given (then `serve_flags` is that
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=64, help="prompts of the warm-up generate / warm-up level")
     parser.add_argument("--warmup-new-tokens", type=int, default=16)
+    parser.add_argument("--engine-reads", type=int, default=2, help="timed passes of each engine level on one engine "
+                        "(the fastest is the baseline, at its best; rows keep every pass in engine_tok_s_reads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accept-len", type=float, help="simulated accept length of dflash (default: llama8b "
                         f"{DEFAULT_ACCEPT['llama8b']}, smollm2 {DEFAULT_ACCEPT['smollm2']}; <= 0: real acceptance)")
@@ -216,7 +219,7 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, tokenizer: Optio
     report.data["engines"][key] = {**kwargs, "server_flags": flags}
     spec = {"engine": kwargs, "max_running_requests": kwargs["max_running_requests"], "prompts": ids,
             "max_new_tokens": args.max_new_tokens, "warmup": min(args.warmup, len(prompts)),
-            "warmup_new_tokens": args.warmup_new_tokens,
+            "warmup_new_tokens": args.warmup_new_tokens, "reads": args.engine_reads,
             "levels": [(c, len(level_prompts(prompts, c, args))) for c in args.concurrency]}
     print(f"== {key}: engine", flush=True)
     engine = cached_engine_phase(spec, workdir, args.engine_timeout, args.engine_cache)
@@ -225,7 +228,9 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, tokenizer: Optio
     report.save()
     reused = " (engine phase reused)" if engine["reused_engine_phase"] else ""
     for concurrency, level in engine["engine_levels"].items():
-        print(f"   engine {concurrency:>4}: {level['tok_s']:.0f} tok/s ({level['wall_s']:.2f} s){reused}", flush=True)
+        reads = " / ".join(f"{tok_s:.0f}" for tok_s in level.get("tok_s_reads", []))
+        print(f"   engine {concurrency:>4}: {level['tok_s']:.0f} tok/s ({level['wall_s']:.2f} s; reads {reads}){reused}",
+              flush=True)
     print(f"== {key}: server {' '.join(flags)}", flush=True)
     base = {"shape": shape.name, "weights": row_weights(kwargs), "mode": mode, "engine_baseline": "continuous",
             "serve_flags": args.extra_flags or "default", "server_tokenizer": tokenizer is not None,
@@ -298,7 +303,8 @@ def add_row(report: Report, base: dict[str, Any], level: dict[str, Any],
         engine = max(engine_levels.values(), key=lambda l: l["max_running_requests"])
     else:
         engine = engine_levels[str(row["concurrency"])]
-    row.update(engine_tok_s=engine["tok_s"], engine_max_running_requests=engine["max_running_requests"],
+    row.update(engine_tok_s=engine["tok_s"], engine_tok_s_reads=engine.get("tok_s_reads", [engine["tok_s"]]),
+               engine_max_running_requests=engine["max_running_requests"],
                engine_requests=engine["requests"], engine_accept_length=engine["accept_length"])
     row["server_over_engine"] = row["server_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
     report.data["rows"].append(row)

@@ -97,28 +97,36 @@ Sync = Callable[[], None]
 
 def continuous_level(make_engine: Callable[..., Any], engine_kwargs: dict[str, Any], running: int,
                      prompts: list[list[int]], warmup: list[list[int]], params: dict[str, Any],
-                     warmup_new_tokens: int, sync: Sync) -> dict[str, Any]:
+                     warmup_new_tokens: int, sync: Sync, reads: int = 1) -> dict[str, Any]:
     """One level on a fresh engine of `running` running requests: an untimed warm-up (batch sizes this engine has not
-    run may compile kernels), the prefix cache emptied (the server's is before each level too), then all `prompts`
-    in one `generate` call, timed. Its output tok/s, wall time and accept length."""
+    run may compile kernels), then `reads` timed passes, each with the prefix cache emptied first (the server's is
+    before each level too) and all `prompts` in one `generate` call. Its output tok/s and wall time are the fastest
+    pass's (the baseline at its best; `tok_s_reads` keeps every pass), with that pass's accept length and forwards."""
+    if reads < 1:
+        raise ValueError(f"reads must be >= 1, got {reads}")
     engine = make_engine(**{**engine_kwargs, "max_running_requests": running})
+    passes: list[dict[str, Any]] = []
     try:
         if warmup:
             engine.generate(input_ids=warmup, sampling_params=dict(params, max_new_tokens=warmup_new_tokens))
-        engine.flush_cache()
-        before = engine.get_server_info()
-        start = time.perf_counter()
-        outputs = engine.generate(input_ids=prompts, sampling_params=params)
-        sync()
-        wall = time.perf_counter() - start
-        after = engine.get_server_info()
+        for _ in range(reads):
+            engine.flush_cache()
+            before = engine.get_server_info()
+            start = time.perf_counter()
+            outputs = engine.generate(input_ids=prompts, sampling_params=params)
+            sync()
+            wall = time.perf_counter() - start
+            after = engine.get_server_info()
+            assert isinstance(outputs, list)
+            tokens = sum(len(out["output_ids"]) for out in outputs)
+            passes.append({"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens,
+                           "accept_length": accept_length_between(before, after),
+                           "forward_counts": forwards_between(before, after)["server_forward_counts"]})
     finally:
         engine.shutdown()
-    assert isinstance(outputs, list)
-    tokens = sum(len(out["output_ids"]) for out in outputs)
-    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "requests": len(prompts),
-            "max_running_requests": running, "accept_length": accept_length_between(before, after),
-            "forward_counts": after["internal_states"][0].get("forward_counts")}
+    best = max(passes, key=lambda one: one["tok_s"])
+    return {**best, "requests": len(prompts), "max_running_requests": running,
+            "tok_s_reads": [one["tok_s"] for one in passes]}
 
 
 def run_engine_phase(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
@@ -173,7 +181,7 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
             running = min(concurrency, spec["max_running_requests"])
             levels[str(concurrency)] = continuous_level(
                 Engine, spec["engine"], running, prompts[:count], prompts[: min(spec["warmup"], running)], params,
-                spec["warmup_new_tokens"], sync)
+                spec["warmup_new_tokens"], sync, int(spec.get("reads", 1)))
     result = {
         "engine_core_mhz": clock.mean_mhz, "engine_baseline": "continuous", "engine_levels": levels,
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",
