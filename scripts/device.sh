@@ -60,17 +60,20 @@ plan() {
          "benchmarks/<module>.py says more):"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows; a12b99c: DFlash 0.99 / 0.92," \
-         "target-only 0.72 / 0.61 on a host 1.65x slower than 868b807's, whose target-only read 0.94 / 0.94)"
+         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows, about 300 s; 12eb7d2: DFlash" \
+         "1.00 / 1.00, target-only 0.93 / 0.84 against one engine read; every other #49 row met)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--concurrency 64 --modes target --extra-flags '--max-prefill-wait-steps 1' --budget-s 200" \
-         "--tag demo_target_wait1 (#49: target-only's 64-client gap was 208 extends against the engine's 22)"
+         "--concurrency 64 --modes target --extra-flags '--enable-mixed-chunk' --budget-s 200" \
+         "--tag demo_target_mixed (#49: target-only's streaming gap is arrivals extending in small groups, 137" \
+         "extends against the engine's 22; one forward for arrivals and the running rows; about 120 s." \
+         "12eb7d2's --max-prefill-wait-steps 1 did not pay)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
-         "(#49's 8B rows, both on the machine that ran the demo pair: c8932eb read 0.97-1.00)"
+         "(#49's 8B rows, about 400 s; only when the serving path changed since 12eb7d2, which read 0.98-1.00)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024" \
-         "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024"
+         "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024" \
+         "(about 520 s)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 48" \
          "(#52's serving check: the demo pair through blockspec serve at 1 client, adaptive as served, about 130 s" \
