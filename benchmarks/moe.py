@@ -33,11 +33,19 @@ graph, beside the tiles `choose_tiles` picks; rows go to `tile_sweep` (mode, bs,
 num_warps, num_stages, direct,
 down_columns, step_ms, over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
 
-With --serving, the serving table (1 and 64 clients, DFlash vs target-only, accept length 6) through
-benchmarks/serving_vs_engine.py on the same shapes; its rows go to `serving`. --shape tiny runs everything small on
-the CPU (plumbing only, timings meaningless; tests/test_moe_bench.py). Writes moe_<date>_<commit>[_<tag>].json
-under --out.
-On the device: `scripts/device.sh bench moe --parts layer step serving`.
+With `--parts serving`, #51's serving table: benchmarks/serving_vs_engine.py on the same shapes (dummy weights),
+DFlash (simulated accept length --accept-len) and target-only at 1 and 64 closed-loop clients, the offline engine and
+`blockspec serve` side by side; its rows go to `serving`, and `serving_summary` holds DFlash ÷ target-only per client
+and concurrency (served tokens/s, the engine's ratio beside it). Its workload is per shape (SERVING_DEFAULTS; each
+number a --serving-* flag): 30b-a3b sends 256 prompts of 512 tokens, 128 new tokens each (8 a client at 1 client, 4 at
+64), and is sized to one device call of its own (estimated ~400 s of its 600: the 30B target is built three times a
+mode, one engine per level and the server); a mode that has not started by --serving-budget-s is left out
+(`serving_errors`; a next call with --serving-modes target), and at --serving-timeout-s the run is stopped and the
+rows it measured kept (`serving_timed_out`). Its own result JSON lands in --out/moe_serving.
+--shape tiny runs everything small on the CPU (plumbing only, timings meaningless; tests/benchmarks/test_moe_bench.py;
+its serving workload is sized for a 2-core CPU). Writes moe_<date>_<commit>[_<tag>].json under --out.
+On the device: `scripts/device.sh bench moe --parts layer step`, and `scripts/device.sh bench moe --parts serving`
+alone in a call.
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -55,6 +64,8 @@ import torch
 
 from benchmarks.adaptive_verify import prefill
 from benchmarks.results import add_out_argument, plot_result, result_path, write_json
+from benchmarks.serving_vs_engine import MODES as SERVING_MODES
+from benchmarks.serving_vs_engine_support import CLIENTS
 from blockspec import Engine
 from blockspec.bench.provenance import run_identity
 from blockspec.layers.moe import ExpertRouting, SparseMoe, StackedExperts, route
@@ -91,6 +102,40 @@ TINY_DRAFT = dict(DRAFT_30B_A3B, vocab_size=512, hidden_size=64, intermediate_si
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                   block_size=4, num_target_layers=4, dflash_config={"mask_token_id": 3, "target_layer_ids": [1, 2]})
 SHAPES = {"30b-a3b": (QWEN3_30B_A3B, DRAFT_30B_A3B), "tiny": (TINY, TINY_DRAFT)}
+
+
+@dataclass(frozen=True)
+class ServingWorkload:
+    """The `--parts serving` workload of a shape (each field the default of its --serving-* flag): prompts, closed-loop
+    rounds per client (the 1-client level sends `rounds` prompts, the 64-client level min(64 x rounds, prompts)),
+    prompt and new-token lengths, the seconds after which no new mode starts (budget_s) and after which the run is
+    stopped (timeout_s)."""
+
+    prompts: int
+    rounds: int
+    prompt_len: int
+    new_tokens: int
+    budget_s: float
+    timeout_s: float
+
+
+# NOTE: 30b-a3b fits one device call (600 s, of which moe.py's start and the device script's set-up take ~25 s) on an
+# H100 80 GB. Each mode builds the dummy 30B target (61 GB bf16, initialised on the GPU) three times: one engine per
+# level in the engine phase, then the server. What costs is not the weights but each build's CUDA graphs (12 batch
+# sizes, 48 layers; DFlash also its verify lengths and draft) and, in the first build of a fresh machine, the Triton
+# compiles: estimated ~90 s cold and ~30-40 s warm a build, plus ~10 s (engine process) and ~25 s (server) of process
+# start. The levels are short beside that: the 1-client level sends 8 prompts (1,024 new tokens), the 64-client level
+# 256 (32,768 new tokens, 4 rounds a client), each on both sides: ~20 s a mode for DFlash and ~40 s for target-only at
+# the engine step rates of --parts step. So DFlash ~220 s (first, cold) and target-only ~170 s: ~400 s in all. The
+# budget (270 s) starts target-only only if it can still end before the timeout (480 s), and the timeout leaves
+# SERVING_STOP_GRACE_S for the stop and the JSON before the call's limit. The tiny shape's workload is sized to finish
+# on a 2-core CPU in a few minutes.
+SERVING_DEFAULTS = {
+    "30b-a3b": ServingWorkload(prompts=256, rounds=8, prompt_len=512, new_tokens=128, budget_s=270.0, timeout_s=480.0),
+    "tiny": ServingWorkload(prompts=128, rounds=2, prompt_len=64, new_tokens=32, budget_s=240.0, timeout_s=480.0),
+}
+SERVING_CONCURRENCY = (1, 64)  # NOTE: #51's levels
+SERVING_STOP_GRACE_S = 75.0  # NOTE: serving_vs_engine's server stop waits up to 60 s on SIGTERM before SIGKILL
 
 
 def write_configs(root: Path, shape: str) -> tuple[Path, Path]:
@@ -360,25 +405,85 @@ def step_rows(config: dict[str, Any], target_dir: Path, draft_dir: Path, args: a
     return rows
 
 
-def serving_rows(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], int]:
-    """benchmarks/serving_vs_engine.py on the MoE shapes (its "tiny" shape with --model-dir / --draft-dir: these
-    config.json files, dummy weights), simulated accept length, 1 and 64 clients, DFlash and target-only; the rows of
-    the result it writes and its exit status (non-zero when a row failed: the others are kept)."""
+def serving_command(target_dir: Path, draft_dir: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    """The serving_vs_engine.py command of `--parts serving`: its "tiny" shape with --model-dir / --draft-dir (these
+    config.json files, dummy weights), the simulated accept length, 1 and 64 closed-loop clients, no Poisson run
+    (NOTE: #51's table is the closed-loop levels; a Poisson run sends every prompt again, per client), and the
+    --serving-* workload."""
+    return [sys.executable, "-m", "benchmarks.serving_vs_engine", "--shapes", "tiny", "--model-dir", str(target_dir),
+            "--draft-dir", str(draft_dir), "--load-format", "dummy", "--accept-len", str(args.accept_len),
+            "--concurrency", ",".join(map(str, SERVING_CONCURRENCY)), "--modes", ",".join(args.serving_modes),
+            "--clients", ",".join(args.serving_clients), "--poisson-rate", "0",
+            "--num-prompts", str(args.serving_prompts), "--max-rounds", str(args.serving_rounds),
+            "--prompt-len", str(args.serving_prompt_len), "--max-new-tokens", str(args.serving_new_tokens),
+            "--budget-s", str(args.serving_budget_s), "--out", str(out), "--tag", "moe", "--no-plot"]
+
+
+def serving_rows(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs serving_command; what its result JSON holds when it ends: `serving` (its rows), `serving_errors` (a mode
+    that failed, or that --serving-budget-s left unstarted), `serving_exit_status` (non-zero when a row failed: the
+    others are kept), `serving_timed_out` and `serving_wall_s`. Past --serving-timeout-s it is stopped with SIGTERM
+    (it stops its server and engine process and keeps the rows it saved), so this process can still write its JSON
+    before the device call's own limit."""
     out = args.out / "moe_serving"
     out.mkdir(parents=True, exist_ok=True)
-    before = set(out.glob("*.json"))
-    command = [sys.executable, "-m", "benchmarks.serving_vs_engine", "--shapes", "tiny", "--model-dir",
-               str(target_dir), "--draft-dir", str(draft_dir), "--load-format", "dummy", "--accept-len",
-               str(args.accept_len), "--concurrency", "1,64", "--modes", "dflash,target", "--out", str(out),
-               "--tag", "moe", "--no-plot", "--prompt-len", str(args.context), "--max-new-tokens", "128"]
-    status = subprocess.run(command).returncode
+    started, wall_started = time.perf_counter(), time.time()
+    proc = subprocess.Popen(serving_command(target_dir, draft_dir, out, args))
+    timed_out = False
+    try:
+        status = proc.wait(timeout=args.serving_timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        print(f"!! serving part past --serving-timeout-s {args.serving_timeout_s:.0f}: stopping it", flush=True)
+        proc.terminate()
+        try:
+            status = proc.wait(timeout=SERVING_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            status = proc.wait()
     rows: list[dict[str, Any]] = []
-    for path in sorted(set(out.glob("*.json")) - before):
-        rows += json.loads(path.read_text()).get("rows", [])
-    return rows, status
+    errors: list[dict[str, Any]] = []
+    # NOTE: the file this run wrote (a rerun of the commit on the same day rewrites the same name): by its time
+    for path in sorted(out.glob("serving_vs_engine_*.json")):
+        if path.stat().st_mtime >= wall_started - 1.0:
+            data = json.loads(path.read_text())
+            rows += data.get("rows", [])
+            errors += data.get("errors", [])
+    return {"serving": rows, "serving_errors": errors, "serving_exit_status": status, "serving_timed_out": timed_out,
+            "serving_wall_s": time.perf_counter() - started}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def row_ratio(top: Optional[dict[str, Any]], bottom: Optional[dict[str, Any]], key: str) -> Optional[float]:
+    """top[key] / bottom[key]; None where a row is missing or either value is missing or zero."""
+    if top is None or bottom is None or not top.get(key) or not bottom.get(key):
+        return None
+    return float(top[key]) / float(bottom[key])
+
+
+def serving_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """#51's serving table from the serving rows: per client and closed-loop concurrency, DFlash's and target-only's
+    served tokens/s, dflash_over_target (and the offline engine's ratio beside it), DFlash's accept length as served
+    and the failed requests of both rows. A ratio is None where either mode has no row (failed, cut or not run)."""
+    by_key = {(row.get("client", "generate"), row["concurrency"], row["mode"]): row for row in rows}
+    levels = sorted({(client, conc) for client, conc, _ in by_key if isinstance(conc, int)},
+                    key=lambda level: (CLIENTS.index(level[0]) if level[0] in CLIENTS else len(CLIENTS), level[1]))
+    summary: list[dict[str, Any]] = []
+    for client, concurrency in levels:
+        dflash, target = by_key.get((client, concurrency, "dflash")), by_key.get((client, concurrency, "target"))
+        summary.append({
+            "client": client, "concurrency": concurrency,
+            "dflash_tok_s": None if dflash is None else dflash["server_tok_s"],
+            "target_tok_s": None if target is None else target["server_tok_s"],
+            "dflash_over_target": row_ratio(dflash, target, "server_tok_s"),
+            "engine_dflash_over_target": row_ratio(dflash, target, "engine_tok_s"),
+            "dflash_accept_length": None if dflash is None else dflash.get("server_accept_length"),
+            "failed": sum(row.get("failed", 0) for row in (dflash, target) if row is not None),
+        })
+    return summary
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The flags; every --serving-* number left out takes its shape's SERVING_DEFAULTS value."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=tuple(SHAPES), default="30b-a3b")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -397,10 +502,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
                         help="the tile sets the `tiles` part times (full, the default: 64 sets and 48 direct ones; "
                              "large: 72)")
+    parser.add_argument("--serving-prompts", type=int, help="serving: prompts (serving_vs_engine's --num-prompts); "
+                        "default per shape (SERVING_DEFAULTS), as every --serving-* number")
+    parser.add_argument("--serving-rounds", type=int, help="serving: prompts per client of a closed-loop level "
+                        "(--max-rounds; 0: all --serving-prompts at every level)")
+    parser.add_argument("--serving-prompt-len", type=int, help="serving: prompt tokens, about (--prompt-len)")
+    parser.add_argument("--serving-new-tokens", type=int, help="serving: new tokens a request (--max-new-tokens)")
+    parser.add_argument("--serving-budget-s", type=float, help="serving: no new mode starts after this many seconds "
+                        "(--budget-s; one left out is listed in serving_errors)")
+    parser.add_argument("--serving-timeout-s", type=float, help="serving: the run is stopped after this many seconds "
+                        "(SIGTERM: it keeps the rows it measured) and this JSON written")
+    parser.add_argument("--serving-modes", nargs="+", choices=SERVING_MODES, default=list(SERVING_MODES),
+                        help="serving: the modes, in order (a call that ran out of budget: --serving-modes target)")
+    parser.add_argument("--serving-clients", nargs="+", choices=CLIENTS, default=["generate"],
+                        help="serving: the clients (generate: closed-loop /generate; chat_stream: streaming chat)")
     parser.add_argument("--tag", default="", help="suffix of the result file name (two runs of one commit on one day "
                         "otherwise write the same file)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
+    workload = SERVING_DEFAULTS[args.shape]
+    for flag, value in (("serving_prompts", workload.prompts), ("serving_rounds", workload.rounds),
+                        ("serving_prompt_len", workload.prompt_len), ("serving_new_tokens", workload.new_tokens),
+                        ("serving_budget_s", workload.budget_s), ("serving_timeout_s", workload.timeout_s)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.shape == "tiny":
         args.block = min(args.block, TINY_DRAFT["block_size"])
@@ -424,10 +554,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             report["rows"] += step_rows(config, target_dir, draft_dir, args, device, bandwidth)
             write_json(path, report)
         if "serving" in args.parts:
-            report["serving"], report["serving_exit_status"] = serving_rows(target_dir, draft_dir, args)
+            # NOTE: written before it starts too: a call cut off during it still brings back a JSON (exit status None)
+            report.update(serving_errors=[], serving_exit_status=None, serving_timed_out=False, serving_summary=[])
+            write_json(path, report)
+            report.update(serving_rows(target_dir, draft_dir, args))
+            report["serving_summary"] = serving_summary(report["serving"])
+            for level in report["serving_summary"]:
+                print(json.dumps(level), flush=True)
             write_json(path, report)
     print(f"wrote {path}; {plot_result(path)}")  # NOTE: each part above wrote it (--parts names at least one)
-    return 0
+    # NOTE: a failed or stopped serving run is the call's failure too; its JSON holds what it measured
+    return 1 if report.get("serving_exit_status") or report.get("serving_timed_out") else 0
 
 
 if __name__ == "__main__":

@@ -504,12 +504,14 @@ def plot_verify_attention(report: dict[str, Any], json_path: Path) -> Path:
 
 def plot_moe(report: dict[str, Any], json_path: Path) -> Path:
     """A panel each for the parts the result holds: the MoE layer's time against its touched-expert floor, the
-    engine's tokens/s per step mode, and the tile sweep (the fastest tile set against choose_tiles's pick)."""
-    rows, sweep = report["rows"], report.get("tile_sweep", [])
+    engine's tokens/s per step mode, the tile sweep (the fastest tile set against choose_tiles's pick), and the
+    serving table (DFlash ÷ target-only per concurrency, served and offline)."""
+    rows, sweep, serving = report["rows"], report.get("tile_sweep", []), report.get("serving_summary", [])
     layer_modes = (("layer_decode", "o-"), ("layer_verify", "s-"))
     step_modes = (("target_decode", "s-"), ("dflash_cycle", "o--"), ("dflash_adaptive", "^-"))
     parts = [part for part, modes in (("layer", layer_modes), ("step", step_modes))
              if any(r["mode"] == mode for r in rows for mode, _ in modes)] + (["tiles"] if sweep else [])
+    parts += ["serving"] if any(level["dflash_over_target"] is not None for level in serving) else []
     fig, axes = plt.subplots(1, max(len(parts), 1), figsize=(6 * max(len(parts), 1), 4.5), squeeze=False)
     for axis, part in zip(axes[0], parts):
         if part == "layer":
@@ -532,6 +534,19 @@ def plot_moe(report: dict[str, Any], json_path: Path) -> Path:
             batch_size_ticks(axis, rows)
             finish_axis(axis, "batch size", "tokens/s (all requests)",
                         f"engine steps, context {report['args']['context']}", 10)
+        elif part == "serving":
+            for client in dict.fromkeys(level["client"] for level in serving):
+                sel = [level for level in serving if level["client"] == client]
+                levels = [level["concurrency"] for level in sel]
+                line = axis.plot(levels, [level["dflash_over_target"] or float("nan") for level in sel], "o-",
+                                 label=f"{client}: served")[0]
+                axis.plot(levels, [level["engine_dflash_over_target"] or float("nan") for level in sel], "s--",
+                          color=line.get_color(), label=f"{client}: offline engine")
+            axis.axhline(1.0, color="grey", lw=0.8)
+            finish_axis(axis, "clients", "DFlash ÷ target-only tokens/s",
+                        f"served, simulated accept length {report['args']['accept_len']}", 10)
+            sizes = sorted({level["concurrency"] for level in serving})
+            axis.set_xticks(sizes, [str(size) for size in sizes])  # NOTE: after finish_axis's log scale resets them
         else:
             for mode, style in layer_modes:
                 sizes = sorted({r["bs"] for r in sweep if r["mode"] == mode})

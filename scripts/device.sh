@@ -92,7 +92,10 @@ plan() {
          "the torch forms, about a minute)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_verify --dummy-shape llama8b --adaptive" \
          "--chain-adaptive --budgets 16 32 --batch-sizes 1 4 16 64 (#52: adaptive never below 0.97 of the chain)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash vs target-only served)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash ÷ target-only served at" \
+         "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights; a call of its own, estimated ~400 s," \
+         "stopped at 480 s with its rows kept; a mode not started by 270 s is in serving_errors: then a call with" \
+         "--serving-modes target)"
     echo "  #50's DFlash2 demo draft: scripts/train_draft_v2.sh's chain (a session of its own)"
     echo "then here: scripts/device.sh slim off"
 }

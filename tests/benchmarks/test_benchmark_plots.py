@@ -41,3 +41,14 @@ def test_dflash2_draws_the_cycle_and_the_heldout_drafts(tmp_path: Path) -> None:
         path = tmp_path / name
         path.write_text(json.dumps(report))
         assert plot_file(path).is_file()
+
+
+def test_moe_draws_the_serving_table(tmp_path: Path) -> None:
+    """A `--parts serving` result alone: one panel of DFlash ÷ target-only per concurrency (a level without a ratio,
+    left out or cut, drawn as a gap)."""
+    summary = [{"client": "generate", "concurrency": c, "dflash_over_target": ratio, "engine_dflash_over_target": 1.5}
+               for c, ratio in ((1, 3.0), (64, None))]
+    path = tmp_path / "moe_2026-12-06_test.json"
+    path.write_text(json.dumps({**IDENTITY, "shape": "tiny", "args": {"accept_len": 6.0}, "rows": [],
+                                "serving": [], "serving_summary": summary}))
+    assert plot_file(path) == path.with_suffix(".png") and path.with_suffix(".png").is_file()

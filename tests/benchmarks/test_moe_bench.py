@@ -1,6 +1,7 @@
 """benchmarks/moe.py runs end to end at its tiny shape on the CPU (plumbing: the rows #51 asks for; timings
 meaningless there): layer rows per mode and batch size, engine step rows of target-only decode and the DFlash
-cycle (whole block, adaptive), touched experts no more than the tokens' picks allow."""
+cycle (whole block, adaptive), touched experts no more than the tokens' picks allow; and, without running it, the
+serving part's command and summary."""
 from __future__ import annotations
 
 import json
@@ -57,3 +58,52 @@ def test_tile_sweep_times_every_set_of_the_grid(tmp_path: Path) -> None:
             assert all(r["step_ms"] > 0 and r["over_floor"] > 0 for r in rows)
             chosen = [r for r in rows if r["chosen"]]  # NOTE: the tiny batches' pick is in the small grid
             assert len(chosen) == 1 and chosen[0]["direct"] == (bs * per_request == 1)
+
+
+def test_serving_flags_reach_serving_vs_engine(tmp_path: Path) -> None:
+    """`--parts serving`'s command (not run here): the shape's workload by default, each --serving-* flag passed
+    through, 1 and 64 clients, no Poisson run, the accept length and the budget."""
+    def flags(command: list[str]) -> dict[str, str]:
+        start = command.index("benchmarks.serving_vs_engine") + 1
+        return dict(zip(command[start::2], command[start + 1::2]))
+
+    for shape, workload in moe.SERVING_DEFAULTS.items():
+        args = moe.parse_args(["--shape", shape, "--parts", "serving", "--out", str(tmp_path)])
+        got = flags(moe.serving_command(tmp_path / "t", tmp_path / "d", tmp_path / "o", args))
+        assert (got["--num-prompts"], got["--max-rounds"], got["--prompt-len"], got["--max-new-tokens"]) == (
+            str(workload.prompts), str(workload.rounds), str(workload.prompt_len), str(workload.new_tokens))
+        assert float(got["--budget-s"]) == workload.budget_s < workload.timeout_s == args.serving_timeout_s
+        assert (got["--concurrency"], got["--modes"], got["--clients"], got["--poisson-rate"]) == (
+            "1,64", "dflash,target", "generate", "0")
+        assert (got["--model-dir"], got["--draft-dir"], got["--accept-len"]) == (
+            str(tmp_path / "t"), str(tmp_path / "d"), "6.0")
+    # NOTE: one device call (600 s) holds the run, its stop after the timeout and this process's start
+    assert moe.SERVING_DEFAULTS["30b-a3b"].timeout_s + moe.SERVING_STOP_GRACE_S <= 570
+    args = moe.parse_args(["--shape", "tiny", "--serving-prompts", "8", "--serving-rounds", "1",
+                           "--serving-prompt-len", "16", "--serving-new-tokens", "4", "--serving-budget-s", "9",
+                           "--serving-modes", "target", "--serving-clients", "generate", "chat_stream",
+                           "--out", str(tmp_path)])
+    got = flags(moe.serving_command(tmp_path, tmp_path, tmp_path, args))
+    assert [got[f] for f in ("--num-prompts", "--max-rounds", "--prompt-len", "--max-new-tokens", "--budget-s",
+                             "--modes", "--clients")] == ["8", "1", "16", "4", "9.0", "target", "generate,chat_stream"]
+
+
+def test_serving_summary_divides_dflash_by_target_per_level() -> None:
+    """serving_summary: DFlash ÷ target-only per client and closed-loop level, served and offline; None where a mode
+    has no row (left out by the budget or cut), Poisson runs left out."""
+    def row(mode: str, concurrency: object, served: float, engine: float,
+            client: str = "generate") -> dict[str, object]:
+        return {"mode": mode, "concurrency": concurrency, "client": client, "server_tok_s": served,
+                "engine_tok_s": engine, "server_accept_length": 5.9 if mode == "dflash" else None, "failed": 0}
+
+    rows = [row("dflash", 1, 600.0, 640.0), row("dflash", 64, 8000.0, 8400.0), row("dflash", "poisson", 1.0, 1.0),
+            row("target", 1, 200.0, 320.0), row("target", 64, 4000.0, 4200.0),
+            row("dflash", 1, 50.0, 50.0, "chat_stream")]
+    summary = {(level["client"], level["concurrency"]): level for level in moe.serving_summary(rows)}
+    assert list(summary) == [("generate", 1), ("generate", 64), ("chat_stream", 1)]
+    assert summary[("generate", 1)]["dflash_over_target"] == 3.0
+    assert summary[("generate", 1)]["engine_dflash_over_target"] == 2.0
+    assert summary[("generate", 64)]["dflash_over_target"] == 2.0
+    assert summary[("generate", 64)]["dflash_accept_length"] == 5.9
+    assert summary[("chat_stream", 1)]["dflash_over_target"] is None
+    assert summary[("chat_stream", 1)]["target_tok_s"] is None
