@@ -408,15 +408,17 @@ def step_rows(config: dict[str, Any], target_dir: Path, draft_dir: Path, args: a
 def serving_command(target_dir: Path, draft_dir: Path, out: Path, args: argparse.Namespace) -> list[str]:
     """The serving_vs_engine.py command of `--parts serving`: its "tiny" shape with --model-dir / --draft-dir (these
     config.json files, dummy weights), the simulated accept length, 1 and 64 closed-loop clients, no Poisson run
-    (NOTE: #51's table is the closed-loop levels; a Poisson run sends every prompt again, per client), and the
-    --serving-* workload."""
+    (NOTE: #51's table is the closed-loop levels; a Poisson run sends every prompt again, per client), one timed pass
+    of each engine level (NOTE: #51 compares DFlash with target-only through the server; a second pass of the offline
+    engine would cost a 30B level's time again), and the --serving-* workload."""
     return [sys.executable, "-m", "benchmarks.serving_vs_engine", "--shapes", "tiny", "--model-dir", str(target_dir),
             "--draft-dir", str(draft_dir), "--load-format", "dummy", "--accept-len", str(args.accept_len),
             "--concurrency", ",".join(map(str, SERVING_CONCURRENCY)), "--modes", ",".join(args.serving_modes),
             "--clients", ",".join(args.serving_clients), "--poisson-rate", "0",
             "--num-prompts", str(args.serving_prompts), "--max-rounds", str(args.serving_rounds),
             "--prompt-len", str(args.serving_prompt_len), "--max-new-tokens", str(args.serving_new_tokens),
-            "--budget-s", str(args.serving_budget_s), "--out", str(out), "--tag", "moe", "--no-plot"]
+            "--budget-s", str(args.serving_budget_s), "--engine-reads", "1", "--out", str(out), "--tag", "moe",
+            "--no-plot"]
 
 
 def serving_rows(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -73,8 +73,8 @@ def test_serving_flags_reach_serving_vs_engine(tmp_path: Path) -> None:
         assert (got["--num-prompts"], got["--max-rounds"], got["--prompt-len"], got["--max-new-tokens"]) == (
             str(workload.prompts), str(workload.rounds), str(workload.prompt_len), str(workload.new_tokens))
         assert float(got["--budget-s"]) == workload.budget_s < workload.timeout_s == args.serving_timeout_s
-        assert (got["--concurrency"], got["--modes"], got["--clients"], got["--poisson-rate"]) == (
-            "1,64", "dflash,target", "generate", "0")
+        assert (got["--concurrency"], got["--modes"], got["--clients"], got["--poisson-rate"], got["--engine-reads"]) \
+            == ("1,64", "dflash,target", "generate", "0", "1")
         assert (got["--model-dir"], got["--draft-dir"], got["--accept-len"]) == (
             str(tmp_path / "t"), str(tmp_path / "d"), "6.0")
     # NOTE: one device call (600 s) holds the run, its stop after the timeout and this process's start
