@@ -65,8 +65,8 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 64 --modes target --extra-flags '--enable-mixed-chunk' --budget-s 200" \
-         "--tag demo_target_mixed (#49: target-only's streaming gap is arrivals extending in small groups, 137" \
-         "extends against the engine's 22; one forward for arrivals and the running rows; about 120 s." \
+         "--tag demo_target_mixed (#49: about 0.23 s of target-only's 0.6 s streaming gap is arrivals extending in" \
+         "small groups, 137 extends against the engine's 22; one forward for arrivals and the running rows; 120 s." \
          "12eb7d2's --max-prefill-wait-steps 1 did not pay)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
