@@ -96,7 +96,17 @@ plan() {
          "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights; a call of its own, estimated ~400 s," \
          "stopped at 480 s with its rows kept; a mode not started by 270 s is in serving_errors: then a call with" \
          "--serving-modes target)"
-    echo "  #50's DFlash2 demo draft: scripts/train_draft_v2.sh's chain (a session of its own)"
+    echo "  #50's DFlash2 demo draft, a session of its own (scripts/train_draft_v2.sh; v6's chain, 1ce39de, in" \
+         "docs/performance.md): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl, part00]" \
+         "stash; carry [.carry/gsm8k/train.jsonl, part01] stash; carry [part02] stash; here \`slim off\` (the data" \
+         "stage reads the committed prompts); run: DATA_S=420 GENERAL=benchmarks/data/draft_v2_general" \
+         "MIX_RATIO=all WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=5 scripts/train_draft_v2.sh data (about 270 s);" \
+         "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left - 90> CHAIN_RESERVE_S=300 EXTRA=\"--draft-arch" \
+         "dflash2 --selector-rank 120 --init-from blockspec/assets/smollm2-135m-dflash-b16 --compile-draft --lr" \
+         "3e-4\" scripts/train_draft_v2.sh train-start; train-wait until it exits 0; then scripts/device.sh bench" \
+         "dflash2 --part heldout --state .device-state/draft_v2 --heldout-draft" \
+         "v6=blockspec/assets/smollm2-135m-dflash-b16 dflash2=.device-state/draft_v2/runs/dflash2 (the held-out" \
+         "sets and the 1-client speed-up, v6 beside it)"
     echo "then here: scripts/device.sh slim off"
 }
 
