@@ -47,7 +47,7 @@ class ExpertTiles:
     # single token (its k experts are distinct, so no expert is read twice) the sort is pure launch latency.
     direct: bool = False
     # NOTE: direct tiles only: the down projection sums each token's k experts itself, this many output columns a
-    # program (`_down_direct_kernel`: no combine launch, no fp32 pair buffer); None keeps the down and combine
+    # program (`_down_direct_kernel`: no combine launch, no pair buffer); None keeps the down and combine
     # kernels. A token's k experts are all in each program, so narrow column tiles keep about one program per SM
     # streaming weights (2048 / 16 = 128 programs for one token).
     down_columns: Optional[int] = None
@@ -268,7 +268,8 @@ def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, ou
                  intermediate, stride_ht, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
                  PDL: tl.constexpr = False):
-    """out[pair, cols] = routing[pair] · (h[pair] · down[e, cols]) in fp32 (w [E, H, I])."""
+    """out[pair, cols] = routing[pair] · (h[pair] · down[e, cols]), summed in fp32 and stored in out's dtype
+    (w [E, H, I])."""
     wait_for_previous_grid(PDL)
     expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M, DIRECT)
     if expert < 0:
@@ -285,7 +286,8 @@ def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, ou
         w = tl.load(down_rows + ks[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(routing_ptr + pairs, mask=valid, other=0.0)[:, None]
-    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], acc, mask=valid[:, None] & col_valid[None, :])
+    tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_valid[None, :])
 
 
 @triton.jit
@@ -316,14 +318,15 @@ def _down_direct_kernel(h_ptr, w_ptr, routing_ptr, ids_ptr, out_ptr, hidden, int
 @triton.jit
 def _combine_kernel(pair_out_ptr, out_ptr, hidden, top_k, stride_pt, stride_ot, BLOCK_H: tl.constexpr,
                     PDL: tl.constexpr = False):
-    """out[t] = sum over its k pairs of the weighted expert outputs, in slot order, in fp32."""
+    """out[t] = sum over its k pairs of the weighted expert outputs, in slot order, in fp32 (whatever the pairs'
+    dtype)."""
     wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for slot in range(0, top_k):
-        acc += tl.load(pair_out_ptr + (token * top_k + slot) * stride_pt + cols, mask=mask, other=0.0)
+        acc += tl.load(pair_out_ptr + (token * top_k + slot) * stride_pt + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -375,7 +378,11 @@ def fused_experts(
             num_warps=chosen.num_warps, num_stages=chosen.num_stages, **pdl_launch(x),
         )
         return out
-    pair_out = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
+    # NOTE: the weighted expert outputs travel in the activations' dtype when it is 16-bit (each pair rounded once,
+    # then summed in fp32 by the combine; the reference Qwen3-MoE sums them in bf16): the fp32 buffer was written and
+    # read back whole, the largest traffic after the weights where a batch has many pairs (verify blocks)
+    pair_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    pair_out = torch.empty((num_pairs, hidden), dtype=pair_dtype, device=x.device)
     block_n, block_k = _block(hidden, chosen.block_n), _block(intermediate, chosen.block_k)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         activated, down_proj, routing, pair_rows, block_experts, pair_out, num_pairs, hidden, intermediate,
