@@ -59,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", type=Path, help="cProfile of the measured steps (first mode) to this path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prefill-wait-steps", type=int, default=0, help="arrival batching (the serve flag)")
+    parser.add_argument("--enable-mixed-chunk", action="store_true", help="arrivals' prefill in the decode forward "
+                        "(the serve flag)")
     return parser.parse_args()
 
 
@@ -116,7 +118,7 @@ def build_engine(mode: str, args: argparse.Namespace, target: Path, draft: Path)
         model_path=str(target), load_format="dummy", device=args.device, skip_tokenizer_init=True, host_threads=1,
         max_running_requests=args.clients, max_total_tokens=args.clients * (context + 4 * args.block_size),
         disable_radix_cache=not args.radix_cache, disable_overlap_schedule=args.no_overlap,
-        max_prefill_wait_steps=args.max_prefill_wait_steps,
+        max_prefill_wait_steps=args.max_prefill_wait_steps, enable_mixed_chunk=args.enable_mixed_chunk,
         cuda_graph_bs=[b for b in (1, 2, 4, 8, 16, 32, 48, 64) if b <= args.clients] or [args.clients],
     )
     if mode == "dflash":
