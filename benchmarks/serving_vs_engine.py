@@ -228,7 +228,7 @@ def run_pair(shape: Shape, mode: str, args: argparse.Namespace, tokenizer: Optio
     report.save()
     reused = " (engine phase reused)" if engine["reused_engine_phase"] else ""
     for concurrency, level in engine["engine_levels"].items():
-        reads = " / ".join(f"{tok_s:.0f}" for tok_s in level.get("tok_s_reads", []))
+        reads = " / ".join(f"{tok_s:.0f}" for tok_s in level["tok_s_reads"])
         print(f"   engine {concurrency:>4}: {level['tok_s']:.0f} tok/s ({level['wall_s']:.2f} s; reads {reads}){reused}",
               flush=True)
     print(f"== {key}: server {' '.join(flags)}", flush=True)
@@ -303,7 +303,7 @@ def add_row(report: Report, base: dict[str, Any], level: dict[str, Any],
         engine = max(engine_levels.values(), key=lambda l: l["max_running_requests"])
     else:
         engine = engine_levels[str(row["concurrency"])]
-    row.update(engine_tok_s=engine["tok_s"], engine_tok_s_reads=engine.get("tok_s_reads", [engine["tok_s"]]),
+    row.update(engine_tok_s=engine["tok_s"], engine_tok_s_reads=engine["tok_s_reads"],
                engine_max_running_requests=engine["max_running_requests"],
                engine_requests=engine["requests"], engine_accept_length=engine["accept_length"])
     row["server_over_engine"] = row["server_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None

@@ -181,7 +181,7 @@ def engine_main(spec_path: Path, out_path: Path) -> None:
             running = min(concurrency, spec["max_running_requests"])
             levels[str(concurrency)] = continuous_level(
                 Engine, spec["engine"], running, prompts[:count], prompts[: min(spec["warmup"], running)], params,
-                spec["warmup_new_tokens"], sync, int(spec.get("reads", 1)))
+                spec["warmup_new_tokens"], sync, spec["reads"])
     result = {
         "engine_core_mhz": clock.mean_mhz, "engine_baseline": "continuous", "engine_levels": levels,
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",

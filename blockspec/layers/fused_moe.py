@@ -379,8 +379,8 @@ def fused_experts(
         )
         return out
     # NOTE: the weighted expert outputs travel in the activations' dtype when it is 16-bit (each pair rounded once,
-    # then summed in fp32 by the combine; the reference Qwen3-MoE sums them in bf16): the fp32 buffer was written and
-    # read back whole, the largest traffic after the weights where a batch has many pairs (verify blocks)
+    # then summed in fp32 by the combine; the reference Qwen3-MoE sums them in bf16): this buffer is written and read
+    # back whole, the largest traffic after the weights where a batch has many pairs (verify blocks)
     pair_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     pair_out = torch.empty((num_pairs, hidden), dtype=pair_dtype, device=x.device)
     block_n, block_k = _block(hidden, chosen.block_n), _block(intermediate, chosen.block_k)
