@@ -71,6 +71,8 @@ class TrainOptions:
     grad_clip: float = 1.0
     loss_decay: Optional[float] = None
     cache_features: bool = False
+    feature_cache_device_gib: Optional[float] = None  # None: the GPU's memory less the step's reserve (feature_cache.py)
+    feature_cache_host_gib: Optional[float] = None  # None: half the host memory available at the start
     compile_draft: bool = False
     max_train_minutes: Optional[float] = None
     seed: int = 0
@@ -164,6 +166,11 @@ class TrainOptions:
             raise ValueError("--lr-schedule time spans --max-train-minutes: pass it")
         if self.max_shard_mb <= 0:
             raise ValueError(f"--max-shard-mb must be > 0, got {self.max_shard_mb}")
+        for name in ("feature_cache_device_gib", "feature_cache_host_gib"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+            if getattr(self, name) is not None and not self.cache_features:
+                raise ValueError(f"--{name.replace('_', '-')} limits --cache-features: pass that too")
 
     def _validate_eval_only(self) -> None:
         if not self.eval_prompts:
@@ -285,6 +292,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep every sequence's target features in device memory after its first use "
                             "(tokens x taps x hidden values each; skips the target forward in later epochs; default: "
                             "off on a GPU, on on a CPU)")
+    train.add_argument("--feature-cache-device-gib", type=float, default=None,
+                       help="--cache-features: device memory the cache may fill (default: the GPU's memory less 24 GiB "
+                            "for the training step and what the models hold; 0 on a CPU); past it features are kept "
+                            "in host memory")
+    train.add_argument("--feature-cache-host-gib", type=float, default=None,
+                       help="--cache-features: host memory the cache may fill after the device's (default: half of "
+                            "what is available at the start); past both limits features are recomputed when drawn")
     train.add_argument("--compile-draft", action="store_true",
                        help="torch.compile the draft's training forward (dynamic shapes: the context length varies "
                        "by batch); the first steps compile, inside --max-train-minutes")

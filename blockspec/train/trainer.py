@@ -19,6 +19,7 @@ from blockspec.train.blocks import (
     CONTEXT_MULTIPLE, BlockBatch, BlockLoss, block_loss, build_block_batch, loss_weights, sample_anchors,
 )
 from blockspec.train.data import Sample
+from blockspec.train.feature_cache import GIB, FeatureCache
 from blockspec.train.features import TargetFeatures
 from blockspec.train.model import TrainableDraft
 from blockspec.train.options import TrainOptions
@@ -50,6 +51,11 @@ class TrainResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
     compile_fallback: Optional[dict[str, Any]] = None  # {"step", "error"} where --compile-draft gave way to eager
     interrupted: bool = False  # Ctrl-C stopped training after `steps` steps (the draft is saved, not evaluated)
+    feature_cache: Optional[dict[str, int]] = None  # --cache-features: where the features were kept (FeatureCacheStats)
+
+
+def gib_to_bytes(gib: Optional[float]) -> Optional[int]:
+    return None if gib is None else int(gib * GIB)
 
 
 def schedule_factor(progress: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -147,7 +153,10 @@ class Trainer:
             schedule = lr_lambda(options.steps, options.warmup_ratio, options.min_lr_ratio)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.generator = torch.Generator().manual_seed(options.seed * 7919 + dist.rank)
-        self.feature_cache: Optional[dict[int, torch.Tensor]] = {} if options.cache_features else None
+        self.feature_cache: Optional[FeatureCache] = None
+        if options.cache_features:
+            self.feature_cache = FeatureCache(device, gib_to_bytes(options.feature_cache_device_gib),
+                                              gib_to_bytes(options.feature_cache_host_gib))
         # NOTE: every new context length made cuDNN attention plan anew (≈ 150 ms on the H200: 9 of 30 profiled steps
         # at 4221e89); padded to multiples of 64 (masked out, same loss) a run meets at most max_seq_len / 64 shapes
         self.context_multiple = CONTEXT_MULTIPLE if device.type == "cuda" else 1
@@ -155,11 +164,12 @@ class Trainer:
     def features(self, indices: list[int]) -> list[torch.Tensor]:
         if self.feature_cache is None:
             return self.target([self.samples[i].ids for i in indices])
-        missing = [i for i in dict.fromkeys(indices) if i not in self.feature_cache]
-        if missing:
-            computed = self.target([self.samples[i].ids for i in missing])
-            self.feature_cache.update((i, f.clone()) for i, f in zip(missing, computed))
-        return [self.feature_cache[i] for i in indices]
+        cache = self.feature_cache
+        missing = [i for i in dict.fromkeys(indices) if i not in cache]
+        computed = dict(zip(missing, self.target([self.samples[i].ids for i in missing]) if missing else []))
+        for index, features in computed.items():
+            cache.put(index, features)
+        return [computed[i] if i in computed else cache.get(i) for i in indices]
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.device.type == "cuda" and self.target.dtype != torch.float32:
@@ -266,6 +276,11 @@ class Trainer:
             bar.close()
             log.warning("interrupted after %d step(s): saving the draft as it stands", self.steps_done)
             return TrainResult(self.steps_done, smooth[0], smooth[1], smooth[2],
-                               step_seconds / max(self.steps_done, 1), evals, self.compile_fallback, interrupted=True)
+                               step_seconds / max(self.steps_done, 1), evals, self.compile_fallback, interrupted=True,
+                               feature_cache=self.feature_cache_stats())
         bar.close()
-        return TrainResult(step, smooth[0], smooth[1], smooth[2], step_seconds / step, evals, self.compile_fallback)
+        return TrainResult(step, smooth[0], smooth[1], smooth[2], step_seconds / step, evals, self.compile_fallback,
+                           feature_cache=self.feature_cache_stats())
+
+    def feature_cache_stats(self) -> Optional[dict[str, int]]:
+        return None if self.feature_cache is None else self.feature_cache.stats.as_dict()
