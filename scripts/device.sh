@@ -58,42 +58,37 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
          "benchmarks/<module>.py says more):"
+    echo "  #50's DFlash2 demo draft (scripts/train_draft_v2.sh; v6's chain, 1ce39de, in docs/performance.md), the" \
+         "whole session with the suite, as session 40 ran it (23cf764: the chain ran out of the H100's memory, the" \
+         "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
+         "part00] \`scripts/train_draft_v2.sh stash && scripts/device.sh gpu-test\` (the chain's clock starts here);" \
+         "carry [.carry/gsm8k/train.jsonl, part01] stash; carry [part02] stash; here \`slim off\` (the data stage" \
+         "reads the committed prompts); run: DATA_S=420 GENERAL=benchmarks/data/draft_v2_general MIX_RATIO=all" \
+         "WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=5 scripts/train_draft_v2.sh data (433 s at 23cf764);" \
+         "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left at the first call - 70> CHAIN_RESERVE_S=330" \
+         "EXTRA=\"--draft-arch dflash2 --selector-rank 120 --init-from blockspec/assets/smollm2-135m-dflash-b16" \
+         "--compile-draft --lr 3e-4\" scripts/train_draft_v2.sh train-start; two train-wait calls; then" \
+         "scripts/device.sh bench dflash2 --part heldout --state .device-state/draft_v2 --heldout-draft" \
+         "v6=blockspec/assets/smollm2-135m-dflash-b16 dflash2=.device-state/draft_v2/runs/dflash2 (the held-out" \
+         "sets and the 1-client speed-up, v6 beside it; timeout 420)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer --batch-sizes 1 8 32 64" \
-         "(#51: the layer against its floor, about 90 s; 868b807 read decode bs 1 1.59x, verify bs 64 1.67x; cf07ef3" \
-         "halved the pair buffer's traffic, expected verify bs 64 about 1.59x; --router-tokens 0 --tag unfused for" \
-         "the router unfused)"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
-         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--concurrency 64 --modes target --extra-flags '--enable-mixed-chunk' --budget-s 200" \
-         "--tag demo_target_mixed (#49: about 0.23 s of target-only's 0.6 s streaming gap is arrivals extending in" \
-         "small groups, 137 extends against the engine's 22; one forward for arrivals and the running rows; 120 s." \
-         "12eb7d2's --max-prefill-wait-steps 1 did not pay)"
+         "(#51: the layer against its floor, about 20 s; 23cf764 read decode bs 1 1.55x, verify bs 64 1.57x, every" \
+         "other row <= 1.29x; --router-tokens 0 --tag unfused for the router unfused)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash ÷ target-only served at" \
-         "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights; a call of its own, estimated ~400 s," \
-         "stopped at 480 s with its rows kept; a mode not started by 270 s is in serving_errors: then a call with" \
-         "--serving-modes target)"
-
+         "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights, 306 s at 23cf764: 3.47x / 2.05x; only" \
+         "when the MoE or serving path changed)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows, about 300 s; 12eb7d2: DFlash" \
-         "1.00 / 1.00, target-only 0.93 / 0.84 against one engine read; every other #49 row met)"
+         "1.00 / 1.00, target-only 0.93 / 0.84 against one engine read; every other #49 row met; 23cf764's" \
+         "--enable-mixed-chunk row read 0.78 for /generate: it does not pay. Flags after --extra-flags take the" \
+         "form --extra-flags=--flag, or argparse reads them as its own)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
          "(#49's 8B rows, about 400 s; only when the serving path changed since 12eb7d2, which read 0.98-1.00)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024" \
          "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024" \
          "(about 520 s)"
-    echo "  #50's DFlash2 demo draft, a session of its own (scripts/train_draft_v2.sh; v6's chain, 1ce39de, in" \
-         "docs/performance.md): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl, part00]" \
-         "stash; carry [.carry/gsm8k/train.jsonl, part01] stash; carry [part02] stash; here \`slim off\` (the data" \
-         "stage reads the committed prompts); run: DATA_S=420 GENERAL=benchmarks/data/draft_v2_general" \
-         "MIX_RATIO=all WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=5 scripts/train_draft_v2.sh data (about 270 s);" \
-         "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left - 90> CHAIN_RESERVE_S=300 EXTRA=\"--draft-arch" \
-         "dflash2 --selector-rank 120 --init-from blockspec/assets/smollm2-135m-dflash-b16 --compile-draft --lr" \
-         "3e-4\" scripts/train_draft_v2.sh train-start; train-wait until it exits 0; then scripts/device.sh bench" \
-         "dflash2 --part heldout --state .device-state/draft_v2 --heldout-draft" \
-         "v6=blockspec/assets/smollm2-135m-dflash-b16 dflash2=.device-state/draft_v2/runs/dflash2 (the held-out" \
-         "sets and the 1-client speed-up, v6 beside it)"
     echo "checks of closed issues' rows, only when their code changed since the commit named:"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 48" \

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -22,6 +23,9 @@ HOST_SHARE = 0.5  # NOTE: of the host memory available when the cache is made; t
 # allocator's segments between the step's temporaries fragmented an H100 until a 2.7 GiB logits buffer found no room
 # with 19 GiB reserved and free (2026-12-06)
 SLAB_BYTES = 512 << 20
+# NOTE: (limit, usage) of the memory cgroup, v2 then v1; v2 writes "max" and v1 a huge number where none is set
+CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
 ALIGN_BYTES = 256
 
 
@@ -37,16 +41,26 @@ class FeatureCacheStats:
         return dict(self.__dict__)
 
 
-def available_host_bytes() -> int:
-    """Host memory available now (Linux: MemAvailable; else the physical pages free)."""
+def available_host_bytes(meminfo: str = "/proc/meminfo",
+                         cgroup_files: tuple[tuple[str, str], ...] = CGROUP_MEMORY_FILES) -> int:
+    """Host memory available now: Linux's MemAvailable (else the free physical pages), and no more than the memory
+    cgroup's limit less its usage where one is set (a container's /proc/meminfo describes the whole host). The
+    arguments name the files read (tests give their own)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        with open(meminfo, encoding="ascii") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file, usage_file in cgroup_files:
+        try:
+            limit_text, usage_text = Path(limit_file).read_text().strip(), Path(usage_file).read_text().strip()
+        except OSError:
+            continue
+        if limit_text.isdigit() and usage_text.isdigit():
+            available = min(available, max(0, int(limit_text) - int(usage_text)))
+        break
+    return available
 
 
 def default_device_limit(device: torch.device) -> int:

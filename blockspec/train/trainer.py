@@ -157,6 +157,8 @@ class Trainer:
         if options.cache_features:
             self.feature_cache = FeatureCache(device, gib_to_bytes(options.feature_cache_device_gib),
                                               gib_to_bytes(options.feature_cache_host_gib))
+            log.info("feature cache: up to %.1f GiB on %s, then up to %.1f GiB of host memory",
+                     self.feature_cache.device_limit / GIB, device, self.feature_cache.host_limit / GIB)
         # NOTE: every new context length made cuDNN attention plan anew (≈ 150 ms on the H200: 9 of 30 profiled steps
         # at 4221e89); padded to multiples of 64 (masked out, same loss) a run meets at most max_seq_len / 64 shapes
         self.context_multiple = CONTEXT_MULTIPLE if device.type == "cuda" else 1

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.train.feature_cache import FeatureCache
+from blockspec.train.feature_cache import FeatureCache, available_host_bytes
 from blockspec.train.options import TrainOptions
 from blockspec.train.pipeline import run
 from tests.support.tiny_models import save_tiny_model
@@ -34,6 +34,18 @@ def test_features_fill_the_device_then_the_host_then_are_not_kept() -> None:
 def test_the_host_limit_defaults_to_a_share_of_the_available_memory() -> None:
     cache = FeatureCache(torch.device("cpu"), host_bytes_available=lambda: 1000)
     assert (cache.device_limit, cache.host_limit) == (0, 500)
+
+
+def test_host_memory_is_the_smaller_of_meminfo_and_the_cgroup_limit(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  2000 kB\nMemAvailable:  1000 kB\n")
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text("700000\n")
+    usage.write_text("200000\n")
+    assert available_host_bytes(str(meminfo), ((str(limit), str(usage)),)) == 500000  # NOTE: the cgroup's room
+    limit.write_text("max\n")  # NOTE: cgroup v2 without a limit
+    assert available_host_bytes(str(meminfo), ((str(limit), str(usage)),)) == 1000 * 1024
+    assert available_host_bytes(str(meminfo), ((str(tmp_path / "none"), str(usage)),)) == 1000 * 1024
 
 
 def test_a_limit_needs_cache_features(tmp_path: Path) -> None:
