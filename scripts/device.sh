@@ -74,7 +74,10 @@ plan() {
          "sets and the 1-client speed-up, v6 beside it; timeout 420)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer --batch-sizes 1 8 32 64" \
          "(#51: the layer against its floor, about 20 s; 23cf764 read decode bs 1 1.55x, verify bs 64 1.57x, every" \
-         "other row <= 1.29x; --router-tokens 0 --tag unfused for the router unfused)"
+         "other row <= 1.29x; --router-tokens 0 --tag unfused for the router unfused); then" \
+         "BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts tiles --batch-sizes 1 --tag tiles (the direct" \
+         "sets with the fold that streams the k experts together since session 40, against down + combine: if a" \
+         "folded set wins at decode bs 1, DIRECT_TILES takes it)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash ÷ target-only served at" \
          "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights, 306 s at 23cf764: 3.47x / 2.05x; only" \
          "when the MoE or serving path changed)"

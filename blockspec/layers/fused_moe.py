@@ -18,8 +18,8 @@ throughout (no host sync: the whole layer captures in a CUDA graph), after the r
    step reads the k experts per token it routes to, not all E.
 3. `_combine_kernel`: each token's k weighted rows summed in fp32 (a fixed order: the result does not depend on
    which other tokens share the batch). Direct tiles with `down_columns` fold it into the down projection
-   (`_down_direct_kernel`: a program per token and column tile runs the token's k experts in slot order), one launch
-   less per layer.
+   (`_down_direct_kernel`: a program per token and column tile streams the token's k experts together and sums
+   them), one launch less per layer.
 
 NOTE: the tiles follow the average rows per expert (T·k / E), except under batch-invariant kernels, where they are
 fixed (a row's sums then never depend on the batch).
@@ -60,10 +60,12 @@ class ExpertTiles:
 
 
 BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
+FOLD_TILE_ELEMENTS = 8192  # NOTE: `_down_direct_kernel`'s weight tile per step: 64 values a thread over 4 warps
 # NOTE: the best sets of benchmarks/moe.py's tile sweep (Qwen3-30B-A3B experts, bf16): BLOCK_K 128 wherever a
 # block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
 EXPERT_TILES = (ExpertTiles(16, 64, 128), ExpertTiles(32, 64, 128), ExpertTiles(64, 64, 64))
-# NOTE: without down_columns: the folded down projection read slower than down + combine for one token on the H100
+# NOTE: without down_columns: the fold's first form (the k experts one after the other in each program) read slower
+# than down + combine for one token on the H100; its form that streams them together is for the tile sweep to time
 # (docs/performance.md)
 DIRECT_TILES = ExpertTiles(16, 64, 128, direct=True)
 
@@ -292,26 +294,34 @@ def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, ou
 
 @triton.jit
 def _down_direct_kernel(h_ptr, w_ptr, routing_ptr, ids_ptr, out_ptr, hidden, intermediate, top_k, stride_ht,
-                        stride_we, stride_wn, stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """Direct tiles' down projection and combine in one: out[t, cols] = the sum over t's k slots, in slot order, of
-    routing[pair] · (h[pair] · down[e, cols]) in fp32, pair = t·k + slot and e its expert (w [E, H, I])."""
+                        stride_we, stride_wn, stride_ot, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Direct tiles' down projection and combine in one: out[t, cols] = the sum over t's k slots of
+    routing[pair] · (h[pair] · down[e, cols]) in fp32, pair = t·k + slot and e its expert (w [E, H, I]).
+
+    NOTE: the k experts' weight tiles are one [BLOCK_S, BLOCK_N, BLOCK_K] load per step, so a program keeps all k
+    weight streams in flight at once: the form that loops over the slots, one expert after the other, read 2.8x the
+    floor at decode bs 1 on the H100 (a short dependent chain per program; docs/performance.md)."""
     wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, BLOCK_S)
+    slot_valid = slots < top_k
+    pairs = token * top_k + slots
+    experts = tl.load(ids_ptr + pairs, mask=slot_valid, other=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in range(0, top_k):
-        pair = token * top_k + slot
-        down_rows = w_ptr + tl.load(ids_ptr + pair).to(tl.int64) * stride_we + cols[:, None] * stride_wn
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, intermediate, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            k_valid = ks < intermediate
-            a = tl.load(h_ptr + pair * stride_ht + ks, mask=k_valid, other=0.0).to(tl.float32)
-            w = tl.load(down_rows + ks[None, :], mask=col_valid[:, None] & k_valid[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        total += acc * tl.load(routing_ptr + pair)
+    rows = w_ptr + experts[:, None, None] * stride_we + cols[None, :, None] * stride_wn  # [S, N, 1]
+    row_valid = slot_valid[:, None, None] & col_valid[None, :, None]
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    for start in range(0, intermediate, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_valid = ks < intermediate
+        a = tl.load(h_ptr + pairs[:, None] * stride_ht + ks[None, :], mask=slot_valid[:, None] & k_valid[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(rows + ks[None, None, :], mask=row_valid & k_valid[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+    routing = tl.load(routing_ptr + pairs, mask=slot_valid, other=0.0)
+    total = tl.sum(acc * routing[:, None], axis=0)
     tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_valid)
 
 
@@ -371,11 +381,13 @@ def fused_experts(
         BLOCK_K=block_k, DOT_PRECISION=precision, **launch,
     )
     if chosen.down_columns is not None:
-        block_n, block_k = _block(hidden, chosen.down_columns), _block(intermediate, chosen.block_k)
+        block_s, block_n = max(2, triton.next_power_of_2(top_k)), _block(hidden, chosen.down_columns)
+        # NOTE: a step's weight tile is [slots, columns, BLOCK_K]: at most FOLD_TILE_ELEMENTS (registers)
+        block_k = max(16, min(_block(intermediate, chosen.block_k), FOLD_TILE_ELEMENTS // (block_s * block_n)))
         _down_direct_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
             activated, down_proj, routing, block_experts, out, hidden, intermediate, top_k, activated.stride(0),
-            down_proj.stride(0), down_proj.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=chosen.num_warps, num_stages=chosen.num_stages, **pdl_launch(x),
+            down_proj.stride(0), down_proj.stride(1), out.stride(0), BLOCK_S=block_s, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=chosen.num_warps, num_stages=chosen.num_stages, **pdl_launch(x),
         )
         return out
     # NOTE: the weighted expert outputs travel in the activations' dtype when it is 16-bit (each pair rounded once,
