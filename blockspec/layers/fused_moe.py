@@ -60,6 +60,7 @@ class ExpertTiles:
 
 
 BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
+COUNT_TILE_ELEMENTS, COUNT_WARPS, FILL_CHUNK = 16384, 16, 4096  # NOTE: `_count_experts_kernel`'s one program
 FOLD_TILE_ELEMENTS = 8192  # NOTE: `_down_direct_kernel`'s weight tile per step: 64 values a thread over 4 warps
 # NOTE: the best sets of benchmarks/moe.py's tile sweep (Qwen3-30B-A3B experts, bf16): BLOCK_K 128 wherever a
 # block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
@@ -156,17 +157,23 @@ def fused_route(router_logits: torch.Tensor, num_experts: int, top_k: int,
 @triton.jit(do_not_specialize=BATCH_INTEGERS)
 def _count_experts_kernel(ids_ptr, num_pairs, next_row_ptr, block_experts_ptr, num_blocks, pair_rows_ptr, capacity,
                           NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                          CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                          CHUNK: tl.constexpr, FILL_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """One program: each expert's pair count padded to whole blocks; the first row of each expert's group (into
     next_row, the counters the placing kernel advances), each block's expert (-1 past the used rows), and the
-    sentinel num_pairs in every row of pair_rows."""
+    sentinel num_pairs in every row of pair_rows.
+
+    NOTE: one program walks all T·k pairs, so its loop's trips cost the most where a batch has many pairs (a verify
+    of 64 blocks: 8,192): each trip takes CHUNK ids and only adds matches into a [CHUNK, BLOCK_E] tally (no
+    reduction, no barrier inside the loop; one sum after it), and the sentinel rows are written FILL_CHUNK at a
+    time."""
     wait_for_previous_grid(PDL)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    tally = tl.zeros((CHUNK, BLOCK_E), dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         index = start + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + index, mask=index < num_pairs, other=BLOCK_E)  # NOTE: past the end: no expert
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tally += (ids[:, None] == experts[None, :]).to(tl.int32)
+    counts = tl.sum(tally, axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     group_end = tl.cumsum(padded, axis=0)
     tl.store(next_row_ptr + experts, group_end - padded, mask=experts < NUM_EXPERTS)
@@ -178,9 +185,9 @@ def _count_experts_kernel(ids_ptr, num_pairs, next_row_ptr, block_experts_ptr, n
         # previous one does, so they are skipped)
         expert = tl.sum((group_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
         tl.store(block_experts_ptr + blocks, tl.where(first_row < used_rows, expert, -1), mask=blocks < num_blocks)
-    for start in range(0, capacity, CHUNK):
-        rows = start + tl.arange(0, CHUNK)
-        tl.store(pair_rows_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < capacity)
+    for start in range(0, capacity, FILL_CHUNK):
+        rows = start + tl.arange(0, FILL_CHUNK)
+        tl.store(pair_rows_ptr + rows, tl.zeros((FILL_CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < capacity)
 
 
 @triton.jit(do_not_specialize=BATCH_INTEGERS[:1])
@@ -209,10 +216,12 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     next_row = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     flat = ids.reshape(-1)
     block_e = max(16, triton.next_power_of_2(num_experts))
-    # NOTE: the counting program compares [CHUNK, BLOCK_E] tiles: 4096 elements keep them in registers
+    # NOTE: the counting program tallies [CHUNK, BLOCK_E] tiles: COUNT_TILE_ELEMENTS over COUNT_WARPS warps keep
+    # 32 tallies a thread in registers
     _count_experts_kernel[(1,)](
         flat, num_pairs, next_row, block_experts, block_experts.shape[0], pair_rows, capacity, NUM_EXPERTS=num_experts,
-        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=max(16, 4096 // block_e), **pdl_launch(ids),
+        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=max(16, COUNT_TILE_ELEMENTS // block_e), FILL_CHUNK=FILL_CHUNK,
+        num_warps=COUNT_WARPS, **pdl_launch(ids),
     )
     chunk = 128
     _place_pairs_kernel[(triton.cdiv(num_pairs, chunk),)](flat, num_pairs, next_row, pair_rows, CHUNK=chunk,

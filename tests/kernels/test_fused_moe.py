@@ -27,7 +27,8 @@ def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [
     (1, 8, 2, 16), (7, 8, 3, 16), (40, 4, 2, 16), (9, 64, 8, 32),
-    (70, 160, 3, 16),  # more pairs than one 128-pair chunk, more experts than a chunk of blocks
+    (70, 160, 3, 16),  # more pairs than one count chunk (64 at 256 expert lanes), more experts than a chunk of blocks
+    (700, 128, 8, 16),  # a wide verify's routing: 44 count chunks of 128 pairs, 2 sentinel chunks of 4,096 rows
 ])
 def test_sort_groups_pairs_by_expert_in_padded_blocks(tokens: int, experts: int, top_k: int, block_m: int) -> None:
     """Every pair exactly once, in its expert's block; groups in ascending expert order, padded with the sentinel

@@ -79,7 +79,7 @@ KERNEL_SPECS = {
                     "RENORMALIZE": True}),
     "moe_count": ("blockspec.layers.fused_moe", "_count_experts_kernel",
                   {"ids_ptr": I64, "next_row_ptr": I32, "block_experts_ptr": I32, "pair_rows_ptr": I32},
-                  {"NUM_EXPERTS": 128, "BLOCK_E": 128, "BLOCK_M": 16, "CHUNK": 32}),
+                  {"NUM_EXPERTS": 128, "BLOCK_E": 128, "BLOCK_M": 16, "CHUNK": 128, "FILL_CHUNK": 4096}),
     "moe_place": ("blockspec.layers.fused_moe", "_place_pairs_kernel",
                   {"ids_ptr": I64, "next_row_ptr": I32, "pair_rows_ptr": I32}, {"CHUNK": 128}),
     "moe_gate_up": ("blockspec.layers.fused_moe", "_gate_up_kernel",
@@ -95,7 +95,7 @@ KERNEL_SPECS = {
                  {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32", "DIRECT": False}),
     "moe_down_direct": ("blockspec.layers.fused_moe", "_down_direct_kernel",
                         {"h_ptr": BF16, "w_ptr": BF16, "routing_ptr": F32, "ids_ptr": I64, "out_ptr": BF16},
-                        {"BLOCK_N": 16, "BLOCK_K": 128}),
+                        {"BLOCK_S": 8, "BLOCK_N": 16, "BLOCK_K": 64}),
     "moe_combine": ("blockspec.layers.fused_moe", "_combine_kernel", {"pair_out_ptr": F32, "out_ptr": BF16},
                     {"BLOCK_H": 1024}),
     # NOTE: DDTree's tree build at a budget of 64 over 15 depths (the demo draft's block of 16)
