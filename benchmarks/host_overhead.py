@@ -193,11 +193,18 @@ class ClosedLoop:
         return finished
 
     def step(self, adds: list[wire.AddRequest]) -> tuple[float, dict[str, float]]:
-        """One pass of EngineCore.run's loop with `adds` taken first; (wall s, phase s and the thread's CPU s)."""
+        """One pass of EngineCore.run's loop with `adds` taken first; (wall s, phase s and the thread's CPU s).
+
+        NOTE: `adds` go over the socket as one frame, in before the timed part, and the intake is EngineCore's own
+        (`_drain`: the non-blocking receive, the frame's decoding, the requests' admission), as in the engine process;
+        a step without arrivals times the receive that finds nothing."""
         core, scheduler = self.core, self.engine.scheduler
+        if adds:
+            self.pushes[0].send(wire.encode(list(adds)))  # NOTE: each request names its own frontend for the replies
+            if not core.links.pull.poll(10_000):
+                raise RuntimeError("the requests did not reach the engine's socket")
         t0, cpu = time.perf_counter(), time.thread_time()
-        for message in adds:
-            core._handle(message)
+        core._drain()
         t1 = time.perf_counter()
         finished = scheduler.step()
         t2 = time.perf_counter()
