@@ -83,7 +83,8 @@ plan() {
          "when the MoE or serving path changed)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows, about 300 s; 12eb7d2: DFlash" \
+         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows, about 300 s, first after the" \
+         "chain: 657fc8c's intake poll takes the 46 us a step the H100 read in intake; 12eb7d2: DFlash" \
          "1.00 / 1.00, target-only 0.93 / 0.84 against one engine read; every other #49 row met; 23cf764's" \
          "--enable-mixed-chunk row read 0.78 for /generate: it does not pay. Flags after --extra-flags take the" \
          "form --extra-flags=--flag, or argparse reads them as its own)"
