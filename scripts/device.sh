@@ -63,8 +63,9 @@ plan() {
          "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
          "part00] \`scripts/train_draft_v2.sh stash && scripts/device.sh gpu-test\` (the chain's clock starts here);" \
          "carry [.carry/gsm8k/train.jsonl, .carry/draft_v2/responses.tar.xz, part01] stash (23cf764's 53,986" \
-         "answers, 10.3 MB, kept in .carry/draft_v2 here: the data stage then generates none); carry [part02] stash; here \`slim off\` (the data stage" \
-         "reads the committed prompts); run: DATA_S=420 GENERAL=benchmarks/data/draft_v2_general MIX_RATIO=all" \
+         "answers, 10.3 MB, kept in .carry/draft_v2 here: the data stage then generates none); carry [part02]" \
+         "stash; here \`slim off\` (the data stage reads the committed prompts); run: DATA_S=420" \
+         "GENERAL=benchmarks/data/draft_v2_general MIX_RATIO=all" \
          "WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=5 scripts/train_draft_v2.sh data (433 s at 23cf764);" \
          "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left at the first call - 70> CHAIN_RESERVE_S=330" \
          "EXTRA=\"--draft-arch dflash2 --selector-rank 120 --init-from blockspec/assets/smollm2-135m-dflash-b16" \

@@ -60,7 +60,9 @@ class ExpertTiles:
 
 
 BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
-COUNT_TILE_ELEMENTS, COUNT_WARPS, FILL_CHUNK = 16384, 16, 4096  # NOTE: `_count_experts_kernel`'s one program
+# NOTE: `_count_experts_kernel`'s one program: its tally tile, warps, pairs a trip at most (a few experts' lanes make a
+# tall tile whose layout spills), sentinel rows a store
+COUNT_TILE_ELEMENTS, COUNT_WARPS, COUNT_CHUNK_MAX, FILL_CHUNK = 16384, 16, 512, 4096
 FOLD_TILE_ELEMENTS = 8192  # NOTE: `_down_direct_kernel`'s weight tile per step: 64 values a thread over 4 warps
 # NOTE: the best sets of benchmarks/moe.py's tile sweep (Qwen3-30B-A3B experts, bf16): BLOCK_K 128 wherever a
 # block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
@@ -220,7 +222,8 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     # 32 tallies a thread in registers
     _count_experts_kernel[(1,)](
         flat, num_pairs, next_row, block_experts, block_experts.shape[0], pair_rows, capacity, NUM_EXPERTS=num_experts,
-        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=max(16, COUNT_TILE_ELEMENTS // block_e), FILL_CHUNK=FILL_CHUNK,
+        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=min(COUNT_CHUNK_MAX, max(16, COUNT_TILE_ELEMENTS // block_e)),
+        FILL_CHUNK=FILL_CHUNK,
         num_warps=COUNT_WARPS, **pdl_launch(ids),
     )
     chunk = 128
@@ -309,8 +312,8 @@ def _down_direct_kernel(h_ptr, w_ptr, routing_ptr, ids_ptr, out_ptr, hidden, int
     routing[pair] · (h[pair] · down[e, cols]) in fp32, pair = t·k + slot and e its expert (w [E, H, I]).
 
     NOTE: the k experts' weight tiles are one [BLOCK_S, BLOCK_N, BLOCK_K] load per step, so a program keeps all k
-    weight streams in flight at once: the form that loops over the slots, one expert after the other, read 2.8x the
-    floor at decode bs 1 on the H100 (a short dependent chain per program; docs/performance.md)."""
+    weight streams in flight at once; a loop over the slots, one expert after the other, makes each program a short
+    dependent chain (docs/performance.md has what that form read)."""
     wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_S)

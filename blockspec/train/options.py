@@ -71,7 +71,7 @@ class TrainOptions:
     grad_clip: float = 1.0
     loss_decay: Optional[float] = None
     cache_features: bool = False
-    feature_cache_device_gib: Optional[float] = None  # None: the GPU's memory less the step's reserve (feature_cache.py)
+    feature_cache_device_gib: Optional[float] = None  # None: the GPU's free memory less a reserve (feature_cache.py)
     feature_cache_host_gib: Optional[float] = None  # None: half the host memory available at the start
     compile_draft: bool = False
     max_train_minutes: Optional[float] = None
@@ -289,13 +289,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--loss-decay", type=float, default=None,
                        help="γ of the position weights exp(-(k-1)/γ) (default 7 for block 16, as DFlash)")
     train.add_argument("--cache-features", action="store_true", default=None,
-                       help="keep every sequence's target features in device memory after its first use "
-                            "(tokens x taps x hidden values each; skips the target forward in later epochs; default: "
-                            "off on a GPU, on on a CPU)")
+                       help="keep each sequence's target features after its first use, on the device and then in "
+                            "host memory within the two limits below (tokens x taps x hidden values each; skips the "
+                            "target forward in later epochs; default: off on a GPU, on on a CPU)")
     train.add_argument("--feature-cache-device-gib", type=float, default=None,
-                       help="--cache-features: device memory the cache may fill (default: the GPU's memory less 24 GiB "
-                            "for the training step and what the models hold; 0 on a CPU); past it features are kept "
-                            "in host memory")
+                       help="--cache-features: device memory the cache may fill, in 512 MiB slabs (default: the "
+                            "GPU's free memory less 24 GiB for the training step, the KV pool and evaluations; 0 on a "
+                            "CPU); past it features are kept in host memory")
     train.add_argument("--feature-cache-host-gib", type=float, default=None,
                        help="--cache-features: host memory the cache may fill after the device's (default: half of "
                             "what is available at the start); past both limits features are recomputed when drawn")

@@ -31,21 +31,36 @@ def test_features_fill_the_device_then_the_host_then_are_not_kept() -> None:
         cache.get(3)
 
 
-def test_the_host_limit_defaults_to_a_share_of_the_available_memory() -> None:
+def test_the_host_limit_defaults_to_a_share_of_the_available_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cache = FeatureCache(torch.device("cpu"), host_bytes_available=lambda: 1000)
     assert (cache.device_limit, cache.host_limit) == (0, 500)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # NOTE: torchrun's ranks on this host share it
+    assert FeatureCache(torch.device("cpu"), host_bytes_available=lambda: 1000).host_limit == 125
 
 
-def test_host_memory_is_the_smaller_of_meminfo_and_the_cgroup_limit(tmp_path: Path) -> None:
+def test_a_device_limit_under_one_slab_is_one_smaller_slab() -> None:
+    cache = FeatureCache(torch.device("cpu"), device_limit_bytes=300, host_limit_bytes=0, slab_bytes=512)
+    cache.put(0, torch.zeros(10, 4))  # NOTE: 160 bytes
+    cache.put(1, torch.zeros(10, 4))  # NOTE: would end at 416: past the 300-byte slab, and no second slab fits
+    assert cache.slab_bytes == 300 and cache.stats.device_sequences == 1 and cache.stats.not_kept == 1
+
+
+def test_host_memory_is_the_smaller_of_meminfo_and_the_cgroup_room(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  2000 kB\nMemAvailable:  1000 kB\n")
-    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit, usage, stat = tmp_path / "memory.max", tmp_path / "memory.current", tmp_path / "memory.stat"
     limit.write_text("700000\n")
-    usage.write_text("200000\n")
-    assert available_host_bytes(str(meminfo), ((str(limit), str(usage)),)) == 500000  # NOTE: the cgroup's room
+    usage.write_text("300000\n")
+    stat.write_text("anon 200000\ninactive_file 100000\n")
+    files = ((str(limit), str(usage), str(stat)),)
+    # NOTE: the cgroup's room, its reclaimable page cache not counted as used
+    assert available_host_bytes(str(meminfo), files) == 700000 - (300000 - 100000)
+    stat.unlink()
+    assert available_host_bytes(str(meminfo), files) == 400000
     limit.write_text("max\n")  # NOTE: cgroup v2 without a limit
-    assert available_host_bytes(str(meminfo), ((str(limit), str(usage)),)) == 1000 * 1024
-    assert available_host_bytes(str(meminfo), ((str(tmp_path / "none"), str(usage)),)) == 1000 * 1024
+    assert available_host_bytes(str(meminfo), files) == 1000 * 1024
+    assert available_host_bytes(str(meminfo), ((str(tmp_path / "none"), str(usage), str(stat)),)) == 1000 * 1024
 
 
 def test_a_limit_needs_cache_features(tmp_path: Path) -> None:
