@@ -39,8 +39,9 @@ class GroupedDynamicCausalConv(nn.Module):
         """out[t] = Σ_o (base[o] + dynamic[t, o]) · hidden[t - o] over the taps o that stay inside t's block.
 
         NOTE: static shapes and no host reads (it runs inside the draft's and the greedy cycle's CUDA graphs). On
-        CUDA one fused launch (layers/dflash2_kernels.py; the taps summed in fp32); this torch form is the reference."""
-        if hidden.is_cuda:
+        CUDA one fused launch (layers/dflash2_kernels.py; the taps summed in fp32) where fused_conv_applies; this
+        torch form is the reference and the training form."""
+        if fused_conv_applies(hidden, dynamic, self.base_kernel):
             from blockspec.layers.dflash2_kernels import block_causal_conv  # NOTE: needs Triton
 
             return block_causal_conv(hidden, dynamic, self.base_kernel[which], block_size, self.group_size)
@@ -59,3 +60,14 @@ class GroupedDynamicCausalConv(nn.Module):
             shifted[:, offset:] = blocks[:, :-offset]
             out = out + weights[:, :, offset] * shifted
         return out.view(rows, width)
+
+
+def fused_conv_applies(hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether the convolution takes the fused launch: on CUDA, where autograd records nothing.
+
+    NOTE: the launch has no backward (its output carries no gradient history), so a forward that trains (grad enabled
+    and an input or the base kernel needing a gradient: `train-draft --draft-arch dflash2` on a GPU) runs the torch
+    form, which autograd differentiates and --compile-draft fuses. Serving runs under inference mode."""
+    if not hidden.is_cuda:
+        return False
+    return not (torch.is_grad_enabled() and (hidden.requires_grad or dynamic.requires_grad or base.requires_grad))

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from blockspec.layers.dflash2_kernels import block_causal_conv, candidate_walk  # noqa: E402
 from blockspec.models.candidate_selector import CandidateSelector  # noqa: E402
-from blockspec.models.grouped_conv import GroupedDynamicCausalConv  # noqa: E402
+from blockspec.models.grouped_conv import GroupedDynamicCausalConv, fused_conv_applies  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -57,3 +57,49 @@ def test_candidate_walk_picks_what_the_torch_walk_picks(n: int, rows: int, top_k
     want = CandidateSelector.reference_walk(unary, ids, transitions)
     got = candidate_walk(unary.to(DEVICE), ids.to(DEVICE), transitions.to(DEVICE))
     assert got.cpu().tolist() == want.tolist()
+
+
+class _LooksLikeCuda(torch.Tensor):
+    """A CPU tensor that reports CUDA: fused_conv_applies's rule, checked without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_the_fused_convolution_serves_only_where_autograd_records_nothing() -> None:
+    """The fused launch has no backward: a training forward on the GPU must take the torch form, or every weight
+    inside a DFlash2 layer's convolutions (and the sublayers between them) gets no gradient."""
+    hidden = torch.zeros(16, 8).as_subclass(_LooksLikeCuda)
+    dynamic, base = torch.zeros(16, 3, 2), torch.zeros(3, 8, requires_grad=True)
+    assert fused_conv_applies(hidden, dynamic, base.detach())  # NOTE: nothing needs a gradient
+    assert not fused_conv_applies(hidden, dynamic, base)  # NOTE: a weight does: training
+    assert not fused_conv_applies(hidden, dynamic.requires_grad_(), base.detach())
+    with torch.inference_mode():
+        assert fused_conv_applies(hidden, dynamic, base)  # NOTE: serving
+    with torch.no_grad():
+        assert fused_conv_applies(hidden, dynamic, base)
+    assert not fused_conv_applies(torch.zeros(16, 8), dynamic, base.detach())  # NOTE: the CPU has no fused launch
+
+
+def test_the_convolution_trains_where_it_runs() -> None:
+    """Gradients through `before` and `after` on DEVICE equal the CPU's torch form's: on CUDA a training forward
+    takes no fused launch (whose output would carry no gradient history)."""
+    torch.manual_seed(0)
+    conv = GroupedDynamicCausalConv(32, 4, 8)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(0.0, 0.1)
+    hidden, weights = torch.randn(24, 32), torch.randn(24, 32)
+
+    def gradients(module: GroupedDynamicCausalConv, device: torch.device) -> list[torch.Tensor]:
+        x = hidden.to(device).requires_grad_()
+        convolved, dynamic = module.before(x, 8)
+        (module.after(torch.tanh(convolved), dynamic, 8) * weights.to(device)).sum().backward()
+        found = [x.grad, *(p.grad for p in module.parameters())]
+        assert all(g is not None for g in found)
+        return [g.cpu() for g in found if g is not None]
+
+    expected = gradients(conv, torch.device("cpu"))
+    for got, want in zip(gradients(copy.deepcopy(conv).to(DEVICE), DEVICE), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

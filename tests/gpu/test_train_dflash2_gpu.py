@@ -1,0 +1,62 @@
+"""`train-draft --draft-arch dflash2` on the GPU: one training step's gradients equal the CPU's for every parameter of
+a DFlash2 draft (its convolutions, the sublayers between them, the selector). The inference kernels have no backward:
+a training forward on CUDA must not take them (models/grouped_conv.py's fused_conv_applies)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+from blockspec.models.draft_config import DFlash2Fields  # noqa: E402
+from blockspec.train.blocks import loss_weights  # noqa: E402
+from blockspec.train.model import DraftArch, TrainableDraft  # noqa: E402
+
+VOCAB, HIDDEN, BLOCK, BLOCKS, CONTEXT = 32, 32, 4, 3, 10
+
+
+def one_step_gradients(draft: TrainableDraft, lm_head: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    from blockspec.train.blocks import BlockBatch, block_loss
+
+    generator = torch.Generator().manual_seed(1)
+    rows = BLOCKS * BLOCK
+    block_ids = torch.randint(0, VOCAB, (1, BLOCKS, BLOCK), generator=generator)
+    labels = torch.randint(0, VOCAB, (1, BLOCKS, BLOCK - 1), generator=generator)
+    mask = torch.ones(1, rows, CONTEXT + rows, dtype=torch.bool)
+    batch = BlockBatch(
+        features=torch.randn(1, CONTEXT, 2 * HIDDEN, generator=generator).to(device),
+        block_ids=block_ids.to(device), positions=(CONTEXT + torch.arange(rows))[None].to(device),
+        mask=mask.to(device), labels=labels.to(device), block_valid=torch.ones(1, BLOCKS, dtype=torch.bool).to(device),
+    )
+    embeds = torch.randn(1, rows, HIDDEN, generator=generator).to(device)
+    draft = draft.to(device)
+    hidden = draft(embeds, batch.positions, batch.features, batch.mask)
+    result = block_loss(hidden, batch, lm_head.to(device), loss_weights(BLOCK, 7.0).to(device),
+                        draft.candidate_selector)
+    result.loss.backward()
+    return {name: p.grad.cpu() if p.grad is not None else None for name, p in draft.named_parameters()}
+
+
+def test_a_dflash2_draft_trains_on_cuda_as_on_cpu() -> None:
+    torch.manual_seed(0)
+    fields = DFlash2Fields(conv_kernel_size=3, conv_group_size=8, selector_rank=8, selector_top_k=VOCAB,
+                           selector_vocab_size=VOCAB, logits_width=VOCAB)
+    arch = DraftArch(hidden_size=HIDDEN, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     rms_norm_eps=1e-6, rope_theta=10000.0, num_taps=2, max_position_embeddings=128,
+                     dflash2=fields, block_size=BLOCK)
+    draft = TrainableDraft(arch)  # NOTE: top-k of the whole vocabulary: every label a candidate, so the selector trains
+    with torch.no_grad():  # NOTE: the dynamic weights and the bilinear term away from their zero start
+        for module in draft.modules():
+            if hasattr(module, "base_kernel"):
+                module.base_kernel.normal_(0.0, 0.5)
+        draft.candidate_selector.hidden_projection.weight.normal_(0.0, 0.1)
+    lm_head = torch.randn(VOCAB, HIDDEN) / HIDDEN**0.5
+    on_cpu = one_step_gradients(copy.deepcopy(draft), lm_head, torch.device("cpu"))
+    on_cuda = one_step_gradients(copy.deepcopy(draft), lm_head, torch.device("cuda"))
+    assert on_cuda.keys() == on_cpu.keys()
+    for name, want in on_cpu.items():
+        got = on_cuda[name]
+        assert want is not None and got is not None, name
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3, msg=name)
