@@ -67,7 +67,8 @@ plan() {
          "stash; here \`slim off\` (the data stage reads the committed prompts); run: DATA_S=420" \
          "GENERAL=benchmarks/data/draft_v2_general MIX_RATIO=all" \
          "WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=5 scripts/train_draft_v2.sh data (433 s at 23cf764);" \
-         "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left at the first call - 70> CHAIN_RESERVE_S=330" \
+         "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left at the first call - 70> CHAIN_RESERVE_S=430 (the" \
+         "bench, then the two #51 calls below)" \
          "EXTRA=\"--draft-arch dflash2 --selector-rank 120 --init-from blockspec/assets/smollm2-135m-dflash-b16" \
          "--compile-draft --lr 3e-4\" scripts/train_draft_v2.sh train-start; two train-wait calls; then" \
          "scripts/device.sh bench dflash2 --part heldout --state .device-state/draft_v2 --heldout-draft" \
