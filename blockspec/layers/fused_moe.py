@@ -223,8 +223,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     _count_experts_kernel[(1,)](
         flat, num_pairs, next_row, block_experts, block_experts.shape[0], pair_rows, capacity, NUM_EXPERTS=num_experts,
         BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=min(COUNT_CHUNK_MAX, max(16, COUNT_TILE_ELEMENTS // block_e)),
-        FILL_CHUNK=FILL_CHUNK,
-        num_warps=COUNT_WARPS, **pdl_launch(ids),
+        FILL_CHUNK=FILL_CHUNK, num_warps=COUNT_WARPS, **pdl_launch(ids),
     )
     chunk = 128
     _place_pairs_kernel[(triton.cdiv(num_pairs, chunk),)](flat, num_pairs, next_row, pair_rows, CHUNK=chunk,

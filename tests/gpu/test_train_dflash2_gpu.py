@@ -11,15 +11,13 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from blockspec.models.draft_config import DFlash2Fields  # noqa: E402
-from blockspec.train.blocks import loss_weights  # noqa: E402
+from blockspec.train.blocks import BlockBatch, block_loss, loss_weights  # noqa: E402
 from blockspec.train.model import DraftArch, TrainableDraft  # noqa: E402
 
 VOCAB, HIDDEN, BLOCK, BLOCKS, CONTEXT = 32, 32, 4, 3, 10
 
 
 def one_step_gradients(draft: TrainableDraft, lm_head: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
-    from blockspec.train.blocks import BlockBatch, block_loss
-
     generator = torch.Generator().manual_seed(1)
     rows = BLOCKS * BLOCK
     block_ids = torch.randint(0, VOCAB, (1, BLOCKS, BLOCK), generator=generator)
