@@ -1,18 +1,27 @@
 """`train-draft --draft-arch dflash2` on the GPU: one training step's gradients equal the CPU's for every parameter of
 a DFlash2 draft (its convolutions, the sublayers between them, the selector). The inference kernels have no backward:
-a training forward on CUDA must not take them (models/grouped_conv.py's fused_conv_applies)."""
+a training forward on CUDA must not take them (models/grouped_conv.py's fused_conv_applies). Then the draft-training
+chain's train stage in small on CUDA: a compiled DFlash2 draft over cached features that fill the device tier, then
+the host tier, then are recomputed (train/feature_cache.py)."""
 from __future__ import annotations
 
 import copy
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from blockspec import cli as blockspec_cli  # noqa: E402
 from blockspec.models.draft_config import DFlash2Fields  # noqa: E402
 from blockspec.train.blocks import BlockBatch, block_loss, loss_weights  # noqa: E402
+from blockspec.train.feature_cache import FeatureCache, default_device_limit  # noqa: E402
 from blockspec.train.model import DraftArch, TrainableDraft  # noqa: E402
+from tests.support.tiny_models import save_tiny_model  # noqa: E402
+from tests.support.train_prompts import write_prompts  # noqa: E402
 
 VOCAB, HIDDEN, BLOCK, BLOCKS, CONTEXT = 32, 32, 4, 3, 10
 
@@ -58,3 +67,43 @@ def test_a_dflash2_draft_trains_on_cuda_as_on_cpu() -> None:
         got = on_cuda[name]
         assert want is not None and got is not None, name
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3, msg=name)
+
+
+def test_cuda_features_fill_device_slabs_then_host_memory() -> None:
+    device = torch.device("cuda")
+    free, _ = torch.cuda.mem_get_info(device)
+    assert 0 <= default_device_limit(device) <= free + torch.cuda.memory_reserved(device)
+    per_sequence = 10 * 8 * 2  # NOTE: [10, 8] bf16: 160 bytes, so a 512-byte slab holds two (256-byte aligned)
+    cache = FeatureCache(device, device_limit_bytes=1024, host_limit_bytes=per_sequence, slab_bytes=512)
+    features = [torch.randn(10, 8, device=device).to(torch.bfloat16) for _ in range(6)]
+    for index, value in enumerate(features):
+        cache.put(index, value)
+    assert [index in cache for index in range(6)] == [True] * 5 + [False]
+    for index in range(5):
+        got = cache.get(index)
+        assert got.device.type == "cuda" and got.dtype == torch.bfloat16 and torch.equal(got, features[index])
+    assert cache.stats.as_dict() == {"device_sequences": 4, "device_bytes": 4 * per_sequence, "host_sequences": 1,
+                                     "host_bytes": per_sequence, "not_kept": 1}
+
+
+def test_the_chain_train_stage_in_small_on_cuda(tmp_path: Path) -> None:
+    """`train-draft --draft-arch dflash2 --compile-draft --cache-features` with limits that send features to every
+    tier: the run ends, its loss is finite, the compiled step was kept and the cache says where the features went."""
+    save_tiny_model("llama", tmp_path / "target", residual_scale=0.3)
+    write_prompts(tmp_path / "prompts.jsonl", 12)
+    kib = 1 / (1 << 20)  # NOTE: in GiB; a sequence's features here are tens of KiB
+    argv = [
+        "train-draft", "--target-model-path", str(tmp_path / "target"), "--data", str(tmp_path / "prompts.jsonl"),
+        "--out", str(tmp_path / "draft"), "--cache-dir", str(tmp_path / "cache"), "--device", "cuda",
+        "--block-size", str(BLOCK), "--num-layers", "2", "--max-new-tokens", "40", "--ignore-eos",
+        "--max-seq-len", "128", "--steps", "6", "--batch-size", "4", "--blocks-per-seq", "4", "--lr", "3e-3",
+        "--num-eval-prompts", "0", "--no-progress", "--draft-arch", "dflash2", "--conv-kernel-size", "3",
+        "--conv-group-size", "8", "--selector-rank", "8", "--selector-top-k", "4", "--compile-draft",
+        "--cache-features", "--feature-cache-device-gib", str(64 * kib), "--feature-cache-host-gib", str(64 * kib),
+    ]
+    assert blockspec_cli.main(argv) == 0
+    result = json.loads((tmp_path / "draft" / "training_info.json").read_text())["result"]
+    assert result["steps"] == 6 and math.isfinite(result["final_loss"])
+    assert result["compile_fallback"] is None
+    cache = result["feature_cache"]
+    assert cache["device_sequences"] > 0 and cache["host_sequences"] > 0 and cache["not_kept"] > 0, cache
