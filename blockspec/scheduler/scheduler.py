@@ -150,12 +150,18 @@ class Scheduler:
         plan = self._schedule_extend()
         self.num_extend_steps += bool(plan.extend)
         if plan and self.config.enable_mixed_chunk:
-            # NOTE: the running requests decode in the same forward: the step in flight is committed first.
-            self._apply(self.steps.drain())
-            decoding = self._decoding()
-            if decoding and self.steps.fits(decoding):
-                plan.decode = decoding
-            self._apply(self.steps.run(plan))
+            # NOTE: the running requests decode in the same forward: behind the step in flight where the batch can
+            # run ahead (greedy target-only), else after committing it
+            launch = self.steps.launch_mixed_ahead(plan, self._decoding())
+            if launch is not None:
+                self._apply(launch.in_flight_commits)
+                self._apply(self.steps.mixed_commits(launch))
+            else:
+                self._apply(self.steps.drain())
+                decoding = self._decoding()
+                if decoding and self.steps.fits(decoding):
+                    plan.decode = decoding
+                self._apply(self.steps.run(plan))
         elif plan:
             # NOTE: the extend is queued behind the decode step in flight (its requests have no prompt work and are not
             # retracted here); that step is committed and applied while the device runs both, so its host work sits

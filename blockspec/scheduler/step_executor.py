@@ -7,10 +7,13 @@ a kv_len that lags one uncommitted step (<= B tokens), and N+1 writes up to B sl
 hold slots to kv_len + 2B. `drain` commits the step in flight when the next step cannot overlap. An extend step
 (`launch_extend`) queues its forward behind the step in flight and, through `extend_run_ahead`, the next decode
 step behind the extend, for the decoding requests and those whose prompt the extend completes (their first token,
-the extend's argmax, goes into that step's rows on the device).
+the extend's argmax, goes into that step's rows on the device). With --enable-mixed-chunk a greedy target-only
+step's extend chunks and decode rows share one forward that goes behind the step in flight the same way
+(`launch_mixed_ahead`): its decode rows take their tokens from that step's outputs on the device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -23,6 +26,17 @@ from blockspec.worker.inflight import FirstTokens, InFlightStep, device_index, h
 from blockspec.worker.protocol import Worker
 
 
+@dataclass
+class MixedLaunch:
+    """A mixed step launched ahead (`StepExecutor.launch_mixed_ahead`): the commits of the step that was in flight,
+    the mixed forward's decode part and first tokens (on the device, `host_first` once `first_ready` is done)."""
+
+    in_flight_commits: list[Committed]
+    mixed: InFlightStep
+    first: Optional[FirstTokens]
+    host_first: Optional[torch.Tensor]
+    first_ready: Optional[torch.cuda.Event]
+
 
 class StepExecutor:
     def __init__(self, worker: Worker, allocator: PageAllocator, table: ReqToTokenTable, overlap: bool) -> None:
@@ -33,6 +47,7 @@ class StepExecutor:
         self.overlap = overlap
         self.in_flight: Optional[InFlightStep] = None
         self.mixed_steps = 0  # steps whose one forward carried prefill chunks and decode/verify together
+        self.mixed_steps_ahead = 0  # those of them launched on the overlap schedule (mixed_run_ahead)
 
     @property
     def slots_per_decode(self) -> int:
@@ -102,6 +117,51 @@ class StepExecutor:
         if first_ready is not None:
             first_ready.synchronize()
         return committed + ([] if host_first is None else first_token_commits(ready, host_first.tolist()))
+
+    def launch_mixed_ahead(self, plan: StepPlan, decoding: list[Req]) -> Optional[MixedLaunch]:
+        """A mixed step on the overlap schedule: one forward of the plan's extend chunks and a decode step of
+        `decoding` goes behind the step in flight (a request it runs decodes the token it produces), the next decode
+        step behind that one; the step in flight is committed while the device runs them. The caller applies those
+        commits, then takes the mixed step's from `mixed_commits` (after them: a request the step in flight finished
+        commits nothing more). None (nothing done) where the worker runs no mixed step ahead or there are no slots
+        for it (then `drain` and `run`)."""
+        ready = [c.req for c in plan.extend if c.req.pending_len == c.length]  # NOTE: the chunk ends the prompt
+        # NOTE: a speculative worker's launch_mixed is None (its mixed step verifies blocks proposed after a drain)
+        if self.is_speculative or not (self.overlap and decoding and self.worker.can_run_ahead(decoding + ready)):
+            return None
+        carry = self.in_flight
+        in_carry = {id(req) for req in carry.reqs} if carry is not None else set()
+        # NOTE: slots through the next decode step's position: a request the step in flight runs writes at kv_len
+        # there, kv_len + 1 in the mixed step, kv_len + 2 in the next; the others one fewer; a prompt the chunk ends
+        # writes its first token's position in the next step
+        needs = [req.kv_len + 2 + (id(req) in in_carry) for req in decoding]
+        needs += [req.kv_len + req.pending_len + 1 for req in ready]
+        if max(needs) > self.table.max_context_len or not self.allocator.try_grow_many(
+                decoding + ready, needs, self.table):
+            return None
+        launched = self.worker.launch_mixed([c.req for c in plan.extend], [c.length for c in plan.extend], decoding,
+                                            carry)
+        if launched is None:
+            return None
+        mixed, first = launched
+        self.mixed_steps += 1
+        self.mixed_steps_ahead += 1
+        host_first, first_ready = host_copy(first.tokens) if first is not None else (None, None)
+        # NOTE: requests the step in flight finishes run on in the next step too; its commit discards them
+        following = decoding + (first.reqs if first is not None else [])
+        previous, self.in_flight = carry, self.worker.launch(following, mixed, first)
+        in_flight_commits = [] if previous is None else self._commit(previous, keep_ahead=None)
+        return MixedLaunch(in_flight_commits, mixed, first, host_first, first_ready)
+
+    def mixed_commits(self, launch: MixedLaunch) -> list[Committed]:
+        """The tokens of a mixed step from `launch_mixed_ahead` (waits for its forward, not for the step behind it)."""
+        committed = self._commit(launch.mixed, keep_ahead=None)
+        if launch.first is not None:
+            assert launch.host_first is not None
+            if launch.first_ready is not None:
+                launch.first_ready.synchronize()
+            committed += first_token_commits(launch.first.reqs, launch.host_first.tolist())
+        return committed
 
     def run_ahead(self, reqs: list[Req]) -> Optional[list[Committed]]:
         """Launches a decode step for `reqs`, then commits the step in flight (if any) while the device runs it.

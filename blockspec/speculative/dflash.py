@@ -377,6 +377,13 @@ class DFlashWorker(TargetWorker):
             r.samples_on_host for r in reqs
         )
 
+    def launch_mixed(
+        self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req], carry: Optional[InFlightStep]
+    ) -> Optional[tuple[InFlightStep, Optional[FirstTokens]]]:
+        """None: a mixed DFlash step verifies blocks its draft proposes from committed tokens, so it runs after a
+        drain (`mixed`)."""
+        return None
+
     @torch.inference_mode()
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,
                first: Optional[FirstTokens] = None) -> InFlightStep:

@@ -103,6 +103,15 @@ class Worker(Protocol):
 
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool: ...
 
+    def launch_mixed(
+        self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req], carry: Optional[InFlightStep]
+    ) -> Optional[tuple[InFlightStep, Optional[FirstTokens]]]:
+        """Launches one forward of prefill chunks and a greedy decode step of `decode_reqs` without waiting for it,
+        behind `carry` (the step in flight, uncommitted: its requests decode the token it produces); the decode part
+        as a step in flight and the first tokens of the requests whose prompt it completes (on the device). None: the
+        worker runs no mixed step ahead (then the executor drains and runs `mixed`)."""
+        ...
+
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,
                first: Optional[FirstTokens] = None) -> InFlightStep: ...
 

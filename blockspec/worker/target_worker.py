@@ -9,6 +9,7 @@ import torch
 
 from blockspec.attention.base import AttentionBackend
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
+from blockspec.host_tensors import int64_tensor, to_device
 from blockspec.layers.argmax import greedy_tokens
 from blockspec.models.llama import ModelOutput
 from blockspec.request import Req
@@ -16,7 +17,7 @@ from blockspec.runner.graph_kind import GraphKind
 from blockspec.runner.graphs import EagerForward
 from blockspec.runner.model_runner import ModelRunner
 from blockspec.sample.sampling import append_logprobs, sample_next_tokens
-from blockspec.worker.inflight import FirstTokens, InFlightStep, host_copy, launch_rows
+from blockspec.worker.inflight import FirstTokens, InFlightStep, device_index, host_copy, launch_rows
 from blockspec.worker.protocol import SpeculativeState, TreeShape
 
 
@@ -121,6 +122,52 @@ class TargetWorker:
         decoded = first[len(reqs):]
         assert all(token is not None for token in decoded)
         return first[:len(reqs)], [[token] for token in decoded if token is not None]
+
+    @torch.inference_mode()
+    def launch_mixed(
+        self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req], carry: Optional[InFlightStep]
+    ) -> Optional[tuple[InFlightStep, Optional[FirstTokens]]]:
+        """`mixed` launched behind `carry` without waiting: a decode request that `carry` runs takes its input token
+        from carry's device output, one position past its kv_len (which lags carry's uncommitted token); the others
+        their last token from the host. The prefill requests' kv_len advances now (as `extend`); a decode request's
+        when its token is committed (InFlightStep.commit), so one that `carry` finishes keeps its length. The
+        executor has given each decode request slots through that position."""
+        carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
+        lags = [int(id(req) in carried_at) for req in decode_reqs]
+        # NOTE: a carried request's host token is a placeholder, overwritten below from carry's output
+        token_ids = self.chunk_token_ids(reqs, chunk_lens) + [[req.all_ids[-1]] for req in decode_reqs]
+        lengths = [*chunk_lens, *[1] * len(decode_reqs)]
+        positions = [req.kv_len for req in reqs] + [req.kv_len + lag for req, lag in zip(decode_reqs, lags)]
+        pool_rows = [req.pool_row for req in (*reqs, *decode_reqs)]
+        batch = build_batch(ForwardMode.EXTEND, token_ids, positions, pool_rows,  # type: ignore[arg-type]
+                            self.runner.req_to_token.table, [end - 1 for end in itertools.accumulate(lengths)],
+                            self.capture)
+        device = self.runner.device
+        carried = [j for j, lag in enumerate(lags) if lag]
+        if carried:
+            assert carry is not None
+            prefill_tokens = sum(chunk_lens)  # NOTE: a decode request's one token follows every prefill chunk
+            index = device_index([carried_at[id(decode_reqs[j])] for j in carried], len(carry.reqs), device)
+            sources = carry.tokens[:, 0] if index is None else carry.tokens[index, 0]
+            at = to_device(int64_tensor([prefill_tokens + j for j in carried]), device)
+            batch.input_ids[at] = sources.to(batch.input_ids.dtype)
+        logits = self.extend_forward(batch).logits
+        for req, n in zip(reqs, chunk_lens):
+            req.kv_len += n
+        tokens = greedy_tokens(logits)
+        decoded = tokens[len(reqs):].view(-1, 1)
+        # NOTE: UniformRows' layout [input token (unused after launch) | req→token row | seq_len], so the next decode
+        # step derives its rows from this one (next_decode_rows) as from a decode step
+        rows = UniformRows.build(ForwardMode.DECODE, [[0] for _ in decode_reqs], [req.pool_row for req in decode_reqs],
+                                 [pos + 1 for pos in positions[len(reqs):]], device).rows  # type: ignore[misc]
+        host_tokens, ready = host_copy(decoded)
+        step = InFlightStep(list(decode_reqs), rows.to(device, non_blocking=True), decoded, host_tokens, ready)
+        ready_at = [i for i, req in enumerate(reqs) if req.pending_len == 0]
+        first = None
+        if ready_at:
+            index = device_index(ready_at, len(reqs), device)
+            first = FirstTokens([reqs[i] for i in ready_at], tokens[: len(reqs)] if index is None else tokens[index])
+        return step, first
 
     # ---- decode ------------------------------------------------------------------------------
     def _decode_rows(self, reqs: Sequence[Req]) -> UniformRows:

@@ -28,6 +28,8 @@ def test_mixed_greedy_equals_hf_and_unmixed(models: dict[str, Any], spec: bool, 
     runs = {mixed: staggered_run(models["root"], spec, mixed, GREEDY, page_size) for mixed in (False, True)}
     (plain, plain_reqs), (mixed, mixed_reqs) = runs[False], runs[True]
     assert mixed.scheduler.steps.mixed_steps > 0 and plain.scheduler.steps.mixed_steps == 0
+    # NOTE: greedy target-only mixed steps go behind the decode step in flight; DFlash's drain it first
+    assert (mixed.scheduler.steps.mixed_steps_ahead > 0) == (not spec)
     assert mixed.get_server_info()["internal_states"][0]["num_mixed_steps"] == mixed.scheduler.steps.mixed_steps
     for a, b in zip(plain_reqs, mixed_reqs):
         assert b.output_ids == hf_greedy(models["target"], b.all_ids[:b.prompt_len], GREEDY["max_new_tokens"])
@@ -35,6 +37,25 @@ def test_mixed_greedy_equals_hf_and_unmixed(models: dict[str, Any], spec: bool, 
         assert a.spec_accept_lengths == b.spec_accept_lengths  # per-cycle acceptance unchanged by mixing
     if spec:
         assert sum(sum(r.spec_accept_lengths) - len(r.spec_accept_lengths) for r in mixed_reqs) > 0
+    for engine, _ in runs.values():
+        assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mixed_steps_ahead_after_requests_finish_in_flight(models: dict[str, Any], page_size: int) -> None:
+    """Early requests end (their token limit) in the decode steps that run while the late prompts' chunks arrive, so
+    a mixed step is launched behind a step in flight that finishes some of its decode rows: those commit nothing
+    more, and every request's tokens equal HF greedy and the unmixed run's."""
+    early = {**GREEDY, "max_new_tokens": 5}
+    runs = {mixed: staggered_run(models["root"], False, mixed, GREEDY, page_size, early_params=early)
+            for mixed in (False, True)}
+    (plain, plain_reqs), (mixed, mixed_reqs) = runs[False], runs[True]
+    assert mixed.scheduler.steps.mixed_steps_ahead > 0
+    for a, b in zip(plain_reqs, mixed_reqs):
+        limit = b.params.max_new_tokens
+        assert b.output_ids == hf_greedy(models["target"], b.all_ids[:b.prompt_len], limit)
+        assert a.output_ids == b.output_ids
+    assert [len(r.output_ids) for r in mixed_reqs] == [5] * 3 + [GREEDY["max_new_tokens"]] * 4
     for engine, _ in runs.values():
         assert_engine_idle(engine)
 

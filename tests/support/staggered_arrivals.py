@@ -3,7 +3,7 @@ arrive, so an engine with --enable-mixed-chunk carries their prefill chunks with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from blockspec import Engine
 from blockspec.request import Req
@@ -14,15 +14,16 @@ LATE = random_prompts([37, 23, 50, 2], seed=2)
 
 
 def staggered_run(root: Path, spec: bool, mixed: bool, params: dict[str, Any], page_size: int,
-                  **extra: Any) -> tuple[Engine, list[Req]]:
-    """Early requests start decoding; the late ones arrive two steps later with prompts chunked 16 tokens a step."""
+                  early_params: Optional[dict[str, Any]] = None, **extra: Any) -> tuple[Engine, list[Req]]:
+    """Early requests (with `early_params`, default `params`) start decoding; the late ones arrive two steps later
+    with prompts chunked 16 tokens a step."""
     args: dict[str, Any] = dict(model_path=str(root / "target"), device="cpu", dtype="float32", page_size=page_size,
                                 max_total_tokens=2048, chunked_prefill_size=16, skip_tokenizer_init=True,
                                 enable_mixed_chunk=mixed, **extra)
     if spec:
         args.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "draft"))
     engine = Engine(**args)
-    early, _ = engine.make_requests(input_ids=EARLY, sampling_params=params)
+    early, _ = engine.make_requests(input_ids=EARLY, sampling_params=early_params or params)
     for req in early:
         engine.scheduler.add_request(req)
     for _ in range(3):
