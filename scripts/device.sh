@@ -88,8 +88,12 @@ plan() {
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows, about 300 s, first after the" \
          "chain: 657fc8c's intake poll takes the 46 us a step the H100 read in intake; 12eb7d2: DFlash" \
          "1.00 / 1.00, target-only 0.93 / 0.84 against one engine read; every other #49 row met; 23cf764's" \
-         "--enable-mixed-chunk row read 0.78 for /generate: it does not pay. Flags after --extra-flags take the" \
-         "form --extra-flags=--flag, or argparse reads them as its own)"
+         "--enable-mixed-chunk row read 0.78 for /generate, before 6128467 ran mixed steps behind the step in" \
+         "flight); in the same call the A/B: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
+         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
+         "--modes target --concurrency 64 --extra-flags=--enable-mixed-chunk --tag demo_target_mixed (about 120 s;" \
+         "if it beats the default on both clients, then on the 8B rows, it becomes the default). Flags after" \
+         "--extra-flags take the form --extra-flags=--flag, or argparse reads them as its own)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
          "(#49's 8B rows, about 400 s; only when the serving path changed since 12eb7d2, which read 0.98-1.00)"
