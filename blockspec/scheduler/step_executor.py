@@ -47,7 +47,7 @@ class StepExecutor:
         self.overlap = overlap
         self.in_flight: Optional[InFlightStep] = None
         self.mixed_steps = 0  # steps whose one forward carried prefill chunks and decode/verify together
-        self.mixed_steps_ahead = 0  # those of them launched on the overlap schedule (mixed_run_ahead)
+        self.mixed_steps_ahead = 0  # those of them launched on the overlap schedule (launch_mixed_ahead)
 
     @property
     def slots_per_decode(self) -> int:

@@ -82,6 +82,9 @@ ENGINES = {
                                 enforce_piecewise_cuda_graph=True, cuda_graph_bs=[1, 2, 4, 8]),
     "target-piecewise-sync": dict(speculative=False, enforce_piecewise_cuda_graph=True, chunked_prefill_size=96,
                                   disable_overlap_schedule=True, cuda_graph_bs=[1, 4]),
+    # NOTE: greedy waves run their mixed steps behind the decode step in flight (StepExecutor.launch_mixed_ahead)
+    "target-mixed-page16": dict(speculative=False, enable_mixed_chunk=True, page_size=16, chunked_prefill_size=48,
+                                enforce_piecewise_cuda_graph=True, cuda_graph_bs=[1, 2, 4, 8]),
     "dflash-no-graphs": dict(speculative=True, disable_cuda_graph=True, chunked_prefill_size=-1),
     # NOTE: the fused MoE tiles follow the tokens per expert: long unchunked prompts reach the tallest tiles
     "moe-dflash-default": dict(speculative=True, kind="qwen3_moe", chunked_prefill_size=-1),
