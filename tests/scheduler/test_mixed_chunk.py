@@ -8,12 +8,14 @@ from typing import Any, Optional
 import pytest
 
 from blockspec import Engine
-from tests.support.engine_testing import assert_engine_idle, hf_greedy
+from tests.support.engine_testing import assert_engine_idle, hf_greedy, random_prompts, run_until_done
 from tests.support.staggered_arrivals import staggered_run
 
 pytestmark = pytest.mark.cuda  # NOTE: runs on CUDA where there is one (make gpu-test)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+EARLY_PROMPTS = random_prompts([7, 9, 3], seed=3)
+LATE_TAILS = random_prompts([30, 12, 41], seed=4)
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_new_tokens": 40, "ignore_eos": True}
 
 
@@ -56,6 +58,51 @@ def test_mixed_steps_ahead_after_requests_finish_in_flight(models: dict[str, Any
         assert b.output_ids == hf_greedy(models["target"], b.all_ids[:b.prompt_len], limit)
         assert a.output_ids == b.output_ids
     assert [len(r.output_ids) for r in mixed_reqs] == [5] * 3 + [GREEDY["max_new_tokens"]] * 4
+    for engine, _ in runs.values():
+        assert_engine_idle(engine)
+
+
+def test_mixed_steps_ahead_with_aborts_stops_and_cached_prefixes(models: dict[str, Any]) -> None:
+    """Mixed steps behind the step in flight while a running request is aborted, another stops on a stop token, and
+    the late prompts extend an early one's prompt (radix cache hits): every other request's tokens equal the unmixed
+    run's and HF greedy."""
+    def run(mixed: bool, stop: Optional[int]) -> tuple[Engine, list[Any]]:
+        engine = Engine(model_path=str(models["root"] / "target"), device="cpu", dtype="float32", page_size=1,
+                        max_total_tokens=2048, chunked_prefill_size=16, skip_tokenizer_init=True,
+                        enable_mixed_chunk=mixed)
+        early_params = [dict(GREEDY), dict(GREEDY), dict(GREEDY)]
+        if stop is not None:
+            early_params[1]["stop_token_ids"] = [stop]
+        early, _ = engine.make_requests(input_ids=[EARLY_PROMPTS[0] * 3, *EARLY_PROMPTS[1:]],
+                                        sampling_params=early_params)
+        for req in early:
+            engine.scheduler.add_request(req)
+        for _ in range(3):
+            engine.step()
+        late, _ = engine.make_requests(input_ids=[EARLY_PROMPTS[0] * 3 + tail for tail in LATE_TAILS],
+                                       sampling_params=GREEDY)
+        for req in late:
+            engine.scheduler.add_request(req)
+        engine.scheduler.abort(early[2].rid)
+        run_until_done(engine, [req for req in early + late if not req.finished])
+        return engine, early + late
+
+    _, probe = run(False, None)
+    ids = probe[1].output_ids
+    # NOTE: request 1 then stops after the late arrivals (its 5th token comes in the 5th step), at the first token
+    # from its 5th on not seen before it (the tiny target soon repeats itself)
+    stop_at = next(i for i in range(4, len(ids)) if ids[i] not in ids[:i])
+    stop = ids[stop_at]
+    runs = {mixed: run(mixed, stop) for mixed in (False, True)}
+    (plain, plain_reqs), (mixed, mixed_reqs) = runs[False], runs[True]
+    assert mixed.scheduler.steps.mixed_steps_ahead > 0
+    assert mixed_reqs[2].finish is not None and mixed_reqs[2].finish.reason.name == "ABORT"
+    assert len(mixed_reqs[1].output_ids) == stop_at + 1 and mixed_reqs[1].output_ids[-1] == stop
+    assert mixed.get_server_info()["internal_states"][0]["radix_cache"]["cached_tokens_total"] > 0
+    for index, (a, b) in enumerate(zip(plain_reqs, mixed_reqs)):
+        assert a.output_ids == b.output_ids, index
+        if index not in (1, 2):
+            assert b.output_ids == hf_greedy(models["target"], b.all_ids[:b.prompt_len], GREEDY["max_new_tokens"])
     for engine, _ in runs.values():
         assert_engine_idle(engine)
 
