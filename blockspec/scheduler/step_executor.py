@@ -123,10 +123,9 @@ class StepExecutor:
         `decoding` goes behind the step in flight (a request it runs decodes the token it produces), the next decode
         step behind that one; the step in flight is committed while the device runs them. The caller applies those
         commits, then takes the mixed step's from `mixed_commits` (after them: a request the step in flight finished
-        commits nothing more). None (nothing done) where the worker runs no mixed step ahead or there are no slots
-        for it (then `drain` and `run`)."""
+        commits nothing more). None (nothing done) for a speculative worker (its mixed step verifies blocks proposed
+        from committed tokens), a batch that cannot run ahead, or no slots for it (then `drain` and `run`)."""
         ready = [c.req for c in plan.extend if c.req.pending_len == c.length]  # NOTE: the chunk ends the prompt
-        # NOTE: a speculative worker's launch_mixed is None (its mixed step verifies blocks proposed after a drain)
         if self.is_speculative or not (self.overlap and decoding and self.worker.can_run_ahead(decoding + ready)):
             return None
         carry = self.in_flight
@@ -139,11 +138,8 @@ class StepExecutor:
         if max(needs) > self.table.max_context_len or not self.allocator.try_grow_many(
                 decoding + ready, needs, self.table):
             return None
-        launched = self.worker.launch_mixed([c.req for c in plan.extend], [c.length for c in plan.extend], decoding,
-                                            carry)
-        if launched is None:
-            return None
-        mixed, first = launched
+        mixed, first = self.worker.launch_mixed([c.req for c in plan.extend], [c.length for c in plan.extend],
+                                                decoding, carry)
         self.mixed_steps += 1
         self.mixed_steps_ahead += 1
         host_first, first_ready = host_copy(first.tokens) if first is not None else (None, None)

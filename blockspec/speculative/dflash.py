@@ -379,10 +379,10 @@ class DFlashWorker(TargetWorker):
 
     def launch_mixed(
         self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req], carry: Optional[InFlightStep]
-    ) -> Optional[tuple[InFlightStep, Optional[FirstTokens]]]:
-        """None: a mixed DFlash step verifies blocks its draft proposes from committed tokens, so it runs after a
-        drain (`mixed`)."""
-        return None
+    ) -> tuple[InFlightStep, Optional[FirstTokens]]:
+        """Not on DFlash: its mixed step verifies blocks the draft proposes from committed tokens, so it runs after a
+        drain (`mixed`); the executor never launches one ahead for a speculative worker."""
+        raise NotImplementedError("a DFlash mixed step runs after a drain (StepExecutor.run), not ahead")
 
     @torch.inference_mode()
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,

@@ -105,11 +105,11 @@ class Worker(Protocol):
 
     def launch_mixed(
         self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req], carry: Optional[InFlightStep]
-    ) -> Optional[tuple[InFlightStep, Optional[FirstTokens]]]:
+    ) -> tuple[InFlightStep, Optional[FirstTokens]]:
         """Launches one forward of prefill chunks and a greedy decode step of `decode_reqs` without waiting for it,
         behind `carry` (the step in flight, uncommitted: its requests decode the token it produces); the decode part
-        as a step in flight and the first tokens of the requests whose prompt it completes (on the device). None: the
-        worker runs no mixed step ahead (then the executor drains and runs `mixed`)."""
+        as a step in flight and the first tokens of the requests whose prompt it completes (on the device). Target-only
+        workers only: the executor drains and runs `mixed` for a speculative one."""
         ...
 
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,

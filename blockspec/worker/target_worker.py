@@ -126,7 +126,7 @@ class TargetWorker:
     @torch.inference_mode()
     def launch_mixed(
         self, reqs: Sequence[Req], chunk_lens: Sequence[int], decode_reqs: Sequence[Req], carry: Optional[InFlightStep]
-    ) -> Optional[tuple[InFlightStep, Optional[FirstTokens]]]:
+    ) -> tuple[InFlightStep, Optional[FirstTokens]]:
         """`mixed` launched behind `carry` without waiting: a decode request that `carry` runs takes its input token
         from carry's device output, one position past its kv_len (which lags carry's uncommitted token); the others
         their last token from the host. The prefill requests' kv_len advances now (as `extend`); a decode request's
