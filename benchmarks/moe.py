@@ -27,11 +27,11 @@ the path before it (the flag is in the result's `args`).
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
 set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps × pipeline stages; `--tile-grid full`, `small`, or `large`: tall
 blocks, wide column tiles and deeper pipelines for batches with many rows per expert; batches of up to 8 tokens also
-the direct sets, one pair per block without the sort, each with the down and combine kernels (down_columns None)
-and with the combine folded into the down projection at each down_columns) on the layer's own routing, in a CUDA
-graph, beside the tiles `choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k,
-num_warps, num_stages, direct,
-down_columns, step_ms, over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
+the direct sets, one pair per block without the sort, each with the down and combine kernels (down_columns None),
+those again with the down weights asked of L2 while the gate/up kernel runs (prefetch_down), and with the combine
+folded into the down projection at each down_columns) on the layer's own routing, in a CUDA graph, beside the tiles
+`choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k, num_warps, num_stages, direct,
+down_columns, prefetch_down, step_ms, over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
 
 With `--parts serving`, #51's serving table: benchmarks/serving_vs_engine.py on the same shapes (dummy weights),
 DFlash (simulated accept length --accept-len) and target-only at 1 and 64 closed-loop clients, the offline engine and
@@ -307,9 +307,10 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
     grid = TILE_GRIDS[args.tile_grid]
     sets = [ExpertTiles(m, n, k, warps, stages) for m in grid["block_m"] for n in grid["block_n"]
             for k in grid["block_k"] for warps in grid["num_warps"] for stages in grid["num_stages"]]
-    direct_sets = [ExpertTiles(16, n, k, warps, stages, direct=True, down_columns=columns) for n in grid["block_n"]
-                   for k in grid["block_k"] for warps in grid["num_warps"] for stages in grid["num_stages"]
-                   for columns in grid["down_columns"]]
+    direct_sets = [ExpertTiles(16, n, k, warps, stages, direct=True, down_columns=columns, prefetch_down=prefetch)
+                   for n in grid["block_n"] for k in grid["block_k"] for warps in grid["num_warps"]
+                   for stages in grid["num_stages"] for columns in grid["down_columns"]
+                   for prefetch in ((False, True) if columns is None else (False,))]
     element = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
@@ -331,7 +332,7 @@ def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.de
                     rows.append({"mode": mode, "bs": bs, "block_m": tiles.block_m, "block_n": tiles.block_n,
                                  "block_k": tiles.block_k, "num_warps": tiles.num_warps,
                                  "num_stages": tiles.num_stages, "direct": tiles.direct,
-                                 "down_columns": tiles.down_columns,
+                                 "down_columns": tiles.down_columns, "prefetch_down": tiles.prefetch_down,
                                  "step_ms": ms, "over_floor": ms / floor_ms, "chosen": tiles == chosen})
             best = min((row for row in rows if row["mode"] == mode and row["bs"] == bs), key=lambda row: row["step_ms"])
             print(json.dumps({"mode": mode, "bs": bs, "best": best}), flush=True)
@@ -502,8 +503,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=("layer", "tiles", "step", "serving"),
                         default=["layer", "step"])
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
-                        help="the tile sets the `tiles` part times (full, the default: 64 sets and 48 direct ones; "
-                             "large: 72)")
+                        help="the tile sets the `tiles` part times (full, the default: 64 sets and 64 direct ones; "
+                             "small: 2 and 3; large: 72)")
     parser.add_argument("--serving-prompts", type=int, help="serving: prompts (serving_vs_engine's --num-prompts); "
                         "default per shape (SERVING_DEFAULTS), as every --serving-* number")
     parser.add_argument("--serving-rounds", type=int, help="serving: prompts per client of a closed-loop level "

@@ -3,7 +3,10 @@
 A kernel launched with PDL may start while the kernel before it in the stream is still finishing, so its launch
 latency hides behind that kernel's tail (inside CUDA graphs too). Its programs then wait, before reading anything,
 until the previous grid has completed and its writes are visible (`griddepcontrol.wait`), and at once allow the next
-PDL kernel to launch (`griddepcontrol.launch_dependents`). Set BLOCKSPEC_PDL=0 to launch every kernel plainly."""
+PDL kernel to launch (`griddepcontrol.launch_dependents`). Set BLOCKSPEC_PDL=0 to launch every kernel plainly.
+
+A PDL kernel whose inputs were final before the previous grid started may ask L2 for them before it waits
+(`prefetch_to_l2`): its reads then stream while the previous kernel still runs."""
 from __future__ import annotations
 
 import functools
@@ -42,7 +45,23 @@ def pdl_launch(tensor: torch.Tensor, kernel: Optional[triton.JITFunction] = None
 @triton.jit
 def wait_for_previous_grid(PDL: tl.constexpr):
     """First statement of every PDL kernel, before any load and any early return: a program that returned without
-    waiting could let the whole grid complete before the grid it depends on, and break the chain of waits."""
+    waiting could let the whole grid complete before the grid it depends on, and break the chain of waits. Only a
+    `prefetch_to_l2` of inputs final before the previous grid started may come before it."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+# NOTE: an L2 line is 128 bytes on every NVIDIA GPU that PDL runs on
+L2_LINE_BYTES = 128
+
+
+@triton.jit
+def prefetch_to_l2(base, num_elements, LINE_ELEMENTS: tl.constexpr, LANES: tl.constexpr):
+    """Asks L2 for the `num_elements` contiguous values from `base`, one line per lane and trip, kept ahead of other
+    lines when L2 must evict (evict_last). A hint: nothing waits for it and no value changes. CUDA only (PTX):
+    callers guard it with a constexpr that is False under the interpreter (`pdl_enabled`)."""
+    for start in range(0, num_elements, LINE_ELEMENTS * LANES):
+        offsets = tl.minimum(start + tl.arange(0, LANES) * LINE_ELEMENTS, num_elements - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [base + offsets],
+                                  dtype=tl.int32, is_pure=False, pack=1)

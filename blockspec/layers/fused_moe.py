@@ -15,7 +15,8 @@ throughout (no host sync: the whole layer captures in a CUDA graph), after the r
 2. `_gate_up_kernel`: per (block, column tile of I) one grouped-GEMM tile: the block's tokens × its expert's gate
    and up rows, SiLU(gate)·up, stored per pair. `_down_kernel`: the same over the down projection, scaled by the
    pair's routing weight. Blocks marked -1 return at once, so only the experts actually hit are read: a decode
-   step reads the k experts per token it routes to, not all E.
+   step reads the k experts per token it routes to, not all E. Direct tiles with `prefetch_down` have each down
+   program, resident under PDL while the gate/up kernel runs, ask L2 for its down weights before it waits.
 3. `_combine_kernel`: each token's k weighted rows summed in fp32 (a fixed order: the result does not depend on
    which other tokens share the batch). Direct tiles with `down_columns` fold it into the down projection
    (`_down_direct_kernel`: a program per token and column tile streams the token's k experts together and sums
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.pdl import pdl_launch, wait_for_previous_grid
+from blockspec.pdl import L2_LINE_BYTES, pdl_enabled, pdl_launch, prefetch_to_l2, wait_for_previous_grid
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,17 @@ class ExpertTiles:
     # kernels. A token's k experts are all in each program, so narrow column tiles keep about one program per SM
     # streaming weights (2048 / 16 = 128 programs for one token).
     down_columns: Optional[int] = None
+    # NOTE: direct tiles with the down and combine kernels only: under PDL each down program is resident while the
+    # gate/up kernel still runs, and asks L2 for its slab of the down weights before it waits (its expert comes from
+    # the routing, final before the gate/up kernel started), so the layer's last third of weight bytes streams
+    # beside its first two; the gate/up kernel then reads its weights evict-first, which keeps those slabs in L2
+    prefetch_down: bool = False
 
     def __post_init__(self) -> None:
         if self.down_columns is not None and not self.direct:
             raise ValueError("ExpertTiles.down_columns folds the combine into direct tiles' down projection only")
+        if self.prefetch_down and (not self.direct or self.down_columns is not None):
+            raise ValueError("ExpertTiles.prefetch_down is for direct tiles with the down and combine kernels only")
         if self.down_columns is not None and (self.down_columns < 16 or self.down_columns & (self.down_columns - 1)):
             raise ValueError(f"ExpertTiles.down_columns must be a power of two, at least 16 (got {self.down_columns})")
 
@@ -64,6 +72,7 @@ BATCH_INVARIANT_TILES = ExpertTiles(16, 64, 64)
 # tall tile whose layout spills), sentinel rows a store
 COUNT_TILE_ELEMENTS, COUNT_WARPS, COUNT_CHUNK_MAX, FILL_CHUNK = 16384, 16, 512, 4096
 FOLD_TILE_ELEMENTS = 8192  # NOTE: `_down_direct_kernel`'s weight tile per step: 64 values a thread over 4 warps
+PREFETCH_LANES = 256  # NOTE: L2 lines a down program asks for per trip of its prefetch (prefetch_down)
 # NOTE: the best sets of benchmarks/moe.py's tile sweep (Qwen3-30B-A3B experts, bf16): BLOCK_K 128 wherever a
 # block is 16 or 32 rows tall, 64 rows tall at about 64 rows per expert (docs/performance.md has the table)
 EXPERT_TILES = (ExpertTiles(16, 64, 128), ExpertTiles(32, 64, 128), ExpertTiles(64, 64, 64))
@@ -249,9 +258,9 @@ def _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.conste
 def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden, intermediate, top_k,
                     stride_xt, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    WEIGHT_EVICTION: tl.constexpr = "", PDL: tl.constexpr = False):
     """out[pair, cols] = SiLU(x[token] · gate[e, cols]) · (x[token] · up[e, cols]) for the block's pairs, e its
-    expert (w [E, 2 I, H]: gate rows, then up rows)."""
+    expert (w [E, 2 I, H]: gate rows, then up rows). WEIGHT_EVICTION: the weight loads' L2 eviction policy."""
     wait_for_previous_grid(PDL)
     expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M, DIRECT)
     if expert < 0:
@@ -269,8 +278,10 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num
         a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :], mask=valid[:, None] & k_valid[None, :],
                     other=0.0)
         w_mask = k_valid[:, None] & col_valid[None, :]
-        gate = tl.dot(a, tl.load(gate_rows + ks[:, None], mask=w_mask, other=0.0), gate, input_precision=DOT_PRECISION)
-        up = tl.dot(a, tl.load(up_rows + ks[:, None], mask=w_mask, other=0.0), up, input_precision=DOT_PRECISION)
+        gate_w = tl.load(gate_rows + ks[:, None], mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION)
+        up_w = tl.load(up_rows + ks[:, None], mask=w_mask, other=0.0, eviction_policy=WEIGHT_EVICTION)
+        gate = tl.dot(a, gate_w, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, up_w, up, input_precision=DOT_PRECISION)
     activated = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + pairs[:, None] * stride_ot + cols[None, :], activated.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_valid[None, :])
@@ -280,9 +291,17 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num
 def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden,
                  intermediate, stride_ht, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+                 PREFETCH: tl.constexpr = False, LINE_ELEMENTS: tl.constexpr = 64, LANES: tl.constexpr = 256,
                  PDL: tl.constexpr = False):
     """out[pair, cols] = routing[pair] · (h[pair] · down[e, cols]), summed in fp32 and stored in out's dtype
-    (w [E, H, I])."""
+    (w [E, H, I], contiguous). PREFETCH (direct tiles under PDL): the program's weight slab is asked of L2 first."""
+    if PREFETCH:
+        # NOTE: the one read before the wait: the direct tiles' expert ids come from the routing, whose grid
+        # completed before the gate/up kernel's programs passed their waits, and so before this grid launched
+        first_col = tl.program_id(1) * BLOCK_N
+        slab_expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
+        prefetch_to_l2(w_ptr + slab_expert * stride_we + first_col * stride_wn,
+                       tl.minimum(BLOCK_N, hidden - first_col) * stride_wn, LINE_ELEMENTS, LANES)
     wait_for_previous_grid(PDL)
     expert, pairs, valid = _block_pairs(pair_rows_ptr, block_experts_ptr, num_pairs, BLOCK_M, DIRECT)
     if expert < 0:
@@ -384,12 +403,14 @@ def fused_experts(
     activated = torch.empty((num_pairs, intermediate), dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(num_warps=chosen.num_warps, num_stages=chosen.num_stages, DIRECT=chosen.direct, **pdl_launch(x))
+    # NOTE: only where the down kernel can start early (PDL); never under the interpreter (PTX)
+    prefetch = chosen.prefetch_down and pdl_enabled(x.device)
     num_blocks = block_experts.shape[0]
     block_n, block_k = _block(intermediate, chosen.block_n), _block(hidden, chosen.block_k)
     _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
         x, gate_up_proj, pair_rows, block_experts, activated, num_pairs, hidden, intermediate, top_k, x.stride(0),
         gate_up_proj.stride(0), gate_up_proj.stride(1), activated.stride(0), BLOCK_M=chosen.block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PRECISION=precision, **launch,
+        BLOCK_K=block_k, DOT_PRECISION=precision, WEIGHT_EVICTION="evict_first" if prefetch else "", **launch,
     )
     if chosen.down_columns is not None:
         block_s, block_n = max(2, triton.next_power_of_2(top_k)), _block(hidden, chosen.down_columns)
@@ -410,7 +431,8 @@ def fused_experts(
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         activated, down_proj, routing, pair_rows, block_experts, pair_out, num_pairs, hidden, intermediate,
         activated.stride(0), down_proj.stride(0), down_proj.stride(1), pair_out.stride(0), BLOCK_M=chosen.block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, **launch,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision, PREFETCH=prefetch,
+        LINE_ELEMENTS=L2_LINE_BYTES // down_proj.element_size(), LANES=PREFETCH_LANES, **launch,
     )
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](

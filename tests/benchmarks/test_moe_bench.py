@@ -52,9 +52,11 @@ def test_tile_sweep_times_every_set_of_the_grid(tmp_path: Path) -> None:
             rows = [r for r in sweep if r["mode"] == mode and r["bs"] == bs]
             direct = per_block_m if bs * per_request <= moe.DIRECT_MAX_TOKENS else 0
             assert sorted(r["block_m"] for r in rows if not r["direct"]) == sorted(grid["block_m"] * per_block_m)
-            # NOTE: each direct set with the down and combine kernels, and folded at each down_columns
-            assert sorted((r["down_columns"] or 0) for r in rows if r["direct"]) == sorted(
-                [columns or 0 for columns in grid["down_columns"]] * direct)
+            # NOTE: each direct set with the down and combine kernels (with and without the L2 prefetch of the down
+            # weights), and folded at each down_columns
+            assert sorted(((r["down_columns"] or 0), r["prefetch_down"]) for r in rows if r["direct"]) == sorted(
+                [(columns or 0, prefetch) for columns in grid["down_columns"]
+                 for prefetch in ((False, True) if columns is None else (False,))] * direct)
             assert all(r["step_ms"] > 0 and r["over_floor"] > 0 for r in rows)
             chosen = [r for r in rows if r["chosen"]]  # NOTE: the tiny batches' pick is in the small grid
             assert len(chosen) == 1 and chosen[0]["direct"] == (bs * per_request == 1)

@@ -83,6 +83,10 @@ def test_fused_experts_equal_reference(dtype: torch.dtype, tokens: int, hidden: 
     torch.testing.assert_close(direct.float(), expected, **tolerance)
     folded = fused_experts(x, gate_up, down, weights, ids, tiles=ExpertTiles(16, 16, 16, direct=True, down_columns=16))
     torch.testing.assert_close(folded.float(), expected, **tolerance)
+    # NOTE: on CUDA with PDL the down programs ask L2 for their weights before they wait (a hint: the same sums)
+    prefetched = fused_experts(x, gate_up, down, weights, ids,
+                               tiles=ExpertTiles(16, 16, 16, direct=True, prefetch_down=True))
+    torch.testing.assert_close(prefetched.float(), expected, **tolerance)
 
 
 def test_direct_tiles_with_down_columns_fold_the_combine_into_the_down_projection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,6 +120,9 @@ def test_direct_tiles_with_down_columns_fold_the_combine_into_the_down_projectio
     assert len(combined) == 2
     with pytest.raises(ValueError, match="direct tiles"):
         ExpertTiles(16, 64, 128, down_columns=16)
+    for not_unfolded_direct in (dict(), dict(direct=True, down_columns=16)):
+        with pytest.raises(ValueError, match="prefetch_down"):
+            ExpertTiles(16, 64, 128, prefetch_down=True, **not_unfolded_direct)
     for columns in (8, 24):
         with pytest.raises(ValueError, match="power of two"):
             ExpertTiles(16, 64, 128, direct=True, down_columns=columns)
