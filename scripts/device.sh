@@ -62,8 +62,10 @@ plan() {
          "whole session with the suite, as session 40 ran it (23cf764: the chain ran out of the H100's memory, the" \
          "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
          "part00] \`scripts/train_draft_v2.sh stash && scripts/device.sh gpu-test\` (the chain's clock starts here);" \
-         "carry [.carry/gsm8k/train.jsonl, .carry/draft_v2/responses.tar.xz, part01] stash (23cf764's 53,986" \
-         "answers, 10.3 MB, kept in .carry/draft_v2 here: the data stage then generates none); carry [part02]" \
+         "carry [.carry/gsm8k/train.jsonl, .carry/draft_v2/responses.tar.xz if there is one, part01] stash (a" \
+         "fresh checkout has none: .carry is not committed, and 23cf764's 53,986 answers went with session 41's" \
+         "checkout; the data stage then generates them, 50,986 in 130 s at 1ce39de, and hands back" \
+         "responses.tar.xz: keep it in .carry/draft_v2 for the next chain); carry [part02]" \
          "stash; here \`slim off\` (the data stage reads the committed prompts); run: DATA_S=420" \
          "GENERAL=benchmarks/data/draft_v2_general MIX_RATIO=all" \
          "WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=5 scripts/train_draft_v2.sh data (433 s at 23cf764);" \
