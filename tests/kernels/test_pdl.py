@@ -1,6 +1,7 @@
 """Programmatic dependent launch: off where it cannot work; every engine kernel (the fused MoE layer's too) compiled
 for sm90 with PDL waits for the previous grid before its first global memory access (checked in the PTX, no GPU
-needed); and on the GPU graphs of PDL-launched kernels give bit-identical results to plain launches on fresh inputs
+needed), but for the MoE down projection's L2 prefetch, which reads one expert id and asks L2 for weights before it
+waits; and on the GPU graphs of PDL-launched kernels give bit-identical results to plain launches on fresh inputs
 every replay."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -84,15 +86,24 @@ KERNEL_SPECS = {
                   {"ids_ptr": I64, "next_row_ptr": I32, "pair_rows_ptr": I32}, {"CHUNK": 128}),
     "moe_gate_up": ("blockspec.layers.fused_moe", "_gate_up_kernel",
                     {"x_ptr": BF16, "w_ptr": BF16, "pair_rows_ptr": I32, "block_experts_ptr": I32, "out_ptr": BF16},
-                    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DIRECT": False}),
+                    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DIRECT": False,
+                     "WEIGHT_EVICTION": ""}),
     "moe_gate_up_direct": ("blockspec.layers.fused_moe", "_gate_up_kernel",
                            {"x_ptr": BF16, "w_ptr": BF16, "pair_rows_ptr": I64, "block_experts_ptr": I64,
                             "out_ptr": BF16},
-                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DIRECT": True}),
+                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DIRECT": True,
+                            "WEIGHT_EVICTION": "evict_first"}),  # NOTE: as beside the down weights' prefetch
     "moe_down": ("blockspec.layers.fused_moe", "_down_kernel",
                  {"h_ptr": BF16, "w_ptr": BF16, "routing_ptr": F32, "pair_rows_ptr": I32, "block_experts_ptr": I32,
                   "out_ptr": F32},
-                 {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32", "DIRECT": False}),
+                 {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32", "DIRECT": False,
+                  "PREFETCH": False, "LINE_ELEMENTS": 64, "LANES": 256}),
+    # NOTE: direct tiles' down projection with the L2 prefetch of its weight slab before the wait (prefetch_down)
+    "moe_down_prefetch": ("blockspec.layers.fused_moe", "_down_kernel",
+                          {"h_ptr": BF16, "w_ptr": BF16, "routing_ptr": F32, "pair_rows_ptr": I64,
+                           "block_experts_ptr": I64, "out_ptr": BF16},
+                          {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DIRECT": True,
+                           "PREFETCH": True, "LINE_ELEMENTS": 64, "LANES": 256}),
     "moe_down_direct": ("blockspec.layers.fused_moe", "_down_direct_kernel",
                         {"h_ptr": BF16, "w_ptr": BF16, "routing_ptr": F32, "ids_ptr": I64, "out_ptr": BF16},
                         {"BLOCK_S": 8, "BLOCK_N": 16, "BLOCK_K": 64}),
@@ -125,11 +136,15 @@ KERNEL_SPECS = {
                    "slots_ptr": I64, "rows_ptr": I64, "walked_ptr": I64, "sources_ptr": I64},
                   {"BLOCK_R": 128, "BLOCK_D": 16, "ROWS": 16, "OUTPUTS": True}),
 }
+# NOTE: the memory instructions a kernel may run before its wait (every other kernel: none): the prefetch reads its
+# expert id, written by the grid before the previous one, and asks L2 for the weights (a hint)
+BEFORE_WAIT = {"moe_down_prefetch": ["ld.global.b64", "prefetch.global.L2::evict_last"]}
 
 
-def ptx_positions(name: str) -> dict[str, int]:
+def ptx_positions(name: str) -> dict[str, Any]:
     """Compiles one engine kernel for sm90 with PDL on (CPU only; Triton must not be in interpreter mode) and returns
-    where in its PTX the wait, the trigger and the first global memory access are."""
+    where in its PTX the wait, the trigger and the first global memory access after the wait are, and the memory
+    instructions before the wait (sorted, each once)."""
     import importlib
 
     import triton
@@ -143,9 +158,12 @@ def ptx_positions(name: str) -> dict[str, int]:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"launch_pdl": True})
     ptx = compiled.asm["ptx"]
-    first_memory_op = min((ptx.find(op) for op in MEMORY_OPS if op in ptx), default=-1)
-    return {"wait": ptx.find("griddepcontrol.wait"), "trigger": ptx.find("griddepcontrol.launch_dependents"),
-            "first_memory_op": first_memory_op, "launch_pdl": int(compiled.metadata.launch_pdl)}
+    wait = ptx.find("griddepcontrol.wait")
+    first_memory_op = min((ptx.find(op, wait) for op in MEMORY_OPS if op in ptx[wait:]), default=-1)
+    before_wait = sorted({token for line in ptx[:max(wait, 0)].splitlines() for token in line.split()
+                          if token.startswith(MEMORY_OPS + ("prefetch",))})
+    return {"wait": wait, "trigger": ptx.find("griddepcontrol.launch_dependents"), "first_memory_op": first_memory_op,
+            "before_wait": before_wait, "launch_pdl": int(compiled.metadata.launch_pdl)}
 
 
 def test_pdl_is_off_on_cpu() -> None:
@@ -178,6 +196,7 @@ def test_every_engine_kernel_waits_before_touching_memory() -> None:
     for name, where in positions.items():
         assert where["launch_pdl"] == 1, name
         assert 0 <= where["wait"] < where["trigger"] < where["first_memory_op"], (name, where)
+        assert where["before_wait"] == BEFORE_WAIT.get(name, []), (name, where)
 
 
 def _layer_chain(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, up: torch.Tensor,
