@@ -291,8 +291,7 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num
 def _down_kernel(h_ptr, w_ptr, routing_ptr, pair_rows_ptr, block_experts_ptr, out_ptr, num_pairs, hidden,
                  intermediate, stride_ht, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-                 PREFETCH: tl.constexpr = False, LINE_ELEMENTS: tl.constexpr = 64, LANES: tl.constexpr = 256,
-                 PDL: tl.constexpr = False):
+                 PREFETCH: tl.constexpr, LINE_ELEMENTS: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr = False):
     """out[pair, cols] = routing[pair] · (h[pair] · down[e, cols]), summed in fp32 and stored in out's dtype
     (w [E, H, I], contiguous). PREFETCH (direct tiles under PDL): the program's weight slab is asked of L2 first."""
     if PREFETCH:
