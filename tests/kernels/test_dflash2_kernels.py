@@ -93,7 +93,9 @@ def test_the_convolution_trains_where_it_runs() -> None:
     hidden, weights = torch.randn(24, 32), torch.randn(24, 32)
 
     def gradients(module: GroupedDynamicCausalConv, device: torch.device) -> list[torch.Tensor]:
-        x = hidden.to(device).requires_grad_()
+        # NOTE: a copy on every device: hidden.to(cpu) is hidden itself, and a second call would then copy a tensor
+        # that already requires grad (a non-leaf, whose .grad stays None) or accumulate into the first's .grad
+        x = hidden.to(device, copy=True).requires_grad_()
         convolved, dynamic = module.before(x, 8)
         (module.after(torch.tanh(convolved), dynamic, 8) * weights.to(device)).sum().backward()
         found = [x.grad, *(p.grad for p in module.parameters())]
