@@ -24,6 +24,10 @@ The layer rows route up to 16 tokens (decode bs 1 and 8, one verify block) with 
 (layers/fused_router.py); `--router-tokens 0` times the same rows on the router's GEMM and `fused_route` instead,
 the path before it (the flag is in the result's `args`).
 
+With `--parts kernels`, where each layer row's time goes (`kernel_breakdown`: mode, bs, tokens, device,
+wall_us_per_layer, kernel_us_per_layer, launches_per_layer, kernels): the layer rows' graph replayed under
+torch.profiler, each kernel's calls and device µs per layer (on the CPU, the leaf ops instead: counts only).
+
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
 set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps × pipeline stages; `--tile-grid full`, `small`, or `large`: tall
 blocks, wide column tiles and deeper pipelines for batches with many rows per expert; batches of up to 8 tokens also
@@ -61,8 +65,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.adaptive_verify import prefill
+from benchmarks.profile_events import cycle_table
 from benchmarks.results import add_out_argument, plot_result, result_path, write_json
 from benchmarks.serving_vs_engine import MODES as SERVING_MODES
 from benchmarks.serving_vs_engine_support import CLIENTS
@@ -236,22 +242,29 @@ def dummy_layer(config: dict[str, Any], device: torch.device, dtype: torch.dtype
     return layer
 
 
-def graphed_ms(runs: list[Callable[[], Any]], device: torch.device, repeat: int) -> float:
-    """ms per run of `runs` (one per layer copy, each reading its own weights), after one warm-up of each (which
-    compiles its kernels). On CUDA all of them are captured in one CUDA graph (which also shows they capture) and the
-    graph replays back to back: a layer's share of the device time, as inside a model's graph, without the launch
-    and synchronisation of a graph of its own. NOTE: distinct copies, so no layer reads weights a previous run left
-    in L2."""
+def graphed(runs: list[Callable[[], Any]], device: torch.device) -> Callable[[], Any]:
+    """What runs `runs` once each, in order, after one warm-up of each (which compiles its kernels): on CUDA the
+    replay of one CUDA graph that captured them all (which also shows they capture), on the CPU the runs."""
     for run in runs:
         run()
+    if device.type != "cuda":
+        return lambda: [run() for run in runs]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for run in runs:
+            run()
+    return graph.replay
+
+
+def graphed_ms(runs: list[Callable[[], Any]], device: torch.device, repeat: int) -> float:
+    """ms per run of `runs` (one per layer copy, each reading its own weights), replayed back to back (`graphed`): a
+    layer's share of the device time, as inside a model's graph, without the launch and synchronisation of a graph of
+    its own. NOTE: distinct copies, so no layer reads weights a previous run left in L2."""
+    replay = graphed(runs, device)
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for run in runs:
-                run()
-        return steady(device, repeat, graph.replay) / len(runs)
-    return timer(device, repeat)(lambda: [run() for run in runs]) / len(runs)
+        return steady(device, repeat, replay) / len(runs)
+    return timer(device, repeat)(replay) / len(runs)
 
 
 def layer_copies(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
@@ -291,6 +304,41 @@ def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.d
             rows.append({"mode": mode, "bs": bs, "tokens": tokens, "step_ms": ms,
                          "touched_experts_per_layer": touched, "floor_ms": floor_ms, "over_floor": ms / floor_ms})
             print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def kernel_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device,
+                dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Where a layer row's time goes: per mode and batch size, --profile-replays replays of the layer rows' graph
+    (--layer-copies layers) under torch.profiler, reduced per layer (benchmarks/profile_events.py): each kernel's
+    calls and device µs, their sum, and the layer's wall time from the same replays. NOTE: under PDL a kernel's
+    start overlaps its predecessor's tail, so the kernels' sum can exceed the wall time; where it falls short, the
+    device sat idle between kernels (launch gaps, dependent waits)."""
+    layers = layer_copies(config, args, device, dtype)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rows = []
+    for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
+        for bs in args.batch_sizes:
+            tokens = bs * per_request
+            x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)
+            out = torch.empty_like(x)
+            with torch.no_grad():
+                replay = graphed([lambda layer=layer: layer(x, out) for layer in layers], device)
+                wall_ms = (steady(device, args.repeat, replay) if cuda else timer(device, args.repeat)(replay))
+                with profile(activities=activities) as trace:
+                    for _ in range(args.profile_replays):
+                        replay()
+                    if cuda:
+                        torch.cuda.synchronize()
+            table = cycle_table(trace.events(), args.profile_replays * len(layers), cuda)
+            rows.append({"mode": mode, "bs": bs, "tokens": tokens, "device": table.device,
+                         "wall_us_per_layer": wall_ms * 1e3 / len(layers),
+                         "kernel_us_per_layer": table.us_per_cycle, "launches_per_layer": table.ops_per_cycle,
+                         "kernels": table.top("name", args.top_kernels)})
+            print(json.dumps({key: value for key, value in rows[-1].items() if key != "kernels"}), flush=True)
+            for kernel in rows[-1]["kernels"]:
+                print(f"    {kernel['us_per_cycle']:9.2f} us {kernel['calls_per_cycle']:6.2f}x  {kernel['name'][:90]}")
     return rows
 
 
@@ -500,8 +548,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--router-tokens", type=int, default=None,
                         help="the layer rows' fused router runs up to this many tokens (0: the router's GEMM and "
                              "fused_route at every batch, the path before the fused router); default: SparseMoe's")
-    parser.add_argument("--parts", nargs="+", choices=("layer", "tiles", "step", "serving"),
+    parser.add_argument("--parts", nargs="+", choices=("layer", "kernels", "tiles", "step", "serving"),
                         default=["layer", "step"])
+    parser.add_argument("--profile-replays", type=int, default=5,
+                        help="kernels: graph replays profiled per row (each runs --layer-copies layers)")
+    parser.add_argument("--top-kernels", type=int, default=12, help="kernels: the heaviest kernels kept per row")
     parser.add_argument("--tile-grid", choices=tuple(TILE_GRIDS), default="full",
                         help="the tile sets the `tiles` part times (full, the default: 64 sets and 64 direct ones; "
                              "small: 2 and 3; large: 72)")
@@ -549,6 +600,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         target_dir, draft_dir = write_configs(Path(tmp), args.shape)
         if "layer" in args.parts:
             report["rows"] += layer_rows(config, args, device, dtype, bandwidth)
+            write_json(path, report)
+        if "kernels" in args.parts:
+            report["kernel_breakdown"] = kernel_rows(config, args, device, dtype)
             write_json(path, report)
         if "tiles" in args.parts:
             report["tile_sweep"] = tile_rows(config, args, device, dtype, bandwidth)

@@ -76,22 +76,23 @@ plan() {
          "scripts/device.sh bench dflash2 --part heldout --state .device-state/draft_v2 --heldout-draft" \
          "v6=blockspec/assets/smollm2-135m-dflash-b16 dflash2=.device-state/draft_v2/runs/dflash2 (the held-out" \
          "sets and the 1-client speed-up, v6 beside it; timeout 420)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer --batch-sizes 1 8 32 64" \
-         "(#51: the layer against its floor, about 20 s; 23cf764 read decode bs 1 1.55x, verify bs 64 1.57x, every" \
-         "other row <= 1.29x; --router-tokens 0 --tag unfused for the router unfused); then" \
-         "BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts tiles --batch-sizes 1 --tag tiles (the direct" \
-         "sets with the fold that streams the k experts together since session 40, against down + combine: if a" \
-         "folded set wins at decode bs 1, DIRECT_TILES takes it)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer kernels --batch-sizes 1 8 32 64" \
+         "(#51: the layer against its floor, and each kernel's device us per layer, about 40 s; 83b4158 read decode" \
+         "bs 1 1.57x (1.9 us over 1.5x), verify bs 64 1.52x (8 us over), every other row <= 1.26x;" \
+         "--router-tokens 0 --tag unfused for the router unfused); the tile sweep" \
+         "(BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts tiles --batch-sizes 1 --tile-grid small --tag" \
+         "tiles) only when the tiles changed: at 83b4158 down + combine (1.29x) beat prefetch_down (1.53x) and the" \
+         "fold (2.49x)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash ÷ target-only served at" \
          "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights, 306 s at 23cf764: 3.47x / 2.05x; only" \
          "when the MoE or serving path changed)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows, about 300 s, first after the" \
-         "chain: 657fc8c's intake poll takes the 46 us a step the H100 read in intake; 12eb7d2: DFlash" \
-         "1.00 / 1.00, target-only 0.93 / 0.84 against one engine read; every other #49 row met; 23cf764's" \
-         "--enable-mixed-chunk row read 0.78 for /generate, before 6128467 ran mixed steps behind the step in" \
-         "flight); in the same call the A/B: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
+         "chain; 83b4158 on a slow H100 host: DFlash 0.97 / 0.96, target-only 0.85 / 0.87 at 64 clients" \
+         "(generate / chat); every other #49 row met at 12eb7d2; --enable-mixed-chunk read +5.5 % served tok/s on" \
+         "/generate and -0.4 % on chat at 83b4158, so run it twice alternating with the default); in the same" \
+         "call the A/B: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--modes target --concurrency 64 --extra-flags=--enable-mixed-chunk --tag demo_target_mixed (about 120 s;" \
          "if it beats the default on both clients, then on the 8B rows, it becomes the default). Flags after" \

@@ -38,6 +38,21 @@ def test_tiny_shape_writes_the_rows(tmp_path: Path) -> None:
     assert steps[("dflash_cycle", 3)]["tokens_per_step"] > 3  # simulated acceptance: several tokens per request
 
 
+def test_kernel_breakdown_names_each_layer_rows_launches(tmp_path: Path) -> None:
+    """`--parts kernels`: per layer mode and batch size, the profiled replays reduced per layer: launches counted
+    (on the CPU the leaf ops), their time and the heaviest of them, which sum to no more than the total."""
+    assert moe.main(["--shape", "tiny", "--dtype", "float32", "--batch-sizes", "1", "3", "--repeat", "1",
+                     "--parts", "kernels", "--profile-replays", "2", "--top-kernels", "3", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("moe_*.json")
+    rows = json.loads(path.read_text())["kernel_breakdown"]
+    assert [(r["mode"], r["bs"]) for r in rows] == [(m, bs) for m in ("layer_decode", "layer_verify") for bs in (1, 3)]
+    for row in rows:
+        assert row["device"] == "cpu" and row["wall_us_per_layer"] > 0 and row["launches_per_layer"] >= 3
+        assert 0 < len(row["kernels"]) <= 3
+        assert sum(k["us_per_cycle"] for k in row["kernels"]) <= row["kernel_us_per_layer"] + 0.01  # NOTE: rounded
+        assert all(k["calls_per_cycle"] > 0 and k["name"] for k in row["kernels"])
+
+
 def test_tile_sweep_times_every_set_of_the_grid(tmp_path: Path) -> None:
     """`--parts tiles`: one row per tile set of the grid, per layer mode and batch size, exactly one of them marked as
     the set choose_tiles picks when that set is in the grid (the Triton kernels under the interpreter here)."""
