@@ -35,7 +35,8 @@ the direct sets, one pair per block without the sort, each with the down and com
 those again with the down weights asked of L2 while the gate/up kernel runs (prefetch_down), and with the combine
 folded into the down projection at each down_columns) on the layer's own routing, in a CUDA graph, beside the tiles
 `choose_tiles` picks; rows go to `tile_sweep` (mode, bs, block_m, block_n, block_k, num_warps, num_stages, direct,
-down_columns, prefetch_down, step_ms, over_floor, chosen). It is how choose_tiles's thresholds are set from measurements.
+down_columns, prefetch_down, step_ms, over_floor, chosen). It is how choose_tiles's thresholds are set from
+measurements.
 
 With `--parts serving`, #51's serving table: benchmarks/serving_vs_engine.py on the same shapes (dummy weights),
 DFlash (simulated accept length --accept-len) and target-only at 1 and 64 closed-loop clients, the offline engine and
@@ -62,7 +63,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -285,6 +286,21 @@ def routed_copies(layers: list[SparseMoe], x: torch.Tensor) -> tuple[list[tuple[
     return routed, sum(int(ids.unique().numel()) for _, ids in routed) / len(routed)
 
 
+def layer_batches(config: dict[str, Any], args: argparse.Namespace, device: torch.device,
+                  dtype: torch.dtype) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
+    """The layer rows' batches, in their order: (mode, bs, random hidden states x [tokens, H], an output like x) for
+    decode (one token a request) and verify (--block tokens a request) at each --batch-sizes."""
+    for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
+        for bs in args.batch_sizes:
+            x = torch.randn(bs * per_request, config["hidden_size"], device=device, dtype=dtype)
+            yield mode, bs, x, torch.empty_like(x)
+
+
+def layer_calls(layers: list[SparseMoe], x: torch.Tensor, out: torch.Tensor) -> list[Callable[[], Any]]:
+    """One call per layer copy: the layer over x, into out."""
+    return [lambda layer=layer: layer(x, out) for layer in layers]
+
+
 def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                bandwidth: float) -> list[dict[str, Any]]:
     """One MoE layer per mode and batch size: --layer-copies layers in sequence in one CUDA graph on CUDA, per layer."""
@@ -292,18 +308,14 @@ def layer_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.d
     element = torch.empty(0, dtype=dtype).element_size()
     router_bytes = layers[0].gate.weight.numel() * element
     rows = []
-    for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
-        for bs in args.batch_sizes:
-            tokens = bs * per_request
-            x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)
-            out = torch.empty_like(x)
-            with torch.no_grad():
-                _, touched = routed_copies(layers, x)
-                ms = graphed_ms([lambda layer=layer: layer(x, out) for layer in layers], device, args.repeat)
-            floor_ms = (touched * expert_bytes(config, element) + router_bytes) / bandwidth * 1e3
-            rows.append({"mode": mode, "bs": bs, "tokens": tokens, "step_ms": ms,
-                         "touched_experts_per_layer": touched, "floor_ms": floor_ms, "over_floor": ms / floor_ms})
-            print(json.dumps(rows[-1]), flush=True)
+    for mode, bs, x, out in layer_batches(config, args, device, dtype):
+        with torch.no_grad():
+            _, touched = routed_copies(layers, x)
+            ms = graphed_ms(layer_calls(layers, x, out), device, args.repeat)
+        floor_ms = (touched * expert_bytes(config, element) + router_bytes) / bandwidth * 1e3
+        rows.append({"mode": mode, "bs": bs, "tokens": x.shape[0], "step_ms": ms,
+                     "touched_experts_per_layer": touched, "floor_ms": floor_ms, "over_floor": ms / floor_ms})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -318,27 +330,23 @@ def kernel_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     rows = []
-    for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
-        for bs in args.batch_sizes:
-            tokens = bs * per_request
-            x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)
-            out = torch.empty_like(x)
-            with torch.no_grad():
-                replay = graphed([lambda layer=layer: layer(x, out) for layer in layers], device)
-                wall_ms = (steady(device, args.repeat, replay) if cuda else timer(device, args.repeat)(replay))
-                with profile(activities=activities) as trace:
-                    for _ in range(args.profile_replays):
-                        replay()
-                    if cuda:
-                        torch.cuda.synchronize()
-            table = cycle_table(trace.events(), args.profile_replays * len(layers), cuda)
-            rows.append({"mode": mode, "bs": bs, "tokens": tokens, "device": table.device,
-                         "wall_us_per_layer": wall_ms * 1e3 / len(layers),
-                         "kernel_us_per_layer": table.us_per_cycle, "launches_per_layer": table.ops_per_cycle,
-                         "kernels": table.top("name", args.top_kernels)})
-            print(json.dumps({key: value for key, value in rows[-1].items() if key != "kernels"}), flush=True)
-            for kernel in rows[-1]["kernels"]:
-                print(f"    {kernel['us_per_cycle']:9.2f} us {kernel['calls_per_cycle']:6.2f}x  {kernel['name'][:90]}")
+    for mode, bs, x, out in layer_batches(config, args, device, dtype):
+        with torch.no_grad():
+            replay = graphed(layer_calls(layers, x, out), device)
+            wall_ms = steady(device, args.repeat, replay)
+            with profile(activities=activities) as trace:
+                for _ in range(args.profile_replays):
+                    replay()
+                if cuda:
+                    torch.cuda.synchronize()
+        table = cycle_table(trace.events(), args.profile_replays * len(layers), cuda)
+        rows.append({"mode": mode, "bs": bs, "tokens": x.shape[0], "device": table.device,
+                     "wall_us_per_layer": wall_ms * 1e3 / len(layers),
+                     "kernel_us_per_layer": table.us_per_cycle, "launches_per_layer": table.ops_per_cycle,
+                     "kernels": table.top("name", args.top_kernels)})
+        print(json.dumps({key: value for key, value in rows[-1].items() if key != "kernels"}), flush=True)
+        for kernel in rows[-1]["kernels"]:
+            print(f"    {kernel['us_per_cycle']:9.2f} us {kernel['calls_per_cycle']:6.2f}x  {kernel['name'][:90]}")
     return rows
 
 
