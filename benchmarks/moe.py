@@ -28,6 +28,10 @@ With `--parts kernels`, where each layer row's time goes (`kernel_breakdown`: mo
 wall_us_per_layer, kernel_us_per_layer, launches_per_layer, kernels): the layer rows' graph replayed under
 torch.profiler, each kernel's calls and device µs per layer (on the CPU, the leaf ops instead: counts only).
 
+With `--parts router`, the router alone (`router_sweep`: tokens, path, experts_per_program, num_warps, us, chosen)
+at each token count of the layer rows up to the fused router's limit: the fused router at each launch shape of
+ROUTER_GRID beside the router's GEMM + `fused_route`, in a CUDA graph of --layer-copies routers.
+
 With `--parts tiles`, the fused experts' tile sweep: per layer mode and batch size, `fused_experts` with each tile
 set of a grid (BLOCK_M × BLOCK_N × BLOCK_K × warps × pipeline stages; `--tile-grid full`, `small`, or `large`: tall
 blocks, wide column tiles and deeper pipelines for batches with many rows per expert; batches of up to 8 tokens also
@@ -88,6 +92,11 @@ TILE_GRIDS = {
                   num_stages=(4, 5), down_columns=(None,)),
 }
 DIRECT_MAX_TOKENS = 8  # NOTE: batches up to this many tokens also time the direct sets (one pair per block, no sort)
+# NOTE: the fused router's launch shapes the `router` part times: experts a program and warps, those pairs whose
+# program holds at most ROUTER_MAX_PARTIALS fp32 partial sums a thread (the default, 4 experts over 4 warps at hidden
+# 2048, holds 64; more would spill)
+ROUTER_GRID = dict(experts_per_program=(1, 2, 4, 8), num_warps=(1, 2, 4, 8))
+ROUTER_MAX_PARTIALS = 128
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
@@ -350,6 +359,48 @@ def kernel_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.
     return rows
 
 
+def router_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device,
+                dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The router alone (the routing's logits, softmax and top k) per token count a layer row routes with the fused
+    router: the fused router at each launch shape of ROUTER_GRID, and the router's GEMM + `fused_route` (the path
+    past FUSED_ROUTER_MAX_TOKENS), --layer-copies routers (own weights and counters each) in one CUDA graph, µs per
+    router; `chosen` marks the shape the layer launches."""
+    import triton
+
+    from blockspec.layers.fused_moe import fused_route
+    from blockspec.layers.fused_router import (EXPERTS_PER_PROGRAM, FUSED_ROUTER_MAX_TOKENS, MAX_BLOCK_H, NUM_WARPS,
+                                               fused_router, new_router_counters)
+
+    layers = layer_copies(config, args, device, dtype, backend="triton")
+    routing = layers[0].routing
+    gates = [layer.gate.weight for layer in layers]
+    counters = [new_router_counters(device) for _ in layers]
+    chunk = min(MAX_BLOCK_H, triton.next_power_of_2(config["hidden_size"]))
+    shapes = [(experts, warps) for experts in ROUTER_GRID["experts_per_program"] for warps in ROUTER_GRID["num_warps"]
+              if experts * chunk <= ROUTER_MAX_PARTIALS * 32 * warps]
+    token_counts = sorted({x.shape[0] for _, _, x, _ in layer_batches(config, args, device, dtype)
+                           if x.shape[0] <= FUSED_ROUTER_MAX_TOKENS})
+    rows = []
+    for tokens in token_counts:
+        x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)
+        with torch.no_grad():
+            for experts, warps in shapes:
+                runs = [lambda gate=gate, counter=counter, experts=experts, warps=warps: fused_router(
+                    x, gate, counter, routing.top_k, routing.renormalize, experts, warps)
+                    for gate, counter in zip(gates, counters)]
+                rows.append({"tokens": tokens, "path": "fused", "experts_per_program": experts, "num_warps": warps,
+                             "us": graphed_ms(runs, device, args.repeat) * 1e3,
+                             "chosen": (experts, warps) == (EXPERTS_PER_PROGRAM, NUM_WARPS)})
+            runs = [lambda gate=gate: fused_route(torch.nn.functional.linear(x, gate), routing.num_experts,
+                                                  routing.top_k, routing.renormalize) for gate in gates]
+            rows.append({"tokens": tokens, "path": "gemm_route", "experts_per_program": None, "num_warps": None,
+                         "us": graphed_ms(runs, device, args.repeat) * 1e3, "chosen": False})
+        best = min((row for row in rows if row["tokens"] == tokens), key=lambda row: row["us"])
+        print(json.dumps({"tokens": tokens, "chosen_us": next(r["us"] for r in rows if r["tokens"] == tokens
+                                                              and r["chosen"]), "best": best}), flush=True)
+    return rows
+
+
 def tile_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
               bandwidth: float) -> list[dict[str, Any]]:
     """fused_experts per tile set of the grid, per layer mode and batch size (the layer's routing of random tokens),
@@ -556,7 +607,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--router-tokens", type=int, default=None,
                         help="the layer rows' fused router runs up to this many tokens (0: the router's GEMM and "
                              "fused_route at every batch, the path before the fused router); default: SparseMoe's")
-    parser.add_argument("--parts", nargs="+", choices=("layer", "kernels", "tiles", "step", "serving"),
+    parser.add_argument("--parts", nargs="+", choices=("layer", "kernels", "router", "tiles", "step", "serving"),
                         default=["layer", "step"])
     parser.add_argument("--profile-replays", type=int, default=5,
                         help="kernels: graph replays profiled per row (each runs --layer-copies layers)")
@@ -611,6 +662,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             write_json(path, report)
         if "kernels" in args.parts:
             report["kernel_breakdown"] = kernel_rows(config, args, device, dtype)
+            write_json(path, report)
+        if "router" in args.parts:
+            report["router_sweep"] = router_rows(config, args, device, dtype)
             write_json(path, report)
         if "tiles" in args.parts:
             report["tile_sweep"] = tile_rows(config, args, device, dtype, bandwidth)

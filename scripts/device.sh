@@ -78,8 +78,10 @@ plan() {
          "scripts/device.sh bench dflash2 --part heldout --state .device-state/draft_v2 --heldout-draft" \
          "v6=blockspec/assets/smollm2-135m-dflash-b16 dflash2=.device-state/draft_v2/runs/dflash2 (the held-out" \
          "sets and the 1-client speed-up, v6 beside it; timeout 420)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer kernels --batch-sizes 1 8 32 64" \
-         "(#51: the layer against its floor, and each kernel's device us per layer, about 40 s; 83b4158 read decode" \
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer kernels router --batch-sizes 1 8 32" \
+         "64 (#51: the layer against its floor, each kernel's device us per layer, and the router alone at each" \
+         "launch shape (if one beats 4 experts x 4 warps at 1 and 16 tokens, make it fused_router's default and run" \
+         "the suite again), about 60 s; 83b4158 read decode" \
          "bs 1 1.57x (1.9 us over 1.5x), verify bs 64 1.52x (8 us over), every other row <= 1.26x;" \
          "--router-tokens 0 --tag unfused for the router unfused); the tile sweep" \
          "(BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts tiles --batch-sizes 1 --tile-grid small --tag" \

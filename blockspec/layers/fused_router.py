@@ -100,11 +100,14 @@ def _router_kernel(x_ptr, w_ptr, logits_ptr, counters_ptr, weights_ptr, ids_ptr,
         tl.store(counters_ptr + token, 0)  # NOTE: every other program of the token has counted: no race
 
 
-def fused_router(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, top_k: int,
-                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_router(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, top_k: int, renormalize: bool,
+                 experts_per_program: int = EXPERTS_PER_PROGRAM,
+                 num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_route(F.linear(x, weight), E, top_k, renormalize) in one launch: (weights [T, k] float32, expert ids
     [T, k] int64) for hidden states x [T, H] and the router weight [E, H] (nn.Linear's layout, same dtype as x).
-    `counters`: the layer's zeroed arrival counters (new_router_counters), left zeroed; T <= their number."""
+    `counters`: the layer's zeroed arrival counters (new_router_counters), left zeroed; T <= their number.
+    `experts_per_program` (a power of two) and `num_warps` shape the launch, not its result: the layer uses the
+    defaults, and `benchmarks/moe.py --parts router` times the others."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
@@ -116,12 +119,14 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, 
     assert weight.shape[1] == hidden and weight.dtype == x.dtype, (tuple(weight.shape), weight.dtype, x.dtype)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and counters.dtype == torch.int32
     logits = torch.empty((num_tokens, num_experts), dtype=x.dtype, device=x.device)  # NOTE: scratch
-    grid = (num_tokens, triton.cdiv(num_experts, EXPERTS_PER_PROGRAM))
+    if experts_per_program < 1 or experts_per_program & (experts_per_program - 1):
+        raise ValueError(f"fused_router: experts_per_program must be a power of two, got {experts_per_program}")
+    grid = (num_tokens, triton.cdiv(num_experts, experts_per_program))
     _router_kernel[grid](
         x, weight, logits, counters, weights, ids, num_experts, hidden, x.stride(0), weight.stride(0),
-        logits.stride(0), TOP_K=top_k, EXPERTS_PER_PROGRAM=EXPERTS_PER_PROGRAM,
+        logits.stride(0), TOP_K=top_k, EXPERTS_PER_PROGRAM=experts_per_program,
         BLOCK_H=min(MAX_BLOCK_H, triton.next_power_of_2(hidden)), **routing_blocks(num_experts, top_k),
-        RENORMALIZE=renormalize, num_warps=NUM_WARPS,
+        RENORMALIZE=renormalize, num_warps=num_warps,
         **pdl_launch(x),
     )
     return weights, ids

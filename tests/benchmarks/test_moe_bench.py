@@ -53,6 +53,25 @@ def test_kernel_breakdown_names_each_layer_rows_launches(tmp_path: Path) -> None
         assert all(k["calls_per_cycle"] > 0 and k["name"] for k in row["kernels"])
 
 
+def test_router_sweep_times_each_launch_shape(tmp_path: Path) -> None:
+    """`--parts router`: per token count of the layer rows that the fused router takes, one row per launch shape of
+    the grid that fits (the default marked chosen) and one for the GEMM + fused_route path (the Triton kernels under
+    the interpreter here)."""
+    assert moe.main(["--shape", "tiny", "--dtype", "float32", "--batch-sizes", "1", "3", "--repeat", "1",
+                     "--parts", "router", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("moe_*.json")
+    rows = json.loads(path.read_text())["router_sweep"]
+    block = moe.TINY_DRAFT["block_size"]
+    assert sorted({r["tokens"] for r in rows}) == sorted({1, 3, block, 3 * block} & set(range(1, 17)))
+    for tokens in {r["tokens"] for r in rows}:
+        fused = [r for r in rows if r["tokens"] == tokens and r["path"] == "fused"]
+        shapes = {(r["experts_per_program"], r["num_warps"]) for r in fused}
+        assert len(shapes) == len(fused) and (4, 4) in shapes and (1, 1) in shapes
+        assert [r["chosen"] for r in fused].count(True) == 1
+        assert [r["path"] for r in rows if r["tokens"] == tokens].count("gemm_route") == 1
+        assert all(r["us"] > 0 for r in rows)
+
+
 def test_tile_sweep_times_every_set_of_the_grid(tmp_path: Path) -> None:
     """`--parts tiles`: one row per tile set of the grid, per layer mode and batch size, exactly one of them marked as
     the set choose_tiles picks when that set is in the grid (the Triton kernels under the interpreter here)."""

@@ -98,6 +98,21 @@ def test_hidden_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     check_equals_gate_then_route(x, gate, 3, True)
 
 
+@pytest.mark.parametrize("experts_per_program, num_warps", [(1, 1), (2, 2), (8, 1), (16, 4)])
+def test_launch_shapes_route_alike(experts_per_program: int, num_warps: int) -> None:
+    """Every launch shape (`benchmarks/moe.py --parts router` times them) routes as the gate then the routing, with
+    a last program group that is partly past the experts; a shape that is no power of two is an error."""
+    x, gate = exact_inputs(3, 40, 13, torch.float32, seed=experts_per_program)
+    counters = new_router_counters(DEVICE)
+    weights, ids = fused_router(x, gate.weight, counters, 3, True, experts_per_program, num_warps)
+    assert torch.count_nonzero(counters).item() == 0
+    with torch.no_grad():
+        expected_weights, expected_ids = fused_route(gate(x), 13, 3, True)
+    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+    with pytest.raises(ValueError, match="power of two"):
+        fused_router(x, gate.weight, counters, 3, True, 3, num_warps)
+
+
 def test_counters_are_reset_for_the_next_launch() -> None:
     """The same counters across launches of other inputs and token counts (as graph replays and the next layer's
     call): each launch finds them zeroed, routes right, and leaves them zeroed."""
