@@ -62,8 +62,9 @@ plan() {
          "whole session with the suite, as session 40 ran it (23cf764: the chain ran out of the H100's memory, the" \
          "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
          "part00] \`scripts/train_draft_v2.sh stash && scripts/device.sh gpu-test\` (the chain's clock starts here;" \
-         "leave gpu-test out when blockspec/ is unchanged since the last suite run, 83b4158 with d09b5cc's two test" \
-         "fixes: it takes about 230 s of the training's budget);" \
+         "leave gpu-test out only when a whole suite already ran on the head's blockspec/ (the last: 83b4158, with" \
+         "d09b5cc's two test fixes; c27c27c changed fused_router since): it takes about 230 s of the training's" \
+         "budget);" \
          "carry [.carry/gsm8k/train.jsonl, .carry/draft_v2/responses.tar.xz if there is one, part01] stash (a" \
          "fresh checkout has none: .carry is not committed, and 23cf764's 53,986 answers went with session 41's" \
          "checkout; the data stage then generates them, 50,986 in 130 s at 1ce39de, and hands back" \
