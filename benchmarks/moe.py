@@ -24,9 +24,10 @@ The layer rows route up to 16 tokens (decode bs 1 and 8, one verify block) with 
 (layers/fused_router.py); `--router-tokens 0` times the same rows on the router's GEMM and `fused_route` instead,
 the path before it (the flag is in the result's `args`).
 
-With `--parts kernels`, where each layer row's time goes (`kernel_breakdown`: mode, bs, tokens, device,
+With `--parts kernels`, where each layer row's time goes (`kernel_breakdown`: mode, bs, tokens, device, in_graph,
 wall_us_per_layer, kernel_us_per_layer, launches_per_layer, kernels): the layer rows' graph replayed under
-torch.profiler, each kernel's calls and device µs per layer (on the CPU, the leaf ops instead: counts only).
+torch.profiler, each kernel's calls and device µs per layer (in_graph False: CUPTI reported no kernel inside the
+replays, so the layers ran eagerly; on the CPU, the leaf ops instead: counts only).
 
 With `--parts router`, the router alone (`router_sweep`: tokens, path, experts_per_program, num_warps, us, chosen)
 at each token count of the layer rows up to the fused router's limit: the fused router at each launch shape of
@@ -73,7 +74,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.adaptive_verify import prefill
-from benchmarks.profile_events import cycle_table
+from benchmarks.profile_events import CycleTable, cycle_table
 from benchmarks.results import add_out_argument, plot_result, result_path, write_json
 from benchmarks.serving_vs_engine import MODES as SERVING_MODES
 from benchmarks.serving_vs_engine_support import CLIENTS
@@ -338,18 +339,25 @@ def kernel_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.
     layers = layer_copies(config, args, device, dtype)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def launches(run: Callable[[], Any]) -> CycleTable:
+        with profile(activities=activities) as trace:
+            for _ in range(args.profile_replays):
+                run()
+            if cuda:
+                torch.cuda.synchronize()
+        return cycle_table(trace.events(), args.profile_replays * len(layers), cuda)
+
     rows = []
     for mode, bs, x, out in layer_batches(config, args, device, dtype):
+        calls = layer_calls(layers, x, out)
         with torch.no_grad():
-            replay = graphed(layer_calls(layers, x, out), device)
+            replay = graphed(calls, device)
             wall_ms = steady(device, args.repeat, replay)
-            with profile(activities=activities) as trace:
-                for _ in range(args.profile_replays):
-                    replay()
-                if cuda:
-                    torch.cuda.synchronize()
-        table = cycle_table(trace.events(), args.profile_replays * len(layers), cuda)
-        rows.append({"mode": mode, "bs": bs, "tokens": x.shape[0], "device": table.device,
+            table, in_graph = launches(replay), cuda
+            if cuda and table.kernels_per_cycle == 0:  # NOTE: CUPTI saw no kernel inside the replays: the calls eagerly
+                table, in_graph = launches(lambda: [call() for call in calls]), False
+        rows.append({"mode": mode, "bs": bs, "tokens": x.shape[0], "device": table.device, "in_graph": in_graph,
                      "wall_us_per_layer": wall_ms * 1e3 / len(layers),
                      "kernel_us_per_layer": table.us_per_cycle, "launches_per_layer": table.ops_per_cycle,
                      "kernels": table.top("name", args.top_kernels)})
