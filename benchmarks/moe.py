@@ -296,14 +296,20 @@ def routed_copies(layers: list[SparseMoe], x: torch.Tensor) -> tuple[list[tuple[
     return routed, sum(int(ids.unique().numel()) for _, ids in routed) / len(routed)
 
 
-def layer_batches(config: dict[str, Any], args: argparse.Namespace, device: torch.device,
-                  dtype: torch.dtype) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
-    """The layer rows' batches, in their order: (mode, bs, random hidden states x [tokens, H], an output like x) for
-    decode (one token a request) and verify (--block tokens a request) at each --batch-sizes."""
+def layer_shapes(args: argparse.Namespace) -> Iterator[tuple[str, int, int]]:
+    """The layer rows, in their order: (mode, bs, tokens) for decode (one token a request) and verify (--block tokens
+    a request) at each --batch-sizes."""
     for mode, per_request in (("layer_decode", 1), ("layer_verify", args.block)):
         for bs in args.batch_sizes:
-            x = torch.randn(bs * per_request, config["hidden_size"], device=device, dtype=dtype)
-            yield mode, bs, x, torch.empty_like(x)
+            yield mode, bs, bs * per_request
+
+
+def layer_batches(config: dict[str, Any], args: argparse.Namespace, device: torch.device,
+                  dtype: torch.dtype) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
+    """Per layer row (`layer_shapes`): (mode, bs, random hidden states x [tokens, H], an output like x)."""
+    for mode, bs, tokens in layer_shapes(args):
+        x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)
+        yield mode, bs, x, torch.empty_like(x)
 
 
 def layer_calls(layers: list[SparseMoe], x: torch.Tensor, out: torch.Tensor) -> list[Callable[[], Any]]:
@@ -333,9 +339,9 @@ def kernel_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.
                 dtype: torch.dtype) -> list[dict[str, Any]]:
     """Where a layer row's time goes: per mode and batch size, --profile-replays replays of the layer rows' graph
     (--layer-copies layers) under torch.profiler, reduced per layer (benchmarks/profile_events.py): each kernel's
-    calls and device µs, their sum, and the layer's wall time from the same replays. NOTE: under PDL a kernel's
-    start overlaps its predecessor's tail, so the kernels' sum can exceed the wall time; where it falls short, the
-    device sat idle between kernels (launch gaps, dependent waits)."""
+    calls and device µs, their sum, and the layer's wall time (timed replays of the same graph). NOTE: under PDL a
+    kernel's start overlaps its predecessor's tail, so the kernels' sum can exceed the wall time; where it falls
+    short, the device sat idle between kernels (launch gaps, dependent waits)."""
     layers = layer_copies(config, args, device, dtype)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -386,8 +392,7 @@ def router_rows(config: dict[str, Any], args: argparse.Namespace, device: torch.
     chunk = min(MAX_BLOCK_H, triton.next_power_of_2(config["hidden_size"]))
     shapes = [(experts, warps) for experts in ROUTER_GRID["experts_per_program"] for warps in ROUTER_GRID["num_warps"]
               if experts * chunk <= ROUTER_MAX_PARTIALS * 32 * warps]
-    token_counts = sorted({x.shape[0] for _, _, x, _ in layer_batches(config, args, device, dtype)
-                           if x.shape[0] <= FUSED_ROUTER_MAX_TOKENS})
+    token_counts = sorted({tokens for _, _, tokens in layer_shapes(args) if tokens <= FUSED_ROUTER_MAX_TOKENS})
     rows = []
     for tokens in token_counts:
         x = torch.randn(tokens, config["hidden_size"], device=device, dtype=dtype)

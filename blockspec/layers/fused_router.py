@@ -108,6 +108,8 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, 
     `counters`: the layer's zeroed arrival counters (new_router_counters), left zeroed; T <= their number.
     `experts_per_program` (a power of two) and `num_warps` shape the launch, not its result: the layer uses the
     defaults, and `benchmarks/moe.py --parts router` times the others."""
+    if experts_per_program < 1 or experts_per_program & (experts_per_program - 1):
+        raise ValueError(f"fused_router: experts_per_program must be a power of two, got {experts_per_program}")
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
@@ -119,8 +121,6 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, 
     assert weight.shape[1] == hidden and weight.dtype == x.dtype, (tuple(weight.shape), weight.dtype, x.dtype)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and counters.dtype == torch.int32
     logits = torch.empty((num_tokens, num_experts), dtype=x.dtype, device=x.device)  # NOTE: scratch
-    if experts_per_program < 1 or experts_per_program & (experts_per_program - 1):
-        raise ValueError(f"fused_router: experts_per_program must be a power of two, got {experts_per_program}")
     grid = (num_tokens, triton.cdiv(num_experts, experts_per_program))
     _router_kernel[grid](
         x, weight, logits, counters, weights, ids, num_experts, hidden, x.stride(0), weight.stride(0),

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import blockspec.layers.fused_router as fused_router_module  # noqa: E402
 from blockspec.layers.fused_moe import fused_route  # noqa: E402
 from blockspec.layers.fused_router import (  # noqa: E402
-    EXPERTS_PER_PROGRAM, FUSED_ROUTER_MAX_TOKENS, fused_router, new_router_counters,
+    EXPERTS_PER_PROGRAM, FUSED_ROUTER_MAX_TOKENS, NUM_WARPS, fused_router, new_router_counters,
 )
 from blockspec.layers.kernel_mode import KernelMode  # noqa: E402
 from blockspec.layers.linear import Linear  # noqa: E402
@@ -40,13 +40,14 @@ def exact_inputs(tokens: int, hidden: int, experts: int, dtype: torch.dtype,
 
 
 def check_equals_gate_then_route(x: torch.Tensor, gate: Linear, top_k: int, renormalize: bool,
-                                 counters: Optional[torch.Tensor] = None) -> int:
-    """fused_router == fused_route(gate(x)) exactly; == route(gate(x)) (torch) as sets of experts with their
-    weights, on the tokens whose k-th and (k+1)-th logits do not tie (there torch.topk picks its own way). Returns
-    how many tokens the torch comparison covered."""
+                                 counters: Optional[torch.Tensor] = None,
+                                 launch: tuple[int, int] = (EXPERTS_PER_PROGRAM, NUM_WARPS)) -> int:
+    """fused_router (at the launch shape `launch`: experts a program, warps) == fused_route(gate(x)) exactly; ==
+    route(gate(x)) (torch) as sets of experts with their weights, on the tokens whose k-th and (k+1)-th logits do not
+    tie (there torch.topk picks its own way). Returns how many tokens the torch comparison covered."""
     experts = gate.out_features
     counters = new_router_counters(DEVICE) if counters is None else counters
-    weights, ids = fused_router(x, gate.weight, counters, top_k, renormalize)
+    weights, ids = fused_router(x, gate.weight, counters, top_k, renormalize, *launch)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and weights.shape == (x.shape[0], top_k)
     assert torch.count_nonzero(counters).item() == 0  # NOTE: left as found, for the next launch or replay
     with torch.no_grad():
@@ -103,14 +104,9 @@ def test_launch_shapes_route_alike(experts_per_program: int, num_warps: int) -> 
     """Every launch shape (`benchmarks/moe.py --parts router` times them) routes as the gate then the routing, with
     a last program group that is partly past the experts; a shape that is no power of two is an error."""
     x, gate = exact_inputs(3, 40, 13, torch.float32, seed=experts_per_program)
-    counters = new_router_counters(DEVICE)
-    weights, ids = fused_router(x, gate.weight, counters, 3, True, experts_per_program, num_warps)
-    assert torch.count_nonzero(counters).item() == 0
-    with torch.no_grad():
-        expected_weights, expected_ids = fused_route(gate(x), 13, 3, True)
-    assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_weights)
+    check_equals_gate_then_route(x, gate, 3, True, launch=(experts_per_program, num_warps))
     with pytest.raises(ValueError, match="power of two"):
-        fused_router(x, gate.weight, counters, 3, True, 3, num_warps)
+        fused_router(x, gate.weight, new_router_counters(DEVICE), 3, True, 3, num_warps)
 
 
 def test_counters_are_reset_for_the_next_launch() -> None:
