@@ -35,14 +35,14 @@ from blockspec.pdl import pdl_launch, wait_for_previous_grid
 # the reads grow with T where the GEMM's do not, while what the fusion saves (a launch, and a GEMV PDL cannot
 # overlap) does not grow with T. Past a few tokens the GEMM + `fused_route` path is the better one.
 FUSED_ROUTER_MAX_TOKENS = 16
-# NOTE: 4 experts a program: 32 programs per token for 128 experts, each streaming 4 weight rows (16 KB at hidden
-# 2048 in bf16), so even one token keeps a few dozen SMs reading the weight at once while the last-arrival count
-# per token stays small. Not tuned on a GPU yet (docs/performance.md).
-EXPERTS_PER_PROGRAM = 4
+# NOTE: 2 experts a program over one warp: 64 programs per token for 128 experts, each streaming 2 weight rows (8 KB
+# at hidden 2048 in bf16), so even one token keeps most SMs reading the weight at once. Chosen by the router sweep
+# (`benchmarks/moe.py --parts router`, docs/performance.md): the fastest launch shape at 1, 8 and 16 tokens.
+EXPERTS_PER_PROGRAM = 2
 # NOTE: the hidden dimension is read in chunks of at most this many columns: all of Qwen3-30B-A3B's 2048 in one
-# load (EXPERTS_PER_PROGRAM x 2048 elements over 4 warps: 64 fp32 partial sums per thread).
+# load (EXPERTS_PER_PROGRAM x 2048 elements over one warp: 128 fp32 partial sums per thread, the sweep's limit).
 MAX_BLOCK_H = 2048
-NUM_WARPS = 4
+NUM_WARPS = 1
 
 
 def new_router_counters(device: torch.device) -> torch.Tensor:
