@@ -105,6 +105,13 @@ def tile_choices(batch_invariant: bool = False) -> tuple[ExpertTiles, ...]:
 BATCH_INTEGERS = ("num_pairs", "num_blocks", "capacity")
 
 
+# NOTE: the warps `route_row` runs over, in both of its kernels: its softmax sum over E experts is a reduction whose
+# order follows the warps' layout, so two launches with other warp counts can round it to neighbouring floats once E
+# passes one warp's lanes (Qwen3-30B-A3B's 128). One warp suits one row of E ≤ 128: no shared-memory round trip in the
+# reductions, and it is what the fused router's fastest launch shape uses (docs/performance.md).
+ROUTE_NUM_WARPS = 1
+
+
 @triton.jit
 def route_row(logits, valid, weights_ptr, ids_ptr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
               BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
@@ -160,7 +167,8 @@ def fused_route(router_logits: torch.Tensor, num_experts: int, top_k: int,
     assert router_logits.stride(-1) == 1 and router_logits.shape[1] == num_experts
     _route_kernel[(num_tokens,)](
         router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
-        **routing_blocks(num_experts, top_k), RENORMALIZE=renormalize, **pdl_launch(router_logits),
+        **routing_blocks(num_experts, top_k), RENORMALIZE=renormalize, num_warps=ROUTE_NUM_WARPS,
+        **pdl_launch(router_logits),
     )
     return weights, ids
 

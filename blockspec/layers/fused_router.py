@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.fused_moe import route_row, routing_blocks
+from blockspec.layers.fused_moe import ROUTE_NUM_WARPS, route_row, routing_blocks
 from blockspec.pdl import pdl_launch, wait_for_previous_grid
 
 # NOTE: the fused router runs for at most this many tokens (decode up to batch 16, one verify block of 16). Its grid
@@ -42,7 +42,9 @@ EXPERTS_PER_PROGRAM = 2
 # NOTE: the hidden dimension is read in chunks of at most this many columns: all of Qwen3-30B-A3B's 2048 in one
 # load (EXPERTS_PER_PROGRAM x 2048 elements over one warp: 128 fp32 partial sums per thread, the sweep's limit).
 MAX_BLOCK_H = 2048
-NUM_WARPS = 1
+# NOTE: the last program routes over the launch's warps, so the default must be `fused_route`'s for the two paths to
+# route bit-alike (ROUTE_NUM_WARPS says why)
+NUM_WARPS = ROUTE_NUM_WARPS
 
 
 def new_router_counters(device: torch.device) -> torch.Tensor:
@@ -106,8 +108,9 @@ def fused_router(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, 
     """fused_route(F.linear(x, weight), E, top_k, renormalize) in one launch: (weights [T, k] float32, expert ids
     [T, k] int64) for hidden states x [T, H] and the router weight [E, H] (nn.Linear's layout, same dtype as x).
     `counters`: the layer's zeroed arrival counters (new_router_counters), left zeroed; T <= their number.
-    `experts_per_program` (a power of two) and `num_warps` shape the launch, not its result: the layer uses the
-    defaults, and `benchmarks/moe.py --parts router` times the others."""
+    `experts_per_program` (a power of two) and `num_warps` shape the launch: the layer uses the defaults, and
+    `benchmarks/moe.py --parts router` times the others. NOTE: the result does not depend on `experts_per_program`;
+    a `num_warps` other than ROUTE_NUM_WARPS may round the softmax sum differently once E passes 32 experts."""
     if experts_per_program < 1 or experts_per_program & (experts_per_program - 1):
         raise ValueError(f"fused_router: experts_per_program must be a power of two, got {experts_per_program}")
     num_tokens, hidden = x.shape

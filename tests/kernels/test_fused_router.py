@@ -102,7 +102,9 @@ def test_hidden_in_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("experts_per_program, num_warps", [(1, 1), (2, 2), (8, 1), (16, 4)])
 def test_launch_shapes_route_alike(experts_per_program: int, num_warps: int) -> None:
     """Every launch shape (`benchmarks/moe.py --parts router` times them) routes as the gate then the routing, with
-    a last program group that is partly past the experts; a shape that is no power of two is an error."""
+    a last program group that is partly past the experts; a shape that is no power of two is an error. NOTE: 13
+    experts, within one warp's lanes: past 32 only ROUTE_NUM_WARPS (the default) rounds the softmax sum as
+    `fused_route` does, which the 128-expert case of test_fused_router_equals_gate_then_route pins on a GPU."""
     x, gate = exact_inputs(3, 40, 13, torch.float32, seed=experts_per_program)
     check_equals_gate_then_route(x, gate, 3, True, launch=(experts_per_program, num_warps))
     with pytest.raises(ValueError, match="power of two"):
