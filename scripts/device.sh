@@ -62,8 +62,8 @@ plan() {
          "whole session with the suite, as session 40 ran it (23cf764: the chain ran out of the H100's memory, the" \
          "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
          "part00] \`scripts/train_draft_v2.sh stash && scripts/device.sh gpu-test\` (the chain's clock starts here;" \
-         "leave gpu-test out only when a whole suite already ran on the head's blockspec/ (the last: 83b4158, with" \
-         "d09b5cc's two test fixes; c27c27c changed fused_router since): it takes about 230 s of the training's" \
+         "leave gpu-test out only when a whole suite already ran on the head's blockspec/ (the last: c3885e2," \
+         "573 passed): it takes about 230 s of the training's" \
          "budget);" \
          "carry [.carry/gsm8k/train.jsonl, .carry/draft_v2/responses.tar.xz if there is one, part01] stash (a" \
          "fresh checkout has none: .carry is not committed, and 23cf764's 53,986 answers went with session 41's" \
@@ -81,27 +81,25 @@ plan() {
          "sets and the 1-client speed-up, v6 beside it; timeout 420)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer kernels router --batch-sizes 1 8 32" \
          "64 (#51: the layer against its floor, each kernel's device us per layer, and the router alone at each" \
-         "launch shape (if one beats 4 experts x 4 warps at 1 and 16 tokens, make it fused_router's default and run" \
-         "the suite again), about 60 s; 83b4158 read decode" \
-         "bs 1 1.57x (1.9 us over 1.5x), verify bs 64 1.52x (8 us over), every other row <= 1.26x;" \
+         "launch shape (2 experts x 1 warp, the default since 5a596b7, was the fastest at 1, 8 and 16 tokens)," \
+         "about 60 s, only when the MoE layer changed; c3885e2 read every row <= 1.5x: decode bs 1 1.48x, verify" \
+         "bs 64 1.46x (1.47-1.52x across runs of the same kernels), every other row <= 1.22x;" \
          "--router-tokens 0 --tag unfused for the router unfused); the tile sweep" \
          "(BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts tiles --batch-sizes 1 --tile-grid small --tag" \
          "tiles) only when the tiles changed: at 83b4158 down + combine (1.29x) beat prefetch_down (1.53x) and the" \
          "fold (2.49x)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash ÷ target-only served at" \
-         "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights, 306 s at 23cf764: 3.47x / 2.05x; only" \
+         "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights, 269 s at c3885e2: 3.50x / 2.13x; only" \
          "when the MoE or serving path changed)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows, about 300 s, first after the" \
          "chain; 83b4158 on a slow H100 host: DFlash 0.97 / 0.96, target-only 0.85 / 0.87 at 64 clients" \
-         "(generate / chat); every other #49 row met at 12eb7d2; --enable-mixed-chunk read +5.5 % served tok/s on" \
-         "/generate and -0.4 % on chat at 83b4158, so run it twice alternating with the default); in the same" \
-         "call the A/B: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
-         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--modes target --concurrency 64 --extra-flags=--enable-mixed-chunk --tag demo_target_mixed (about 120 s;" \
-         "if it beats the default on both clients, then on the 8B rows, it becomes the default). Flags after" \
-         "--extra-flags take the form --extra-flags=--flag, or argparse reads them as its own)"
+         "(generate / chat); 8958324, target-only twice: 0.87 / 0.92 and 0.90 / 0.91; every other #49 row met at" \
+         "12eb7d2; --enable-mixed-chunk lost the alternating A/B at 8958324 (0.90 / 0.92 and 0.89 / 0.82). A" \
+         "variant is judged the same way: --modes target --concurrency 64 --extra-flags=--flag, about 75 s a read," \
+         "alternating with the default. Flags after --extra-flags take the form --extra-flags=--flag, or argparse" \
+         "reads them as its own)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
          "(#49's 8B rows, about 400 s; only when the serving path changed since 12eb7d2, which read 0.98-1.00)"
