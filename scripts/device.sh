@@ -4,7 +4,7 @@
 #
 # Here (this machine):
 #   wheels            the pinned wheel set the GPU machine lacks, into .whl (git-ignored; ≈ 33 MB)
-#   slim on|off|status  keep the shipped draft and the draft-training prompts out of what travels (never commit slim)
+#   slim on|off|status  keep the shipped draft and the draft-training prompts out of what travels (commits refused)
 #   parent REV        the package and benchmark scripts of commit REV in .ab/parent, for `ab` there (carry .ab)
 #   plan              wheels + slim + the SmolLM2 GGUF in parts, then prints the calls of a full GPU session: the
 #                     whole GPU suite in the first call (GPU_SHARDS, default 1: a shard per call), the GGUF parts

@@ -38,6 +38,25 @@ tree_bytes() {
     git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1
 }
 
+# slim_commit_guard on|off: while slim, a local pre-commit hook refuses every commit: `git commit -a` would commit the
+# slim paths' staged removals (session 44 did, and restored them a commit later). NOTE: the hook is this checkout's
+# own (.git/hooks is not committed); an existing hook that is not ours is left alone.
+slim_commit_guard() {
+    local hook mark="# device slim commit guard"
+    hook=$(git rev-parse --git-path hooks/pre-commit)
+    case $1 in
+        on)
+            [ -e "$hook" ] && ! grep -q "$mark" "$hook" && { echo "slim: $hook exists; no commit guard" >&2; return 0; }
+            mkdir -p "$(dirname "$hook")"
+            printf '#!/bin/sh\n%s\necho "slim is on: run scripts/device.sh slim off before committing" >&2\nexit 1\n' \
+                "$mark" > "$hook"
+            chmod +x "$hook" ;;
+        off)
+            [ -e "$hook" ] && grep -q "$mark" "$hook" && rm -f "$hook"
+            return 0 ;;
+    esac
+}
+
 slim() {
     local exclude begin end
     exclude=$(git rev-parse --git-path info/exclude)
@@ -47,9 +66,11 @@ slim() {
             grep -q "$begin" "$exclude" 2>/dev/null && { echo "already slim"; return 0; }
             git rm -r -q --cached "${slim_paths[@]}"
             { echo "$begin"; printf '/%s\n' "${slim_paths[@]}"; echo "$end"; } >> "$exclude"
-            echo "slim: ${slim_paths[*]} stay on disk but out of what travels (never commit while slim)" ;;
+            slim_commit_guard on
+            echo "slim: ${slim_paths[*]} stay on disk but out of what travels (commits refused until slim off)" ;;
         off)
             sed -i "/^$begin\$/,/^$end\$/d" "$exclude"
+            slim_commit_guard off
             git reset -q -- "${slim_paths[@]}"
             git diff --quiet -- "${slim_paths[@]}" || { echo "the slim paths differ from HEAD: check git status" >&2; return 1; }
             echo "whole: ${slim_paths[*]} tracked again" ;;
