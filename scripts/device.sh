@@ -98,8 +98,9 @@ plan() {
          "(generate / chat); 8958324, target-only twice: 0.87 / 0.92 and 0.90 / 0.91; every other #49 row met at" \
          "12eb7d2; --enable-mixed-chunk lost the alternating A/B at 8958324 (0.90 / 0.92 and 0.89 / 0.82). A" \
          "variant is judged the same way: --modes target --concurrency 64 --extra-flags=--flag, about 75 s a read," \
-         "alternating with the default. Flags after --extra-flags take the form --extra-flags=--flag, or argparse" \
-         "reads them as its own)"
+         "alternating with the default. Next variant for target-only /generate (its extends: 254-368 of 3.7" \
+         "arrivals): --extra-flags='--max-prefill-wait-steps=8 --prefill-wait-policy=cost', never run on a GPU." \
+         "Flags after --extra-flags take the form --extra-flags=--flag, or argparse reads them as its own)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
          "(#49's 8B rows, about 400 s; only when the serving path changed since 12eb7d2, which read 0.98-1.00)"
