@@ -100,8 +100,9 @@ plan() {
          "variant is judged the same way: --modes target --concurrency 64 --extra-flags=--flag, about 75 s a read," \
          "alternating with the default. Next variant for target-only /generate (its extends: 254-368 of 3.7" \
          "arrivals): --extra-flags='--max-prefill-wait-steps=8 --prefill-wait-policy=cost', never run on a GPU;" \
-         "and --extra-flags=--api-server-count=8 (a cohort's re-submissions spread over about 15 decode steps, the" \
-         "HTTP processes' per-request work in series; 8 processes never measured, 1 -> 4 took 0.89 to 1.05)." \
+         "and --extra-flags=--api-server-count=8 (83b4158's 357 extends are about 17 for each 64 requests: the" \
+         "re-submissions spread over as many steps, the HTTP processes' per-request work in series; 8 processes" \
+         "never measured, 1 -> 4 took 0.89 to 1.05)." \
          "Flags after --extra-flags take the form --extra-flags=--flag, or argparse reads them as its own)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
