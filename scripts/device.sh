@@ -102,7 +102,9 @@ plan() {
          "arrivals): --extra-flags='--max-prefill-wait-steps=8 --prefill-wait-policy=cost', never run on a GPU;" \
          "and --extra-flags=--api-server-count=8 (83b4158's 357 extends are about 17 for each 64 requests: the" \
          "re-submissions spread over as many steps, the HTTP processes' per-request work in series; 8 processes" \
-         "never measured, 1 -> 4 took 0.89 to 1.05)." \
+         "never measured, 1 -> 4 took 0.89 to 1.05). Why a mixed step reads 3.0 ms against the extend step's 2.3-2.6" \
+         "(docs/performance.md: about 0.6 ms more than its 60 decode rows explain): the mixed read again with" \
+         "--py-spy-s 20 (the engine loop's host stacks) beside the default's." \
          "Flags after --extra-flags take the form --extra-flags=--flag, or argparse reads them as its own)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
          "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
