@@ -8,6 +8,7 @@ from blockspec.batch import ForwardBatch, GraphInputs
 
 class GraphKind(enum.Enum):
     DECODE = "target-decode"  # target-only decode: 1 token per request
+    GREEDY_DECODE = "greedy-decode"  # a whole greedy target-only step: decode → argmax → the next step's rows
     VERIFY = "target-verify"  # DFlash verify: B block tokens per request (+ the draft KV materialise)
     DRAFT = "draft"  # DFlash propose: the draft over [bonus, mask x (B-1)]
     GREEDY_CYCLE = "greedy-cycle"  # a whole greedy DFlash cycle: propose → verify → both argmaxes → acceptance

@@ -22,7 +22,8 @@ class InFlightStep:
     produced `tokens[i]` (the worker's layout; DFlash: [accepted | draft argmax x B | target argmax x B]), both on the
     device. `host_tokens` is the host copy of `tokens`, readable once `ready` has completed (None: no device).
     `started` (recorded before the step's kernels, with `ready` timing-enabled) or `eager_ms` (no device: the launch
-    ran it) time the step for `elapsed_ms`."""
+    ran it) time the step for `elapsed_ms`. `next_rows`, when the step's forward computed them (target-only greedy
+    decode), are the input rows of the step after it, on the device."""
 
     reqs: list[Req]
     rows: torch.Tensor
@@ -31,6 +32,7 @@ class InFlightStep:
     ready: Optional[torch.cuda.Event]
     started: Optional[torch.cuda.Event] = None
     eager_ms: Optional[float] = None
+    next_rows: Optional[torch.Tensor] = None
     _rows: Optional[list[list[int]]] = field(default=None, init=False, repr=False)
 
     def elapsed_ms(self) -> Optional[float]:

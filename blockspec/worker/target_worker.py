@@ -7,7 +7,7 @@ from typing import ContextManager, Optional, Sequence
 
 import torch
 
-from blockspec.attention.base import AttentionBackend
+from blockspec.attention.base import AttentionBackend, graph_planner
 from blockspec.batch import DeviceRows, ForwardBatch, ForwardMode, UniformRows, build_batch
 from blockspec.host_tensors import int64_tensor, to_device
 from blockspec.layers.argmax import greedy_tokens
@@ -55,15 +55,30 @@ class TargetWorker:
         return None
 
     def init_cuda_graphs(self) -> None:
-        self.runner.graphs.capture(GraphKind.DECODE, self.runner.eager_forward, ForwardMode.DECODE, 1,
-                                   [self.runner.attention])
+        graphs, attention = self.runner.graphs, self.runner.attention
+        graphs.capture(GraphKind.DECODE, self.runner.eager_forward, ForwardMode.DECODE, 1, [attention])
+        # NOTE: the overlap schedule's greedy step replays one graph: forward, argmax and the next step's rows, so the
+        # host launches no argmax or row kernels between steps (a small target's decode is bound by that host work). A
+        # backend that plans on the host (FlashInfer) runs no step ahead, so it has no use for this graph.
+        if graph_planner(attention) is None:
+            graphs.capture(GraphKind.GREEDY_DECODE, self.greedy_decode, ForwardMode.DECODE, 1, [attention])
         self.runner.capture_piecewise()
 
     def uniform_forward_fn(self, kind: GraphKind, tokens_per_req: int) -> EagerForward:
         """The function `graphs.run` is given for `kind` (tensor-parallel ranks mirror rank 0's forwards with it)."""
         if kind is GraphKind.DECODE:
             return self.runner.eager_forward
+        if kind is GraphKind.GREEDY_DECODE:
+            return self.greedy_decode
         raise ValueError(f"a target-only worker runs no {kind.value} forward")
+
+    def greedy_decode(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
+        """A greedy decode step as one forward: the target's logits → argmax → the next step's input rows
+        [argmax | req→token row | seq_len + 1] (UniformRows layout), whose column 0 is this step's token."""
+        logits, _ = self.runner.eager_forward(batch)
+        assert logits is not None
+        tokens = greedy_tokens(logits)
+        return (torch.stack([tokens, batch.req_rows, batch.seq_lens + 1], dim=1),)
 
     # ---- extend ------------------------------------------------------------------------------
     @staticmethod
@@ -182,7 +197,9 @@ class TargetWorker:
 
     def can_run_ahead(self, reqs: Sequence[Req]) -> bool:
         """Greedy batches whose decode runs from device rows can run a step ahead of the host's commit."""
-        return self.runner.graphs.runs_from_device_rows(GraphKind.DECODE) and not any(r.samples_on_host for r in reqs)
+        return self.runner.graphs.runs_from_device_rows(GraphKind.GREEDY_DECODE) and not any(
+            r.samples_on_host for r in reqs
+        )
 
     @torch.inference_mode()
     def launch(self, reqs: Sequence[Req], carry: Optional[InFlightStep] = None,
@@ -195,10 +212,13 @@ class TargetWorker:
             reqs, carry, next_decode_rows,
             lambda fresh: self._decode_rows(fresh).rows.to(device, non_blocking=True), device, first,
         )
-        logits = self.runner.forward_uniform(GraphKind.DECODE, DeviceRows(ForwardMode.DECODE, rows)).logits
-        tokens = greedy_tokens(logits).view(-1, 1)
-        host_tokens, ready = host_copy(tokens)
-        return InFlightStep(ordered, rows, tokens, host_tokens, ready)
+        (next_rows,) = self.runner.graphs.run(
+            GraphKind.GREEDY_DECODE, DeviceRows(ForwardMode.DECODE, rows), self.greedy_decode
+        )
+        assert next_rows is not None
+        next_rows = next_rows.clone()  # NOTE: the next replay of any graph (piecewise ones too) overwrites its outputs
+        host_rows, ready = host_copy(next_rows)
+        return InFlightStep(ordered, rows, next_rows[:, :1], host_rows[:, :1], ready, next_rows=next_rows)
 
     def finish(self, step: InFlightStep) -> list[Optional[list[int]]]:
         """Waits for `step`; each request's token (None for one that finished since the launch), kv_len advanced."""
@@ -217,7 +237,9 @@ class TargetWorker:
 
 def next_decode_rows(step: InFlightStep, index: Optional[torch.Tensor]) -> torch.Tensor:
     """Rows [token | req→token row | seq_len] with outputs [argmax] → the next step's
-    [argmax | row | seq_len + 1]."""
+    [argmax | row | seq_len + 1] (as the step's forward computed them, when it did)."""
+    if step.next_rows is not None:
+        return step.next_rows if index is None else step.next_rows[index]
     rows, tokens = step.rows, step.tokens
     if index is not None:
         rows, tokens = rows[index], tokens[index]

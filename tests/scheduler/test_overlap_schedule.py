@@ -191,6 +191,11 @@ def test_next_decode_rows_from_device_outputs() -> None:
     cycle = InFlightStep([], rows, tokens, tokens, None)
     assert next_decode_rows(cycle, None).tolist() == [[40, 3, 21], [41, 5, 31]]
     assert next_decode_rows(cycle, torch.tensor([1])).tolist() == [[41, 5, 31]]
+    # NOTE: a step whose graph computed the next rows (GraphKind.GREEDY_DECODE) hands them on as they are
+    computed = torch.tensor([[40, 3, 21], [41, 5, 31]])
+    step = InFlightStep([], rows, computed[:, :1], computed[:, :1], None, next_rows=computed)
+    assert next_decode_rows(step, None) is computed
+    assert next_decode_rows(step, torch.tensor([1])).tolist() == [[41, 5, 31]]
 
 
 @pytest.mark.parametrize("draft", [True, False], ids=["dflash", "target"])
