@@ -4,10 +4,11 @@ Overlap schedule (greedy decode, target-only or DFlash): `run_ahead` launches st
 commits step N, whose host bookkeeping (commit, finish checks, slot release, statistics) then runs while the device
 works. Step N+1's inputs are derived on the device from N's outputs (worker/inflight.py), so a request in flight has
 a kv_len that lags one uncommitted step (<= B tokens), and N+1 writes up to B slots past that: requests in flight
-hold slots to kv_len + 2B. `drain` commits the step in flight when the next step cannot overlap. An extend step
-(`launch_extend`) queues its forward behind the step in flight and, through `extend_run_ahead`, the next decode
-step behind the extend, for the decoding requests and those whose prompt the extend completes (their first token,
-the extend's argmax, goes into that step's rows on the device). With --enable-mixed-chunk a greedy target-only
+hold slots to kv_len + 2B at least (GROW_AHEAD_SLOTS more where they had to grow). `drain` commits the step in
+flight when the next step cannot overlap. An extend step (`launch_extend`) queues its forward behind the step in
+flight and, through `extend_run_ahead`, the next decode step behind the extend, for the decoding requests and those
+whose prompt the extend completes (their first token, the extend's argmax, goes into that step's rows on the
+device). With --enable-mixed-chunk a greedy target-only
 step's extend chunks and decode rows share one forward that goes behind the step in flight the same way
 (`launch_mixed_ahead`): its decode rows take their tokens from that step's outputs on the device.
 """
@@ -36,6 +37,15 @@ class MixedLaunch:
     first: Optional[FirstTokens]
     host_first: Optional[torch.Tensor]
     first_ready: Optional[torch.cuda.Event]
+
+
+# NOTE: a decode step grows every request by its new tokens' slots, and giving slots is per-request host work (pages
+# off the free list, the req→token table's row written on the device) that bounds a small target's step. A request
+# that must grow takes this many slots beyond its need, so it gives none for the next steps (about one in 16 steps for
+# target-only decoding). Only while the free pool holds ROOMY_POOL_FACTOR times what the batch could take that way, so
+# admission and retraction in a tight pool see what they saw without it; `drain` and a request's release free the rest.
+GROW_AHEAD_SLOTS = 16
+ROOMY_POOL_FACTOR = 4
 
 
 class StepExecutor:
@@ -167,16 +177,26 @@ class StepExecutor:
         if not self._can_run_ahead(reqs):
             return None
         previous, self.in_flight = self.in_flight, self.worker.launch(reqs, self.in_flight)
-        # NOTE: nothing shrinks: each request keeps its slots to (pre-commit kv_len) + 2B, which the next launch grows
-        # from (by what this commit advanced, not by B + that), and `drain` or its release frees the rest
+        # NOTE: nothing shrinks: each request keeps its slots to (pre-commit kv_len) + 2B or more, which the next launch
+        # grows from (by what this commit advanced, not by B + that), and `drain` or its release frees the rest
         return [] if previous is None else self._commit(previous, keep_ahead=None)
 
     def _can_run_ahead(self, reqs: list[Req]) -> bool:
-        """Whether `reqs` can be launched ahead of the host's commit; if so, each now has slots two steps ahead."""
+        """Whether `reqs` can be launched ahead of the host's commit; if so, each now has slots two steps ahead (a
+        request that had to grow: GROW_AHEAD_SLOTS more, while the pool is roomy)."""
         if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
             return False
         lengths = [r.kv_len + 2 * self.slots_per_decode for r in reqs]
-        return max(lengths) <= self.table.max_context_len and self.allocator.try_grow_many(reqs, lengths, self.table)
+        cap = self.table.max_context_len
+        if max(lengths) > cap:
+            return False
+        allocator = self.allocator
+        if allocator.free_slots >= ROOMY_POOL_FACTOR * GROW_AHEAD_SLOTS * len(reqs):
+            grown = [length if length <= r.allocated_len else min(length + GROW_AHEAD_SLOTS, cap)
+                     for r, length in zip(reqs, lengths)]
+            if allocator.try_grow_many(reqs, grown, self.table):
+                return True
+        return allocator.try_grow_many(reqs, lengths, self.table)
 
     def drain(self) -> list[Committed]:
         """Commits the step in flight, if any (nothing runs after it, so its rejected slots are released)."""

@@ -13,6 +13,8 @@ import torch
 
 from blockspec import Engine
 from blockspec.request import Req
+from blockspec.scheduler import step_executor
+from blockspec.scheduler.step_executor import GROW_AHEAD_SLOTS
 from blockspec.speculative.dflash import next_cycle_rows
 from blockspec.worker.inflight import InFlightStep
 from blockspec.worker.target_worker import next_decode_rows
@@ -249,4 +251,25 @@ def test_decoding_runs_ahead_of_a_prompt_still_in_chunks(root: Path, draft: bool
             behind_chunks += 1
     assert behind_chunks >= 2  # NOTE: 50 tokens in chunks of 16: three chunks complete no prompt
     assert [r.output_ids for r in reqs] == [o["output_ids"] for o in expected]
+    assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("roomy", [True, False], ids=["roomy", "tight"])
+def test_a_request_short_of_slots_grows_ahead_while_the_pool_is_roomy(root: Path, roomy: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run ahead, a target-only request that must grow takes GROW_AHEAD_SLOTS more slots (so most steps write no
+    req→token row) while the free pool is roomy, exactly what the next two steps need otherwise; the tokens are the
+    synchronous schedule's either way, and every slot comes back."""
+    prompts, max_new = PROMPTS[:4], [64] * 4
+    expected = [r.output_ids for r in run(engine_for(root, draft=False, disable_overlap_schedule=True), prompts,
+                                          max_new)[0]]
+    engine = engine_for(root, draft=False, page_size=1)
+    if not roomy:  # NOTE: no pool is roomy enough
+        monkeypatch.setattr(step_executor, "ROOMY_POOL_FACTOR", engine.scheduler.steps.allocator.total_slots + 1)
+    table, growths, write_runs = engine.scheduler.steps.table, [], engine.scheduler.steps.table.write_runs
+    monkeypatch.setattr(table, "write_runs", lambda rows, *args: (growths.append(len(rows)), write_runs(rows, *args)))
+    reqs, overlapped = run(engine, prompts, max_new)
+    assert [r.output_ids for r in reqs] == expected and overlapped > 50
+    # NOTE: a decode step without the slack grows every request by one slot
+    assert sum(growths) <= len(prompts) * (64 // GROW_AHEAD_SLOTS + 2) if roomy else sum(growths) > len(prompts) * 60
     assert_engine_idle(engine)
