@@ -39,11 +39,11 @@ class MixedLaunch:
     first_ready: Optional[torch.cuda.Event]
 
 
-# NOTE: a decode step grows every request by its new tokens' slots, and giving slots is per-request host work (pages
-# off the free list, the req→token table's row written on the device) that bounds a small target's step. A request
-# that must grow takes this many slots beyond its need, so it gives none for the next steps (about one in 16 steps for
-# target-only decoding). Only while the free pool holds ROOMY_POOL_FACTOR times what the batch could take that way, so
-# admission and retraction in a tight pool see what they saw without it; `drain` and a request's release free the rest.
+# NOTE: a decode step grows every request by its new tokens' slots, and giving slots is host work (pages off the free
+# list, a req→token table write on the device) that bounds a small target's step. A request that must grow takes this
+# many slots beyond its need (and so does every request that would need slots soon), so most steps give none. Only
+# while the free pool holds ROOMY_POOL_FACTOR times what the batch could take that way, so admission and retraction in
+# a tight pool see what they saw without it; `drain` and a request's release free the rest.
 GROW_AHEAD_SLOTS = 16
 ROOMY_POOL_FACTOR = 4
 
@@ -186,13 +186,19 @@ class StepExecutor:
         request that had to grow: GROW_AHEAD_SLOTS more, while the pool is roomy)."""
         if not (self.overlap and reqs and self.worker.can_run_ahead(reqs)):
             return False
-        lengths = [r.kv_len + 2 * self.slots_per_decode for r in reqs]
+        ahead = 2 * self.slots_per_decode
+        lengths = [r.kv_len + ahead for r in reqs]
         cap = self.table.max_context_len
         if max(lengths) > cap:
             return False
+        if all(length <= r.allocated_len for r, length in zip(reqs, lengths)):
+            return True  # NOTE: the common step: every request has its slots from an earlier step's growth
         allocator = self.allocator
         if allocator.free_slots >= ROOMY_POOL_FACTOR * GROW_AHEAD_SLOTS * len(reqs):
-            grown = [length if length <= r.allocated_len else min(length + GROW_AHEAD_SLOTS, cap)
+            # NOTE: with it, every request that would need slots within half the slack grows too: the batch grows
+            # together, in one table write every GROW_AHEAD_SLOTS / 2 steps or more
+            soon = GROW_AHEAD_SLOTS // 2
+            grown = [min(length + GROW_AHEAD_SLOTS, cap) if r.allocated_len < length + soon else length
                      for r, length in zip(reqs, lengths)]
             if allocator.try_grow_many(reqs, grown, self.table):
                 return True
