@@ -83,16 +83,20 @@ def launch_rows(
     """The next step's requests (those of `carry` first, in the order of `reqs`) and device input rows: carried ones
     derived on the device from carry's outputs by `carried_rows(carry, index)`, the others from the host; the input
     token (column 0) of a request of `first` comes from `first.tokens` (its host row holds a placeholder there)."""
-    carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
-    carried = [req for req in reqs if id(req) in carried_at]
-    fresh = [req for req in reqs if id(req) not in carried_at]
-    parts = []
-    if carried:
-        assert carry is not None
-        parts.append(carried_rows(carry, device_index([carried_at[id(r)] for r in carried], len(carry.reqs), device)))
-    if fresh:
-        parts.append(fresh_rows(fresh))
-    ordered, rows = carried + fresh, parts[0] if len(parts) == 1 else torch.cat(parts)
+    if carry is not None and len(reqs) == len(carry.reqs) and all(a is b for a, b in zip(reqs, carry.reqs)):
+        ordered, rows = list(reqs), carried_rows(carry, None)  # NOTE: the common step: the same batch as the last
+    else:
+        carried_at = {id(req): i for i, req in enumerate(carry.reqs)} if carry is not None else {}
+        carried = [req for req in reqs if id(req) in carried_at]
+        fresh = [req for req in reqs if id(req) not in carried_at]
+        parts = []
+        if carried:
+            assert carry is not None
+            index = device_index([carried_at[id(r)] for r in carried], len(carry.reqs), device)
+            parts.append(carried_rows(carry, index))
+        if fresh:
+            parts.append(fresh_rows(fresh))
+        ordered, rows = carried + fresh, parts[0] if len(parts) == 1 else torch.cat(parts)
     if first is not None and first.reqs:
         source = {id(req): i for i, req in enumerate(first.reqs)}
         at = [i for i, req in enumerate(ordered) if id(req) in source]
