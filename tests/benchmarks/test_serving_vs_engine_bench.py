@@ -296,6 +296,10 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         assert sum(loop_ms) * steps < 1e3 * row["duration_s"]
         assert sum(row["server_forward_counts"].values()) > 0
     assert all(r["rate"] > 0 for r in rows if r["concurrency"] == "poisson")
+    # NOTE: each closed-loop level ran twice on its server (--server-reads 2), the faster read is the row
+    for row in rows:
+        if row["concurrency"] != "poisson":
+            assert len(row["server_tok_s_reads"]) == 2 and row["server_tok_s"] == max(row["server_tok_s_reads"])
     # NOTE: both clients sent the same tokens (the chat messages render to the /generate ids), 8 new tokens each
     for mode in ("dflash", "target"):
         by_client = {r["client"]: r for r in rows if r["mode"] == mode and r["concurrency"] == 2}
