@@ -58,12 +58,32 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
          "benchmarks/<module>.py says more):"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
+         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
+         "--concurrency 1,64 --poisson-rate 0 --budget-s 330 --tag demo_pair (#49 first, the whole suite in the" \
+         "first call: blockspec/ changed after c3885e2's suite (68bd730, a0ce441, e0296b7, c039a46: the greedy" \
+         "decode graph, slots grown ahead, launch_rows); then these demo-pair rows, both modes, about 300 s; since" \
+         "f0feea0 every closed-loop level reads twice on one server and keeps the faster, as the engine does." \
+         "Host time a decode step (host_overhead on the H100, 5702e50 -> f0feea0): target-only 1,353 / 1,467 ->" \
+         "754 / 599 us, DFlash 1,872 -> 837. Before it, 5702e50's single reads swung 0.78-1.00 (chat) and" \
+         "0.79-0.98 (generate) for one set of flags on a slow host (Python loop 150-190 ms), so judge a variant" \
+         "by alternating reads: --modes target --concurrency 64 --poisson-rate 0 --extra-flags=--flag, about 70 s" \
+         "a read. Read at 5702e50 and not adopted (one read each, too noisy to rank): the cost wait policy capped" \
+         "at 8 (64 extends instead of 250-350, 0.98 / 0.81 then 0.79 / 0.71), --api-server-count=8 (0.86 / 0.73" \
+         "then 0.97 / 0.95), --enable-mixed-chunk (0.94 / 0.75). Flags after --extra-flags take the form" \
+         "--extra-flags=--flag, or argparse reads them as its own)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
+         "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
+         "(#49's 8B rows, about 400 s; 12eb7d2 read 0.98-1.00, and the decode step's host path changed since)"
+    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024" \
+         "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024" \
+         "(about 520 s)"
     echo "  #50's DFlash2 demo draft (scripts/train_draft_v2.sh; v6's chain, 1ce39de, in docs/performance.md), the" \
          "whole session with the suite, as session 40 ran it (23cf764: the chain ran out of the H100's memory, the" \
          "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
          "part00] \`scripts/train_draft_v2.sh stash && scripts/device.sh gpu-test\` (the chain's clock starts here;" \
          "leave gpu-test out only when a whole suite already ran on the head's blockspec/ (the last: c3885e2," \
-         "573 passed): it takes about 230 s of the training's" \
+         "573 passed, before 68bd730): it takes about 230 s of the training's" \
          "budget);" \
          "carry [.carry/gsm8k/train.jsonl, .carry/draft_v2/responses.tar.xz if there is one, part01] stash (a" \
          "fresh checkout has none: .carry is not committed, and 23cf764's 53,986 answers went with session 41's" \
@@ -91,27 +111,6 @@ plan() {
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts serving (#51: DFlash ÷ target-only served at" \
          "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights, 269 s at c3885e2: 3.50x / 2.13x; only" \
          "when the MoE or serving path changed)"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
-         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--concurrency 1,64 --budget-s 330 --tag demo_pair (#49's demo-pair rows, about 300 s, first after the" \
-         "chain; 83b4158 on a slow H100 host: DFlash 0.97 / 0.96, target-only 0.85 / 0.87 at 64 clients" \
-         "(generate / chat); 8958324, target-only twice: 0.87 / 0.92 and 0.90 / 0.91; every other #49 row met at" \
-         "12eb7d2; --enable-mixed-chunk lost the alternating A/B at 8958324 (0.90 / 0.92 and 0.89 / 0.82). A" \
-         "variant is judged the same way: --modes target --concurrency 64 --extra-flags=--flag, about 75 s a read," \
-         "alternating with the default. Next variant for target-only /generate (its extends: 254-368 of 3.7" \
-         "arrivals): --extra-flags='--max-prefill-wait-steps=8 --prefill-wait-policy=cost', never run on a GPU;" \
-         "and --extra-flags=--api-server-count=8 (83b4158's 357 extends are about 17 for each 64 requests: the" \
-         "re-submissions spread over as many steps, the HTTP processes' per-request work in series; 8 processes" \
-         "never measured, 1 -> 4 took 0.89 to 1.05). Why a mixed step reads 3.0 ms against the extend step's 2.3-2.6" \
-         "(docs/performance.md: about 0.6 ms more than its 60 decode rows explain): the mixed read again with" \
-         "--py-spy-s 20 (the engine loop's host stacks) beside the default's." \
-         "Flags after --extra-flags take the form --extra-flags=--flag, or argparse reads them as its own)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
-         "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
-         "(#49's 8B rows, about 400 s; only when the serving path changed since 12eb7d2, which read 0.98-1.00)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024" \
-         "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024" \
-         "(about 520 s)"
     echo "checks of closed issues' rows, only when their code changed since the commit named:"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 48" \
