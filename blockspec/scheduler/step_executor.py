@@ -8,9 +8,9 @@ hold slots to kv_len + 2B at least (GROW_AHEAD_SLOTS more where they had to grow
 flight when the next step cannot overlap. An extend step (`launch_extend`) queues its forward behind the step in
 flight and, through `extend_run_ahead`, the next decode step behind the extend, for the decoding requests and those
 whose prompt the extend completes (their first token, the extend's argmax, goes into that step's rows on the
-device). With --enable-mixed-chunk a greedy target-only
-step's extend chunks and decode rows share one forward that goes behind the step in flight the same way
-(`launch_mixed_ahead`): its decode rows take their tokens from that step's outputs on the device.
+device). With --enable-mixed-chunk a greedy target-only step's extend chunks and decode rows share one forward that
+goes behind the step in flight the same way (`launch_mixed_ahead`): its decode rows take their tokens from that
+step's outputs on the device.
 """
 from __future__ import annotations
 
