@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from typing import ContextManager, Optional, Sequence
 
@@ -73,11 +74,10 @@ class TargetWorker:
         raise ValueError(f"a target-only worker runs no {kind.value} forward")
 
     def greedy_decode(self, batch: ForwardBatch) -> tuple[torch.Tensor]:
-        """A greedy decode step as one forward: the target's logits → argmax → the next step's input rows
-        [argmax | req→token row | seq_len + 1] (UniformRows layout), whose column 0 is this step's token."""
-        logits, _ = self.runner.eager_forward(batch)
-        assert logits is not None
-        tokens = greedy_tokens(logits)
+        """A greedy decode step as one forward: the target's argmax (its head's, `argmax_only`: no float logits, and
+        a vocab-parallel head gathers none) → the next step's input rows [argmax | req→token row | seq_len + 1]
+        (UniformRows layout), whose column 0 is this step's token."""
+        tokens = self.runner.model(dataclasses.replace(batch, argmax_only=True), self.runner.attention).logits
         return (torch.stack([tokens, batch.req_rows, batch.seq_lens + 1], dim=1),)
 
     # ---- extend ------------------------------------------------------------------------------
