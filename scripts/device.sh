@@ -61,8 +61,9 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
          "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
          "--concurrency 1,64 --poisson-rate 0 --budget-s 330 --tag demo_pair (#49 first, the whole suite in the" \
-         "first call: blockspec/ changed after c3885e2's suite (68bd730, a0ce441, e0296b7, c039a46, 0ccf780: the greedy" \
-         "decode graph, slots grown ahead, launch_rows); then these demo-pair rows, both modes, about 300 s; since" \
+         "first call: blockspec/ changed after c3885e2's suite (68bd730, a0ce441, e0296b7, c039a46, 0ccf780: the" \
+         "greedy decode graph, slots grown ahead, launch_rows); then these demo-pair rows, both modes, about 300 s;" \
+         "since" \
          "f0feea0 every closed-loop level reads twice on one server and keeps the faster, as the engine does." \
          "Host time a decode step (host_overhead on the H100, 5702e50 -> f0feea0): target-only 1,353 / 1,467 ->" \
          "754 / 599 us, DFlash 1,872 -> 837. Before it, 5702e50's single reads swung 0.78-1.00 (chat) and" \
