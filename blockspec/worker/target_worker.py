@@ -78,7 +78,7 @@ class TargetWorker:
         a vocab-parallel head gathers none) → the next step's input rows [argmax | req→token row | seq_len + 1]
         (UniformRows layout), whose column 0 is this step's token."""
         tokens = self.runner.model(dataclasses.replace(batch, argmax_only=True), self.runner.attention).logits
-        return (torch.stack([tokens, batch.req_rows, batch.seq_lens + 1], dim=1),)
+        return (decode_rows_after(tokens, batch.req_rows, batch.seq_lens),)
 
     # ---- extend ------------------------------------------------------------------------------
     @staticmethod
@@ -243,4 +243,10 @@ def next_decode_rows(step: InFlightStep, index: Optional[torch.Tensor]) -> torch
     rows, tokens = step.rows, step.tokens
     if index is not None:
         rows, tokens = rows[index], tokens[index]
-    return torch.cat([tokens, rows[:, 1:2], rows[:, 2:] + 1], dim=1)
+    return decode_rows_after(tokens[:, 0], rows[:, 1], rows[:, 2])
+
+
+def decode_rows_after(tokens: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The next decode step's input rows [token | req→token row | seq_len + 1] (UniformRows layout) of a decode step
+    that produced `tokens` ([n]) for requests at `req_rows` ([n]) whose KV length after it is `seq_lens` ([n])."""
+    return torch.stack([tokens, req_rows, seq_lens + 1], dim=1)
