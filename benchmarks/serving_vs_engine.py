@@ -315,9 +315,28 @@ def add_row(report: Report, base: dict[str, Any], level: dict[str, Any],
                engine_max_running_requests=engine["max_running_requests"],
                engine_requests=engine["requests"], engine_accept_length=engine["accept_length"])
     row["server_over_engine"] = row["server_tok_s"] / row["engine_tok_s"] if row["engine_tok_s"] else None
+    row.update(offline_steps(engine, row))
     report.data["rows"].append(row)
     report.save()
     print("   " + describe(row), flush=True)
+
+
+def offline_steps(engine: dict[str, Any], row: dict[str, Any]) -> dict[str, Optional[float]]:
+    """The offline engine's steps beside the server's: `offline_steps_per_s`, `offline_extend_step_share`,
+    `offline_extend_step_mean_ms`, `offline_other_step_mean_ms`, and server ÷ engine split into two factors whose
+    product it is: `step_rate_ratio` (server steps/s ÷ offline steps/s: host work between steps, slower steps) and
+    `tokens_per_step_ratio` (output tokens per step, server ÷ offline: a batch thinner than the engine's, from
+    requests between a finish and the next arrival's first token, and more extend steps). None where a side does not
+    report its steps (an engine cache written before the offline side kept them)."""
+    steps = engine.get("steps") or {}
+    keys = ("engine_steps_per_s", "extend_step_share", "engine_extend_step_mean_ms", "engine_other_step_mean_ms")
+    out: dict[str, Optional[float]] = {f"offline_{key.removeprefix('engine_')}": steps.get(key) for key in keys}
+    offline_rate, server_rate = out["offline_steps_per_s"], row.get("engine_steps_per_s")
+    if not offline_rate or not server_rate or row["concurrency"] == "poisson":
+        return {**out, "step_rate_ratio": None, "tokens_per_step_ratio": None}
+    rate_ratio = server_rate / offline_rate
+    # NOTE: tok/s = steps/s × tokens/step on both sides, so the tokens-per-step factor is what the step rate leaves
+    return {**out, "step_rate_ratio": rate_ratio, "tokens_per_step_ratio": row["server_over_engine"] / rate_ratio}
 
 
 # NOTE: one line per row, as the benchmark prints it (a non-streamed client's TTFT and ITL: -)
@@ -339,7 +358,8 @@ def describe(row: dict[str, Any]) -> str:
             f"{_num(row.get('extend_step_share'), '.2f')} {_num(row.get('engine_extend_step_mean_ms'), '.1f')}/"
             f"{_num(row.get('engine_other_step_mean_ms'), '.2f')} {_extends(row.get('server_forward_counts'))} "
             f"{'/'.join(_num(row.get(f'engine_{p}_per_step_ms'), '.3f') for p in ('intake', 'publish', 'flush'))} "
-            f"{_num(row.get('engine_core_mhz'), '.0f')}/{_num(row.get('server_engine_core_mhz'), '.0f')}"
+            f"{_num(row.get('engine_core_mhz'), '.0f')}/{_num(row.get('server_engine_core_mhz'), '.0f')} "
+            f"{_num(row.get('step_rate_ratio'), '.2f')}x{_num(row.get('tokens_per_step_ratio'), '.2f')}"
             f"{' ' + str(row['kernel_compiles_by_kernel']) if row.get('kernel_compiles_by_kernel') else ''}")
 
 
@@ -359,7 +379,7 @@ HEADER = (f"{'shape':>8} {'mode':>6} {'client':>11} {'concurrency':>14} {'engine
           f"{'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'accept':>6} ok compiles clients-cpu/procs "
           "http/engine-cpu receive/queue/prefill-ms steps-per-s/extend-share extend/other-step-ms "
           "extends-piecewise/eager "
-          "loop-ms-per-step-intake/publish/flush engine-core-mhz-offline/server")
+          "loop-ms-per-step-intake/publish/flush engine-core-mhz-offline/server s/e=step-rate-x-tokens-per-step")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

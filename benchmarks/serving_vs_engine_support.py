@@ -101,7 +101,8 @@ def continuous_level(make_engine: Callable[..., Any], engine_kwargs: dict[str, A
     """One level on a fresh engine of `running` running requests: an untimed warm-up (batch sizes this engine has not
     run may compile kernels), then `reads` timed passes, each with the prefix cache emptied first (the server's is
     before each level too) and all `prompts` in one `generate` call. Its output tok/s and wall time are the fastest
-    pass's (the baseline at its best; `tok_s_reads` keeps every pass), with that pass's accept length and forwards."""
+    pass's (the baseline at its best; `tok_s_reads` keeps every pass), with that pass's accept length, forwards and
+    steps (`steps`: steps_between's fields, which the server's rows carry too)."""
     if reads < 1:
         raise ValueError(f"reads must be >= 1, got {reads}")
     engine = make_engine(**{**engine_kwargs, "max_running_requests": running})
@@ -121,7 +122,8 @@ def continuous_level(make_engine: Callable[..., Any], engine_kwargs: dict[str, A
             tokens = sum(len(out["output_ids"]) for out in outputs)
             passes.append({"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens,
                            "accept_length": accept_length_between(before, after),
-                           "forward_counts": forwards_between(before, after)["server_forward_counts"]})
+                           "forward_counts": forwards_between(before, after)["server_forward_counts"],
+                           "steps": steps_between(before, after, wall)})
     finally:
         engine.shutdown()
     best = max(passes, key=lambda one: one["tok_s"])

@@ -208,7 +208,8 @@ def test_continuous_level_submits_all_prompts_at_once_to_an_engine_of_that_many_
             return True
 
         def get_server_info(self) -> dict:
-            return {"internal_states": [{"forward_counts": {"graph": len(self.calls)}}]}
+            return {"internal_states": [{"forward_counts": {"graph": len(self.calls)}, "num_steps": 3 * len(self.calls),
+                                         "num_extend_steps": len(self.calls)}]}
 
         def shutdown(self) -> None:
             self.calls.append(("shutdown", None))
@@ -226,8 +227,30 @@ def test_continuous_level_submits_all_prompts_at_once_to_an_engine_of_that_many_
     assert first > second and level["tok_s"] == first
     assert level["wall_s"] == pytest.approx(30 / first)
     assert level["forward_counts"] == {"graph": 1}  # the pass's own forwards, not the warm-up's
+    # NOTE: the pass's own steps (3, one of them an extend) over its own wall time
+    assert level["steps"]["engine_steps_per_s"] == pytest.approx(3 / level["wall_s"])
+    assert level["steps"]["extend_step_share"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="reads"):
         continuous_level(RecordingEngine, {}, 1, prompts, [], params, 1, lambda: None, reads=0)
+
+
+def test_server_over_engine_splits_into_step_rate_and_tokens_per_step() -> None:
+    """A row's server ÷ engine is the product of its two factors: the server's steps/s over the offline engine's and
+    its output tokens per step over the engine's; a side that kept no steps (or a Poisson row) gives None."""
+    from benchmarks.serving_vs_engine import offline_steps
+
+    # NOTE: the server: 700 tok/s in 7 steps/s (100 tokens a step); the engine: 1000 tok/s in 8 steps/s (125)
+    row = {"concurrency": 64, "engine_steps_per_s": 7.0, "server_over_engine": 700 / 1000}
+    engine = {"steps": {"engine_steps_per_s": 8.0, "extend_step_share": 0.25, "engine_extend_step_mean_ms": 2.0,
+                        "engine_other_step_mean_ms": 1.0}}
+    split = offline_steps(engine, row)
+    assert split["offline_steps_per_s"] == 8.0 and split["offline_extend_step_share"] == 0.25
+    assert split["offline_extend_step_mean_ms"] == 2.0 and split["offline_other_step_mean_ms"] == 1.0
+    assert split["step_rate_ratio"] == pytest.approx(7 / 8)
+    assert split["tokens_per_step_ratio"] == pytest.approx(100 / 125)
+    assert split["step_rate_ratio"] * split["tokens_per_step_ratio"] == pytest.approx(row["server_over_engine"])
+    assert offline_steps({}, row)["tokens_per_step_ratio"] is None
+    assert offline_steps(engine, {**row, "concurrency": "poisson"})["step_rate_ratio"] is None
 
 
 def test_help() -> None:
@@ -295,6 +318,9 @@ def test_tiny_end_to_end(tmp_path: Path) -> None:
         steps = row["engine_steps_per_s"] * row["duration_s"]
         assert sum(loop_ms) * steps < 1e3 * row["duration_s"]
         assert sum(row["server_forward_counts"].values()) > 0
+        if row["concurrency"] != "poisson":
+            assert row["offline_steps_per_s"] > 0 and 0 < row["offline_extend_step_share"] <= 1
+            assert row["step_rate_ratio"] * row["tokens_per_step_ratio"] == pytest.approx(row["server_over_engine"])
     assert all(r["rate"] > 0 for r in rows if r["concurrency"] == "poisson")
     # NOTE: each closed-loop level ran twice on its server (--server-reads 2), the faster read is the row
     for row in rows:
