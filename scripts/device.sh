@@ -58,33 +58,29 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
          "benchmarks/<module>.py says more):"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
-         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--concurrency 1,64 --poisson-rate 0 --budget-s 330 --tag demo_pair (#49 first, the whole suite in the" \
-         "first call: blockspec/ changed after c3885e2's suite (68bd730, a0ce441, e0296b7, c039a46, 0ccf780: the" \
-         "greedy decode graph, slots grown ahead, launch_rows); then these demo-pair rows, both modes, about 300 s;" \
-         "since" \
-         "f0feea0 every closed-loop level reads twice on one server and keeps the faster, as the engine does." \
-         "Host time a decode step (host_overhead on the H100, 5702e50 -> f0feea0): target-only 1,353 / 1,467 ->" \
-         "754 / 599 us, DFlash 1,872 -> 837. Before it, 5702e50's single reads swung 0.78-1.00 (chat) and" \
-         "0.79-0.98 (generate) for one set of flags on a slow host (Python loop 150-190 ms), so judge a variant" \
-         "by alternating reads: --modes target --concurrency 64 --poisson-rate 0 --extra-flags=--flag, about 70 s" \
-         "a read. Read at 5702e50 and not adopted (one read each, too noisy to rank): the cost wait policy capped" \
-         "at 8 (64 extends instead of 250-350, 0.98 / 0.81 then 0.79 / 0.71), --api-server-count=8 (0.86 / 0.73" \
-         "then 0.97 / 0.95), --enable-mixed-chunk (0.94 / 0.75). Flags after --extra-flags take the form" \
-         "--extra-flags=--flag, or argparse reads them as its own)"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
-         "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 330 --tag llama8b_128" \
-         "(#49's 8B rows, about 400 s; 12eb7d2 read 0.98-1.00, and the decode step's host path changed since)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024" \
          "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024" \
-         "(about 520 s)"
+         "(#49 first: the one row set not read on the code of cf06cd8's green suite (575 passed; gpu-test and seed" \
+         "only when blockspec/ changed since cf06cd8, the stashes only for the demo pair); 12eb7d2 read 0.98-1.00;" \
+         "about 520 s)"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
+         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
+         "--modes target --clients chat_stream --concurrency 64 --poisson-rate 0 --tag demo_chat_<variant>_<a|b>" \
+         "(#49: the last row under 0.90, target-only streaming chat on the demo pair, 0.895 at cf06cd8 (0.84," \
+         "0.87, 0.91 before). Its server steps as fast as the engine (forwards/s 0.98x) with thinner batches" \
+         "(tokens per forward 0.92x: 111 extends against the engine's 21, and a 19.8 ms client turn + TTFT per" \
+         "171 ms request); rows split it since c1163e7 (step_rate_ratio x tokens_per_step_ratio). Alternate" \
+         "default / a variant, about 70 s a read: --client-procs 8 (the benchmark's clients used 1.8 CPUs over" \
+         "4 processes, so they may lengthen the turn: a benchmark setting, not a serve flag)," \
+         "--extra-flags=--enable-mixed-chunk (an extend rides a decode step), --extra-flags=--stream-interval=2" \
+         "(half the SSE chunks through the HTTP processes, 2.3 CPUs over 4). Read at 5702e50 on a slower host and" \
+         "not adopted: cost wait policy capped at 8, --api-server-count=8, mixed chunk (one read each))"
     echo "  #50's DFlash2 demo draft (scripts/train_draft_v2.sh; v6's chain, 1ce39de, in docs/performance.md), the" \
          "whole session with the suite, as session 40 ran it (23cf764: the chain ran out of the H100's memory, the" \
          "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
          "part00] \`scripts/train_draft_v2.sh stash && scripts/device.sh gpu-test\` (the chain's clock starts here;" \
-         "leave gpu-test out only when a whole suite already ran on the head's blockspec/ (the last: c3885e2," \
-         "573 passed, before 68bd730): it takes about 230 s of the training's" \
+         "leave gpu-test out only when a whole suite already ran on the head's blockspec/ (the last: cf06cd8," \
+         "575 passed): it takes about 230 s of the training's" \
          "budget);" \
          "carry [.carry/gsm8k/train.jsonl, .carry/draft_v2/responses.tar.xz if there is one, part01] stash (a" \
          "fresh checkout has none: .carry is not committed, and 23cf764's 53,986 answers went with session 41's" \
