@@ -75,6 +75,13 @@ plan() {
          "--extra-flags=--enable-mixed-chunk (an extend rides a decode step), --extra-flags=--stream-interval=2" \
          "(half the SSE chunks through the HTTP processes, 2.3 CPUs over 4). Read at 5702e50 on a slower host and" \
          "not adopted: cost wait policy capped at 8, --api-server-count=8, mixed chunk (one read each))"
+    echo "  only when blockspec/ changed since cf06cd8 (#49 is judged on the final code's rows): carry" \
+         "[${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes smollm2" \
+         "--model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24 --concurrency" \
+         "1,64 --poisson-rate 0 --budget-s 330 --tag demo_pair (both modes, about 270 s), and" \
+         "BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
+         "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 250 --tag" \
+         "llama8b_128 (about 430 s; cf06cd8 read 0.98-0.99)"
     echo "  #50's DFlash2 demo draft (scripts/train_draft_v2.sh; v6's chain, 1ce39de, in docs/performance.md), the" \
          "whole session with the suite, as session 40 ran it (23cf764: the chain ran out of the H100's memory, the" \
          "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
