@@ -58,30 +58,6 @@ plan() {
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh seed"
     echo "then the issues' measurements on the warm machine, one call each, in this order (what each resolves;" \
          "benchmarks/<module>.py says more):"
-    echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 1024" \
-         "--max-new-tokens 256 --num-prompts 256 --max-rounds 4 --concurrency 1,64 --budget-s 330 --tag llama8b_1024" \
-         "(#49 first: the one row set not read on the code of cf06cd8's green suite (575 passed; gpu-test and seed" \
-         "only when blockspec/ changed since cf06cd8, the stashes only for the demo pair); 12eb7d2 read 0.98-1.00;" \
-         "about 520 s)"
-    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine" \
-         "--shapes smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
-         "--modes target --clients chat_stream --concurrency 64 --poisson-rate 0 --tag demo_chat_<variant>_<a|b>" \
-         "(#49: the last row under 0.90, target-only streaming chat on the demo pair, 0.895 at cf06cd8 (0.84," \
-         "0.87, 0.91 before). Its server steps as fast as the engine (forwards/s 0.98x) with thinner batches" \
-         "(tokens per forward 0.92x: 111 extends against the engine's 21, and a 19.8 ms client turn + TTFT per" \
-         "171 ms request); rows split it since c1163e7 (step_rate_ratio x tokens_per_step_ratio). Alternate" \
-         "default / a variant, about 70 s a read: --client-procs 8 (the benchmark's clients used 1.8 CPUs over" \
-         "4 processes, so they may lengthen the turn: a benchmark setting, not a serve flag)," \
-         "--extra-flags=--enable-mixed-chunk (an extend rides a decode step), --extra-flags=--stream-interval=2" \
-         "(half the SSE chunks through the HTTP processes, 2.3 CPUs over 4). Read at 5702e50 on a slower host and" \
-         "not adopted: cost wait policy capped at 8, --api-server-count=8, mixed chunk (one read each))"
-    echo "  only when blockspec/ changed since cf06cd8 (#49 is judged on the final code's rows): carry" \
-         "[${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes smollm2" \
-         "--model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24 --concurrency" \
-         "1,64 --poisson-rate 0 --budget-s 330 --tag demo_pair (both modes, about 270 s), and" \
-         "BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes llama8b --prompt-len 128" \
-         "--max-new-tokens 128 --num-prompts 512 --max-rounds 8 --concurrency 1,64 --budget-s 250 --tag" \
-         "llama8b_128 (about 430 s; cf06cd8 read 0.98-0.99)"
     echo "  #50's DFlash2 demo draft (scripts/train_draft_v2.sh; v6's chain, 1ce39de, in docs/performance.md), the" \
          "whole session with the suite, as session 40 ran it (23cf764: the chain ran out of the H100's memory, the" \
          "feature cache is bounded since): here \`scripts/train_draft_v2.sh split\` with slim on; run: carry [.whl," \
@@ -116,6 +92,14 @@ plan() {
          "1 and 64 clients, accept length 6, Qwen3-30B-A3B dummy weights, 269 s at c3885e2: 3.50x / 2.13x; only" \
          "when the MoE or serving path changed)"
     echo "checks of closed issues' rows, only when their code changed since the commit named:"
+    echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench serving_vs_engine --shapes" \
+         "smollm2 --model-dir DEMO_DIR --accept-len 0 --dataset gsm8k --num-prompts 1319 --max-rounds 24" \
+         "--concurrency 1,64 --poisson-rate 0 --budget-s 330 --tag demo_pair (needs the stashes; about 260 s), then" \
+         "the 8B rows: --shapes llama8b --prompt-len 128 --max-new-tokens 128 --num-prompts 512 --max-rounds 8" \
+         "--concurrency 1,64 --budget-s 250 --tag llama8b_128 (about 430 s) and --prompt-len 1024 --max-new-tokens" \
+         "256 --num-prompts 256 --max-rounds 4 --budget-s 330 --tag llama8b_1024 (about 540 s) (#49's server ÷" \
+         "engine at 64 clients, only when the engine loop, scheduler or HTTP path changed since cf06cd8: 6ece024" \
+         "read 0.91-1.00 in every row; the demo target's chat row moves about 0.03 from call to call)"
     echo "  carry [${slim_paths[0]}]: BLOCKSPEC_COMMIT=$head scripts/device.sh bench tree_serving" \
          "--target DEMO_DIR --draft ${slim_paths[0]} --shape smollm2-135m/demo-draft --budgets 32 48" \
          "(#52's serving check: the demo pair through blockspec serve at 1 client, adaptive as served, about 130 s" \
