@@ -71,7 +71,9 @@ plan() {
          "responses.tar.xz: keep it in .carry/draft_v2 for the next chain); carry [part02]" \
          "stash; here \`slim off\` (the data stage reads the committed prompts); run: DATA_S=420" \
          "GENERAL=benchmarks/data/draft_v2_general MIX_RATIO=all" \
-         "WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=5 scripts/train_draft_v2.sh data (433 s at 23cf764);" \
+         "WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=6 scripts/train_draft_v2.sh data (433 s at 23cf764; the" \
+         "committed prompts already hold v6's 3,000 math turns of seed 5, so seed 6 asks for new ones: seeds" \
+         "0-6 and 101-104 are then used);" \
          "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left at the first call - 70> CHAIN_RESERVE_S=430 (the" \
          "bench, then the two #51 calls below)" \
          "EXTRA=\"--draft-arch dflash2 --selector-rank 120 --init-from blockspec/assets/smollm2-135m-dflash-b16" \
