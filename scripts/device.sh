@@ -68,8 +68,9 @@ plan() {
          "carry [.carry/gsm8k/train.jsonl, .carry/draft_v2/responses.tar.xz if there is one, part01] stash (a" \
          "fresh checkout has none: .carry is not committed, and 23cf764's 53,986 answers went with session 41's" \
          "checkout; the data stage then generates them, 50,986 in 130 s at 1ce39de, and hands back" \
-         "responses.tar.xz: keep it in .carry/draft_v2 for the next chain); carry [part02]" \
-         "stash; here \`slim off\` (the data stage reads the committed prompts); run: DATA_S=420" \
+         "responses.tar.xz: keep it in .carry/draft_v2 for the next chain); carry each middle part in its own" \
+         "stash call; slim stays on (the whole tree is 68 MiB, over a call's 64): run with carry [the last part," \
+         "${slim_paths[1]}] (the data stage reads the committed prompts): DATA_S=420" \
          "GENERAL=benchmarks/data/draft_v2_general MIX_RATIO=all" \
          "WORDING_OFFSET=3 MORE_MATH=3000 MORE_SEED=6 scripts/train_draft_v2.sh data (433 s at 23cf764; the" \
          "committed prompts already hold v6's 3,000 math turns of seed 5, so seed 6 asks for new ones: seeds" \
@@ -77,7 +78,8 @@ plan() {
          "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left at the first call - 70> CHAIN_RESERVE_S=430 (the" \
          "bench, then the two #51 calls below)" \
          "EXTRA=\"--draft-arch dflash2 --selector-rank 120 --init-from blockspec/assets/smollm2-135m-dflash-b16" \
-         "--compile-draft --lr 3e-4\" scripts/train_draft_v2.sh train-start; two train-wait calls; then" \
+         "--compile-draft --lr 3e-4\" scripts/train_draft_v2.sh train-start with carry [${slim_paths[0]}] (the" \
+         "draft it grows from); two train-wait calls; then, with carry [${slim_paths[0]}] again," \
          "scripts/device.sh bench dflash2 --part heldout --state .device-state/draft_v2 --heldout-draft" \
          "v6=blockspec/assets/smollm2-135m-dflash-b16 dflash2=.device-state/draft_v2/runs/dflash2 (the held-out" \
          "sets and the 1-client speed-up, v6 beside it; timeout 420)"
