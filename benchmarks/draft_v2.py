@@ -217,7 +217,9 @@ def stage_data(args: argparse.Namespace, paths: DataPaths, state: State, scale: 
                   flush=True)
         data["general"] = (state.data.get("data") or {}).get("general")
     elif args.general_prompts is not None:
-        data["general"] = seed_general(paths, args.general_prompts)
+        # NOTE: a smoke keeps its own sizes of the seeded set (its CPU answers every train prompt)
+        limit = (scale.general_prompts - scale.general_heldout, scale.general_heldout) if args.smoke else None
+        data["general"] = seed_general(paths, args.general_prompts, limit)
     else:
         settings = MagpieSettings(scale.general_prompts, seed=args.seed, batch_size=scale.magpie_batch,
                                   max_new_tokens=scale.magpie_max_new_tokens, max_minutes=scale.magpie_minutes,

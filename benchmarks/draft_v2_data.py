@@ -195,27 +195,38 @@ def general_outputs(paths: DataPaths) -> list[Path]:
     return [paths.general_train, paths.general_heldout, paths.prompts / "generation_info.json"]
 
 
-def seed_general(paths: DataPaths, source: Path) -> dict[str, Any]:
+def seed_general(paths: DataPaths, source: Path, limit: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     """The general prompts of an earlier data stage (a folder holding its GENERAL_FILES) instead of generating them
     again. The held-out records must be marked held out and share no prompt with the train file, so a seeded held-out
-    set is never trained on."""
+    set is never trained on. `limit` (train, held out) keeps only the first records of each file: a CPU smoke seeded
+    from the committed set (28k prompts) would otherwise answer every one of them."""
     missing = [name for name in GENERAL_FILES if not (source / name).is_file()]
     if missing:
         raise FileNotFoundError(f"--general-prompts {source} lacks {', '.join(missing)} (a data stage's output)")
     heldout = load_lines(source / "general_heldout.jsonl")
     if not heldout or any(record.get("split") != HELDOUT_SPLIT for record in heldout):
         raise ValueError(f"{source / 'general_heldout.jsonl'}: every record must carry \"split\": \"{HELDOUT_SPLIT}\"")
-    trained = {_last_user_turn(record) for record in load_lines(source / "prompts.train.jsonl")}
+    train = load_lines(source / "prompts.train.jsonl")
+    trained = {_last_user_turn(record) for record in train}
     shared = [turn for turn in map(_last_user_turn, heldout) if turn in trained]
     if shared:
         raise ValueError(f"--general-prompts {source}: {len(shared)} held-out prompts are also in the train file, "
                          f"e.g. {shared[0][:80]!r}")
     targets = dict(zip(GENERAL_FILES, general_outputs(paths)))
+    kept = {"prompts.train.jsonl": train[:limit[0]] if limit else None,
+            "general_heldout.jsonl": heldout[:limit[1]] if limit else None}
     # NOTE: the held-out file last: its presence is what marks a state's prompts as complete (stage_data resumes)
     for name in ("prompts.train.jsonl", "generation_info.json", "general_heldout.jsonl"):
         targets[name].parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source / name, targets[name])
-    return {**_general_summary(json.loads((source / "generation_info.json").read_text())), "seeded_from": str(source)}
+        records = kept.get(name)
+        if records is None:
+            shutil.copyfile(source / name, targets[name])
+        else:
+            targets[name].write_text("".join(json.dumps(record) + "\n" for record in records))
+    summary = {**_general_summary(json.loads((source / "generation_info.json").read_text())), "seeded_from": str(source)}
+    if limit:
+        summary["kept"] = {"train": len(kept["prompts.train.jsonl"]), "heldout": len(kept["general_heldout.jsonl"])}
+    return summary
 
 
 # More generated training prompts (`extend_general`): the module docstring's second paragraph.

@@ -128,6 +128,21 @@ def test_general_prompts_seed_a_new_state_from_an_earlier_data_stage(tmp_path: P
     assert not DataPaths(tmp_path / "fourth").general_heldout.exists()
 
 
+def test_seeded_general_prompts_keep_a_smokes_sizes(tmp_path: Path) -> None:
+    _data_stage_output(tmp_path / "earlier")
+    record = lambda text, split: {"messages": [{"role": "user", "content": text}], "split": split}  # noqa: E731
+    with open(tmp_path / "earlier" / "prompts.train.jsonl", "a") as f:
+        f.writelines(json.dumps(record(f"Question {i}?", "train")) + "\n" for i in range(5))
+    paths = DataPaths(tmp_path / "state")
+    summary = seed_general(paths, tmp_path / "earlier", limit=(2, 3))
+    kept = [json.loads(line)["messages"][0]["content"] for line in paths.general_train.read_text().splitlines()]
+    assert kept == ["How do tides work?", "Question 0?"]
+    assert len(paths.general_heldout.read_text().splitlines()) == 1
+    assert summary["kept"] == {"train": 2, "heldout": 1} and summary["prompts"] == 2
+    whole = seed_general(DataPaths(tmp_path / "whole"), tmp_path / "earlier")
+    assert "kept" not in whole and len(DataPaths(tmp_path / "whole").general_train.read_text().splitlines()) == 6
+
+
 def test_result_document_goals_and_decision(tmp_path: Path) -> None:
     state = State(tmp_path)
     state.data["runs"] = {"v2": run_record(4.2, 3.1), "l2": run_record(3.9, 2.5), "broken": run_record(None, 5.0)}
