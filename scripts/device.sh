@@ -85,8 +85,8 @@ plan() {
          "sets and the 1-client speed-up, v6 beside it; timeout 420). The chain needs about 1,300 s from its first" \
          "call: the stashes and a cold start about 120, data 250-430 (H200 / a slow H100 host), the bench about 230" \
          "(228 at 1ce39de), and the training 420 or more (v6 was 8.1 min); with less left after failed starts, send" \
-         "the optional cycle re-read instead (\`scripts/device.sh bench dflash2 --part cycle\`, a few minutes, not timed yet; 9058073" \
-         "read 1.03 / 1.07 / 1.05 at bs 1 / 16 / 64)"
+         "the optional cycle re-read instead (\`scripts/device.sh bench dflash2 --part cycle\`, a few minutes, not" \
+         "timed yet; 9058073 read 1.03 / 1.07 / 1.05 at bs 1 / 16 / 64)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer kernels router --batch-sizes 1 8 32" \
          "64 (#51: the layer against its floor, each kernel's device us per layer, and the router alone at each" \
          "launch shape (2 experts x 1 warp, the default since 5a596b7, was the fastest at 1, 8 and 16 tokens)," \
