@@ -76,7 +76,8 @@ plan() {
          "committed prompts already hold v6's 3,000 math turns of seed 5, so seed 6 asks for new ones: seeds" \
          "0-6 and 101-104 are then used);" \
          "RUN=dflash2 MIX_RATIO=all CHAIN_BUDGET_S=<budget left at the first call - 70> CHAIN_RESERVE_S=430 (the" \
-         "bench, then the two #51 calls below)" \
+         "bench with its 420 s timeout on an H100, whose slower host serves the demo pair slower; 300 on an H200:" \
+         "the bench took 228 s at 1ce39de; more only when the #51 calls below must follow)" \
          "EXTRA=\"--draft-arch dflash2 --selector-rank 120 --init-from blockspec/assets/smollm2-135m-dflash-b16" \
          "--compile-draft --lr 3e-4\" scripts/train_draft_v2.sh train-start with carry [${slim_paths[0]}] (the" \
          "draft it grows from); two train-wait calls; then, with carry [${slim_paths[0]}] again," \
