@@ -223,7 +223,8 @@ def seed_general(paths: DataPaths, source: Path, limit: Optional[tuple[int, int]
             shutil.copyfile(source / name, targets[name])
         else:
             targets[name].write_text("".join(json.dumps(record) + "\n" for record in records))
-    summary = {**_general_summary(json.loads((source / "generation_info.json").read_text())), "seeded_from": str(source)}
+    info = json.loads((source / "generation_info.json").read_text())
+    summary = {**_general_summary(info), "seeded_from": str(source)}
     if limit:
         summary["kept"] = {"train": len(kept["prompts.train.jsonl"]), "heldout": len(kept["general_heldout.jsonl"])}
     return summary

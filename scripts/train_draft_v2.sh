@@ -13,9 +13,9 @@
 #   d. carry the last part                       BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh data
 #      (with GENERAL=benchmarks/data/draft_v2_general while slim: carry its prompts.train.jsonl too; the whole
 #      tree, 68 MiB on 2026-12-07, does not fit a call, so slim stays on through the chain)
-#   e. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh train    (RUN, LAYERS, TRAIN_MIN, MIX_RATIO, EXTRA)
-#   f. (no carry)   BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
-#   e and f carry an --init-from draft or a compared draft that slim keeps out (the shipped one, 37 MiB)
+#   e. (no carry*)  BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh train    (RUN, LAYERS, TRAIN_MIN, MIX_RATIO, EXTRA)
+#   f. (no carry*)  BLOCKSPEC_COMMIT=<c> scripts/train_draft_v2.sh bench    (RUN: the run to serve; default the best)
+#   * but an --init-from draft (e) or a compared draft (f) that slim keeps out: the shipped one, 37 MiB
 # A run longer than one call: `train-start` (the train stage in its own process session, which outlives the call, as
 #   the device keeps such processes while the machine stays warm; its files under $STATE/background), then
 #   `train-wait` calls back to back (each waits up to WAIT_S, default 570 s, exits 75 while the run goes on and hands
