@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from benchmarks.draft_v2_data import (
     GENERAL_FILES, MATH_SYSTEM_PROMPT, Batch, DataPaths, ExtendSettings, extend_general, general_outputs, seed_general,
     target_dir, write_general, write_gsm8k,
@@ -259,6 +261,25 @@ def extend_state(args: argparse.Namespace, paths: DataPaths, state: State, scale
     return summary
 
 
+def cuda_memory_since_reset() -> Optional[dict[str, Any]]:
+    """The CUDA caching allocator's counts since the last reset_cuda_memory_stats (None without CUDA): allocation
+    retries (a failed cudaMalloc makes the allocator free its cached blocks, synchronising the device, and try
+    again; many of them slow every step without an out-of-memory error), and the peaks."""
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": int(stats.get("num_alloc_retries", 0)), "ooms": int(stats.get("num_ooms", 0)),
+            "peak_allocated_gib": round(stats.get("allocated_bytes.all.peak", 0) / 2**30, 2),
+            "peak_reserved_gib": round(stats.get("reserved_bytes.all.peak", 0) / 2**30, 2),
+            "total_gib": round(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30, 2)}
+
+
+def reset_cuda_memory_stats() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_accumulated_memory_stats()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:
     started = time.monotonic()
     model_dir = target_dir(paths, args.gguf)
@@ -275,19 +296,23 @@ def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale:
               "--blocks-per-seq", str(scale.blocks_per_seq), "--lr", "6e-4", "--min-lr-ratio", "0.05",
               "--warmup-ratio", "0.04", "--lr-schedule", "time", "--max-train-minutes", f"{minutes:.3f}",
               "--cache-features", "--max-shard-mb", "12", *args.extra_train_flags.split()]
+    reset_cuda_memory_stats()
     call_train_draft([*common, *recipe, *eval_flags(paths, scale), "--out", str(run_dir)])
+    # NOTE: training and its held-out evaluations (engines of their own, started after training)
+    cuda_memory = cuda_memory_since_reset()
     info = read_info(run_dir)
     state.data["runs"][args.run] = {
         "recipe": recipe, "mix_ratio": mix_ratio(args, paths), "num_layers": args.num_layers,
         "max_train_minutes": minutes,
         "accept": set_accepts(info), "eval": info["eval_runs"][-1]["sets"], "result": info["result"],
         "train_sequences": info["train_sequences"], "wall_s": info["wall_s"], "asset": asset_stats(run_dir),
+        "cuda_memory": cuda_memory,
     }
     state.save()
     pack_draft(run_dir, args.out, f"draft_v2_{args.run}")
     shutil.copyfile(run_dir / "training_info.json", args.out / f"training_info_{args.run}.json")
     run = state.data["runs"][args.run]
-    print(json.dumps({k: run[k] for k in ("accept", "asset", "max_train_minutes")}), flush=True)
+    print(json.dumps({k: run[k] for k in ("accept", "asset", "max_train_minutes", "cuda_memory")}), flush=True)
 
 
 def stage_bench(args: argparse.Namespace, paths: DataPaths, state: State, scale: Scale) -> None:

@@ -92,7 +92,8 @@ plan() {
          "step, v6's were 0.055 on an H200) and read GSM8K 4.31, general 3.13, long 2.88 (v6 4.19 / 3.15 / 2.75)." \
          "Next chain: split again (.carry/draft_v2 now holds session 48's 50,986 answers: carry them in call 2, and" \
          "the data stage then generates none); on an H100 add --feature-cache-device-gib 30 to EXTRA (does the" \
-         "80 GB card's memory make the steps slow?) and compare training_info's seconds_per_step with 0.429"
+         "80 GB card's memory make the steps slow?) and compare training_info's seconds_per_step with 0.429; the" \
+         "run's cuda_memory in the result counts the CUDA allocator's retries and peaks"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer kernels router --batch-sizes 1 8 32" \
          "64 (#51: the layer against its floor, each kernel's device us per layer, and the router alone at each" \
          "launch shape (2 experts x 1 warp, the default since 5a596b7, was the fastest at 1, 8 and 16 tokens)," \

@@ -290,6 +290,7 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
     assert all(r["completed"] == 2 and r["failed"] == 0 for r in details["server_rows"])
     assert set(details["shipped"]["accept"]) == {GSM8K_SET, GENERAL_SET}
     assert details["goals"]["largest_shard_mib"]["met"] is True and document["runs"]["v2"]["num_layers"] == 5
+    assert "cuda_memory" in document["runs"]["v2"] and document["runs"]["v2"]["cuda_memory"] is None  # NOTE: no CUDA
     info = json.loads((out / "training_info_v2.json").read_text())
     assert info["options"]["lr_schedule"] == "time" and info["options"]["mix_data"].endswith("prompts.train.jsonl")
     assert list(info["eval_runs"][-1]["sets"]) == [GSM8K_SET, GENERAL_SET, "gsm8k_long_heldout"]
@@ -304,3 +305,22 @@ def test_smoke_chain_on_cpu(tmp_path: Path) -> None:
         not (tmp_path / "state" / "prompts" / "prompts.train.partial").exists()
         and len(extension["batches"]["math"]["shards"]) == 2
     )
+
+
+def test_train_runs_report_the_cuda_allocators_retries_and_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import torch
+
+    from benchmarks.draft_v2 import cuda_memory_since_reset
+
+    assert cuda_memory_since_reset() is None or torch.cuda.is_available()
+    stats = {"num_alloc_retries": 412, "num_ooms": 0, "allocated_bytes.all.peak": 70 * 2**30,
+             "reserved_bytes.all.peak": 78.5 * 2**30}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: stats)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    properties = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    assert cuda_memory_since_reset() == {"alloc_retries": 412, "ooms": 0, "peak_allocated_gib": 70.0,
+                                         "peak_reserved_gib": 78.5, "total_gib": 80.0}
