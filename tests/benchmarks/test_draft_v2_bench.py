@@ -314,7 +314,6 @@ def test_train_runs_report_the_cuda_allocators_retries_and_peaks(monkeypatch: py
 
     from benchmarks.draft_v2 import cuda_memory_since_reset
 
-    assert cuda_memory_since_reset() is None or torch.cuda.is_available()
     stats = {"num_alloc_retries": 412, "num_ooms": 0, "allocated_bytes.all.peak": 70 * 2**30,
              "reserved_bytes.all.peak": 78.5 * 2**30}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
