@@ -299,7 +299,7 @@ def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale:
     reset_cuda_memory_stats()
     call_train_draft([*common, *recipe, *eval_flags(paths, scale), "--out", str(run_dir)])
     # NOTE: training and its held-out evaluations (engines of their own, started after training)
-    cuda_memory = cuda_memory_since_reset()
+    cuda_memory = cuda_memory_since_reset() if args.device != "cpu" else None
     info = read_info(run_dir)
     state.data["runs"][args.run] = {
         "recipe": recipe, "mix_ratio": mix_ratio(args, paths), "num_layers": args.num_layers,
