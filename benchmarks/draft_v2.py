@@ -296,10 +296,12 @@ def stage_train(args: argparse.Namespace, paths: DataPaths, state: State, scale:
               "--blocks-per-seq", str(scale.blocks_per_seq), "--lr", "6e-4", "--min-lr-ratio", "0.05",
               "--warmup-ratio", "0.04", "--lr-schedule", "time", "--max-train-minutes", f"{minutes:.3f}",
               "--cache-features", "--max-shard-mb", "12", *args.extra_train_flags.split()]
-    reset_cuda_memory_stats()
+    on_gpu = args.device != "cpu"
+    if on_gpu:
+        reset_cuda_memory_stats()
     call_train_draft([*common, *recipe, *eval_flags(paths, scale), "--out", str(run_dir)])
     # NOTE: training and its held-out evaluations (engines of their own, started after training)
-    cuda_memory = cuda_memory_since_reset() if args.device != "cpu" else None
+    cuda_memory = cuda_memory_since_reset() if on_gpu else None
     info = read_info(run_dir)
     state.data["runs"][args.run] = {
         "recipe": recipe, "mix_ratio": mix_ratio(args, paths), "num_layers": args.num_layers,

@@ -213,19 +213,17 @@ def seed_general(paths: DataPaths, source: Path, limit: Optional[tuple[int, int]
         raise ValueError(f"--general-prompts {source}: {len(shared)} held-out prompts are also in the train file, "
                          f"e.g. {shared[0][:80]!r}")
     targets = dict(zip(GENERAL_FILES, general_outputs(paths)))
-    kept = {"prompts.train.jsonl": train[:limit[0]] if limit else None,
-            "general_heldout.jsonl": heldout[:limit[1]] if limit else None}
+    kept = {"prompts.train.jsonl": train[:limit[0]], "general_heldout.jsonl": heldout[:limit[1]]} if limit else {}
     # NOTE: the held-out file last: its presence is what marks a state's prompts as complete (stage_data resumes)
     for name in ("prompts.train.jsonl", "generation_info.json", "general_heldout.jsonl"):
         targets[name].parent.mkdir(parents=True, exist_ok=True)
-        records = kept.get(name)
-        if records is None:
-            shutil.copyfile(source / name, targets[name])
+        if name in kept:
+            _write_jsonl(targets[name], kept[name])
         else:
-            targets[name].write_text("".join(json.dumps(record) + "\n" for record in records))
+            shutil.copyfile(source / name, targets[name])
     info = json.loads((source / "generation_info.json").read_text())
     summary = {**_general_summary(info), "seeded_from": str(source)}
-    if limit:
+    if kept:
         summary["kept"] = {"train": len(kept["prompts.train.jsonl"]), "heldout": len(kept["general_heldout.jsonl"])}
     return summary
 
