@@ -49,16 +49,22 @@ class GroupedDynamicCausalConv(nn.Module):
 
     def reference_convolve(self, hidden: torch.Tensor, dynamic: torch.Tensor, which: int,
                            block_size: int) -> torch.Tensor:
-        """_convolve in torch ops (CPU, and the fused kernel's oracle in tests)."""
+        """_convolve in torch ops (CPU, the training forward, and the fused kernel's oracle in tests).
+
+        NOTE: the rows stay flat ([T, groups, group_size], tap o = the rows shifted down by o, zeroed where the
+        shift crosses a block start) rather than viewed as [T / block_size, block_size, ...]: under
+        `train-draft --compile-draft`'s dynamic shapes that division made sympy's shape reasoning most of the
+        compile (docs/performance.md, the DFlash2 training step). The sums and their order are the blocked form's."""
         rows, width = hidden.shape
-        blocks = hidden.view(rows // block_size, block_size, self.groups, self.group_size)
-        weights = (self.base_kernel[which].view(1, 1, self.kernel_size, self.groups, self.group_size).to(hidden.dtype)
-                   + dynamic.view(rows // block_size, block_size, self.kernel_size, self.groups, 1))
-        out = weights[:, :, 0] * blocks
+        grouped = hidden.view(rows, self.groups, self.group_size)
+        base = self.base_kernel[which].view(self.kernel_size, 1, self.groups, self.group_size).to(hidden.dtype)
+        weights = base + dynamic.view(rows, self.kernel_size, self.groups, 1).transpose(0, 1)  # [taps, T, groups, g]
+        row_in_block = torch.arange(rows, device=hidden.device) % block_size
+        out = weights[0] * grouped
         for offset in range(1, min(self.kernel_size, block_size)):
-            shifted = torch.zeros_like(blocks)
-            shifted[:, offset:] = blocks[:, :-offset]
-            out = out + weights[:, :, offset] * shifted
+            shifted = torch.cat([grouped.new_zeros(offset, self.groups, self.group_size), grouped[:-offset]])
+            shifted = torch.where((row_in_block >= offset)[:, None, None], shifted, torch.zeros_like(shifted))
+            out = out + weights[offset] * shifted
         return out.view(rows, width)
 
 
