@@ -87,13 +87,12 @@ plan() {
          "call: the stashes and a cold start about 120, data 250-430 (H200 / a slow H100 host), the bench about 230" \
          "(228 at 1ce39de), and the training 420 or more (v6 was 8.1 min); with less left after failed starts, send" \
          "the optional cycle re-read instead (\`scripts/device.sh bench dflash2 --part cycle\`, 78 s at e4d342f;" \
-         "9058073 read 1.03 / 1.07 / 1.05 at bs 1 / 16 / 64). Session 48 (e4d342f, H100): the cycle" \
-         "re-read read 1.04 / 1.05 / 1.01; data 219 s; a foreground train of 5.9 min ran only 829 steps (0.429 s a" \
-         "step, v6's were 0.055 on an H200) and read GSM8K 4.31, general 3.13, long 2.88 (v6 4.19 / 3.15 / 2.75)." \
-         "Next chain: split again (.carry/draft_v2 now holds session 48's 50,986 answers: carry them in call 2, and" \
-         "the data stage then generates none); on an H100 add --feature-cache-device-gib 30 to EXTRA (does the" \
-         "80 GB card's memory make the steps slow?) and compare training_info's seconds_per_step with 0.429; the" \
-         "run's cuda_memory in the result counts the CUDA allocator's retries and peaks"
+         "9058073 read 1.03 / 1.07 / 1.05 at bs 1 / 16 / 64). Session 49 (8c3d65f, H100): data 60 s (every answer" \
+         "restored); a foreground train of 6.6 min (TRAIN_MIN=6.9 DEADLINE_S=505 TRAIN_S=575, with" \
+         "--feature-cache-device-gib 40) ran 1,594 steps, one epoch, and read GSM8K 4.59, general 3.34, long" \
+         "3.19; the bench read the 1-client speed-up 3.41x against v6's 3.55x, so v6 stays shipped" \
+         "(docs/performance.md). train-start copies its --init-from draft into the state since (a background" \
+         "run lost the carried one to the next call's tree)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer kernels router --batch-sizes 1 8 32" \
          "64 (#51: the layer against its floor, each kernel's device us per layer, and the router alone at each" \
          "launch shape (2 experts x 1 warp, the default since 5a596b7, was the fastest at 1, 8 and 16 tokens)," \

@@ -125,6 +125,16 @@ case $stage in
             echo "chain budget: $left s for the train stage (TRAIN_MIN=$TRAIN_MIN)"
         fi
         rm -rf "$background" && mkdir -p "$background"
+        # NOTE: a carried path lasts only as long as its call: the next call's copy of the (slim) tree removes it,
+        # maybe before the background run reads it (session 49's first train-start); so --init-from reads a copy
+        read -ra words <<< "${EXTRA:-}"
+        for index in "${!words[@]}"; do
+            if [ "${words[$index]}" = --init-from ] && [ -d "${words[$((index + 1))]:-}" ]; then
+                rm -rf "$state/init_from" && cp -r "${words[$((index + 1))]}" "$state/init_from"
+                words[$((index + 1))]="$state/init_from"
+            fi
+        done
+        EXTRA="${words[*]}"
         printf 'export RUN=%q EXTRA=%q LAYERS=%q MIX_RATIO=%q GEN_WORKERS=%q V2_FLAGS=%q\n' "${RUN:-v2}" "${EXTRA:-}" \
             "${LAYERS:-5}" "${MIX_RATIO:-0.3}" "${GEN_WORKERS:-1}" "${V2_FLAGS:-}" > "$background/recipe.sh"
         # NOTE: setsid: a new session (its id is the pid written) outlives this call; `train` writes into $OUT, here

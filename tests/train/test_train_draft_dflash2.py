@@ -85,3 +85,23 @@ def test_train_draft_dflash2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     argv[argv.index("--draft-arch") + 1] = "dflash"
     assert blockspec_cli.main(argv) != 0
     assert "is not a --draft-arch dflash draft" in capsys.readouterr().err
+
+
+def test_the_training_convolution_divides_no_row_count_under_dynamic_shapes() -> None:
+    """`--compile-draft` traces the DFlash2 training forward with symbolic shapes. A row count divided by the block
+    size (the blocked view 8c3d65f replaced) made sympy most of a compile: about 6x DFlash's on CPU, and a DFlash2
+    demo draft saw half an epoch in a 6-minute budget (docs/performance.md). The traced convolution keeps its rows
+    flat: no floor division of a symbolic size."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from blockspec.models.grouped_conv import GroupedDynamicCausalConv
+
+    conv = GroupedDynamicCausalConv(32, 4, 8)
+
+    def convolve(hidden: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return conv.reference_convolve(hidden, dynamic, 0, 4)
+
+    traced = make_fx(convolve, tracing_mode="symbolic", _allow_non_fake_inputs=True)(torch.randn(12, 32),
+                                                                                     torch.randn(12, 4, 4))
+    divisions = [line.strip() for line in traced.code.splitlines() if "//" in line or "floordiv" in line]
+    assert divisions == []
