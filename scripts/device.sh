@@ -92,7 +92,16 @@ plan() {
          "--feature-cache-device-gib 40) ran 1,594 steps, one epoch, and read GSM8K 4.59, general 3.34, long" \
          "3.19; the bench read the 1-client speed-up 3.41x against v6's 3.55x, so v6 stays shipped" \
          "(docs/performance.md). train-start copies its --init-from draft into the state since (a background" \
-         "run lost the carried one to the next call's tree)"
+         "run lost the carried one to the next call's tree). Next chain (the trainer traces without duck sizing" \
+         "since 8c3d65f's run, so gpu-test goes in call 1): continue that draft, kept in" \
+         ".carry/dflash2_8c3d65f/draft_v2_dflash2 (git-ignored files stay on the warm machine between calls): after" \
+         "the part02 stash," \
+         "one call carrying its config.json, model.safetensors.index.json, training_info.json and shards 1-3" \
+         "(\`ls .carry/dflash2_8c3d65f/draft_v2_dflash2\`), one carrying shards 4-6; then the data call; then a" \
+         "foreground RUN=dflash2 MIX_RATIO=all TRAIN_MIN=<6.9 or more> DEADLINE_S=505 TRAIN_S=575" \
+         "EXTRA=\"--draft-arch dflash2 --init-from .carry/dflash2_8c3d65f/draft_v2_dflash2 --compile-draft --lr 3e-4" \
+         "--feature-cache-device-gib 40 (H100; none on an H200)\" scripts/train_draft_v2.sh train; then the bench" \
+         "as above. Goals: GSM8K >= 4.6, general >= 3.5, 1-client speed-up >= 3.5x (8c3d65f: 4.59 / 3.34 / 3.41x)"
     echo "  BLOCKSPEC_COMMIT=$head scripts/device.sh bench moe --parts layer kernels router --batch-sizes 1 8 32" \
          "64 (#51: the layer against its floor, each kernel's device us per layer, and the router alone at each" \
          "launch shape (2 experts x 1 warp, the default since 5a596b7, was the fastest at 1, 8 and 16 tokens)," \

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as symbolic_shape_config
 from tqdm import tqdm
 
 from blockspec.train.blocks import (
@@ -173,6 +174,17 @@ class Trainer:
             cache.put(index, features)
         return [computed[i] if i in computed else cache.get(i) for i in indices]
 
+    def _symbolic_shapes(self) -> contextlib.AbstractContextManager[Any]:
+        """How a compiled draft's first call (and any recompile) traces its sizes: without duck sizing.
+
+        NOTE: duck sizing gives sizes that happen to be equal one symbol, and a guard on one then holds for all. At
+        8c3d65f (H100, DFlash2 demo draft) the first batch's padded context, 576, took the hidden size's symbol, which
+        the weights fix: the context was compiled static and the next length compiled again; the block count took the
+        sequence count's (both 32), so the epoch's last, smaller batch compiled a third time."""
+        if self.model is self.eager_model:
+            return contextlib.nullcontext()
+        return symbolic_shape_config.patch(use_duck_shape=False)
+
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.device.type == "cuda" and self.target.dtype != torch.float32:
             return torch.autocast("cuda", dtype=self.target.dtype)
@@ -213,7 +225,7 @@ class Trainer:
     def _loss_and_gradients(self, embeds: torch.Tensor, batch: BlockBatch) -> BlockLoss:
         """Forward, loss and backward through `self.model` (compiled or not); gradients replace the last step's."""
         self.optimizer.zero_grad(set_to_none=True)
-        with self._autocast():
+        with self._autocast(), self._symbolic_shapes():
             hidden = self.model(embeds, batch.positions, batch.features, batch.mask)
             result = block_loss(hidden, batch, self.target.lm_head_weight, self.weights, self.draft.candidate_selector)
         result.loss.backward()

@@ -47,8 +47,8 @@ class FailsOnSecondCall(torch.nn.Module):
         return self.model(embeds, *args)
 
 
-def train_three_steps(path: Path, compile_draft: bool, failing_compile: bool = False, in_backward: bool = False,
-                      ) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
+def tiny_trainer(path: Path, lengths: list[tuple[int, int]], compile_draft: bool) -> Trainer:
+    """A 2-layer draft of the tiny target at `path`, over random samples of (prompt, response) `lengths`."""
     config = load_target_config(path)
     features = TargetFeatures(path, [0, 2], torch.device("cpu"), torch.float32, 64)
     torch.manual_seed(0)
@@ -56,10 +56,16 @@ def train_three_steps(path: Path, compile_draft: bool, failing_compile: bool = F
     generator = torch.Generator().manual_seed(1)
     samples = [Sample(i, torch.randint(3, 90, (int(n),), generator=generator).tolist(),
                       torch.randint(3, 90, (int(m),), generator=generator).tolist())
-               for i, (n, m) in enumerate([(5, 20), (9, 14), (3, 30), (7, 11)])]
+               for i, (n, m) in enumerate(lengths)]
     options = TrainOptions(target_model_path=str(path), data="", out="", num_layers=2, batch_size=2, blocks_per_seq=3,
                            block_size=4, compile_draft=compile_draft, grad_clip=0.0)  # NOTE: no clip hides stale grads
-    trainer = Trainer(options, draft, features, samples, 95, torch.device("cpu"), Dist())
+    return Trainer(options, draft, features, samples, 95, torch.device("cpu"), Dist())
+
+
+def train_three_steps(path: Path, compile_draft: bool, failing_compile: bool = False, in_backward: bool = False,
+                      ) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
+    trainer = tiny_trainer(path, [(5, 20), (9, 14), (3, 30), (7, 11)], compile_draft)
+    draft = trainer.draft
     if failing_compile:
         trainer.model = FailsOnSecondCall(trainer.eager_model, in_backward)
     # NOTE: batches of different context lengths, so the dynamic-shape compile meets more than one shape
@@ -137,3 +143,32 @@ def test_the_trainer_compiles_with_the_unsafe_passes_off(tmp_path: Path, monkeyp
     save_tiny_model("llama", path, residual_scale=0.3)
     train_three_steps(path, compile_draft=True)
     assert calls == [{"dynamic": True, "options": draft_inductor_options()}]
+
+
+def test_a_compiled_draft_traces_once_when_a_context_length_equals_a_model_width(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first batch's context (32 tokens) equals the tiny draft's hidden size. With duck sizing the two shared one
+    symbol, the weights' shapes fixed it, and every later context length traced (and compiled) again: 8c3d65f's
+    DFlash2 run compiled three times. The trainer traces without duck sizing, so one trace serves every batch.
+    (Dynamo's trace is counted by a backend that runs the traced graph as it is: no Inductor, seconds on CPU.)"""
+    traces: list[int] = []
+    real_compile = torch.compile
+
+    def counting_compile(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            traces.append(len(example_inputs))
+            return graph.forward
+
+        return real_compile(model, dynamic=kwargs["dynamic"], backend=backend)
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    path = tmp_path / "target"
+    save_tiny_model("llama", path, residual_scale=0.3)
+    assert load_target_config(path).hidden_size == 32
+    trainer = tiny_trainer(path, [(7, 25), (5, 20), (3, 30), (6, 12)], compile_draft=True)
+    trainer.step([0, 3])  # NOTE: the longest sequence, so the context, is 32 tokens
+    first = len(traces)
+    for indices in ([1, 2], [1, 3], [0, 1, 2]):  # contexts 33, 25 and 33 with three sequences
+        trainer.step(indices)
+    assert first >= 1 and len(traces) == first
