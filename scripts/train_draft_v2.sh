@@ -125,12 +125,14 @@ case $stage in
             echo "chain budget: $left s for the train stage (TRAIN_MIN=$TRAIN_MIN)"
         fi
         rm -rf "$background" && mkdir -p "$background"
-        # NOTE: a carried path lasts only as long as its call: the next call's copy of the (slim) tree removes it,
-        # maybe before the background run reads it (session 49's first train-start); so --init-from reads a copy
-        read -ra words <<< "${EXTRA:-}"
+        # NOTE: a carried tracked path (the shipped draft, which slim deletes here) lasts only as long as its call:
+        # the next call's copy of the slim tree removes it, maybe before the background run reads it (session 49's
+        # first train-start); so --init-from (the `--init-from PATH` form) reads a copy. Git-ignored paths stay.
+        read -r -d '' -a words <<< "${EXTRA:-}" || true
         for index in "${!words[@]}"; do
             if [ "${words[$index]}" = --init-from ] && [ -d "${words[$((index + 1))]:-}" ]; then
-                rm -rf "$state/init_from" && cp -r "${words[$((index + 1))]}" "$state/init_from"
+                rm -rf "$state/init_from"
+                cp -r "${words[$((index + 1))]}" "$state/init_from" || { echo "--init-from: copy failed" >&2; exit 1; }
                 words[$((index + 1))]="$state/init_from"
             fi
         done

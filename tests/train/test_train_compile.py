@@ -171,4 +171,5 @@ def test_a_compiled_draft_traces_once_when_a_context_length_equals_a_model_width
     first = len(traces)
     for indices in ([1, 2], [1, 3], [0, 1, 2]):  # contexts 33, 25 and 33 with three sequences
         trainer.step(indices)
+    assert trainer.compile_fallback is None and trainer.model is not trainer.eager_model  # NOTE: eager traces nothing
     assert first >= 1 and len(traces) == first
